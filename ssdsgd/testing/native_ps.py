@@ -1,0 +1,257 @@
+"""Run a job on MXNet's own parameter server (ps-lite), all on this machine.
+
+The MXNet wheel ships ps-lite.  A process whose environment says ``DMLC_ROLE=server`` or
+``DMLC_ROLE=scheduler`` turns into a ps-lite node at ``import mxnet`` and exits when the
+job ends; a worker is an ordinary script that creates a ``dist_*`` kvstore.  This module
+starts one scheduler, ``num_servers`` servers and ``num_workers`` workers as subprocesses,
+waits for the workers, and always kills every process it started.
+
+It is the reference ssdsgd is compared against (tests/test_native_ps.py, bench/).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+__all__ = ['CompletedWorker', 'NativePSError', 'free_port', 'run_native']
+
+#: Variables run_native owns; ``env`` may not override them.
+OWNED_VARS = ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT',
+              'DMLC_NUM_SERVER', 'DMLC_NUM_WORKER')
+#: Modes MXNet's ``mx.kv.create`` accepts for a ps-lite job.
+MODES = ('dist_sync', 'dist_async', 'dist_device_sync', 'dist_sync_device',
+         'dist_device_async', 'dist_async_device')
+#: The placeholder in ``cmd`` that run_native replaces with ``mode``.
+MODE_PLACEHOLDER = '{mode}'
+
+_POLL_S = 0.05
+_NODE_EXIT_GRACE_S = 10.0   # how long scheduler/servers get to exit after the workers
+_TERM_GRACE_S = 2.0         # SIGTERM -> SIGKILL
+_TAIL_CHARS = 3000
+
+
+def free_port(host: str = '127.0.0.1') -> int:
+    """Return a TCP port that was free a moment ago (bind port 0, read it, close).
+
+    Another process can take it before the caller binds it; that race is accepted.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class CompletedWorker:
+    """One worker's outcome.
+
+    ``index`` is the launch order, *not* ``kv.rank``: ps-lite assigns ranks itself
+    (it sorts nodes by address), so a script that needs its rank must print or save it.
+    """
+    index: int
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class NativePSError(RuntimeError):
+    """A process of the native job failed or the job timed out.
+
+    ``workers`` holds what every worker had written so far (returncode is None for a
+    worker that was still running and got killed).
+    """
+
+    def __init__(self, message: str, workers: list[CompletedWorker] | None = None):
+        super().__init__(message)
+        self.workers = workers or []
+
+
+@dataclass
+class _Proc:
+    name: str            # 'scheduler', 'server 0', 'worker 1'
+    role: str
+    index: int
+    args: list[str]
+    popen: subprocess.Popen
+    out_path: str
+    err_path: str
+    cleaned: bool = field(default=False)   # its process group got the final SIGKILL
+
+    def read(self) -> tuple[str, str]:
+        return _read(self.out_path), _read(self.err_path)
+
+    def describe(self) -> str:
+        out, err = self.read()
+        text = (err or out)[-_TAIL_CHARS:]
+        return (f'{self.name} (pid {self.popen.pid}, exit code {self.popen.returncode}); '
+                f'last output:\n{text}')
+
+
+def _read(path: str) -> str:
+    with open(path, 'r', encoding='utf-8', errors='replace') as f:
+        return f.read()
+
+
+def _kill_group(proc: _Proc, sig: int) -> None:
+    # Every process is the leader of its own session/group (start_new_session=True),
+    # so the group id is its pid; this reaches any children it spawned too.
+    try:
+        os.killpg(proc.popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_all(procs: list[_Proc]) -> None:
+    """SIGTERM every group still running, then SIGKILL whatever is left; reap all.
+
+    Each group gets its final SIGKILL once only, so a later call cannot hit a reused pid.
+    """
+    procs = [p for p in procs if not p.cleaned]
+    running = [p for p in procs if p.popen.poll() is None]
+    for p in running:
+        _kill_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + _TERM_GRACE_S
+    while running and time.monotonic() < deadline:
+        running = [p for p in running if p.popen.poll() is None]
+        time.sleep(_POLL_S)
+    for p in procs:
+        # Also the groups of processes that already exited: a child may linger.
+        _kill_group(p, signal.SIGKILL)
+        p.cleaned = True
+    for p in procs:
+        try:
+            p.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _base_env() -> dict[str, str]:
+    # Never inherit a role from the caller's environment (pytest may itself run inside
+    # a ps-lite job) nor ssdsgd's own variables.
+    return {k: v for k, v in os.environ.items()
+            if not (k.startswith('DMLC_') or k.startswith('SSDSGD_'))}
+
+
+def run_native(cmd: list[str], num_workers: int, num_servers: int = 1,
+               mode: str = 'dist_sync', env: dict[str, str] | None = None,
+               timeout: float = 300, cwd: str | os.PathLike | None = None,
+               *, check: bool = True) -> list[CompletedWorker]:
+    """Run ``cmd`` as ``num_workers`` workers of a local ps-lite job and wait for them.
+
+    Starts one scheduler and ``num_servers`` servers (each ``python -c "import mxnet"``
+    with the same interpreter as the caller) and the workers, every one in its own
+    process group, with ``DMLC_ROLE``, ``DMLC_PS_ROOT_URI=127.0.0.1``,
+    ``DMLC_PS_ROOT_PORT`` (a free port), ``DMLC_NUM_SERVER`` and ``DMLC_NUM_WORKER`` set.
+
+    ``mode`` (a ``dist_*`` kvstore type) replaces the text ``{mode}`` in any element of
+    ``cmd``; the worker script itself calls ``mx.kv.create``, so ps-lite never sees it
+    otherwise.  ``env`` is added to the environment of every process (workers, servers
+    and scheduler), e.g. ``PS_VERBOSE`` or ``OMP_NUM_THREADS``; ``DMLC_NODE_HOST``
+    defaults to 127.0.0.1.
+
+    Returns one CompletedWorker per worker in launch order.  Raises NativePSError naming
+    the process if any process exits with a non-zero code (with ``check=False``, a
+    failed worker is reported in its returncode instead) or if the job outlives
+    ``timeout`` seconds.  Every process started is killed before this returns or raises.
+    """
+    if num_workers < 1 or num_servers < 1:
+        raise ValueError('num_workers and num_servers must be >= 1')
+    if mode not in MODES:
+        raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+    env = dict(env or {})
+    clash = sorted(set(env) & set(OWNED_VARS))
+    if clash:
+        raise ValueError(f'run_native sets {clash} itself; do not pass them in env')
+    worker_args = [str(a).replace(MODE_PLACEHOLDER, mode) for a in cmd]
+    if not worker_args:
+        raise ValueError('cmd is empty')
+    node_args = [sys.executable, '-c', 'import mxnet']
+
+    common = _base_env()
+    common.update({
+        'DMLC_PS_ROOT_URI': '127.0.0.1',
+        'DMLC_PS_ROOT_PORT': str(free_port()),
+        'DMLC_NUM_SERVER': str(num_servers),
+        'DMLC_NUM_WORKER': str(num_workers),
+        'DMLC_NODE_HOST': '127.0.0.1',
+    })
+    common.update(env)
+
+    logdir = tempfile.TemporaryDirectory(prefix='native_ps-')
+    procs: list[_Proc] = []
+
+    def start(role: str, index: int, args: list[str]) -> _Proc:
+        name = role if role == 'scheduler' else f'{role} {index}'
+        tag = name.replace(' ', '')
+        out_path = os.path.join(logdir.name, f'{tag}.out')
+        err_path = os.path.join(logdir.name, f'{tag}.err')
+        penv = dict(common, DMLC_ROLE=role)
+        with open(out_path, 'wb') as out, open(err_path, 'wb') as err:
+            popen = subprocess.Popen(args, env=penv, cwd=cwd, stdin=subprocess.DEVNULL,
+                                     stdout=out, stderr=err, start_new_session=True)
+        proc = _Proc(name, role, index, args, popen, out_path, err_path)
+        procs.append(proc)
+        return proc
+
+    def collect(workers: list[_Proc]) -> list[CompletedWorker]:
+        done = []
+        for w in workers:
+            out, err = w.read()
+            done.append(CompletedWorker(w.index, w.args, w.popen.returncode, out, err))
+        return done
+
+    try:
+        start('scheduler', 0, node_args)
+        for i in range(num_servers):
+            start('server', i, node_args)
+        workers = [start('worker', i, worker_args) for i in range(num_workers)]
+        nodes = [p for p in procs if p.role != 'worker']
+
+        deadline = time.monotonic() + timeout
+        exited: list[_Proc] = []          # in the order this loop noticed them
+        while True:
+            exited += [p for p in procs if p not in exited and p.popen.poll() is not None]
+            # Scheduler and servers may leave (with 0) as soon as ps-lite finalizes,
+            # slightly before the workers' interpreters exit; only a code != 0 fails.
+            failed = [p for p in exited if p.popen.returncode != 0]
+            if failed or all(w in exited for w in workers):
+                break
+            if time.monotonic() > deadline:
+                running = [p.name for p in procs if p.popen.poll() is None]
+                _stop_all(procs)
+                raise NativePSError(
+                    f'native {mode} job timed out after {timeout:g} s; still running: '
+                    f'{", ".join(running)}\n' + '\n'.join(p.describe() for p in workers),
+                    collect(workers))
+            time.sleep(_POLL_S)
+
+        if failed:
+            # The others would wait for the failed one forever (barriers): stop them.
+            _stop_all(procs)
+            if not check and all(p.role == 'worker' for p in failed):
+                return collect(workers)
+            first, others = failed[0], [p.name for p in failed[1:]]
+            also = f' (also failed: {", ".join(others)})' if others else ''
+            raise NativePSError(f'native {mode} job: {first.name} failed{also}: '
+                                f'{first.describe()}', collect(workers))
+
+        # All workers exited 0; the scheduler and servers leave on their own.
+        node_deadline = time.monotonic() + _NODE_EXIT_GRACE_S
+        while (any(p.popen.poll() is None for p in nodes)
+               and time.monotonic() < node_deadline):
+            time.sleep(_POLL_S)
+        bad_nodes = [p for p in nodes if p.popen.poll() not in (None, 0)]
+        _stop_all(procs)
+        if bad_nodes and check:
+            raise NativePSError(f'native {mode} job: {bad_nodes[0].name} failed: '
+                                f'{bad_nodes[0].describe()}', collect(workers))
+        return collect(workers)
+    finally:
+        _stop_all(procs)
+        logdir.cleanup()
