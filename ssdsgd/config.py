@@ -1,0 +1,467 @@
+"""One YAML file per job: typed, validated once at load.
+
+A job is described by one YAML file with the sections ``cluster``, ``sync``, ``model``,
+``data``, ``optimizer``, ``train`` and ``output`` (see ``docs/training.md``). Loading it
+checks every key: an unknown key, a wrong type or an impossible value raises
+:class:`ConfigError` with a one-line message that names the key's dotted path and what
+was expected, e.g.::
+
+    sync.delay_steps: expected an integer >= 1, got 0 (configs/digits.yaml)
+
+API used by the launcher::
+
+    cfg = load_config("configs/digits.yaml", ["sync.delay_steps=10"])
+    cfg.to_dict(); save_config(cfg, run_dir / "config.yaml")
+    env = sync_env(cfg)          # SSDSGD_ALGORITHM, SSDSGD_WARMUP_STEPS, ...
+    env.update(cluster_env(cfg)) # SSDSGD_NUM_WORKERS, SSDSGD_NUM_SERVERS, ...
+    run_dir = new_run_dir(cfg)   # <output.dir>/<output.name>-<timestamp>
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+__all__ = [
+    "ConfigError", "Config", "ClusterConfig", "SyncConfig", "ModelConfig", "DataConfig",
+    "LRScheduleConfig", "OptimizerConfig", "TrainConfig", "OutputConfig",
+    "load_config", "parse_config", "save_config", "sync_env", "cluster_env",
+    "resolve_warmup_steps", "new_run_dir", "MODEL_NAMES", "DATASETS",
+]
+
+
+class ConfigError(ValueError):
+    """A job configuration is invalid. The message is one line naming the key."""
+
+
+MODEL_NAMES = ("cifar_resnet20_v1", "cifar_resnet56_v1", "resnet50_v1", "alexnet", "vgg16",
+               "digits_mlp", "digits_cnn")
+DATASETS = ("digits", "cifar10", "imagenet")
+
+
+def _f(default=dataclasses.MISSING, *, min=None, max=None, min_excl=None, required=False,
+       doc="", factory=None):
+    """A dataclass field with validation metadata (bounds are inclusive unless *_excl)."""
+    meta = {"min": min, "max": max, "min_excl": min_excl, "required": required, "doc": doc}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    if default is dataclasses.MISSING:
+        default = None
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ClusterConfig:
+    workers: int = _f(1, min=1, doc="number of worker processes N")
+    servers: int = _f(1, min=1, doc="number of server processes S")
+    launcher: Literal["local"] = _f("local", doc="how processes are started")
+    hosts: list[str] = _f(factory=list, doc="hosts for remote launchers (unused by local)")
+    heartbeat_timeout: float = _f(30.0, min_excl=0.0, doc="seconds without a heartbeat "
+                                  "before a node is declared dead")
+
+
+@dataclass
+class SyncConfig:
+    algorithm: Literal["ssd", "ssgd", "asgd"] = _f("ssd")
+    warmup_steps: int = _f(500, min=0, doc="T_w: synchronous warm-up steps")
+    warmup_epochs: Optional[float] = _f(None, min=0.0, doc="if set, overrides warmup_steps "
+                                        "(converted with the job's steps per epoch)")
+    delay_steps: int = _f(5, min=1, doc="k: pull period in steps")
+    local_rule: Literal["glu", "sgd", "none"] = _f("glu")
+    glu_state: Literal["estimate", "exact"] = _f("estimate")
+    lr_local: Optional[float] = _f(None, min=0.0, doc="local lr; default: the server's lr")
+
+
+@dataclass
+class ModelConfig:
+    name: Literal[MODEL_NAMES] = _f(required=True)  # type: ignore[valid-type]
+    hybridize: bool = _f(True)
+
+
+@dataclass
+class DataConfig:
+    dataset: Literal[DATASETS] = _f(required=True)  # type: ignore[valid-type]
+    path: Optional[str] = _f(None, doc="directory with the data files (cifar10, imagenet)")
+    batch_size: int = _f(32, min=1, doc="per worker")
+    augmentation: bool = _f(True)
+    loader_threads: int = _f(2, min=0, doc="threads preparing batches (0: in the loop)")
+    crop_size: int = _f(224, min=1, doc="imagenet: training/validation crop")
+    resize_size: Optional[int] = _f(None, min=1, doc="imagenet: validation resize of the "
+                                    "shorter side; default round(crop_size / 0.875)")
+    num_classes: Optional[int] = _f(None, min=2, doc="default: the dataset's own")
+
+
+@dataclass
+class LRScheduleConfig:
+    type: Literal["none", "step", "cosine", "poly"] = _f("none")
+    step_epochs: list[float] = _f(factory=list, doc="step: epochs at which lr *= factor")
+    factor: float = _f(0.1, min_excl=0.0, max=1.0)
+    power: float = _f(2.0, min_excl=0.0, doc="poly: exponent")
+    final_lr: float = _f(0.0, min=0.0, doc="cosine/poly: lr at the end")
+    warmup_epochs: float = _f(0.0, min=0.0, doc="linear lr warm-up length")
+    warmup_begin_lr: float = _f(0.0, min=0.0)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = _f("sgd", doc="any registered mx.optimizer name")
+    lr: float = _f(0.1, min_excl=0.0)
+    momentum: float = _f(0.9, min=0.0, max=1.0, doc="ignored by optimizers without momentum")
+    wd: float = _f(0.0, min=0.0)
+    lr_schedule: LRScheduleConfig = _f(factory=LRScheduleConfig)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = _f(10, min=1)
+    max_steps: Optional[int] = _f(None, min=1, doc="stop after this many steps in total")
+    seed: int = _f(0, min=0)
+    log_interval: int = _f(20, min=1, doc="steps between log lines / metrics records")
+    checkpoint_every: int = _f(0, min=0, doc="epochs between checkpoints (0: never)")
+    gpus: list[int] = _f(factory=list, doc="GPU ids; empty: CPU")
+
+
+@dataclass
+class OutputConfig:
+    dir: str = _f("runs", doc="runs root; each run gets its own subdirectory")
+    name: Optional[str] = _f(None, doc="run name prefix; default: the config file's stem")
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = _f(factory=ClusterConfig)
+    sync: SyncConfig = _f(factory=SyncConfig)
+    model: ModelConfig = _f(required=True)
+    data: DataConfig = _f(required=True)
+    optimizer: OptimizerConfig = _f(factory=OptimizerConfig)
+    train: TrainConfig = _f(factory=TrainConfig)
+    output: OutputConfig = _f(factory=OutputConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def name(self) -> str:
+        return self.output.name or "run"
+
+
+# --------------------------------------------------------------------------- validation
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is bool:
+        return "true or false"
+    if tp is str:
+        return "a string"
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "a list of " + _describe(typing.get_args(tp)[0]).replace("an ", "").replace(
+            "a ", "") + "s"
+    if origin is typing.Union:
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _describe(inner[0]) + " or null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return str(tp)
+
+
+def _bounds_text(meta) -> str:
+    parts = []
+    if meta.get("min") is not None:
+        parts.append(f">= {meta['min']}")
+    if meta.get("min_excl") is not None:
+        parts.append(f"> {meta['min_excl']}")
+    if meta.get("max") is not None:
+        parts.append(f"<= {meta['max']}")
+    return " and ".join(parts)
+
+
+def _show(value) -> str:
+    text = repr(value) if isinstance(value, str) else yaml.safe_dump(
+        value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _convert(value, tp, path: str, meta: dict):
+    """Check ``value`` against type ``tp`` (and bounds); return the converted value."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return _convert(value, inner, path, meta)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected {_describe(tp)}, got {_show(value)}")
+        item = typing.get_args(tp)[0]
+        return [_convert(v, item, f"{path}[{i}]", {}) for i, v in enumerate(value)]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}, "
+                              f"got {_show(value)}")
+        return value
+    expected = _describe(tp)
+    bounds = _bounds_text(meta)
+    want = f"{expected} {bounds}".strip()
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected {want}, got {_show(value)}")
+        return value
+    if tp is str:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{path}: expected a non-empty string, got {_show(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected {want}, got {_show(value)}")
+    elif tp is float:
+        if isinstance(value, str):
+            # PyYAML reads '1e-4' (no dot) as a string; accept anything float() accepts.
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{path}: expected {want}, got {_show(value)}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected {want}, got {_show(value)}")
+        value = float(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{path}: expected a finite number, got {_show(value)}")
+    lo, hi, lo_x = meta.get("min"), meta.get("max"), meta.get("min_excl")
+    if (lo is not None and value < lo) or (hi is not None and value > hi) or (
+            lo_x is not None and value <= lo_x):
+        raise ConfigError(f"{path}: expected {want}, got {_show(value)}")
+    return value
+
+
+def _build(cls, raw, path: str):
+    """Build dataclass ``cls`` from mapping ``raw``; ``path`` is its dotted prefix."""
+    where = path or "the top level"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {_show(raw)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            dotted = f"{path}.{key}" if path else str(key)
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"{dotted}: unknown key ({hint}expected one of: "
+                              f"{', '.join(fields)})")
+    kwargs = {}
+    for name, f in fields.items():
+        dotted = f"{path}.{name}" if path else name
+        if name in raw:
+            kwargs[name] = _convert(raw[name], hints[name], dotted, f.metadata)
+        elif f.metadata.get("required"):
+            raise ConfigError(f"{dotted}: required key is missing (expected "
+                              f"{_describe(hints[name])})")
+    return cls(**kwargs)
+
+
+def _optimizer_registry() -> dict:
+    import mxnet as mx  # imported lazily: loading mxnet takes a second
+    return mx.optimizer.Optimizer.opt_registry
+
+
+def _cross_check(cfg: Config) -> None:
+    """Checks that involve more than one key."""
+    if cfg.data.dataset in ("cifar10", "imagenet") and not cfg.data.path:
+        raise ConfigError(f"data.path: required for dataset '{cfg.data.dataset}' (a directory "
+                          f"with the {'CIFAR-10 .bin files' if cfg.data.dataset == 'cifar10' else 'train.rec/.idx and val.rec/.idx'})")
+    model_data = {"digits_mlp": "digits", "digits_cnn": "digits"}
+    if model_data.get(cfg.model.name, cfg.data.dataset) != cfg.data.dataset or (
+            cfg.data.dataset == "digits" and cfg.model.name not in model_data):
+        raise ConfigError(f"model.name: '{cfg.model.name}' does not fit dataset "
+                          f"'{cfg.data.dataset}' (digits needs digits_mlp or digits_cnn; "
+                          "the others need cifar10 or imagenet)")
+    name = cfg.optimizer.name.lower()
+    registry = _optimizer_registry()
+    if name not in registry:
+        raise ConfigError(f"optimizer.name: expected a registered mx.optimizer name "
+                          f"(e.g. sgd, nag, adam), got {cfg.optimizer.name!r}")
+    cfg.optimizer.name = name
+    sched = cfg.optimizer.lr_schedule
+    if sched.type == "step":
+        if not sched.step_epochs:
+            raise ConfigError("optimizer.lr_schedule.step_epochs: expected a non-empty list "
+                              "of epochs for type 'step'")
+        if any(e <= 0 for e in sched.step_epochs) or sorted(set(sched.step_epochs)) != \
+                list(sched.step_epochs):
+            raise ConfigError("optimizer.lr_schedule.step_epochs: expected strictly "
+                              f"increasing positive epochs, got {_show(sched.step_epochs)}")
+    if sched.warmup_epochs > 0 and sched.warmup_begin_lr > cfg.optimizer.lr:
+        raise ConfigError("optimizer.lr_schedule.warmup_begin_lr: expected <= optimizer.lr "
+                          f"({cfg.optimizer.lr}), got {sched.warmup_begin_lr}")
+    if sched.type in ("cosine", "poly") and sched.final_lr >= cfg.optimizer.lr:
+        raise ConfigError(f"optimizer.lr_schedule.final_lr: expected < optimizer.lr "
+                          f"({cfg.optimizer.lr}), got {sched.final_lr}")
+    if sched.warmup_epochs >= cfg.train.epochs and (sched.type in ("cosine", "poly")):
+        raise ConfigError(f"optimizer.lr_schedule.warmup_epochs: expected < train.epochs "
+                          f"({cfg.train.epochs}), got {sched.warmup_epochs}")
+    s = cfg.sync
+    if (s.algorithm == "ssd" and s.local_rule == "glu" and s.glu_state == "estimate"
+            and (name not in ("sgd", "nag") or cfg.optimizer.momentum <= 0)):
+        raise ConfigError("sync.glu_state: 'estimate' needs optimizer sgd or nag with "
+                          f"momentum > 0 (got {name}, momentum {cfg.optimizer.momentum}); "
+                          "use 'exact'")
+    if cfg.train.gpus and len(set(cfg.train.gpus)) != len(cfg.train.gpus):
+        raise ConfigError(f"train.gpus: expected distinct GPU ids, got {_show(cfg.train.gpus)}")
+    if any(g < 0 for g in cfg.train.gpus):
+        raise ConfigError(f"train.gpus: expected GPU ids >= 0, got {_show(cfg.train.gpus)}")
+    if cfg.cluster.launcher == "local" and cfg.cluster.hosts:
+        raise ConfigError("cluster.hosts: expected an empty list with launcher 'local', got "
+                          f"{_show(cfg.cluster.hosts)}")
+
+
+# --------------------------------------------------------------------------- overrides
+
+def _apply_override(raw: dict, text: str) -> None:
+    if not isinstance(text, str) or "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. sync.delay_steps=10")
+    key, _, value_text = text.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p or not p.replace("_", "").isalnum() for p in parts):
+        raise ConfigError(f"--set {text!r}: expected a dotted key like sync.delay_steps "
+                          "before '='")
+    try:
+        value = yaml.safe_load(value_text) if value_text.strip() else None
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"--set {text!r}: value is not a YAML scalar or list ({first})") \
+            from None
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {text!r}: {'.'.join(parts[:i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+# --------------------------------------------------------------------------- public API
+
+def parse_config(raw: Any, overrides: list[str] | tuple[str, ...] = (), *,
+                 source: str = "<config>", name: str | None = None) -> Config:
+    """Validate an already-parsed mapping (plus overrides) and return a Config."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the top level: expected a mapping of sections, got {_show(raw)} "
+                          f"({source})")
+    raw = _deepcopy(raw)
+    for text in overrides or ():
+        _apply_override(raw, text)
+    try:
+        cfg = _build(Config, raw, "")
+        _cross_check(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} ({source})") from None
+    if cfg.output.name is None and name:
+        cfg.output.name = name
+    return cfg
+
+
+def _deepcopy(obj):
+    if isinstance(obj, dict):
+        return {k: _deepcopy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_deepcopy(v) for v in obj]
+    return obj
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read the YAML job file ``path``, apply ``overrides`` ("sync.delay_steps=10", values
+    parsed as YAML) and validate. Raises ConfigError (one line) on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{where} ({problem})") from None
+    return parse_config(raw, overrides, source=str(path), name=path.stem)
+
+
+def save_config(config: Config, path: str | os.PathLike) -> None:
+    """Write ``config`` as YAML; load_config(path) gives an equal Config back."""
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def resolve_warmup_steps(config: Config, steps_per_epoch: int | None = None) -> int:
+    """The warm-up length T_w in steps: sync.warmup_epochs * steps_per_epoch if
+    warmup_epochs is set (it overrides warmup_steps), else sync.warmup_steps."""
+    if config.sync.warmup_epochs is None:
+        return config.sync.warmup_steps
+    if steps_per_epoch is None:
+        from ssdsgd.data import steps_per_epoch as _spe
+        steps_per_epoch = _spe(config, config.cluster.workers)
+    return int(round(config.sync.warmup_epochs * steps_per_epoch))
+
+
+def sync_env(config: Config, steps_per_epoch: int | None = None) -> dict[str, str]:
+    """The SSDSGD_* variables of docs/design.md for the ``sync`` section.
+
+    If sync.warmup_epochs is set, the steps per epoch are computed from the data
+    (cheap: file sizes / index lengths) unless given."""
+    s = config.sync
+    env = {
+        "SSDSGD_ALGORITHM": s.algorithm,
+        "SSDSGD_WARMUP_STEPS": str(resolve_warmup_steps(config, steps_per_epoch)),
+        "SSDSGD_DELAY_STEPS": str(s.delay_steps),
+        "SSDSGD_LOCAL_RULE": s.local_rule,
+        "SSDSGD_GLU_STATE": s.glu_state,
+    }
+    if s.lr_local is not None:
+        env["SSDSGD_LR_LOCAL"] = repr(float(s.lr_local))
+    return env
+
+
+def cluster_env(config: Config) -> dict[str, str]:
+    """The SSDSGD_* variables of docs/design.md for the ``cluster`` section."""
+    c = config.cluster
+    return {
+        "SSDSGD_NUM_WORKERS": str(c.workers),
+        "SSDSGD_NUM_SERVERS": str(c.servers),
+        "SSDSGD_HEARTBEAT_TIMEOUT": repr(float(c.heartbeat_timeout)),
+    }
+
+
+def new_run_dir(config: Config, now: datetime.datetime | None = None) -> Path:
+    """Create and return a fresh ``<output.dir>/<name>-<YYYYmmdd-HHMMSS>`` directory."""
+    now = now or datetime.datetime.now()
+    root = Path(config.output.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    base = f"{config.name}-{now:%Y%m%d-%H%M%S}"
+    for i in range(1000):
+        candidate = root / (base if i == 0 else f"{base}-{i}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise ConfigError(f"output.dir: cannot create a new run directory under {root}")
