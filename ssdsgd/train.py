@@ -1,0 +1,414 @@
+"""The worker-side training program.
+
+    python -m ssdsgd.train CONFIG [--set KEY=VALUE ...] [--run-dir DIR] [--resume RUN_DIR]
+
+By hand (no ``SSDSGD_ROLE`` in the environment) it trains in one process without a
+kvstore. Started by the launcher (``SSDSGD_ROLE=worker``) it creates the registered
+kvstore ``ssd_sync`` and takes its rank and the number of workers from it; the stock
+``gluon.Trainer`` then pushes gradients and pulls weights through it.
+
+Each worker trains on its own disjoint shard of every epoch (ssdsgd.data.shard_indices),
+and all workers run the same number of steps per epoch. Rank 0 validates after every
+epoch on the whole validation set (top-1; top-5 for ImageNet) with its current weights
+(in the steps-delay stage: its local weights, at most k steps from the last global
+pull), writes checkpoints, and at the end ``RUN_DIR/summary.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ssdsgd.config import (Config, ConfigError, cluster_env, load_config, new_run_dir,
+                           resolve_warmup_steps, save_config, sync_env)
+from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_epoch
+from ssdsgd.metrics import MetricsWriter, Speedometer, net_figures, kv_metrics, summarize
+
+log = logging.getLogger("ssdsgd.train")
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def build_lr_scheduler(config: Config, spe: int):
+    """MXNet's own lr scheduler for optimizer.lr_schedule, in steps (= Trainer.step
+    calls = server updates); None for a constant lr without warm-up."""
+    import mxnet as mx
+    s = config.optimizer.lr_schedule
+    lr = config.optimizer.lr
+    warm = int(round(s.warmup_epochs * spe))
+    total = config.train.epochs * spe
+    common = dict(base_lr=lr, warmup_steps=warm, warmup_begin_lr=s.warmup_begin_lr)
+    if s.type == "none":
+        if warm == 0:
+            return None
+        return mx.lr_scheduler.FactorScheduler(step=total + 1, factor=1.0, **common)
+    if s.type == "step":
+        steps = []
+        for e in s.step_epochs:
+            st = max(1, int(round(e * spe)))
+            if not steps or st > steps[-1]:
+                steps.append(st)
+        return mx.lr_scheduler.MultiFactorScheduler(step=steps, factor=s.factor, **common)
+    if s.type == "cosine":
+        return mx.lr_scheduler.CosineScheduler(max_update=max(total, warm + 1),
+                                               final_lr=s.final_lr, **common)
+    if s.type == "poly":
+        return mx.lr_scheduler.PolyScheduler(max_update=max(total, warm + 1), pwr=s.power,
+                                             final_lr=s.final_lr, **common)
+    raise ConfigError(f"optimizer.lr_schedule.type: unknown {s.type!r}")
+
+
+def optimizer_params(config: Config, lr_scheduler) -> dict:
+    """Keyword arguments for the optimizer; momentum only where the optimizer takes it."""
+    import mxnet as mx
+    o = config.optimizer
+    params = {"learning_rate": o.lr, "wd": o.wd}
+    if lr_scheduler is not None:
+        params["lr_scheduler"] = lr_scheduler
+    cls = mx.optimizer.Optimizer.opt_registry[o.name]
+    if "momentum" in inspect.signature(cls.__init__).parameters:
+        params["momentum"] = o.momentum
+    elif o.momentum:
+        log.info("optimizer %s takes no momentum; optimizer.momentum ignored", o.name)
+    return params
+
+
+def seed_everything(seed: int) -> None:
+    import mxnet as mx
+    random.seed(seed)
+    np.random.seed(seed)
+    mx.random.seed(seed)
+
+
+def _same(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
+def check_environment(config: Config, spe_cluster: int) -> None:
+    """In worker mode: the SSDSGD_* sync and cluster variables the launcher set must say
+    what the config says; missing ones are filled in from the config."""
+    want = sync_env(config, spe_cluster)
+    c = cluster_env(config)
+    want["SSDSGD_NUM_WORKERS"] = c["SSDSGD_NUM_WORKERS"]
+    want["SSDSGD_NUM_SERVERS"] = c["SSDSGD_NUM_SERVERS"]
+    for key, value in want.items():
+        have = os.environ.get(key)
+        if have is None:
+            os.environ[key] = value
+        elif not _same(have, value):
+            raise ConfigError(f"{key}={have} in the environment, but the config gives "
+                              f"{value}; start workers with the launcher's sync_env(config)")
+
+
+def create_kvstore(config: Config, spe_cluster: int):
+    """(kv, rank, num_workers): the 'ssd_sync' store when SSDSGD_ROLE=worker, else
+    (None, 0, 1)."""
+    role = os.environ.get("SSDSGD_ROLE")
+    if role is None:
+        return None, 0, 1
+    if role != "worker":
+        raise ConfigError(f"SSDSGD_ROLE={role}: ssdsgd.train runs only as a worker "
+                          "(servers and the scheduler are started by the launcher)")
+    check_environment(config, spe_cluster)
+    import mxnet as mx
+    import ssdsgd  # noqa: F401 - registers the 'ssd_sync' kvstore
+    try:
+        import ssdsgd.kvstore  # noqa: F401 - in case the package does not import it
+    except ImportError:
+        pass
+    kv = mx.kv.create("ssd_sync")
+    return kv, int(kv.rank), int(kv.num_workers)
+
+
+def contexts(config: Config):
+    import mxnet as mx
+    return [mx.gpu(i) for i in config.train.gpus] or [mx.cpu()]
+
+
+def evaluate(net, dataset, ctx, batch_size: int) -> dict:
+    """Top-1 (and top-k for k = dataset.top_k > 1) accuracy on the validation set."""
+    import mxnet as mx
+    from mxnet import gluon
+    k = dataset.top_k
+    correct1 = correctk = total = 0
+    for x, y in dataset.val_batches(batch_size):
+        xs = gluon.utils.split_and_load(mx.nd.array(x), ctx, even_split=False)
+        out = np.concatenate([net(xi).asnumpy() for xi in xs])
+        pred = np.argsort(-out, axis=1)
+        correct1 += int((pred[:, 0] == y).sum())
+        if k > 1:
+            correctk += int((pred[:, :k] == y[:, None]).any(axis=1).sum())
+        total += len(y)
+    res = {"accuracy": correct1 / max(total, 1)}
+    if k > 1:
+        res[f"top{k}"] = correctk / max(total, 1)
+    return res
+
+
+def stage_of(config: Config, kv, step: int, warmup: int, m: dict) -> str:
+    if "stage" in m:
+        return str(m["stage"])
+    if kv is None:
+        return "local"
+    alg = config.sync.algorithm
+    if alg == "ssd":
+        return "warmup" if step < warmup else "delay"
+    return {"ssgd": "sync", "asgd": "async"}[alg]
+
+
+def save_checkpoint(run_dir: Path, net, trainer, epoch: int, step: int, seed: int) -> Path:
+    """Rank 0: parameters, trainer states (if the kvstore can save them) and the data
+    position (the next epoch to run) in RUN_DIR/checkpoints/."""
+    ck = run_dir / "checkpoints"
+    ck.mkdir(parents=True, exist_ok=True)
+    params = ck / f"epoch-{epoch:04d}.params"
+    states = ck / f"epoch-{epoch:04d}.states"
+    net.save_parameters(str(params))
+    try:
+        trainer.save_states(str(states))
+        states_name = states.name
+    except Exception as exc:  # noqa: BLE001 - a kvstore may not support it
+        log.warning("checkpoint: optimizer states not saved (%s)",
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else
+                    type(exc).__name__)
+        states_name = None
+    info = {"epoch": epoch, "next_epoch": epoch + 1, "step": step, "seed": seed,
+            "params": params.name, "states": states_name}
+    tmp = ck / "latest.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, ck / "latest.json")
+    return params
+
+
+def load_checkpoint(run_dir: Path, net, trainer, ctx) -> dict:
+    info_path = run_dir / "checkpoints" / "latest.json"
+    try:
+        info = json.loads(info_path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{info_path}: no checkpoint to resume from") from None
+    net.load_parameters(str(run_dir / "checkpoints" / info["params"]), ctx=ctx)
+    if info.get("states"):
+        try:
+            trainer.load_states(str(run_dir / "checkpoints" / info["states"]))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("resume: optimizer states not restored (%s)", exc)
+    # the lr schedule continues where it stopped
+    opt = trainer._optimizer  # noqa: SLF001 - the Trainer has no public accessor
+    opt.begin_num_update = opt.num_update = int(info["step"])
+    return info
+
+
+# ----------------------------------------------------------------------------- training
+
+def train(config: Config, run_dir, resume: bool = False) -> dict:
+    """Train as configured; return rank 0's summary (other ranks: their end record)."""
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    from ssdsgd.models import build_model, initializer
+
+    t_start = time.time()
+    run_dir = Path(run_dir)
+    seed = config.train.seed
+    seed_everything(seed)
+
+    n_train = count_train(config)
+    spe_cluster = steps_per_epoch(config, config.cluster.workers, n_train)
+    kv, rank, num_workers = create_kvstore(config, spe_cluster)
+    if kv is not None and num_workers != config.cluster.workers:
+        log.warning("kvstore reports %d workers, config cluster.workers is %d",
+                    num_workers, config.cluster.workers)
+    try:
+        dataset = open_dataset(config)
+        spe = steps_per_epoch(config, num_workers, dataset.n_train)
+        warmup = resolve_warmup_steps(config, spe)
+        bs = config.data.batch_size
+        total_steps = config.train.epochs * spe
+        if config.train.max_steps is not None:
+            total_steps = min(total_steps, config.train.max_steps)
+
+        ctx = contexts(config)
+        net = build_model(config.model.name, dataset.num_classes)
+        net.initialize(initializer(config.model.name), ctx=ctx)
+        if config.model.hybridize:
+            net.hybridize(static_alloc=True, static_shape=True)
+        sched = build_lr_scheduler(config, spe)
+        store = kv if kv is not None else ("device" if len(ctx) > 1 else None)
+        trainer = gluon.Trainer(net.collect_params(), config.optimizer.name,
+                                optimizer_params(config, sched), kvstore=store)
+        loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+
+        start_epoch, step = 0, 0
+        if resume:
+            # materialize deferred shapes before loading
+            x0, _ = dataset.train_batch(np.arange(min(bs, dataset.n_train)),
+                                        np.random.default_rng(0))
+            net(mx.nd.array(x0[:1], ctx=ctx[0]))
+            info = load_checkpoint(run_dir, net, trainer, ctx)
+            start_epoch, step = int(info["next_epoch"]), int(info["step"])
+            log.info("resumed from %s at epoch %d, step %d", run_dir / "checkpoints",
+                     start_epoch, step)
+
+        writer = MetricsWriter(run_dir, rank)
+        writer.write("start", rank=rank, num_workers=num_workers, steps_per_epoch=spe,
+                     total_steps=total_steps, epochs=config.train.epochs, batch_size=bs,
+                     warmup_steps=warmup, algorithm=config.sync.algorithm,
+                     delay_steps=config.sync.delay_steps, model=config.model.name,
+                     dataset=config.data.dataset, kvstore=kv is not None,
+                     start_epoch=start_epoch, start_step=step)
+        log.info("rank %d/%d: %s on %s, %d samples, %d steps/epoch x %d epochs (%d steps), "
+                 "batch %d, warm-up %d steps, %s", rank, num_workers, config.model.name,
+                 config.data.dataset, dataset.n_train, spe, config.train.epochs,
+                 total_steps, bs, warmup, "kvstore ssd_sync" if kv is not None else
+                 "single process (no kvstore)")
+
+        loader = Loader(dataset, seed, config.data.loader_threads)
+        speed, epoch_speed = Speedometer(), Speedometer()
+        t_train = time.time()
+        samples = 0
+        last_val: dict = {}
+        best = None
+        done = step >= total_steps
+        epoch = start_epoch
+        for epoch in range(start_epoch, config.train.epochs):
+            if done:
+                break
+            speed.reset()
+            epoch_speed.reset()
+            for batch, (x, y) in loader.epoch(epoch, rank, num_workers, bs):
+                xs = gluon.utils.split_and_load(mx.nd.array(x), ctx, even_split=False)
+                ys = gluon.utils.split_and_load(mx.nd.array(y), ctx, even_split=False)
+                with autograd.record():
+                    outs = [net(xi) for xi in xs]
+                    losses = [loss_fn(o, yi) for o, yi in zip(outs, ys)]
+                autograd.backward(losses)
+                trainer.step(bs)
+                step += 1
+                samples += len(y)
+                loss_sum = sum(float(l.sum().asscalar()) for l in losses)
+                correct = sum(int((o.argmax(axis=1) == yi.astype(o.dtype)).sum().asscalar())
+                              for o, yi in zip(outs, ys))
+                speed.update(len(y), loss_sum, correct)
+                epoch_speed.update(len(y), loss_sum, correct)
+                if (batch + 1) % config.train.log_interval == 0 or step == total_steps:
+                    stats = speed.stats()
+                    m = kv_metrics(kv)
+                    writer.write("train", step=step, epoch=epoch, batch=batch + 1, **stats,
+                                 stage=stage_of(config, kv, step, warmup, m),
+                                 lr=trainer.learning_rate, **net_figures(kv),
+                                 elapsed=time.time() - t_train)
+                    if not np.isfinite(stats["loss"]):
+                        raise FloatingPointError(f"loss is {stats['loss']} at step {step} "
+                                                 "(diverged; lower optimizer.lr?)")
+                    log.info(Speedometer.line(epoch, batch + 1, stats))
+                    speed.reset()
+                if step >= total_steps:
+                    done = True
+                    break
+            ep = epoch_speed.stats()
+            log.info("Epoch[%d] Train-accuracy=%.6f loss=%.4f Speed: %.1f samples/sec", epoch,
+                     ep["accuracy"], ep["loss"], ep["samples_per_sec"])
+            if rank == 0:
+                res = evaluate(net, dataset, ctx, bs)
+                last_val = res
+                best = res["accuracy"] if best is None else max(best, res["accuracy"])
+                writer.write("val", epoch=epoch + 1, step=step, **res,
+                             elapsed=time.time() - t_train)
+                log.info("Epoch[%d] Validation %s time=%.1fs", epoch, " ".join(
+                    f"{k}={v:.6f}" for k, v in res.items()), time.time() - t_train)
+                every = config.train.checkpoint_every
+                if every and ((epoch + 1) % every == 0 or epoch + 1 == config.train.epochs):
+                    path = save_checkpoint(run_dir, net, trainer, epoch, step, seed)
+                    writer.write("checkpoint", epoch=epoch + 1, step=step, path=str(path))
+        loader.close()
+        wall = time.time() - t_train
+        m = kv_metrics(kv)
+        end = writer.write("end", steps=step, samples=samples, wall_time=wall,
+                           samples_per_sec=samples / max(wall, 1e-9), **net_figures(kv),
+                           kv=m)
+        writer.close()
+    finally:
+        if kv is not None and hasattr(kv, "close"):
+            kv.close()
+
+    if rank != 0:
+        return end
+    base = {
+        "name": config.name, "algorithm": config.sync.algorithm if kv is not None else "local",
+        "num_workers": num_workers, "num_servers": config.cluster.servers if kv else 0,
+        "model": config.model.name, "dataset": config.data.dataset,
+        "batch_size": config.data.batch_size, "epochs": round(step / spe, 3),
+        "steps": step, "steps_per_epoch": spe, "warmup_steps": warmup,
+        "delay_steps": config.sync.delay_steps,
+        "final_accuracy": last_val.get("accuracy"), "best_accuracy": best,
+        **({"final_top5": last_val["top5"]} if "top5" in last_val else {}),
+        "wall_time": wall, "total_time": time.time() - t_start,
+    }
+    summary = summarize(run_dir, base, wait_for=num_workers)
+    log.info("done: test accuracy %s after %d steps, %.1f s; summary in %s",
+             f"{summary['final_accuracy']:.4f}" if summary["final_accuracy"] is not None
+             else "n/a", step, wall, run_dir / "summary.json")
+    return summary
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m ssdsgd.train", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", help="the job's YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="KEY=VALUE", help="override one key, e.g. sync.delay_steps=10")
+    p.add_argument("--run-dir", help="this run's directory (default: a new one under "
+                   "output.dir); required when started by the launcher")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from "
+                   "its latest checkpoint (uses RUN_DIR/config.yaml if CONFIG is omitted)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    try:
+        config_path = args.config
+        if args.resume:
+            run_dir = Path(args.resume)
+            if config_path is None:
+                config_path = run_dir / "config.yaml"
+        elif config_path is None:
+            raise ConfigError("CONFIG: the job's YAML file is required (or --resume RUN_DIR)")
+        config = load_config(config_path, args.overrides)
+        if not args.resume:
+            if args.run_dir:
+                run_dir = Path(args.run_dir)
+                run_dir.mkdir(parents=True, exist_ok=True)
+            elif os.environ.get("SSDSGD_ROLE"):
+                raise ConfigError("--run-dir: required when started by the launcher "
+                                  "(all workers must share one run directory)")
+            else:
+                run_dir = new_run_dir(config)
+        if not args.resume and not os.environ.get("SSDSGD_ROLE"):
+            save_config(config, run_dir / "config.yaml")  # the launcher writes its own
+        log.info("run directory %s", run_dir)
+        train(config, run_dir, resume=bool(args.resume))
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
