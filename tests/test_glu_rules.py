@@ -1,0 +1,176 @@
+"""ssdsgd.glu.rules: each local rule against a hand formula, and the estimate's convention."""
+import math
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from ssdsgd.glu.rules import flatten_state, make_local_rule
+
+N, RESCALE, KEY = 4, 1 / 8, 3
+W0 = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+M0 = np.array([0.1, -0.2, 0.3], dtype=np.float32)
+G = np.array([1.0, 2.0, -4.0], dtype=np.float32)
+
+
+def nd(a):
+    return mx.nd.array(a, dtype='float32')
+
+
+def sgd(**kw):
+    def make():
+        opt = mx.optimizer.SGD(rescale_grad=RESCALE, **kw)
+        opt.lr_mult = {KEY: 0.5}
+        return opt
+    return make
+
+
+def one_step(rule, state=None, lr=0.2, num_update=7):
+    w = nd(W0)
+    rule.reset(KEY, w.copy(), prev_global_weight=w.copy(), steps_between=1,
+               state=None if state is None else [nd(s) for s in state], lr=lr,
+               num_update=num_update)
+    rule.update(KEY, w, nd(G))
+    return w.asnumpy()
+
+
+def test_glu_exact_sgd_momentum_matches_hand_formula():
+    rule = make_local_rule('glu', sgd(momentum=0.9, wd=0.01), N, 'exact')
+    assert rule.needs_state
+    lr = 0.2 * 0.5  # the server's reported lr times the key's lr_mult
+    mom = 0.9 * M0 - lr * (N * RESCALE * G + 0.01 * W0)
+    np.testing.assert_allclose(one_step(rule, [M0]), W0 + mom, rtol=1e-6)
+    np.testing.assert_allclose(rule.updater.states[KEY].asnumpy(), mom, rtol=1e-6)
+
+
+def test_glu_exact_nag_matches_hand_formula():
+    # MXNet 1.9.1's nag_mom_update keeps mom in weight units, like sgd:
+    # mom <- mu*mom - lr*g;  w <- w + mu*mom - lr*g   (g already rescaled; wd = 0 here).
+    rule = make_local_rule('glu', lambda: mx.optimizer.NAG(
+        momentum=0.9, learning_rate=0.3, rescale_grad=RESCALE), N, 'exact')
+    g = N * RESCALE * G
+    mom = 0.9 * M0 - 0.2 * g
+    np.testing.assert_allclose(one_step(rule, [M0]), W0 + 0.9 * mom - 0.2 * g, rtol=1e-6)
+
+
+def test_glu_exact_adam_continues_the_server_update_count():
+    b1, b2, eps, wd, n = 0.9, 0.999, 1e-8, 0.01, 7
+    rule = make_local_rule('glu', lambda: mx.optimizer.Adam(
+        learning_rate=0.1, wd=wd, rescale_grad=RESCALE), N, 'exact')
+    mean0, var0 = M0, np.abs(M0) * 0.5
+    w = one_step(rule, [mean0, var0], lr=0.05, num_update=n)
+    g = N * RESCALE * G + wd * W0
+    mean = b1 * mean0 + (1 - b1) * g
+    var = b2 * var0 + (1 - b2) * g * g
+    t = n + 1  # the server applied n updates; this is the (n+1)-th
+    lr_t = 0.05 * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    np.testing.assert_allclose(w, W0 - lr_t * mean / (np.sqrt(var) + eps), rtol=1e-5)
+
+
+def test_sgd_rule_is_stateless_sgd_with_the_server_hyperparameters():
+    def make():
+        opt = mx.optimizer.Adam(learning_rate=0.1, wd=0.01, clip_gradient=0.6,
+                                rescale_grad=RESCALE)
+        opt.lr_mult, opt.wd_mult = {KEY: 0.5}, {KEY: 2.0}
+        return opt
+    rule = make_local_rule('sgd', make, N)
+    assert not rule.needs_state
+    g = np.clip(N * RESCALE * G, -0.6, 0.6)
+    np.testing.assert_allclose(one_step(rule), W0 - 0.2 * 0.5 * (g + 0.02 * W0), rtol=1e-6)
+
+
+def test_none_rule_leaves_weights_untouched():
+    rule = make_local_rule('none', sgd(momentum=0.9), N)
+    assert not rule.needs_state
+    np.testing.assert_array_equal(one_step(rule), W0)
+
+
+@pytest.mark.parametrize('name', ['glu', 'sgd'])
+def test_lr_local_overrides_the_reported_lr(name):
+    rule = make_local_rule(name, sgd(momentum=0.9), N, 'exact', lr_local=0.01)
+    state = [M0] if name == 'glu' else None
+    w = one_step(rule, state, lr=0.2)
+    mom = (0.9 * M0 if name == 'glu' else 0) - 0.01 * 0.5 * N * RESCALE * G
+    np.testing.assert_allclose(w, W0 + mom, rtol=1e-6)
+
+
+def test_local_lr_is_held_constant_until_the_next_reset():
+    # The server's scheduler would halve lr every update; the local copy must not.
+    def make():
+        return mx.optimizer.SGD(momentum=0.0, rescale_grad=RESCALE, learning_rate=0.2,
+                                lr_scheduler=mx.lr_scheduler.FactorScheduler(1, 0.5, 0.2))
+    rule = make_local_rule('glu', make, N, 'exact')
+    w = nd(W0)
+    rule.reset(KEY, w.copy(), state=[], lr=0.2, num_update=5)
+    for _ in range(3):
+        rule.update(KEY, w, nd(G))
+    np.testing.assert_allclose(w.asnumpy(), W0 - 3 * 0.2 * N * RESCALE * G, rtol=1e-6)
+
+
+@pytest.mark.parametrize('cls', [mx.optimizer.SGD, mx.optimizer.NAG])
+def test_estimate_reproduces_the_true_state_in_a_steady_state(cls):
+    """Constant gradient: after the momentum settles, the velocity over a period is the
+    server's own state, so the conversion (state = velocity, for sgd and nag) is right."""
+    def make():
+        opt = cls(momentum=0.9, learning_rate=0.1, rescale_grad=RESCALE)
+        opt.lr_mult = {KEY: 0.5}
+        return opt
+    server = mx.optimizer.get_updater(make())
+    w, g, k = nd(W0), nd(G), 5
+    history = []
+    for _ in range(200):
+        server(KEY, g, w)
+        history.append(w.copy())
+    rule = make_local_rule('glu', make, N, 'estimate')
+    assert not rule.needs_state
+    rule.reset(KEY, history[-1], prev_global_weight=history[-1 - k], steps_between=k,
+               lr=0.1, num_update=200)
+    true = server.states[KEY].asnumpy()
+    np.testing.assert_allclose(rule.updater.states[KEY].asnumpy(), true, rtol=1e-3)
+
+
+def test_estimate_over_one_step_is_exact_for_sgd_momentum():
+    """sgd applies w += mom, so one step of global velocity is the state, even mid-flight."""
+    make = sgd(momentum=0.9, wd=0.01)
+    server = mx.optimizer.get_updater(make())
+    w = nd(W0)
+    for step in range(4):
+        prev = w.copy()
+        server(KEY, nd(G * (step + 1)), w)
+    rule = make_local_rule('glu', make, N)
+    rule.reset(KEY, w, prev_global_weight=prev, steps_between=1, lr=0.1)
+    np.testing.assert_allclose(rule.updater.states[KEY].asnumpy(),
+                               server.states[KEY].asnumpy(), rtol=1e-5)
+
+
+def test_bad_names_are_rejected_with_the_allowed_values():
+    with pytest.raises(ValueError, match='glu, sgd, none'):
+        make_local_rule('momentum', sgd(momentum=0.9), N)
+    with pytest.raises(ValueError, match='estimate, exact'):
+        make_local_rule('glu', sgd(momentum=0.9), N, glu_state='guess')
+
+
+@pytest.mark.parametrize('make', [
+    lambda: mx.optimizer.Adam(),
+    lambda: mx.optimizer.SGD(momentum=0.0),
+    lambda: mx.optimizer.NAG(momentum=0.0),
+])
+def test_estimate_needs_a_momentum_optimizer(make):
+    with pytest.raises(ValueError, match='glu_state: exact'):
+        make_local_rule('glu', make, N, 'estimate')
+    assert make_local_rule('glu', make, N, 'exact').needs_state
+
+
+def test_reset_rejects_missing_inputs():
+    with pytest.raises(ValueError, match='state arrays'):
+        make_local_rule('glu', sgd(momentum=0.9), N, 'exact').reset(KEY, nd(W0), state=[])
+    with pytest.raises(ValueError, match='prev_global_weight'):
+        make_local_rule('glu', sgd(momentum=0.9), N).reset(KEY, nd(W0))
+
+
+def test_flatten_state():
+    a, b = nd(W0), nd(M0)
+    assert flatten_state(None) == []
+    assert flatten_state(a) == [a]
+    assert flatten_state((a, b)) == [a, b]
+    assert flatten_state((None, a)) == [a]
