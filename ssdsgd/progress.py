@@ -1,0 +1,161 @@
+"""Whole-job progress from the workers' metrics files, for the launcher.
+
+    mon = ProgressMonitor(run_dir, total_steps=None, tty=sys.stderr.isatty())
+    while job_running:
+        mon.poll(); time.sleep(1)
+    mon.close()
+
+``poll()`` reads only what the workers appended to ``RUN_DIR/metrics/worker-*.jsonl``
+since the last call. On a tty it drives one tqdm bar for the job (steps of the slowest
+worker, with epoch, job samples/s and the latest accuracy); otherwise it prints a plain
+line at most every ``interval`` seconds (10 by default). ``total_steps`` may be None: it
+is then taken from the workers' ``start`` records.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from ssdsgd.metrics import worker_files
+
+
+class ProgressMonitor:
+    def __init__(self, run_dir, total_steps: int | None = None, tty: bool = False,
+                 interval: float = 10.0, stream=None):
+        self.run_dir = Path(run_dir)
+        self.total_steps = total_steps
+        self.tty = tty
+        self.interval = interval
+        self.stream = stream if stream is not None else sys.stderr
+        self._offsets: dict[Path, int] = {}
+        self.workers: dict[int, dict] = {}   # rank -> latest train record
+        self.val: dict | None = None          # latest validation record
+        self.num_workers: int | None = None
+        self._bar = None
+        self._last_print = float("-inf")
+        self._t0 = time.monotonic()
+        self._closed = False
+
+    # -- reading
+    def _read_new(self, path: Path) -> list[dict]:
+        offset = self._offsets.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self._offsets[path] = offset + end + 1
+        out = []
+        for line in chunk[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+        return out
+
+    def _ingest(self, rank: int, rec: dict) -> None:
+        event = rec.get("event")
+        if event == "start":
+            if self.total_steps is None and rec.get("total_steps"):
+                self.total_steps = int(rec["total_steps"])
+            if rec.get("num_workers"):
+                self.num_workers = int(rec["num_workers"])
+            self.workers.setdefault(rank, {"step": int(rec.get("start_step") or 0)})
+        elif event in ("train", "end"):
+            state = self.workers.setdefault(rank, {})
+            if event == "end":
+                state["step"] = rec.get("steps", state.get("step", 0))
+                state["done"] = True
+                state["samples_per_sec"] = 0.0
+            else:
+                state.update({k: rec.get(k) for k in ("step", "epoch", "accuracy", "loss",
+                                                      "samples_per_sec", "stage")})
+        elif event == "val":
+            self.val = rec
+
+    # -- figures
+    @property
+    def step(self) -> int:
+        steps = [w.get("step") or 0 for w in self.workers.values()]
+        if not steps:
+            return 0
+        if self.num_workers and len(steps) < self.num_workers:
+            return 0
+        return min(steps)
+
+    def status(self) -> dict:
+        live = [w for w in self.workers.values() if not w.get("done")]
+        epochs = [w.get("epoch") for w in self.workers.values() if w.get("epoch") is not None]
+        speed = sum(w.get("samples_per_sec") or 0.0 for w in live)
+        accs = [w.get("accuracy") for w in self.workers.values()
+                if w.get("accuracy") is not None]
+        return {"step": self.step, "total_steps": self.total_steps,
+                "epoch": min(epochs) if epochs else None,
+                "samples_per_sec": speed,
+                "train_accuracy": sum(accs) / len(accs) if accs else None,
+                "val_accuracy": self.val.get("accuracy") if self.val else None,
+                "stage": next((w.get("stage") for w in live if w.get("stage")), None),
+                "workers": len(self.workers)}
+
+    def _text(self, s: dict) -> str:
+        parts = [f"epoch {s['epoch']}" if s["epoch"] is not None else "epoch -",
+                 f"{s['samples_per_sec']:.0f} samples/s"]
+        if s["val_accuracy"] is not None:
+            parts.append(f"val acc {s['val_accuracy']:.4f}")
+        elif s["train_accuracy"] is not None:
+            parts.append(f"train acc {s['train_accuracy']:.4f}")
+        if s["stage"]:
+            parts.append(s["stage"])
+        return " | ".join(parts)
+
+    # -- public
+    def poll(self, display: bool = True) -> dict:
+        """Read new records and refresh the display; returns the current status."""
+        for rank, path in worker_files(self.run_dir).items():
+            for rec in self._read_new(path):
+                self._ingest(rank, rec)
+        s = self.status()
+        if self._closed or not display:
+            return s
+        if self.tty:
+            if self._bar is None and (self.total_steps or self.workers):
+                from tqdm import tqdm
+                self._bar = tqdm(total=self.total_steps, unit="step", file=self.stream,
+                                 dynamic_ncols=True, desc="training",
+                                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/"
+                                            "{total_fmt} [{elapsed}<{remaining}{postfix}]")
+            if self._bar is not None:
+                if self.total_steps and self._bar.total != self.total_steps:
+                    self._bar.total = self.total_steps
+                self._bar.n = s["step"]
+                self._bar.set_postfix_str(self._text(s), refresh=False)
+                self._bar.refresh()
+        else:
+            now = time.monotonic()
+            if now - self._last_print >= self.interval:
+                self._last_print = now
+                self._print_line(s)
+        return s
+
+    def _print_line(self, s: dict) -> None:
+        total = s["total_steps"]
+        pct = f" ({100.0 * s['step'] / total:.0f}%)" if total else ""
+        print(f"progress: step {s['step']}/{total if total else '?'}{pct} | {self._text(s)} "
+              f"| {time.monotonic() - self._t0:.0f}s", file=self.stream, flush=True)
+
+    def close(self) -> dict:
+        """A last poll, then close the bar (or print the final line)."""
+        s = self.poll(display=self.tty)
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif not self.tty:
+            self._print_line(s)
+        return s
