@@ -1,0 +1,207 @@
+"""Everything that crosses a socket, declared in one place.
+
+A message is a ZeroMQ multipart message:
+
+    [header, key table, meta, tensor, tensor, ...]
+
+* header: a fixed little-endian struct (magic, version, kind, flags, sender, step, request
+  id, number of key records, number of tensor frames);
+* key table: ``nkeys`` fixed-size records (key, per-key step, element offset, element
+  count, dtype code, number of tensors for the key);
+* meta: UTF-8 JSON of *scalars only* (addresses, hyper-parameters, error text), empty when
+  unused; arrays never travel as JSON;
+* tensors: raw bytes, one frame per record and tensor (value first, then optimizer state),
+  sent and received without copying.
+
+Nothing is unpickled. ``decode`` validates every field and raises ``ProtocolError`` with
+the reason, so a server can reject a bad message and keep serving.
+"""
+import enum
+import json
+import struct
+
+import numpy as np
+
+MAGIC = b"SSDG"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHiqIII")
+KEY_RECORD = np.dtype([("key", "<i8"), ("step", "<i8"), ("offset", "<i8"), ("count", "<i8"),
+                       ("dtype", "u1"), ("ntensors", "u1"), ("pad", "<u2"), ("pad2", "<u4")])
+MAX_META_BYTES = 1 << 20
+MAX_KEYS = 1 << 20
+MAX_TENSORS_PER_KEY = 8
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. Scheduler control first, then worker <-> server data."""
+    REGISTER = 1      # node -> scheduler: {role, rank, host, port, pid}
+    TOPOLOGY = 2      # scheduler -> node: {rank, num_workers, num_servers, servers}
+    BARRIER = 3       # node -> scheduler, and the release back
+    HEARTBEAT = 4     # node -> scheduler, and the echo back
+    FINISH = 5        # worker -> scheduler: done, stop watching me
+    SHUTDOWN = 6      # scheduler -> node: the job is over, exit 0
+    ABORT = 7         # scheduler -> node: {reason}; exit non-zero
+    INIT = 10         # worker -> server: keys (rank 0 sends values); reply: the values
+    SET_OPTIMIZER = 11  # worker -> server: {optimizer description}; reply: ACK
+    PUSH = 12         # worker -> server: gradients of a step; flags say whether to reply
+    PULL = 13         # worker -> server: weights as of a step (or latest); reply: values
+    GET_STATE = 14    # worker -> server: optimizer state of all keys; reply: values+state
+    SET_STATE = 15    # worker -> server: optimizer state of keys; reply: ACK
+    REPLY = 20        # server -> worker: values (and state) for a request id
+    ACK = 21
+    ERROR = 22        # {error}: the request was rejected; the server keeps serving
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+    PULL = 1          # PUSH: reply with the weights once this step is applied
+    STATE = 2         # PUSH/PULL: add the optimizer state to the reply
+
+
+DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f8"), 2: np.dtype("<f2"),
+          3: np.dtype("<i4"), 4: np.dtype("<i8"), 5: np.dtype("u1")}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this module's format."""
+
+
+def dtype_code(dtype):
+    try:
+        return DTYPE_CODES[np.dtype(dtype).newbyteorder("<")]
+    except KeyError:
+        raise ProtocolError(f"dtype {np.dtype(dtype)} cannot be sent; supported: "
+                            f"{', '.join(str(d) for d in DTYPES.values())}") from None
+
+
+class Message:
+    """A decoded (or to-be-encoded) message. ``tensors[i]`` is a list per key record."""
+    __slots__ = ("kind", "flags", "sender", "step", "req", "records", "meta", "tensors")
+
+    def __init__(self, kind, *, flags=0, sender=-1, step=0, req=0, records=None, meta=None,
+                 tensors=None):
+        self.kind = Kind(kind)
+        self.flags = Flag(flags)
+        self.sender = sender
+        self.step = step
+        self.req = req
+        self.records = records if records is not None else np.zeros(0, KEY_RECORD)
+        self.meta = meta or {}
+        self.tensors = tensors or []
+
+    def __repr__(self):
+        return (f"Message({self.kind.name}, flags={self.flags!r}, sender={self.sender}, "
+                f"step={self.step}, req={self.req}, keys={len(self.records)})")
+
+
+def make_records(entries):
+    """entries: iterable of (key, step, offset, count, dtype, ntensors)."""
+    entries = list(entries)
+    rec = np.zeros(len(entries), KEY_RECORD)
+    for i, (key, step, offset, count, dtype, ntensors) in enumerate(entries):
+        rec[i] = (key, step, offset, count, dtype_code(dtype), ntensors, 0, 0)
+    return rec
+
+
+def encode(msg):
+    """Return the list of frames for ``msg``; tensors go out as buffers, uncopied."""
+    frames_tensors = []
+    if len(msg.tensors) != len(msg.records):
+        raise ProtocolError("one tensor list per key record is required")
+    for rec, arrays in zip(msg.records, msg.tensors):
+        if len(arrays) != rec["ntensors"]:
+            raise ProtocolError(f"key {rec['key']}: {len(arrays)} tensors, record says "
+                                f"{rec['ntensors']}")
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            if a.size != rec["count"] or DTYPE_CODES.get(a.dtype.newbyteorder("<")) != rec["dtype"]:
+                raise ProtocolError(f"key {rec['key']}: tensor {a.dtype}[{a.size}] does not "
+                                    f"match its record")
+            frames_tensors.append(a.reshape(-1).view(np.uint8))
+    meta = json.dumps(msg.meta, separators=(",", ":"), allow_nan=True).encode() if msg.meta else b""
+    if len(meta) > MAX_META_BYTES:
+        raise ProtocolError(f"meta of {len(meta)} bytes exceeds {MAX_META_BYTES}")
+    header = HEADER.pack(MAGIC, VERSION, int(msg.kind), int(msg.flags), msg.sender, msg.step,
+                         msg.req, len(msg.records), len(frames_tensors))
+    return [header, msg.records.tobytes(), meta] + frames_tensors
+
+
+def _buffer(frame):
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def decode(frames, *, max_bytes=None):
+    """Validate and decode a list of frames (bytes or zmq.Frame). Tensors are views of
+    the received frames (no copy); copy before mutating."""
+    if len(frames) < 3:
+        raise ProtocolError(f"a message has at least 3 frames, got {len(frames)}")
+    head = bytes(_buffer(frames[0]))
+    if len(head) != HEADER.size:
+        raise ProtocolError(f"header is {len(head)} bytes, expected {HEADER.size}")
+    magic, version, kind, flags, sender, step, req, nkeys, ntensors = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}; not an ssdsgd peer")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version}, this node speaks {VERSION}")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {kind}") from None
+    if flags & ~int(Flag.PULL | Flag.STATE):
+        raise ProtocolError(f"unknown flag bits {flags:#x}")
+    if nkeys > MAX_KEYS:
+        raise ProtocolError(f"{nkeys} keys exceeds the limit {MAX_KEYS}")
+    if len(frames) != 3 + ntensors:
+        raise ProtocolError(f"header announces {ntensors} tensor frames, message has "
+                            f"{len(frames) - 3}")
+    table = _buffer(frames[1])
+    if len(table) != nkeys * KEY_RECORD.itemsize:
+        raise ProtocolError(f"key table is {len(table)} bytes, {nkeys} records need "
+                            f"{nkeys * KEY_RECORD.itemsize}")
+    records = np.frombuffer(table, KEY_RECORD).copy() if nkeys else np.zeros(0, KEY_RECORD)
+    meta_raw = bytes(_buffer(frames[2]))
+    if len(meta_raw) > MAX_META_BYTES:
+        raise ProtocolError(f"meta of {len(meta_raw)} bytes exceeds {MAX_META_BYTES}")
+    meta = {}
+    if meta_raw:
+        try:
+            meta = json.loads(meta_raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ProtocolError(f"meta is not UTF-8 JSON: {e}") from None
+        if not isinstance(meta, dict):
+            raise ProtocolError("meta must be a JSON object")
+    if nkeys:
+        if (records["key"] < 0).any() or (records["offset"] < 0).any() or (records["count"] < 0).any():
+            raise ProtocolError("negative key, offset or count in the key table")
+        if (records["ntensors"] > MAX_TENSORS_PER_KEY).any():
+            raise ProtocolError(f"more than {MAX_TENSORS_PER_KEY} tensors for one key")
+        bad = [c for c in np.unique(records["dtype"]) if int(c) not in DTYPES]
+        if bad:
+            raise ProtocolError(f"unknown dtype code {int(bad[0])}")
+        if int(records["ntensors"].sum()) != ntensors:
+            raise ProtocolError(f"key table accounts for {int(records['ntensors'].sum())} "
+                                f"tensors, header says {ntensors}")
+    tensors, i, total = [], 3, 0
+    for rec in records:
+        dt = DTYPES[int(rec["dtype"])]
+        want = int(rec["count"]) * dt.itemsize
+        arrays = []
+        for _ in range(int(rec["ntensors"])):
+            buf = _buffer(frames[i])
+            if len(buf) != want:
+                raise ProtocolError(f"key {int(rec['key'])}: tensor frame is {len(buf)} bytes, "
+                                    f"its record needs {want}")
+            total += want
+            arrays.append(np.frombuffer(buf, dt))
+            i += 1
+        tensors.append(arrays)
+    if max_bytes is not None and total > max_bytes:
+        raise ProtocolError(f"message carries {total} tensor bytes, limit is {max_bytes}")
+    return Message(kind, flags=flags, sender=sender, step=step, req=req, records=records,
+                   meta=meta, tensors=tensors)
+
+
+def control(kind, meta=None, **kw):
+    """Frames of a message with no tensors."""
+    return encode(Message(kind, meta=meta, **kw))

@@ -1,0 +1,342 @@
+"""A parameter server: owns a shard of the keys, aggregates each step, applies the optimizer.
+
+Synchronous modes (``ssgd``, ``ssd``): for every key and step the server waits for the
+gradients of all N workers, sums them in rank order (never arrival order, so runs are
+reproducible) and applies MXNet's optimizer once -- ``dist_sync``'s semantics, which the
+spec's global update is. A reply "as of step t" is a snapshot taken the moment step t is
+applied, so it is exactly w_G(t) however far other workers have run ahead.
+
+``asgd``: every push is applied on arrival (``dist_async``'s semantics).
+
+One thread, one ROUTER socket: a malformed or inconsistent message is answered with an
+ERROR naming the problem and the server keeps serving.
+"""
+import sys
+import time
+
+import mxnet as mx
+import numpy as np
+import zmq
+
+from . import protocol as P
+from .env import EnvError, NodeEnv
+from .optimizer_spec import OptimizerSpecError, build, describe, flatten_state, unflatten_state
+from .scheduler import JobAborted, SchedulerLink, bind_router
+
+MAX_STEPS_AHEAD = 1024   # pending steps per key beyond the applied one (memory bound)
+
+
+class RequestError(ValueError):
+    """A well-formed message the server cannot accept (unknown key, stale step, ...)."""
+
+
+class KeyShard:
+    """The server's part of one key: a flat slice of the weights and its aggregation."""
+    __slots__ = ("key", "offset", "count", "dtype", "weight", "version", "pending", "waiting")
+
+    def __init__(self, key, offset, values):
+        self.key = key
+        self.offset = offset
+        self.count = values.size
+        self.dtype = values.dtype
+        self.weight = mx.nd.array(values, dtype=values.dtype)
+        self.version = 0          # steps applied
+        self.pending = {}         # step -> {rank: gradient}
+        self.waiting = {}         # step -> [Reply] to complete when that step is applied
+
+
+class Reply:
+    """A reply being assembled: values snapshotted per key as their step is applied."""
+    __slots__ = ("ident", "req", "records", "parts", "missing", "with_state", "lr")
+
+    def __init__(self, ident, req, n, with_state):
+        self.ident, self.req, self.with_state = ident, req, with_state
+        self.records, self.parts, self.missing, self.lr = [None] * n, [None] * n, n, None
+
+
+class Server:
+    def __init__(self, env: NodeEnv, log=None):
+        self.env = env
+        self.log = log or (lambda text: print(f"ssdsgd server: {text}", file=sys.stderr, flush=True))
+        self.sync = env.algorithm != "asgd"
+        self.ctx = zmq.Context.instance()
+        self.sock, self.port = bind_router(self.ctx, env.node_host, 0, "a server")
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, env.max_message_bytes)
+        self.link = SchedulerLink(self.ctx, env, "server", env.node_host, self.port)
+        self.shards = {}
+        self.optimizer = None
+        self.updater = None
+        self.pending_inits = []
+        self.rank = -1
+        self.num_workers = env.num_workers
+
+    # ---- replies -------------------------------------------------------------------
+    def _send(self, ident, msg):
+        try:
+            self.sock.send_multipart([ident] + P.encode(msg), copy=False)
+        except zmq.ZMQError as e:
+            self.log(f"could not reply to a worker that left: {e.strerror}")
+
+    def _error(self, ident, req, text):
+        self.log(f"rejected a request: {text}")
+        self._send(ident, P.Message(P.Kind.ERROR, sender=self.rank, req=req, meta={"error": text}))
+
+    def _state_arrays(self, shard):
+        if self.updater is None:
+            return []
+        if shard.key not in self.updater.states:
+            self.updater.states[shard.key] = self.optimizer.create_state_multi_precision(
+                shard.key, shard.weight)
+            self.updater.states_synced[shard.key] = True
+        return [a.asnumpy() for a in flatten_state(self.updater.states[shard.key])]
+
+    def _snapshot(self, reply, i, shard):
+        arrays = [shard.weight.asnumpy()]
+        if reply.with_state:
+            arrays += self._state_arrays(shard)
+        reply.records[i] = (shard.key, shard.version, shard.offset, shard.count, shard.dtype,
+                            len(arrays))
+        reply.parts[i] = arrays
+        reply.missing -= 1
+        if self.optimizer is not None:
+            reply.lr = float(self.optimizer.learning_rate)
+        if reply.missing == 0:
+            self._send(reply.ident, P.Message(
+                P.Kind.REPLY, sender=self.rank, req=reply.req,
+                records=P.make_records(reply.records), tensors=reply.parts,
+                meta={"lr": reply.lr} if reply.lr is not None else None))
+
+    # ---- validation ----------------------------------------------------------------
+    def _shard_for(self, rec, *, with_values):
+        key = int(rec["key"])
+        shard = self.shards.get(key)
+        if shard is None:
+            raise RequestError(f"key {key} was never initialized on server {self.rank}")
+        if int(rec["offset"]) != shard.offset or int(rec["count"]) != shard.count:
+            raise RequestError(f"key {key}: slice [{int(rec['offset'])}, +{int(rec['count'])}) "
+                               f"does not match this server's [{shard.offset}, +{shard.count})")
+        if with_values and P.DTYPES[int(rec["dtype"])] != shard.dtype:
+            raise RequestError(f"key {key}: dtype {P.DTYPES[int(rec['dtype'])]} but the key "
+                               f"holds {shard.dtype}")
+        return shard
+
+    def _check_sender(self, msg):
+        if not 0 <= msg.sender < self.num_workers:
+            raise RequestError(f"sender rank {msg.sender} is not a worker of this job "
+                               f"(0..{self.num_workers - 1})")
+
+    # ---- handlers ------------------------------------------------------------------
+    def on_init(self, ident, msg):
+        self._check_sender(msg)
+        for rec, arrays in zip(msg.records, msg.tensors):
+            key = int(rec["key"])
+            if key in self.shards or not arrays:
+                continue
+            if msg.sender != 0:
+                raise RequestError(f"key {key}: only rank 0's initial values are taken")
+            if len(arrays) != 1:
+                raise RequestError(f"key {key}: INIT carries one tensor per key")
+            self.shards[key] = KeyShard(key, int(rec["offset"]), arrays[0])
+        self.pending_inits.append((ident, msg))
+        still = []
+        for ident_i, msg_i in self.pending_inits:
+            if all(int(r["key"]) in self.shards for r in msg_i.records):
+                self._reply_now(ident_i, msg_i, with_state=False)
+            else:
+                still.append((ident_i, msg_i))
+        self.pending_inits = still
+
+    def _reply_now(self, ident, msg, with_state):
+        shards = [self._shard_for(rec, with_values=False) for rec in msg.records]
+        reply = Reply(ident, msg.req, len(shards), with_state)
+        if not shards:
+            self._send(ident, P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req))
+        for i, shard in enumerate(shards):
+            self._snapshot(reply, i, shard)
+
+    def on_set_optimizer(self, ident, msg):
+        try:
+            self.optimizer = build(msg.meta["optimizer"])
+        except (KeyError, OptimizerSpecError) as e:
+            raise RequestError(f"SET_OPTIMIZER: {e}") from None
+        self.updater = mx.optimizer.get_updater(self.optimizer)
+        self._send(ident, P.Message(P.Kind.ACK, sender=self.rank, req=msg.req))
+
+    def on_push(self, ident, msg):
+        self._check_sender(msg)
+        shards = []
+        if len(np.unique(msg.records["key"])) != len(msg.records):
+            raise RequestError("a push names a key twice")
+        for rec, arrays in zip(msg.records, msg.tensors):
+            shard = self._shard_for(rec, with_values=True)
+            step = int(rec["step"])
+            if len(arrays) != 1:
+                raise RequestError(f"key {shard.key}: a push carries one gradient per key")
+            if self.sync:
+                if step < shard.version:
+                    raise RequestError(f"key {shard.key}: push for step {step} from worker "
+                                       f"{msg.sender}, but step {shard.version - 1} is already applied")
+                if step - shard.version >= MAX_STEPS_AHEAD:
+                    raise RequestError(f"key {shard.key}: worker {msg.sender} pushed step {step}, "
+                                       f"{MAX_STEPS_AHEAD}+ steps ahead of the slowest worker")
+                if msg.sender in shard.pending.get(step, ()):
+                    raise RequestError(f"key {shard.key}: worker {msg.sender} pushed step {step} twice")
+            shards.append((shard, step, arrays[0]))
+        reply = None
+        if msg.flags & P.Flag.PULL:
+            reply = Reply(ident, msg.req, len(shards), bool(msg.flags & P.Flag.STATE))
+        ready = []
+        for i, (shard, step, grad) in enumerate(shards):
+            if not self.sync:
+                ready.append((shard, grad))
+                continue
+            shard.pending.setdefault(step, {})[msg.sender] = grad
+            if reply is not None:
+                shard.waiting.setdefault(step, []).append((reply, i))
+            if step == shard.version and len(shard.pending[step]) == self.num_workers:
+                ready.append((shard, None))
+        if self.sync:
+            while ready:
+                self._apply([s for s, _ in ready], [self._sum(s) for s, _ in ready])
+                nxt = []
+                for shard, _ in ready:
+                    for rep, i in shard.waiting.pop(shard.version - 1, ()):
+                        self._snapshot(rep, i, shard)
+                    if len(shard.pending.get(shard.version, ())) == self.num_workers:
+                        nxt.append((shard, None))
+                ready = nxt
+        else:
+            self._apply([s for s, _ in ready], [g for _, g in ready])
+            if reply is not None:
+                for i, (shard, _, _) in enumerate(shards):
+                    self._snapshot(reply, i, shard)
+
+    def _sum(self, shard):
+        grads = shard.pending.pop(shard.version)
+        acc = np.array(grads[0], copy=True)
+        for r in range(1, self.num_workers):
+            acc += grads[r]
+        return acc
+
+    def _apply(self, shards, grads):
+        if not shards:
+            return
+        if self.updater is None:       # no optimizer: the store keeps the sum (MXNet's rule)
+            for shard, g in zip(shards, grads):
+                shard.weight[:] = g
+        else:
+            self.updater([s.key for s in shards],
+                         [mx.nd.array(g, dtype=g.dtype) for g in grads],
+                         [s.weight for s in shards])
+        for shard in shards:
+            shard.version += 1
+
+    def on_pull(self, ident, msg):
+        shards = [self._shard_for(rec, with_values=False) for rec in msg.records]
+        reply = Reply(ident, msg.req, len(shards), bool(msg.flags & P.Flag.STATE))
+        if not shards:
+            self._send(ident, P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req))
+        for i, (rec, shard) in enumerate(zip(msg.records, shards)):
+            step = int(rec["step"])
+            if self.sync and step >= shard.version:     # "as of step t": wait for it
+                shard.waiting.setdefault(step, []).append((reply, i))
+            else:
+                self._snapshot(reply, i, shard)
+
+    def on_get_state(self, ident, msg):
+        shards = sorted(self.shards.values(), key=lambda s: s.key)
+        arrays = [[s.weight.asnumpy()] + self._state_arrays(s) for s in shards]
+        records = P.make_records((s.key, s.version, s.offset, s.count, s.dtype, len(a))
+                                 for s, a in zip(shards, arrays))
+        meta = {"optimizer": describe(self.optimizer) if self.optimizer else None}
+        self._send(ident, P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req,
+                                    records=records, tensors=arrays, meta=meta))
+
+    def on_set_state(self, ident, msg):
+        if "optimizer" in msg.meta:
+            try:
+                self.optimizer = build(msg.meta["optimizer"])
+            except OptimizerSpecError as e:
+                raise RequestError(f"SET_STATE: {e}") from None
+            self.updater = mx.optimizer.get_updater(self.optimizer)
+        if self.updater is None:
+            raise RequestError("SET_STATE before any optimizer was set")
+        for rec, arrays in zip(msg.records, msg.tensors):
+            shard = self._shard_for(rec, with_values=True)
+            template = self.optimizer.create_state_multi_precision(shard.key, shard.weight)
+            want = len(flatten_state(template))
+            if len(arrays) != want:
+                raise RequestError(f"key {shard.key}: {len(arrays)} state arrays, the "
+                                   f"optimizer keeps {want}")
+            self.updater.states[shard.key] = unflatten_state(
+                template, [mx.nd.array(a, dtype=a.dtype) for a in arrays])
+            self.updater.states_synced[shard.key] = True
+        self._send(ident, P.Message(P.Kind.ACK, sender=self.rank, req=msg.req))
+
+    HANDLERS = {P.Kind.INIT: on_init, P.Kind.SET_OPTIMIZER: on_set_optimizer,
+                P.Kind.PUSH: on_push, P.Kind.PULL: on_pull, P.Kind.GET_STATE: on_get_state,
+                P.Kind.SET_STATE: on_set_state}
+
+    # ---- loop ----------------------------------------------------------------------
+    def handle(self, frames):
+        ident, msg = frames[0].bytes, None
+        try:
+            msg = P.decode(frames[1:], max_bytes=self.env.max_message_bytes)
+            handler = self.HANDLERS.get(msg.kind)
+            if handler is None:
+                raise RequestError(f"a server does not handle {msg.kind.name}")
+            handler(self, ident, msg)
+        except (P.ProtocolError, RequestError) as e:
+            self._error(ident, msg.req if msg is not None else 0, str(e))
+
+    def run(self):
+        topo = self.link.register()
+        self.rank = topo["rank"]
+        self.log = (lambda text, r=self.rank: print(f"ssdsgd server {r}: {text}",
+                                                     file=sys.stderr, flush=True))
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.link.sock, zmq.POLLIN)
+        wait_ms = max(1, int(self.env.heartbeat_interval * 1000 / 2))
+        while True:
+            events = dict(poller.poll(wait_ms))
+            if self.link.sock in events:
+                msg = self.link.receive()
+                if msg.kind == P.Kind.SHUTDOWN:
+                    return 0
+            if self.sock in events:
+                for _ in range(64):   # drain a burst, but keep heartbeats going
+                    try:
+                        frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.handle(frames)
+            self.link.tick()
+
+    def close(self):
+        self.sock.close(0)
+        self.link.sock.close(0)
+
+
+def main():
+    try:
+        env = NodeEnv.from_environ()
+        server = Server(env)
+    except (EnvError, JobAborted) as e:
+        print(f"ssdsgd server: {e}", file=sys.stderr)
+        return 2
+    try:
+        return server.run()
+    except JobAborted as e:
+        server.log(str(e))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""``python launch/dist.py``: start a whole ssdsgd job on this machine.
+
+Two forms:
+
+    python launch/dist.py CONFIG.yaml [--set sync.delay_steps=10 ...] [--resume RUN_DIR]
+    python launch/dist.py -n 4 -s 1 [--launcher local] [--env K=V ...] -- python train.py ...
+
+The first runs ssdsgd's training program (``python -m ssdsgd.train``) on every worker with
+the cluster and synchronization taken from the config; the second is MXNet's
+``tools/launch.py`` form for your own script, which then uses ``kvstore='ssd_sync'``.
+"""
+import argparse
+import os
+import sys
+
+from .job import run_job
+from .local import LAUNCHERS
+
+
+def _command_form(argv):
+    if "--" not in argv:
+        raise SystemExit("launch/dist.py: give a CONFIG.yaml, or -n N -s S -- COMMAND ...")
+    i = argv.index("--")
+    opts, cmd = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", "--num-workers", type=int, required=True)
+    p.add_argument("-s", "--num-servers", type=int, default=1)
+    p.add_argument("--launcher", default="local", choices=sorted(LAUNCHERS))
+    p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for every process, e.g. SSDSGD_ALGORITHM=ssgd")
+    args = p.parse_args(opts)
+    if not cmd:
+        p.error("no command after --")
+    if args.num_workers < 1 or args.num_servers < 1:
+        p.error("-n and -s must be >= 1")
+    extra = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--env {item!r}: expected KEY=VALUE")
+        extra[key] = value
+    return run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
+                   launcher=args.launcher)
+
+
+def _config_form(argv):
+    from ..config import ConfigError, cluster_env, load_config, new_run_dir, save_config, sync_env
+    p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", help="the job's YAML file (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set sync.delay_steps=10")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
+    args = p.parse_args(argv)
+    try:
+        if args.resume:
+            config = load_config(os.path.join(args.resume, "config.yaml"), args.overrides)
+            run_dir = args.resume
+        else:
+            config = load_config(args.config, args.overrides)
+            run_dir = str(new_run_dir(config))
+            save_config(config, os.path.join(run_dir, "config.yaml"))
+        env = dict(cluster_env(config))
+        env.update(sync_env(config))
+    except ConfigError as e:
+        print(f"launch/dist.py: {e}", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),
+           "--run-dir", run_dir]
+    if args.resume:
+        cmd += ["--resume", run_dir]
+    progress = None
+    try:
+        from ..progress import ProgressMonitor
+        from ..train import total_steps
+        progress = ProgressMonitor(run_dir, total_steps(config), tty=sys.stdout.isatty())
+    except ImportError:
+        pass
+    print(f"[launcher] run directory: {run_dir}", flush=True)
+    return run_job(config.cluster.workers, config.cluster.servers, cmd, env,
+                   port=args.port or None, launcher=config.cluster.launcher, progress=progress)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv or any(a in ("-n", "--num-workers") for a in argv):
+        return _command_form(argv)
+    return _config_form(argv)

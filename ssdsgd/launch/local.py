@@ -1,0 +1,44 @@
+"""The local launcher: every role is a child process of the launcher on this machine."""
+import os
+import signal
+import subprocess
+
+
+class LocalProcess:
+    def __init__(self, role, rank, popen):
+        self.role, self.rank, self.popen = role, rank, popen
+
+    @property
+    def name(self):
+        return self.role if self.role == "scheduler" else f"{self.role} {self.rank}"
+
+    @property
+    def pid(self):
+        return self.popen.pid
+
+    def poll(self):
+        return self.popen.poll()
+
+    def signal(self, sig):
+        """Signal the child's whole process group (it runs in a session of its own), so
+        nothing it started survives it."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class LocalLauncher:
+    name = "local"
+    host = "127.0.0.1"
+
+    def start(self, role, rank, cmd, env):
+        popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        return LocalProcess(role, rank, popen)
+
+    def stop(self, proc, sig=signal.SIGTERM):
+        proc.signal(sig)
+
+
+LAUNCHERS = {"local": LocalLauncher}

@@ -1,0 +1,1 @@
+"""The worker's stage machine: warm-up, steps delay, pulls."""
