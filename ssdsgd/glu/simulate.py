@@ -79,9 +79,10 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
     N = num_workers
     server = Server(init_weights, make_optimizer)
     workers = [{key: w.copy() for key, w in init_weights.items()} for _ in range(N)]
+    # ssgd never updates locally, so it needs (and validates) no local rule.
     rules = [make_local_rule(local_rule, make_optimizer, N, glu_state, lr_local)
-             for _ in range(N)]
-    with_state = rules[0].needs_state
+             for _ in range(N)] if algorithm == 'ssd' else []
+    with_state = bool(rules) and rules[0].needs_state
 
     # w_G(t) for t < 0 is the initial weights. Warm-up replies are kept for the last two
     # steps: at the first steps-delay step the pull of step T_w - 1 acts as the pull
@@ -124,7 +125,8 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
                 rules[i].update(key, workers[i][key], grads[i][key])
             # 5. request the global weights as of step t.
             if (t - T_w) % k == k - 1:
-                reply_t = reply_t or server.pull(with_state)
+                if reply_t is None:
+                    reply_t = server.pull(with_state)
                 pending[i] = reply_t
 
     return SimResult(global_weights=server.weights, worker_weights=workers)
