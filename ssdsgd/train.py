@@ -81,6 +81,19 @@ def optimizer_params(config: Config, lr_scheduler) -> dict:
     return params
 
 
+def gradient_batch(config: Config, kv, num_workers: int) -> int:
+    """What Trainer.step is told the batch size is (it sets rescale_grad = 1 / that).
+
+    As MXNet's Module does for dist_sync: with a synchronous algorithm (ssd, ssgd) the
+    servers sum the N workers' gradients, so each is divided by the global batch
+    N * batch_size and optimizer.lr is the lr of the mean gradient over the global batch,
+    whatever N (the paper's convention: lr 0.4 for 4 x 128 on CIFAR-10). With asgd every
+    push is its own update (dist_async): divided by the worker's batch."""
+    if kv is None or config.sync.algorithm == "asgd":
+        return config.data.batch_size
+    return config.data.batch_size * num_workers
+
+
 def seed_everything(seed: int) -> None:
     import mxnet as mx
     random.seed(seed)
@@ -249,6 +262,7 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
         trainer = gluon.Trainer(net.collect_params(), config.optimizer.name,
                                 optimizer_params(config, sched), kvstore=store)
         loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+        grad_batch = gradient_batch(config, kv, num_workers)
 
         start_epoch, step = 0, 0
         if resume:
@@ -294,7 +308,7 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
                     outs = [net(xi) for xi in xs]
                     losses = [loss_fn(o, yi) for o, yi in zip(outs, ys)]
                 autograd.backward(losses)
-                trainer.step(bs)
+                trainer.step(grad_batch)
                 step += 1
                 samples += len(y)
                 loss_sum = sum(float(l.sum().asscalar()) for l in losses)
