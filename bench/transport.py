@@ -1,0 +1,173 @@
+"""Transport benchmark: ssd_sync (SSDSGD_ALGORITHM=ssgd) against MXNet's native dist_sync.
+
+    python bench/transport.py [--reps 5] [--big-mb 100] [--small-keys 160]
+                              [--small-steps 50] [--workers 2] [--servers 1]
+                              [--only native|ssd] [--json FILE]
+
+Runs bench/transport_worker.py as every worker of two local jobs, one after the other:
+native dist_sync (ps-lite, started by ssdsgd.testing.run_native) and ssd_sync (started
+by launch/dist.py), and prints one table:
+
+  big    GB/s per worker for kv.pushpull of one --big-mb MB float32 array
+         ((bytes pushed + bytes pulled) / s; higher is better)
+  small  ms per trainer.step of a stock gluon.Trainer with --small-keys parameters of
+         4096 float32 (16 KB) each; the Trainer calls pushpull once per parameter
+         (lower is better)
+
+Figures are medians over the timed repetitions, then averaged over the workers.
+The ratio column is ssd_sync / native; it reads "better" above 1 for GB/s and below 1
+for ms/step.  If launch/dist.py does not exist yet, the ssd_sync part is skipped.
+"""
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from ssdsgd.testing import NativePSError, run_native  # noqa: E402
+
+WORKER = REPO / 'bench' / 'transport_worker.py'
+DIST = REPO / 'launch' / 'dist.py'
+# Same for both jobs: one OpenMP thread per process, so 2 workers + servers +
+# scheduler do not oversubscribe a small machine.
+JOB_ENV = {'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--reps', type=int, default=5, help='timed big pushpulls (after 1 warm-up)')
+    p.add_argument('--big-mb', type=float, default=100.0, help='big array size, MB (1e6 B)')
+    p.add_argument('--small-keys', type=int, default=160, help='parameters of 16 KB each')
+    p.add_argument('--small-steps', type=int, default=50, help='timed trainer.step calls')
+    p.add_argument('--workers', type=int, default=2)
+    p.add_argument('--servers', type=int, default=1)
+    p.add_argument('--only', choices=['native', 'ssd'], help='run one side only')
+    p.add_argument('--timeout', type=float, default=900, help='seconds per job')
+    p.add_argument('--json', help='also write the raw per-worker results here')
+    return p.parse_args(argv)
+
+
+def worker_cmd(kvstore, out, args):
+    return [sys.executable, str(WORKER), '--kvstore', kvstore, '--out', str(out),
+            '--reps', str(args.reps), '--big-mb', str(args.big_mb),
+            '--small-keys', str(args.small_keys), '--small-steps', str(args.small_steps)]
+
+
+def load_results(out, num_workers):
+    found = sorted(out.glob('result-rank*.json'))
+    if len(found) != num_workers:
+        raise RuntimeError(f'expected {num_workers} result files in {out}, found {len(found)}')
+    return [json.loads(f.read_text()) for f in found]
+
+
+def run_native_side(args, out):
+    run_native(worker_cmd('dist_sync', out, args), args.workers, num_servers=args.servers,
+               mode='dist_sync', env=JOB_ENV, timeout=args.timeout, cwd=REPO)
+    return load_results(out, args.workers)
+
+
+def run_ssd_side(args, out):
+    cmd = [sys.executable, str(DIST), '-n', str(args.workers), '-s', str(args.servers),
+           '--env', 'SSDSGD_ALGORITHM=ssgd']
+    for k, v in JOB_ENV.items():
+        cmd += ['--env', f'{k}={v}']
+    cmd += ['--', *worker_cmd('ssd_sync', out, args)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith('DMLC_')}
+    env.update(JOB_ENV)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise RuntimeError(f'launch/dist.py timed out after {args.timeout:g} s:\n'
+                           f'{output[-4000:]}')
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # anything the launcher left behind
+        except (ProcessLookupError, PermissionError):
+            pass
+    if proc.returncode != 0:
+        raise RuntimeError(f'launch/dist.py exited {proc.returncode}:\n{output[-4000:]}')
+    return load_results(out, args.workers)
+
+
+def summarize(results):
+    """Medians per worker, averaged over workers."""
+    big = [statistics.median(r['big']['gbps']) for r in results]
+    small = [statistics.median(r['small']['ms_per_step']) for r in results]
+    return {'big_gbps': statistics.mean(big), 'small_ms': statistics.mean(small),
+            'big_gbps_workers': big, 'small_ms_workers': small,
+            'big_ok': all(r['big']['check_ok'] for r in results),
+            'update_on_kvstore': results[0]['small']['update_on_kvstore']}
+
+
+def fmt(x, spec):
+    return '-' if x is None else format(x, spec)
+
+
+def print_table(args, native, ssd, notes):
+    size = f'{args.big_mb:g} MB'
+    rows = [
+        (f'big: pushpull {size}, GB/s/worker (higher better)', 'big_gbps', '.3f'),
+        (f'small: {args.small_keys} x 16 KB Trainer.step, ms (lower better)', 'small_ms', '.2f'),
+    ]
+    head = (f'{args.workers} workers, {args.servers} server(s), big reps {args.reps}, '
+            f'small steps {args.small_steps}; medians, mean over workers')
+    print(head)
+    w0 = max(len(r[0]) for r in rows)
+    print(f'{"":{w0}}  {"native":>10}  {"ssd_sync":>10}  {"ssd/native":>10}')
+    for label, key, spec in rows:
+        a = native[key] if native else None
+        b = ssd[key] if ssd else None
+        ratio = b / a if a and b is not None else None
+        print(f'{label:{w0}}  {fmt(a, spec):>10}  {fmt(b, spec):>10}  {fmt(ratio, ".2f"):>10}')
+    for side, s in (('native', native), ('ssd_sync', ssd)):
+        if s:
+            per = ', '.join(f'{g:.3f}' for g in s['big_gbps_workers'])
+            per_ms = ', '.join(f'{m:.2f}' for m in s['small_ms_workers'])
+            print(f'  {side}: per worker GB/s [{per}], ms/step [{per_ms}], '
+                  f'update_on_kvstore={s["update_on_kvstore"]}'
+                  + ('' if s['big_ok'] else ', BIG RESULT WRONG (!= sum of pushes)'))
+    for n in notes:
+        print(f'  note: {n}')
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    native = ssd = None
+    notes, raw = [], {}
+    with tempfile.TemporaryDirectory(prefix='transport-bench-') as tmp:
+        if args.only in (None, 'native'):
+            try:
+                raw['native'] = run_native_side(args, Path(tmp) / 'native')
+                native = summarize(raw['native'])
+            except (NativePSError, RuntimeError) as e:
+                notes.append(f'native part failed: {e}')
+        if args.only in (None, 'ssd'):
+            if not DIST.exists():
+                notes.append('ssd_sync part skipped: launch/dist.py does not exist yet')
+            else:
+                try:
+                    raw['ssd'] = run_ssd_side(args, Path(tmp) / 'ssd')
+                    ssd = summarize(raw['ssd'])
+                except RuntimeError as e:
+                    notes.append(f'ssd_sync part failed: {e}')
+    print_table(args, native, ssd, notes)
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+    failed = any(n.startswith(('native part failed', 'ssd_sync part failed')) for n in notes)
+    return 1 if failed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
