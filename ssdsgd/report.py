@@ -45,7 +45,7 @@ def load_run(run_dir) -> dict:
     records = {rank: read_records(p) for rank, p in files.items()}
     val = []
     for rank in sorted(records):
-        v = [r for r in records[rank] if r.get("event") == "val"]
+        v = validation_curve(records[rank])
         if v:
             val = v
             break
@@ -77,6 +77,21 @@ def load_run(run_dir) -> dict:
         blocked = sum(e["time_blocked"] for e in ends) / len(ends)
     run["time_blocked"] = blocked
     return run
+
+
+def validation_curve(records: list[dict]) -> list[dict]:
+    """The val records of one worker file, one per epoch (a resumed run repeats epochs:
+    the later record wins) with ``elapsed`` continued across resumes."""
+    by_epoch: dict = {}
+    offset = last_elapsed = 0.0
+    for r in records:
+        if r.get("event") == "start" and last_elapsed:
+            offset, last_elapsed = offset + last_elapsed, 0.0
+        elif r.get("event") in ("train", "val") and r.get("elapsed") is not None:
+            last_elapsed = r["elapsed"]
+            if r["event"] == "val":
+                by_epoch[r.get("epoch")] = dict(r, elapsed=offset + r["elapsed"])
+    return [by_epoch[e] for e in sorted(by_epoch, key=lambda e: (e is None, e))]
 
 
 def _fmt_bytes(n) -> str:

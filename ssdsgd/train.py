@@ -182,28 +182,37 @@ def stage_of(config: Config, kv, step: int, warmup: int, m: dict) -> str:
     return {"ssgd": "sync", "asgd": "async"}[alg]
 
 
-def save_checkpoint(run_dir: Path, net, trainer, epoch: int, step: int, seed: int) -> Path:
-    """Rank 0: parameters, trainer states (if the kvstore can save them) and the data
-    position (the next epoch to run) in RUN_DIR/checkpoints/."""
+def save_states(run_dir: Path, trainer, epoch: int) -> str | None:
+    """Rank 0: the trainer's optimizer states (through the kvstore when it updates on the
+    servers) to RUN_DIR/checkpoints/epoch-NNNN.states; None if it cannot."""
+    ck = run_dir / "checkpoints"
+    ck.mkdir(parents=True, exist_ok=True)
+    states = ck / f"epoch-{epoch:04d}.states"
+    try:
+        trainer.save_states(str(states))
+    except Exception as exc:  # noqa: BLE001 - a kvstore may not support it
+        text = str(exc).strip()
+        log.warning("checkpoint: optimizer states not saved (%s)",
+                    text.splitlines()[-1] if text else type(exc).__name__)
+        return None
+    return states.name
+
+
+def save_checkpoint(run_dir: Path, net, states_name: str | None, epoch: int, step: int,
+                    seed: int) -> Path:
+    """Rank 0: parameters and the data position (the next epoch to run) in
+    RUN_DIR/checkpoints/; latest.json points at the newest checkpoint."""
     ck = run_dir / "checkpoints"
     ck.mkdir(parents=True, exist_ok=True)
     params = ck / f"epoch-{epoch:04d}.params"
-    states = ck / f"epoch-{epoch:04d}.states"
     net.save_parameters(str(params))
-    try:
-        trainer.save_states(str(states))
-        states_name = states.name
-    except Exception as exc:  # noqa: BLE001 - a kvstore may not support it
-        log.warning("checkpoint: optimizer states not saved (%s)",
-                    str(exc).strip().splitlines()[-1] if str(exc).strip() else
-                    type(exc).__name__)
-        states_name = None
     info = {"epoch": epoch, "next_epoch": epoch + 1, "step": step, "seed": seed,
             "params": params.name, "states": states_name}
     tmp = ck / "latest.json.tmp"
     tmp.write_text(json.dumps(info, indent=2) + "\n")
     os.replace(tmp, ck / "latest.json")
     return params
+
 
 
 def load_checkpoint(run_dir: Path, net, trainer, ctx) -> dict:
@@ -226,6 +235,16 @@ def load_checkpoint(run_dir: Path, net, trainer, ctx) -> dict:
 
 # ----------------------------------------------------------------------------- training
 
+def total_steps(config: Config, num_workers: int | None = None) -> int:
+    """Steps every worker runs in the whole job: train.epochs x steps per epoch (for
+    ``num_workers``, default cluster.workers), capped by train.max_steps."""
+    n = config.cluster.workers if num_workers is None else num_workers
+    total = config.train.epochs * steps_per_epoch(config, n)
+    if config.train.max_steps is not None:
+        total = min(total, config.train.max_steps)
+    return total
+
+
 def train(config: Config, run_dir, resume: bool = False) -> dict:
     """Train as configured; return rank 0's summary (other ranks: their end record)."""
     import mxnet as mx
@@ -243,14 +262,16 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
     if kv is not None and num_workers != config.cluster.workers:
         log.warning("kvstore reports %d workers, config cluster.workers is %d",
                     num_workers, config.cluster.workers)
+    writer = loader = None
     try:
         dataset = open_dataset(config)
         spe = steps_per_epoch(config, num_workers, dataset.n_train)
         warmup = resolve_warmup_steps(config, spe)
         bs = config.data.batch_size
-        total_steps = config.train.epochs * spe
+        n_steps = config.train.epochs * spe
         if config.train.max_steps is not None:
-            total_steps = min(total_steps, config.train.max_steps)
+            n_steps = min(n_steps, config.train.max_steps)
+        last_epoch = (n_steps - 1) // spe  # the epoch in which training ends
 
         ctx = contexts(config)
         net = build_model(config.model.name, dataset.num_classes)
@@ -277,7 +298,7 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
 
         writer = MetricsWriter(run_dir, rank)
         writer.write("start", rank=rank, num_workers=num_workers, steps_per_epoch=spe,
-                     total_steps=total_steps, epochs=config.train.epochs, batch_size=bs,
+                     total_steps=n_steps, epochs=config.train.epochs, batch_size=bs,
                      warmup_steps=warmup, algorithm=config.sync.algorithm,
                      delay_steps=config.sync.delay_steps, model=config.model.name,
                      dataset=config.data.dataset, kvstore=kv is not None,
@@ -285,20 +306,32 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
         log.info("rank %d/%d: %s on %s, %d samples, %d steps/epoch x %d epochs (%d steps), "
                  "batch %d, warm-up %d steps, %s", rank, num_workers, config.model.name,
                  config.data.dataset, dataset.n_train, spe, config.train.epochs,
-                 total_steps, bs, warmup, "kvstore ssd_sync" if kv is not None else
+                 n_steps, bs, warmup, "kvstore ssd_sync" if kv is not None else
                  "single process (no kvstore)")
 
         loader = Loader(dataset, seed, config.data.loader_threads)
         speed, epoch_speed = Speedometer(), Speedometer()
         t_train = time.time()
         samples = 0
-        last_val: dict = {}
-        best = None
-        done = step >= total_steps
-        epoch = start_epoch
-        for epoch in range(start_epoch, config.train.epochs):
-            if done:
-                break
+        vals: list[dict] = []
+
+        def validate(epoch):
+            res = evaluate(net, dataset, ctx, bs)
+            vals.append(res)
+            writer.write("val", epoch=epoch + 1, step=step, **res,
+                         elapsed=time.time() - t_train)
+            log.info("Epoch[%d] Validation %s time=%.1fs", epoch, " ".join(
+                f"{k}={v:.6f}" for k, v in res.items()), time.time() - t_train)
+
+        def checkpoint(epoch, states_name):
+            path = save_checkpoint(run_dir, net, states_name, epoch, step, seed)
+            writer.write("checkpoint", epoch=epoch + 1, step=step, path=str(path))
+
+        def wants_checkpoint(epoch):
+            every = config.train.checkpoint_every
+            return bool(every) and ((epoch + 1) % every == 0 or epoch == last_epoch)
+
+        for epoch in range(start_epoch, last_epoch + 1):
             speed.reset()
             epoch_speed.reset()
             for batch, (x, y) in loader.epoch(epoch, rank, num_workers, bs):
@@ -316,11 +349,11 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
                               for o, yi in zip(outs, ys))
                 speed.update(len(y), loss_sum, correct)
                 epoch_speed.update(len(y), loss_sum, correct)
-                if (batch + 1) % config.train.log_interval == 0 or step == total_steps:
+                if (batch + 1) % config.train.log_interval == 0 or step == n_steps:
                     stats = speed.stats()
                     m = kv_metrics(kv)
                     writer.write("train", step=step, epoch=epoch, batch=batch + 1, **stats,
-                                 stage=stage_of(config, kv, step, warmup, m),
+                                 stage=stage_of(config, kv, step - 1, warmup, m),
                                  lr=trainer.learning_rate, **net_figures(kv),
                                  elapsed=time.time() - t_train)
                     if not np.isfinite(stats["loss"]):
@@ -328,37 +361,43 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
                                                  "(diverged; lower optimizer.lr?)")
                     log.info(Speedometer.line(epoch, batch + 1, stats))
                     speed.reset()
-                if step >= total_steps:
-                    done = True
+                if step >= n_steps:
                     break
             ep = epoch_speed.stats()
             log.info("Epoch[%d] Train-accuracy=%.6f loss=%.4f Speed: %.1f samples/sec", epoch,
                      ep["accuracy"], ep["loss"], ep["samples_per_sec"])
-            if rank == 0:
-                res = evaluate(net, dataset, ctx, bs)
-                last_val = res
-                best = res["accuracy"] if best is None else max(best, res["accuracy"])
-                writer.write("val", epoch=epoch + 1, step=step, **res,
-                             elapsed=time.time() - t_train)
-                log.info("Epoch[%d] Validation %s time=%.1fs", epoch, " ".join(
-                    f"{k}={v:.6f}" for k, v in res.items()), time.time() - t_train)
-                every = config.train.checkpoint_every
-                if every and ((epoch + 1) % every == 0 or epoch + 1 == config.train.epochs):
-                    path = save_checkpoint(run_dir, net, trainer, epoch, step, seed)
-                    writer.write("checkpoint", epoch=epoch + 1, step=step, path=str(path))
+            if rank == 0 and epoch < last_epoch:
+                validate(epoch)
+                if wants_checkpoint(epoch):
+                    checkpoint(epoch, save_states(run_dir, trainer, epoch))
         loader.close()
-        wall = time.time() - t_train
-        m = kv_metrics(kv)
-        end = writer.write("end", steps=step, samples=samples, wall_time=wall,
-                           samples_per_sec=samples / max(wall, 1e-9), **net_figures(kv),
-                           kv=m)
-        writer.close()
-    finally:
+        # The last epoch is validated after kv.close(), which leaves every worker with
+        # the global weights of the last step (in the steps-delay stage the local ones
+        # can be up to k steps off). The optimizer states must be saved before it.
+        final_states = (save_states(run_dir, trainer, last_epoch)
+                        if rank == 0 and wants_checkpoint(last_epoch) and
+                        start_epoch <= last_epoch else None)
         if kv is not None and hasattr(kv, "close"):
             kv.close()
+        wall = time.time() - t_train
+        if rank == 0 and start_epoch <= last_epoch:
+            validate(last_epoch)
+            if wants_checkpoint(last_epoch):
+                checkpoint(last_epoch, final_states)
+        end = writer.write("end", steps=step, samples=samples, wall_time=wall,
+                           samples_per_sec=samples / max(wall, 1e-9), **net_figures(kv),
+                           kv=kv_metrics(kv))
+    finally:
+        if loader is not None:
+            loader.close()
+        if writer is not None:
+            writer.close()
+        if kv is not None and hasattr(kv, "close"):
+            kv.close()  # idempotent; on an error it still leaves the job
 
     if rank != 0:
         return end
+    last = vals[-1] if vals else {}
     base = {
         "name": config.name, "algorithm": config.sync.algorithm if kv is not None else "local",
         "num_workers": num_workers, "num_servers": config.cluster.servers if kv else 0,
@@ -366,8 +405,9 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
         "batch_size": config.data.batch_size, "epochs": round(step / spe, 3),
         "steps": step, "steps_per_epoch": spe, "warmup_steps": warmup,
         "delay_steps": config.sync.delay_steps,
-        "final_accuracy": last_val.get("accuracy"), "best_accuracy": best,
-        **({"final_top5": last_val["top5"]} if "top5" in last_val else {}),
+        "final_accuracy": last.get("accuracy"),
+        "best_accuracy": max((v["accuracy"] for v in vals), default=None),
+        **({"final_top5": last["top5"]} if "top5" in last else {}),
         "wall_time": wall, "total_time": time.time() - t_start,
     }
     summary = summarize(run_dir, base, wait_for=num_workers)
@@ -375,6 +415,7 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
              f"{summary['final_accuracy']:.4f}" if summary["final_accuracy"] is not None
              else "n/a", step, wall, run_dir / "summary.json")
     return summary
+
 
 
 # ----------------------------------------------------------------------------- CLI
