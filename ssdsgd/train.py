@@ -279,6 +279,12 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
         if config.model.hybridize:
             net.hybridize(static_alloc=True, static_shape=True)
         sched = build_lr_scheduler(config, spe)
+        # a second, identical scheduler only to report the lr (MXNet's are stateful, and
+        # with a kvstore the servers, not this process, run the real one)
+        lr_view = build_lr_scheduler(config, spe)
+
+        def lr_at(num_update):
+            return float(lr_view(num_update)) if lr_view is not None else config.optimizer.lr
         store = kv if kv is not None else ("device" if len(ctx) > 1 else None)
         trainer = gluon.Trainer(net.collect_params(), config.optimizer.name,
                                 optimizer_params(config, sched), kvstore=store)
@@ -354,7 +360,7 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
                     m = kv_metrics(kv)
                     writer.write("train", step=step, epoch=epoch, batch=batch + 1, **stats,
                                  stage=stage_of(config, kv, step - 1, warmup, m),
-                                 lr=trainer.learning_rate, **net_figures(kv),
+                                 lr=lr_at(step), **net_figures(kv),
                                  elapsed=time.time() - t_train)
                     if not np.isfinite(stats["loss"]):
                         raise FloatingPointError(f"loss is {stats['loss']} at step {step} "
