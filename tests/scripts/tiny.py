@@ -1,0 +1,46 @@
+"""The tiny network and data the cluster tests train: the same in every worker process and
+in the test process that computes the reference (same seed -> same initial weights)."""
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+
+IN, OUT = 12, 5
+
+
+def make_net(kind="mlp", seed=7):
+    mx.random.seed(seed)
+    np.random.seed(seed)
+    net = gluon.nn.Sequential()
+    if kind == "bn":
+        net.add(gluon.nn.Dense(16), gluon.nn.BatchNorm(), gluon.nn.Activation("relu"),
+                gluon.nn.Dense(OUT))
+    else:
+        net.add(gluon.nn.Dense(16, activation="tanh"), gluon.nn.Dense(OUT))
+    net.initialize(mx.init.Xavier(magnitude=2.0))
+    net(mx.nd.zeros((1, IN)))   # materialize the shapes
+    return net
+
+
+def batch(worker, step, size=8):
+    """Worker `worker`'s batch at step `step`: a fixed function of both (a learnable
+    linear rule plus noise), so any process can recompute it."""
+    rs = np.random.RandomState(10_000 * step + worker)
+    x = rs.normal(size=(size, IN)).astype(np.float32)
+    w = np.random.RandomState(123).normal(size=(IN, OUT))
+    y = np.argmax(x @ w + 0.3 * rs.normal(size=(size, OUT)), axis=1).astype(np.float32)
+    return mx.nd.array(x), mx.nd.array(y)
+
+
+LOSS = gluon.loss.SoftmaxCrossEntropyLoss()
+
+
+def forward_backward(net, x, y):
+    with autograd.record():
+        loss = LOSS(net(x), y)
+    loss.backward()
+    return float(loss.mean().asscalar())
+
+
+def params(net):
+    """The Trainer's keys are the parameters' positions in collect_params()."""
+    return list(net.collect_params().values())

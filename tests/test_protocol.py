@@ -1,0 +1,82 @@
+"""The wire format: round trips, and every malformed field rejected with its reason."""
+import json
+
+import numpy as np
+import pytest
+
+from ssdsgd.kvstore import protocol as P
+
+
+def _push(arrays=None):
+    arrays = arrays if arrays is not None else [np.arange(6, dtype=np.float32),
+                                                np.ones(3, np.float64)]
+    recs = P.make_records((k, 7, 0, a.size, a.dtype, 1) for k, a in enumerate(arrays))
+    return P.Message(P.Kind.PUSH, flags=P.Flag.PULL, sender=1, step=7, req=42, records=recs,
+                     tensors=[[a] for a in arrays], meta={"lr": 0.1})
+
+
+def test_round_trip_keeps_every_field_and_tensor():
+    frames = P.encode(_push())
+    msg = P.decode(frames)
+    assert (msg.kind, msg.flags, msg.sender, msg.step, msg.req) == (P.Kind.PUSH, P.Flag.PULL, 1, 7, 42)
+    assert msg.meta == {"lr": 0.1}
+    np.testing.assert_array_equal(msg.tensors[0][0], np.arange(6, dtype=np.float32))
+    assert msg.tensors[1][0].dtype == np.float64 and msg.tensors[1][0].sum() == 3
+
+
+def test_tensors_are_raw_frames_not_json():
+    frames = P.encode(_push([np.full(1000, 3.5, np.float32)]))
+    assert len(frames) == 4
+    assert bytes(frames[3]) == np.full(1000, 3.5, np.float32).tobytes()
+    assert len(frames[2]) < 100  # only the scalar meta is JSON
+
+
+def _corrupt(frames, i, data):
+    frames = [bytes(f) for f in frames]
+    frames[i] = data
+    return frames
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda f: f[:2], "at least 3 frames"),
+    (lambda f: _corrupt(f, 0, b"XXXX" + bytes(f[0])[4:]), "bad magic"),
+    (lambda f: _corrupt(f, 0, bytes(f[0])[:4] + b"\x09" + bytes(f[0])[5:]), "protocol version 9"),
+    (lambda f: _corrupt(f, 0, bytes(f[0])[:5] + b"\xee" + bytes(f[0])[6:]), "unknown message kind"),
+    (lambda f: _corrupt(f, 0, bytes(f[0])[:-3]), "header is"),
+    (lambda f: f[:-1], "tensor frames"),
+    (lambda f: _corrupt(f, 1, bytes(f[1])[:-1]), "key table is"),
+    (lambda f: _corrupt(f, 2, b"{not json"), "not UTF-8 JSON"),
+    (lambda f: _corrupt(f, 2, b"[1, 2]"), "JSON object"),
+    (lambda f: _corrupt(f, 3, bytes(f[3])[:-4]), "tensor frame is"),
+])
+def test_malformed_messages_are_rejected_with_the_reason(mutate, reason):
+    frames = mutate(P.encode(_push()))
+    with pytest.raises(P.ProtocolError, match=reason):
+        P.decode(frames)
+
+
+def test_bad_key_table_values_are_rejected():
+    frames = [bytes(f) for f in P.encode(_push())]
+    table = np.frombuffer(frames[1], P.KEY_RECORD).copy()
+    for field, value, reason in [("dtype", 99, "unknown dtype"), ("count", -1, "negative"),
+                                 ("ntensors", 2, "tensors")]:
+        bad = table.copy()
+        bad[0][field] = value
+        with pytest.raises(P.ProtocolError, match=reason):
+            P.decode([frames[0], bad.tobytes()] + frames[2:])
+
+
+def test_size_limit_is_enforced():
+    frames = P.encode(_push([np.zeros(1000, np.float32)]))
+    with pytest.raises(P.ProtocolError, match="limit is 100"):
+        P.decode(frames, max_bytes=100)
+
+
+def test_unsendable_dtype_is_named():
+    with pytest.raises(P.ProtocolError, match="complex"):
+        P.make_records([(0, 0, 0, 1, np.complex64, 1)])
+
+
+def test_meta_is_plain_json():
+    frames = P.encode(P.Message(P.Kind.REGISTER, meta={"role": "worker", "port": 5}))
+    assert json.loads(bytes(frames[2])) == {"role": "worker", "port": 5}
