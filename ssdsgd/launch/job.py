@@ -41,9 +41,9 @@ def _describe_exit(code):
     return f"exited with code {code}"
 
 
-def base_env(num_workers, num_servers, port, extra=None):
+def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0.1"):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
-    env.update({"SSDSGD_SCHEDULER_HOST": "127.0.0.1", "SSDSGD_SCHEDULER_PORT": str(port),
+    env.update({"SSDSGD_SCHEDULER_HOST": scheduler_host, "SSDSGD_SCHEDULER_PORT": str(port),
                 "SSDSGD_NUM_WORKERS": str(num_workers), "SSDSGD_NUM_SERVERS": str(num_servers),
                 "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
@@ -55,12 +55,15 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     """Start the job and wait for it; returns the exit code for the launcher's process."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     log = log or (lambda text: print(f"[launcher] {text}", file=stderr, flush=True))
-    if launcher not in LAUNCHERS:
-        log(f"unknown launcher {launcher!r}; available: {', '.join(LAUNCHERS)}")
-        return 2
-    runner = LAUNCHERS[launcher]()
+    if isinstance(launcher, str):
+        if launcher not in LAUNCHERS:
+            log(f"unknown launcher {launcher!r}; available: {', '.join(LAUNCHERS)}")
+            return 2
+        runner = LAUNCHERS[launcher]()
+    else:
+        runner = launcher          # an instance with the LocalLauncher interface
     port = port or free_port()
-    env = base_env(num_workers, num_servers, port, extra_env)
+    env = base_env(num_workers, num_servers, port, extra_env, runner.scheduler_host)
     py = sys.executable
     plan = [("scheduler", 0, [py, "-m", "ssdsgd.node"])]
     plan += [("server", r, [py, "-m", "ssdsgd.node"]) for r in range(num_servers)]
@@ -75,7 +78,7 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     code = 0
     try:
         for role, rank, cmd in plan:
-            penv = dict(env, SSDSGD_ROLE=role, SSDSGD_RANK=str(rank))
+            penv = dict(env, SSDSGD_ROLE=role, SSDSGD_RANK=str(rank), **runner.node_env(role, rank))
             try:
                 proc = runner.start(role, rank, cmd, penv)
             except OSError as e:

@@ -29,8 +29,14 @@ class LocalProcess:
 
 
 class LocalLauncher:
+    """Every launcher offers: ``scheduler_host`` (the address workers and servers dial),
+    ``node_env(role, rank)`` (extra variables for one process, e.g. SSDSGD_NODE_HOST, the
+    address a server binds), ``start(role, rank, cmd, env)`` and ``stop(proc, sig)``."""
     name = "local"
-    host = "127.0.0.1"
+    scheduler_host = "127.0.0.1"
+
+    def node_env(self, role, rank):
+        return {}
 
     def start(self, role, rank, cmd, env):
         popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
