@@ -1,0 +1,294 @@
+"""ssdsgd.train (by hand, and once through the launcher), lr schedules, progress monitor."""
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mxnet as mx
+import numpy as np
+import pytest
+import yaml
+
+from ssdsgd.config import ConfigError, parse_config
+from ssdsgd.metrics import read_records
+from ssdsgd.progress import ProgressMonitor
+from ssdsgd import train as T
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def digits_job(tmp_path, name="job", **sections):
+    raw = {"model": {"name": "digits_mlp"},
+           "data": {"dataset": "digits", "batch_size": 32, "loader_threads": 0},
+           "optimizer": {"lr": 0.1, "momentum": 0.9},
+           "train": {"epochs": 3, "log_interval": 10, "seed": 1},
+           "output": {"dir": str(tmp_path / "runs")}}
+    for key, value in sections.items():
+        raw.setdefault(key, {}).update(value)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def events(path, kind):
+    return [r for r in read_records(path) if r["event"] == kind]
+
+
+@pytest.fixture
+def no_role(monkeypatch):
+    monkeypatch.delenv("SSDSGD_ROLE", raising=False)
+
+
+def test_by_hand_training_writes_metrics_and_summary(tmp_path, no_role, caplog):
+    cfg = digits_job(tmp_path)
+    run = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="ssdsgd.train"):
+        assert T.main([str(cfg), "--run-dir", str(run)]) == 0
+    assert (run / "config.yaml").exists()
+    mfile = run / "metrics" / "worker-0.jsonl"
+    start, = events(mfile, "start")
+    assert (start["steps_per_epoch"], start["total_steps"], start["num_workers"]) == (44, 132, 1)
+    train = events(mfile, "train")
+    assert [r["step"] for r in train][:4] == [10, 20, 30, 40]
+    for r in train:
+        for key in ("step", "epoch", "loss", "accuracy", "samples_per_sec", "stage",
+                    "bytes_sent", "bytes_received", "time_blocked"):
+            assert key in r
+        assert r["stage"] == "local" and r["bytes_sent"] == 0 and r["samples_per_sec"] > 0
+    assert train[-1]["loss"] < train[0]["loss"]
+    val = events(mfile, "val")
+    assert [v["epoch"] for v in val] == [1, 2, 3]
+    end, = events(mfile, "end")
+    assert end["steps"] == 132 and end["samples"] == 132 * 32
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_accuracy"] == val[-1]["accuracy"] > 0.9
+    assert summary["steps"] == 132 and summary["num_workers"] == 1
+    assert summary["samples_per_sec"] > 0 and summary["wall_time"] > 0
+    assert summary["time_blocked"] == 0 and summary["bytes_sent"] == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("Epoch[0] Batch[10] Speed: ") and "samples/sec accuracy=" in m
+               for m in lines)
+    assert any(m.startswith("Epoch[2] Validation accuracy=") for m in lines)
+
+
+def test_by_hand_training_is_deterministic(tmp_path, no_role):
+    cfg = digits_job(tmp_path, train={"epochs": 1})
+    recs = []
+    for name in ("a", "b"):
+        assert T.main([str(cfg), "--run-dir", str(tmp_path / name)]) == 0
+        recs.append([(r["step"], r["loss"]) for r in
+                     events(tmp_path / name / "metrics/worker-0.jsonl", "train")])
+    assert recs[0] == recs[1] and len(recs[0]) == 5
+
+
+def test_max_steps_and_new_run_dir(tmp_path, no_role):
+    cfg = digits_job(tmp_path, "capped", train={"max_steps": 7})
+    assert T.main([str(cfg)]) == 0
+    run, = (tmp_path / "runs").iterdir()
+    assert run.name.startswith("capped-")
+    end, = events(run / "metrics/worker-0.jsonl", "end")
+    assert end["steps"] == 7
+    assert len(events(run / "metrics/worker-0.jsonl", "val")) == 1
+
+
+def test_checkpoint_and_resume_continue_exactly(tmp_path, no_role):
+    cfg = digits_job(tmp_path, train={"epochs": 3, "checkpoint_every": 1})
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert T.main([str(cfg), "--run-dir", str(full)]) == 0
+    ck = full / "checkpoints"
+    assert {p.name for p in ck.iterdir()} >= {"epoch-0000.params", "epoch-0000.states",
+                                              "epoch-0002.params", "latest.json"}
+    latest = json.loads((ck / "latest.json").read_text())
+    assert (latest["next_epoch"], latest["step"]) == (3, 132)
+    # a run that stopped after epoch 0: only its first checkpoint survives
+    (part / "checkpoints").mkdir(parents=True)
+    for f in ("epoch-0000.params", "epoch-0000.states"):
+        (part / "checkpoints" / f).write_bytes((ck / f).read_bytes())
+    (part / "checkpoints/latest.json").write_text(json.dumps(
+        {"epoch": 0, "next_epoch": 1, "step": 44, "seed": 1, "params": "epoch-0000.params",
+         "states": "epoch-0000.states"}))
+    (part / "config.yaml").write_text((full / "config.yaml").read_text())
+    assert T.main(["--resume", str(part)]) == 0
+    a = mx.nd.load(str(ck / "epoch-0002.params"))
+    b = mx.nd.load(str(part / "checkpoints/epoch-0002.params"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.allclose(a[k].asnumpy(), b[k].asnumpy(), atol=1e-6), k
+    start, = events(part / "metrics/worker-0.jsonl", "start")
+    assert (start["start_epoch"], start["start_step"]) == (1, 44)
+
+
+def test_cifar_pipeline_smoke(tmp_path, no_role):
+    from test_data import make_cifar
+    make_cifar(tmp_path / "cifar", per_file=4, test=3)
+    cfg = digits_job(tmp_path, model={"name": "cifar_resnet20_v1"},
+                     data={"dataset": "cifar10", "path": str(tmp_path / "cifar"),
+                           "batch_size": 4, "loader_threads": 1},
+                     train={"epochs": 1, "max_steps": 2, "log_interval": 1})
+    assert T.main([str(cfg), "--run-dir", str(tmp_path / "run")]) == 0
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    assert summary["steps"] == 2 and summary["steps_per_epoch"] == 5
+    assert summary["final_accuracy"] is not None
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
+    bad = digits_job(tmp_path, "bad", sync={"delay_steps": 0})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SSDSGD_", "DMLC_"))}
+    p = subprocess.run([PY, "-m", "ssdsgd.train", str(bad)], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        f"error: sync.delay_steps: expected an integer >= 1, got 0 ({bad})"]
+    nodata = digits_job(tmp_path, "nodata", model={"name": "cifar_resnet20_v1"},
+                        data={"dataset": "cifar10", "path": str(tmp_path / "absent")})
+    p = subprocess.run([PY, "-m", "ssdsgd.train", str(nodata), "--run-dir",
+                        str(tmp_path / "r")], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'absent'}: CIFAR-10 data directory not found (data.path)")
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def cfg_with(**sections):
+    raw = {"model": {"name": "digits_mlp"}, "data": {"dataset": "digits"}}
+    for key, value in sections.items():
+        raw.setdefault(key, {}).update(value)
+    return parse_config(raw)
+
+
+def test_lr_schedules_use_mxnet_schedulers():
+    step = T.build_lr_scheduler(cfg_with(
+        optimizer={"lr": 0.4, "lr_schedule": {"type": "step", "step_epochs": [2, 3]}},
+        train={"epochs": 4}), spe=10)
+    assert isinstance(step, mx.lr_scheduler.MultiFactorScheduler)
+    assert [round(step(n), 6) for n in (1, 20, 21, 30, 31)] == [0.4, 0.4, 0.04, 0.04, 0.004]
+    cos = T.build_lr_scheduler(cfg_with(
+        optimizer={"lr": 1.0, "lr_schedule": {"type": "cosine", "warmup_epochs": 1}},
+        train={"epochs": 3}), spe=10)
+    assert isinstance(cos, mx.lr_scheduler.CosineScheduler)
+    assert cos(5) == pytest.approx(0.5) and cos(10) == pytest.approx(1.0)
+    assert cos(30) == pytest.approx(0.0, abs=1e-9)
+    poly = T.build_lr_scheduler(cfg_with(optimizer={"lr_schedule": {"type": "poly"}}), spe=5)
+    assert isinstance(poly, mx.lr_scheduler.PolyScheduler)
+    assert T.build_lr_scheduler(cfg_with(), spe=10) is None
+    warm = T.build_lr_scheduler(cfg_with(optimizer={"lr": 0.2, "lr_schedule": {
+        "warmup_epochs": 2}}, train={"epochs": 5}), spe=10)
+    assert warm(10) == pytest.approx(0.1) and warm(40) == pytest.approx(0.2)
+
+
+def test_gradient_batch_and_optimizer_params():
+    sync = cfg_with(data={"batch_size": 32})
+    assert T.gradient_batch(sync, None, 1) == 32
+    assert T.gradient_batch(sync, object(), 4) == 128   # servers sum N gradients
+    asgd = cfg_with(data={"batch_size": 32}, sync={"algorithm": "asgd"})
+    assert T.gradient_batch(asgd, object(), 4) == 32
+    p = T.optimizer_params(cfg_with(optimizer={"name": "adam", "lr": 0.01}, sync={
+        "glu_state": "exact"}), None)
+    assert p == {"learning_rate": 0.01, "wd": 0.0}
+    assert T.optimizer_params(cfg_with(), None)["momentum"] == 0.9
+
+
+def test_total_steps():
+    cfg = cfg_with(cluster={"workers": 2}, data={"batch_size": 32}, train={"epochs": 20})
+    assert T.total_steps(cfg) == 440
+    assert T.total_steps(cfg, num_workers=1) == 880
+    capped = cfg_with(data={"batch_size": 32}, train={"epochs": 20, "max_steps": 100})
+    assert T.total_steps(capped) == 100
+
+
+def test_worker_mode_environment_checks(monkeypatch):
+    cfg = cfg_with(cluster={"workers": 2}, sync={"delay_steps": 7})
+    monkeypatch.setenv("SSDSGD_ROLE", "server")
+    with pytest.raises(ConfigError, match="SSDSGD_ROLE=server"):
+        T.create_kvstore(cfg, 22)
+    for key in ("SSDSGD_DELAY_STEPS", "SSDSGD_ALGORITHM", "SSDSGD_NUM_WORKERS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SSDSGD_WARMUP_STEPS", "500.0")
+    T.check_environment(cfg, 22)
+    assert os.environ["SSDSGD_DELAY_STEPS"] == "7" and os.environ["SSDSGD_NUM_WORKERS"] == "2"
+    monkeypatch.setenv("SSDSGD_DELAY_STEPS", "3")
+    with pytest.raises(ConfigError, match="SSDSGD_DELAY_STEPS=3 in the environment"):
+        T.check_environment(cfg, 22)
+
+
+def test_launcher_mode_requires_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSDSGD_ROLE", "worker")
+    assert T.main([str(digits_job(tmp_path))]) == 2
+
+
+# ----------------------------------------------------------------------------- progress
+
+def test_progress_monitor_follows_the_metrics_files(tmp_path):
+    mdir = tmp_path / "metrics"
+    mdir.mkdir()
+    f0, f1 = (open(mdir / f"worker-{r}.jsonl", "w") for r in (0, 1))
+    for r, f in enumerate((f0, f1)):
+        f.write(json.dumps({"event": "start", "rank": r, "num_workers": 2,
+                            "total_steps": 100}) + "\n")
+        f.flush()
+    out = io.StringIO()
+    mon = ProgressMonitor(tmp_path, None, tty=False, interval=0, stream=out)
+    s = mon.poll()
+    assert (s["step"], s["total_steps"]) == (0, 100)
+    f0.write(json.dumps({"event": "train", "step": 40, "epoch": 1, "accuracy": 0.8,
+                         "samples_per_sec": 100.0, "stage": "warmup"}) + "\n")
+    f1.write(json.dumps({"event": "train", "step": 30, "epoch": 1, "accuracy": 0.6,
+                         "samples_per_sec": 50.0}) + "\n")
+    f1.write('{"event": "train", "step": 4')        # torn line: not read yet
+    f0.flush()
+    f1.flush()
+    s = mon.poll()
+    assert s["step"] == 30 and s["samples_per_sec"] == 150.0
+    assert s["train_accuracy"] == pytest.approx(0.7)
+    f1.write('1, "epoch": 1, "samples_per_sec": 50.0}\n')
+    f0.write(json.dumps({"event": "val", "epoch": 1, "accuracy": 0.91}) + "\n")
+    f0.flush()
+    f1.flush()
+    s = mon.poll()
+    assert s["step"] == 40 and s["val_accuracy"] == 0.91
+    mon.close()
+    text = out.getvalue()
+    assert "progress: step 0/100 (0%)" in text
+    assert "progress: step 40/100 (40%) | epoch 1 | 150 samples/s | val acc 0.9100" in text
+    f0.close()
+    f1.close()
+
+
+def test_progress_monitor_tty_bar(tmp_path):
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/worker-0.jsonl").write_text(
+        json.dumps({"event": "start", "num_workers": 1, "total_steps": 10}) + "\n" +
+        json.dumps({"event": "train", "step": 5, "epoch": 0, "accuracy": 0.5,
+                    "samples_per_sec": 10.0}) + "\n")
+    out = io.StringIO()
+    mon = ProgressMonitor(tmp_path, 10, tty=True, stream=out)
+    mon.poll()
+    mon.close()
+    assert "5/10" in out.getvalue() and "train acc 0.5000" in out.getvalue()
+
+
+# ----------------------------------------------------------------------------- launcher
+
+@pytest.mark.skipif(not (ROOT / "launch" / "dist.py").exists(), reason="no launcher yet")
+def test_digits_job_through_the_launcher(tmp_path):
+    """The shipped demo, shortened: scheduler + 1 server + 2 workers on ssd_sync."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SSDSGD_", "DMLC_"))}
+    p = subprocess.run([PY, "launch/dist.py", "configs/digits.yaml", "--set",
+                        "train.epochs=4", "--set", f"output.dir={tmp_path}", "--set",
+                        "sync.warmup_steps=20"], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run, = [d for d in tmp_path.iterdir() if d.is_dir()]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["algorithm"] == "ssd" and summary["num_workers"] == 2
+    assert summary["workers_reporting"] == 2 and summary["steps"] == 88
+    assert summary["final_accuracy"] > 0.9
+    assert summary["bytes_sent"] > 0 and summary["bytes_received"] > 0
+    stages = {r["stage"] for r in events(run / "metrics/worker-1.jsonl", "train")}
+    assert len(stages) == 2  # warm-up, then steps delay
