@@ -43,11 +43,11 @@ def _corrupt(frames, i, data):
     (lambda f: _corrupt(f, 0, bytes(f[0])[:4] + b"\x09" + bytes(f[0])[5:]), "protocol version 9"),
     (lambda f: _corrupt(f, 0, bytes(f[0])[:5] + b"\xee" + bytes(f[0])[6:]), "unknown message kind"),
     (lambda f: _corrupt(f, 0, bytes(f[0])[:-3]), "header is"),
-    (lambda f: f[:-1], "tensor frames"),
+    (lambda f: f[:-1], "data frames"),
     (lambda f: _corrupt(f, 1, bytes(f[1])[:-1]), "key table is"),
     (lambda f: _corrupt(f, 2, b"{not json"), "not UTF-8 JSON"),
     (lambda f: _corrupt(f, 2, b"[1, 2]"), "JSON object"),
-    (lambda f: _corrupt(f, 3, bytes(f[3])[:-4]), "tensor frame is"),
+    (lambda f: _corrupt(f, 3, bytes(f[3])[:-4]), "its tensors need bytes"),
 ])
 def test_malformed_messages_are_rejected_with_the_reason(mutate, reason):
     frames = mutate(P.encode(_push()))
@@ -59,11 +59,26 @@ def test_bad_key_table_values_are_rejected():
     frames = [bytes(f) for f in P.encode(_push())]
     table = np.frombuffer(frames[1], P.KEY_RECORD).copy()
     for field, value, reason in [("dtype", 99, "unknown dtype"), ("count", -1, "negative"),
-                                 ("ntensors", 2, "tensors")]:
+                                 ("ntensors", 9, "more than 8 tensors"),
+                                 ("ntensors", 2, "claim the same bytes"),
+                                 ("boff", 1 << 20, "its tensors need bytes"),
+                                 ("frame", 5, "data frame 5 does not exist")]:
         bad = table.copy()
         bad[0][field] = value
         with pytest.raises(P.ProtocolError, match=reason):
             P.decode([frames[0], bad.tobytes()] + frames[2:])
+
+
+def test_big_tensors_get_frames_of_their_own_small_ones_share_one():
+    big = np.arange(P.PACK_BELOW // 4 + 1, dtype=np.float32)
+    small = [np.full(3, i, np.float32) for i in range(5)]
+    frames = P.encode(_push([big] + small))
+    assert len(frames) == 3 + 2
+    assert frames[3].base is not None or frames[3].ctypes.data == big.ctypes.data  # a view
+    msg = P.decode(frames)
+    np.testing.assert_array_equal(msg.tensors[0][0], big)
+    for i in range(5):
+        np.testing.assert_array_equal(msg.tensors[1 + i][0], small[i])
 
 
 def test_size_limit_is_enforced():

@@ -53,6 +53,9 @@ class Gather:
                 key = int(rec["key"])
                 off, n = int(rec["offset"]), int(rec["count"])
                 kr = out.get(key)
+                if kr is None and n == self.sizes[key]:     # one piece: keep the received buffer
+                    out[key] = KeyReply(arrays[0], list(arrays[1:]), int(rec["step"]), lr)
+                    continue
                 if kr is None:
                     size, dt = self.sizes[key], self.dtypes[key]
                     kr = out[key] = KeyReply(np.empty(size, dt),

@@ -20,16 +20,17 @@ import mxnet as mx
 import numpy as np
 
 from ..glu.rules import make_local_rule
+from ..kvstore import hostcopy
 from ..kvstore import protocol as P
 from ..kvstore.optimizer_spec import build, flatten_state
 from .schedule import DELAY, plan
 
 
-def _flat(nd_list):
-    """The worker's gradient of a key: the sum over its devices, as a flat numpy copy."""
-    g = nd_list[0] if len(nd_list) == 1 else mx.nd.add_n(*[x.as_in_context(nd_list[0].context)
-                                                           for x in nd_list])
-    return g, g.asnumpy().reshape(-1)
+def _device_sum(nd_list):
+    """The worker's gradient of a key: the sum over its devices."""
+    if len(nd_list) == 1:
+        return nd_list[0]
+    return mx.nd.add_n(*[x.as_in_context(nd_list[0].context) for x in nd_list])
 
 
 class StageMachine:
@@ -71,13 +72,13 @@ class StageMachine:
         for key, value, _ in entries:
             self.client.placement.place(key, value.size, np.dtype(value.dtype).itemsize)
             self.key_steps.setdefault(key, 0)
-        ents = [(key, 0, value.asnumpy().reshape(-1) if self.client.rank == 0 else None,
-                 value.dtype) for key, value, _ in entries]
+        values = hostcopy.read([value for _, value, _ in entries]) if self.client.rank == 0 \
+            else [None] * len(entries)
+        ents = [(key, 0, flat, value.dtype) for (key, value, _), flat in zip(entries, values)]
         replies = self.client.exchange(P.Kind.INIT, ents).wait()
-        for key, value, outs in entries:
+        for key, _, _ in entries:
             self._remember(key, replies[key], -1)
-            for out in outs:
-                out[:] = replies[key].value.reshape(out.shape)
+        hostcopy.write((out, replies[key].value) for key, _, outs in entries for out in outs)
 
     # ---- one training step ---------------------------------------------------------
     def step(self, entries):
@@ -91,12 +92,12 @@ class StageMachine:
         flags = P.Flag.PULL if p.request_pull else P.Flag.NONE
         if needs_state and p.request_pull and (not p.synchronous or self.t == self.env.warmup_steps - 1):
             flags |= P.Flag.STATE
-        grads, wire = {}, []
-        for key, grad_list, _ in entries:
+        for key, _, _ in entries:
             if key not in self.key_steps:
                 raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
-            grads[key], flat = _flat(grad_list)
-            wire.append((key, self.key_steps[key], flat, flat.dtype))
+        grads = {key: _device_sum(grad_list) for key, grad_list, _ in entries}
+        flats = hostcopy.read(list(grads.values()))
+        wire = [(key, self.key_steps[key], flat, flat.dtype) for key, flat in zip(grads, flats)]
         gather = self.client.exchange(P.Kind.PUSH, wire, step=self.t, flags=flags,
                                       reply=p.request_pull)
         for key, _, _ in entries:
@@ -106,22 +107,25 @@ class StageMachine:
         if p.synchronous:
             self.counts["pulls"] += 1
             replies = gather.wait()
-            for key, grad_list, outs in entries:
+            for key, _, _ in entries:
                 self._remember(key, replies[key], self.t)
-                for out in (outs if outs is not None else grad_list):
-                    out[:] = replies[key].value.reshape(out.shape)
+            hostcopy.write((out, replies[key].value) for key, grad_list, outs in entries
+                           for out in (outs if outs is not None else grad_list))
         else:
             if self.pending is not None:
                 replies, self.pending = self.pending.wait(), None
                 for key, reply in replies.items():
                     self._remember(key, reply, self.t - 1)
+                hostcopy.write((out, replies[key].value) for key in replies
+                               for out in self.outs[key])
+                for key in replies:
                     self._reset(key, self.outs[key])
             for key, grad_list, outs in entries:
                 if outs is None:
                     raise RuntimeError("algorithm ssd needs pushpull with out= (the weights)")
                 self.outs[key] = outs
                 if key not in self.seeded:      # first steps-delay step: w_i = w_G(T_w - 1)
-                    self._reset(key, outs, write=False)
+                    self._reset(key, outs)
                 self.rule.update(key, outs[0], grads[key])
                 for out in outs[1:]:
                     outs[0].copyto(out)
@@ -131,13 +135,11 @@ class StageMachine:
         self.t += 1
         self.last_step_blocked = self.client.stats["time_blocked"] - blocked0
 
-    def _reset(self, key, outs, write=True):
-        """Spec step 3: w_i <- w_G, and the local rule re-seeded from the global model."""
+    def _reset(self, key, outs):
+        """Spec step 3 (the caller has set w_i <- w_G): re-seed the local rule from the
+        global model."""
         ctx = outs[0].context
         now = self.global_now[key].reshape(outs[0].shape)
-        if write:
-            for out in outs:
-                out[:] = now
         state = None
         if self.rule.needs_state:
             state = self.state_now.get(key) or []
@@ -160,9 +162,7 @@ class StageMachine:
         ents = [(key, -1 if latest else self.key_steps[key] - 1, None, outs[0].dtype)
                 for key, outs in keys_outs]
         replies = self.client.exchange(P.Kind.PULL, ents).wait()
-        for key, outs in keys_outs:
-            for out in outs:
-                out[:] = replies[key].value.reshape(out.shape)
+        hostcopy.write((out, replies[key].value) for key, outs in keys_outs for out in outs)
         return replies
 
     def finish(self):
