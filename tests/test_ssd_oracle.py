@@ -1,0 +1,129 @@
+"""SSD-SGD on the real system equals the spec's single-process simulation, step for step.
+
+Each case launches a real job (launch/dist.py: scheduler, S servers, N workers running the
+stock gluon.Trainer on kvstore='ssd_sync') and compares every worker's local weights after
+its last local update, and the global weights every worker ends with, against
+ssdsgd.glu.simulate on the same network, data, seed and optimizer.
+"""
+import itertools
+import json
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import gluon
+
+import tiny
+from conftest import launch, load_npz
+from ssdsgd.glu.simulate import simulate
+
+STEPS, WARMUP, BATCH = 12, 3, 8
+RULES = ["glu-estimate", "glu-exact", "sgd", "none"]
+KS = [1, 2, 5]
+NS = [1, 2, 3]
+SS = [1, 2]
+OPTIMIZERS = {
+    "sgd": {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4},
+    "nag": {"learning_rate": 0.05, "momentum": 0.9},
+    "adam": {"learning_rate": 0.01},
+}
+
+
+def _valid(case):
+    rule, _, _, _, opt = case
+    return not (rule == "glu-estimate" and opt == "adam")   # estimate needs momentum
+
+
+def all_pairs():
+    """A small set of cases covering every pair of knob values (greedy all-pairs)."""
+    knobs = [RULES, KS, NS, SS, list(OPTIMIZERS)]
+    candidates = [c for c in itertools.product(*knobs) if _valid(c)]
+    uncovered = {(i, a, j, b) for c in candidates for i, j in itertools.combinations(range(5), 2)
+                 for a, b in [(c[i], c[j])]}
+    cases = []
+    while uncovered:
+        best = max(candidates, key=lambda c: sum((i, c[i], j, c[j]) in uncovered
+                                                 for i, j in itertools.combinations(range(5), 2)))
+        cases.append(best)
+        uncovered -= {(i, best[i], j, best[j]) for i, j in itertools.combinations(range(5), 2)}
+    return cases
+
+
+CASES = all_pairs()
+
+
+def test_the_cases_cover_every_value_and_every_pair():
+    for i, values in enumerate([RULES, KS, NS, SS, list(OPTIMIZERS)]):
+        assert {c[i] for c in CASES} == set(values)
+    assert len(CASES) < 20
+
+
+def _trainer_keys(net):
+    """Trainer key i -> position of that parameter in tiny.params (the files' p{j})."""
+    trainer = gluon.Trainer(net.collect_params(), "sgd", kvstore=None)
+    order = tiny.params(net)
+    return {i: order.index(p) for i, p in enumerate(trainer._params)}
+
+
+def _reference(rule, k, n, opt, warmup=WARMUP, algorithm="ssd"):
+    net = tiny.make_net()
+    keys = _trainer_keys(net)
+    params = tiny.params(net)
+    init = {i: params[j].data().copy() for i, j in keys.items()}
+
+    def grad_fn(worker, step, weights):
+        for i, j in keys.items():
+            params[j].set_data(weights[i])
+        tiny.forward_backward(net, *tiny.batch(worker, step, BATCH))
+        return {i: params[j].grad().copy() for i, j in keys.items()}
+
+    def make_optimizer():
+        return mx.optimizer.create(opt, rescale_grad=1.0 / BATCH, **OPTIMIZERS[opt])
+
+    local_rule, _, glu_state = rule.partition("-")
+    return keys, simulate(init, grad_fn, make_optimizer, n, STEPS, algorithm=algorithm,
+                          warmup_steps=warmup, delay_steps=k, local_rule=local_rule,
+                          glu_state=glu_state or "estimate")
+
+
+def _run(tmp_path, rule, k, n, s, opt, warmup=WARMUP, algorithm="ssd"):
+    local_rule, _, glu_state = rule.partition("-")
+    res = launch(n, s, ["--out", tmp_path, "--steps", STEPS, "--optimizer", opt,
+                        "--opt-params", json.dumps(OPTIMIZERS[opt])],
+                 env={"SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": warmup,
+                      "SSDSGD_DELAY_STEPS": k, "SSDSGD_LOCAL_RULE": local_rule,
+                      "SSDSGD_GLU_STATE": glu_state or "estimate",
+                      "SSDSGD_BIGARRAY_BOUND": 100})   # the 16x12 weight spans both servers
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return ([load_npz(tmp_path / f"local-rank{r}.npz") for r in range(n)],
+            [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(n)])
+
+
+def _close(actual, expected, what):
+    np.testing.assert_allclose(actual, expected, rtol=2e-4, atol=2e-5, err_msg=what)
+
+
+@pytest.mark.parametrize("rule,k,n,s,opt", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_distributed_run_equals_the_simulation(tmp_path, rule, k, n, s, opt):
+    locals_, finals = _run(tmp_path, rule, k, n, s, opt)
+    keys, ref = _reference(rule, k, n, opt)
+    for r in range(n):
+        for i, j in keys.items():
+            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
+                   f"worker {r} local weights of key {i}")
+            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
+                   f"worker {r} final global weights of key {i}")
+    gap = max(np.abs(locals_[0][f"p{j}"] - finals[0][f"p{j}"]).max() for j in keys.values())
+    if rule == "glu-exact" and n == 1:
+        # one worker with the server's exact state: the local copy IS the global model
+        assert gap < 1e-5, gap
+    elif n > 1 and rule != "none":
+        assert gap > 1e-6, "local weights should differ from the global ones between pulls"
+
+
+def test_warmup_covering_the_whole_run_equals_ssgd_exactly(tmp_path):
+    _, ssd = _run(tmp_path / "ssd", "glu-estimate", 2, 2, 1, "sgd", warmup=STEPS)
+    _, ssgd = _run(tmp_path / "ssgd", "glu-estimate", 2, 2, 1, "sgd", algorithm="ssgd")
+    for r in range(2):
+        for name in ssd[r]:
+            np.testing.assert_array_equal(ssd[r][name], ssgd[r][name])
