@@ -155,3 +155,14 @@ def test_custom_optimizer_class_gets_a_one_line_error_naming_it(tmp_path):
     assert res.returncode != 0
     assert "HomeMadeSGD" in res.stderr and "cannot be described" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    job = _start_long_job(tmp_path)
+    _wait_for(tmp_path / "pid-rank1")
+    _wait_for(tmp_path / "pid-rank0")
+    job.send_signal(signal.SIGINT)
+    out, err = _finish(job, 30)
+    assert job.returncode == 130
+    assert "SIGINT: stopping every process" in err
+    _no_leftovers(tmp_path)
