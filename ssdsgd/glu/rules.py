@@ -16,21 +16,10 @@ MXNet 1.9.1 state conventions (checked against the ops, see tests/test_glu_rules
 """
 import mxnet as mx
 
+from ..kvstore.optimizer_spec import flatten_state  # noqa: F401  (how state travels)
+
 RULES = ('glu', 'sgd', 'none')
 GLU_STATES = ('estimate', 'exact')
-
-
-def flatten_state(state):
-    """An optimizer state as the flat list of NDArrays that travels on the wire.
-
-    None -> [], NDArray -> [s], (nested) tuple/list -> its NDArrays in order, Nones dropped
-    (multi-precision SGD without momentum keeps (None, weight32)).
-    """
-    if state is None:
-        return []
-    if isinstance(state, mx.nd.NDArray):
-        return [state]
-    return [s for part in state for s in flatten_state(part)]
 
 
 def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_local=None):

@@ -54,6 +54,7 @@ class NodeEnv:
     heartbeat_timeout: float
     bigarray_bound: int
     max_message_bytes: int
+    start_step: int
 
     @classmethod
     def from_environ(cls, env=None):
@@ -83,4 +84,5 @@ class NodeEnv:
             heartbeat_timeout=positive("SSDSGD_HEARTBEAT_TIMEOUT", float, 30.0, 0.1),
             bigarray_bound=positive("SSDSGD_BIGARRAY_BOUND", int, 1_000_000),
             max_message_bytes=positive("SSDSGD_MAX_MESSAGE_BYTES", int, 1 << 34),
+            start_step=positive("SSDSGD_START_STEP", int, 0, 0),
         )

@@ -36,7 +36,7 @@ def _device_sum(nd_list):
 class StageMachine:
     def __init__(self, client, env):
         self.client, self.env = client, env
-        self.t = 0
+        self.t = env.start_step      # a resumed job continues the stage schedule
         self.key_steps = {}
         self.optimizer_spec = None
         self.rule = None
