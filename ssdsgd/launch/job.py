@@ -114,10 +114,6 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
                     late = [p.name for p in others if p.poll() is None]
                     log(f"workers finished but {', '.join(late)} did not exit; stopping them")
                     return 0
-            elif any(p.poll() == 0 for p in others if p.role == "scheduler"):
-                log("the scheduler exited before the workers finished; stopping the job")
-                code = 1
-                return code
             if progress is not None:
                 progress.poll()
             time.sleep(0.1)
