@@ -1,20 +1,35 @@
 """Entry point of the non-worker roles: ``python -m ssdsgd.node`` runs the scheduler or a
-server, as SSDSGD_ROLE says (the launcher sets it; workers run the user's script)."""
+server, as SSDSGD_ROLE says (the launcher sets it; workers run the training script)."""
+import os
 import sys
 
-from .kvstore import scheduler, server
+from .kvstore.env import EnvError, NodeEnv
+from .kvstore.scheduler import JobAborted, Scheduler
+from .kvstore.server import Server
+
+ROLES = {"scheduler": Scheduler, "server": Server}
 
 
 def main():
-    import os
     role = os.environ.get("SSDSGD_ROLE")
-    if role == "scheduler":
-        return scheduler.main()
-    if role == "server":
-        return server.main()
-    print(f"ssdsgd.node: SSDSGD_ROLE must be scheduler or server, not {role!r} "
-          "(workers run the training script itself)", file=sys.stderr)
-    return 2
+    if role not in ROLES:
+        print(f"ssdsgd.node: SSDSGD_ROLE must be scheduler or server, not {role!r} "
+              "(workers run the training script itself)", file=sys.stderr)
+        return 2
+    try:
+        node = ROLES[role](NodeEnv.from_environ())
+    except (EnvError, JobAborted) as e:
+        print(f"ssdsgd {role}: {e}", file=sys.stderr)
+        return 2
+    try:
+        return node.run()
+    except JobAborted as e:     # the message names the cause (a dead peer, ...)
+        node.log(str(e))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        node.close()
 
 
 if __name__ == "__main__":

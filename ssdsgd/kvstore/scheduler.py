@@ -17,7 +17,7 @@ import time
 import zmq
 
 from . import protocol as P
-from .env import EnvError, NodeEnv
+from .env import NodeEnv
 
 
 class JobAborted(RuntimeError):
@@ -87,11 +87,10 @@ class Scheduler:
         self.log(f"all {len(self.nodes)} nodes registered; job started")
 
     def _abort(self, reason):
-        self.log(f"aborting the job: {reason}")
         for ident in self.nodes:
             self._send(ident, P.Kind.ABORT, {"reason": reason})
         time.sleep(0.2)  # let the ABORTs leave before the context is torn down
-        raise JobAborted(reason)
+        raise JobAborted(f"aborting the job: {reason}")
 
     def _handle(self, ident, msg):
         node = self.nodes.get(ident)
@@ -234,23 +233,3 @@ class SchedulerLink:
             raise JobAborted(f"the job was aborted: {msg.meta.get('reason')}")
         return msg
 
-
-def main():
-    try:
-        env = NodeEnv.from_environ()
-        sched = Scheduler(env)
-    except (EnvError, JobAborted) as e:
-        print(f"ssdsgd scheduler: {e}", file=sys.stderr)
-        return 2
-    try:
-        return sched.run()
-    except JobAborted:
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        sched.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ import zmq
 
 from . import hostcopy
 from . import protocol as P
-from .env import EnvError, NodeEnv
+from .env import NodeEnv
 from .optimizer_spec import OptimizerSpecError, build, describe, flatten_state, unflatten_state
 from .scheduler import JobAborted, SchedulerLink, bind_router
 
@@ -343,24 +343,3 @@ class Server:
         self.sock.close(0)
         self.link.sock.close(0)
 
-
-def main():
-    try:
-        env = NodeEnv.from_environ()
-        server = Server(env)
-    except (EnvError, JobAborted) as e:
-        print(f"ssdsgd server: {e}", file=sys.stderr)
-        return 2
-    try:
-        return server.run()
-    except JobAborted as e:
-        server.log(str(e))
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        server.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
