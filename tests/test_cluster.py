@@ -166,3 +166,10 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert job.returncode == 130
     assert "SIGINT: stopping every process" in err
     _no_leftovers(tmp_path)
+
+
+def test_push_pull_and_list_pushpull_without_optimizer_keep_the_sum(tmp_path):
+    res = launch(2, 2, [], env={"SSDSGD_ALGORITHM": "ssgd"}, script="push_pull.py")
+    _check_ok(res)
+    for r in range(2):
+        assert f"rank {r}: pull [3.0, 3.0, 3.0, 3.0, 3.0, 3.0] pushpull 20.0 3.0" in res.stdout

@@ -11,6 +11,7 @@ Two adaptations to the stock ``gluon.Trainer`` (both documented in docs/design.m
 """
 import atexit
 import os
+import sys
 
 import mxnet as mx
 import numpy as np
@@ -65,7 +66,7 @@ class SSD_Sync(KVStoreBase):
             shared = {"env": env, "client": client, "machine": StageMachine(client, env),
                       "closed": False}
             SSD_Sync._process_state = shared
-            atexit.register(self.close)
+            atexit.register(self._close_at_exit)
         # A process is one node of the job (as with ps-lite): every instance shares it.
         self._shared = shared
         self._env, self._client, self._machine = shared["env"], shared["client"], shared["machine"]
@@ -118,7 +119,7 @@ class SSD_Sync(KVStoreBase):
         if self._env.algorithm == "ssd":
             raise NotImplementedError("with algorithm ssd use pushpull (as the Trainer does): "
                                       "a separate push and pull cannot follow the step schedule")
-        self._machine.step([(k, v, None) for k, v, _ in _entries(key, value, None)])
+        self._machine.push(_entries(key, value, None))
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         self._machine.pull([(k, _as_list(o)) for k, o, _ in _entries(key, out, None)])
@@ -172,11 +173,10 @@ class SSD_Sync(KVStoreBase):
         updater = mx.optimizer.get_updater(optimizer)
         for key, pieces in parts.items():
             pieces.sort(key=lambda p: p[0])
-            shape = self._machine.outs[key][0].shape if key in self._machine.outs else None
+            shape = self._machine.shapes[key]
             flat = [np.concatenate([p[1][i] for p in pieces]) for i in range(len(pieces[0][1]))]
-            template = optimizer.create_state_multi_precision(
-                key, mx.nd.zeros(shape if shape is not None else flat[0].shape if flat else (0,)))
-            arrays = [mx.nd.array(a.reshape(shape) if shape is not None else a) for a in flat]
+            template = optimizer.create_state_multi_precision(key, mx.nd.zeros(shape))
+            arrays = [mx.nd.array(a.reshape(shape)) for a in flat]
             updater.states[key] = unflatten_state(template, arrays)
             updater.states_synced[key] = True
         with open(fname, "wb") as f:
@@ -222,6 +222,12 @@ class SSD_Sync(KVStoreBase):
     def metrics(self):
         """Counters for the user: steps per stage, pushes, pulls, bytes, time blocked."""
         return self._machine.metrics()
+
+    def _close_at_exit(self):
+        try:
+            self.close()
+        except Exception as e:    # the interpreter is exiting: one line, not a traceback
+            print(f"ssdsgd: leaving the job at exit failed: {e}", file=sys.stderr)
 
     def close(self):
         """Finish the steps-delay stage on the global weights and leave the job cleanly."""

@@ -43,6 +43,7 @@ class StageMachine:
         self.seeded = set()
         self.pending = None           # Gather of the pull requested at t - 1
         self.outs = {}                # key -> the arrays that hold w_i
+        self.shapes = {}              # key -> the array's shape (flat on the wire)
         # the last two global weights each key was reset to (estimate mode needs both)
         self.global_now, self.global_prev = {}, {}
         self.pulled_at, self.prev_pulled_at = {}, {}
@@ -72,6 +73,7 @@ class StageMachine:
         for key, value, _ in entries:
             self.client.placement.place(key, value.size, np.dtype(value.dtype).itemsize)
             self.key_steps.setdefault(key, 0)
+            self.shapes[key] = value.shape
         values = hostcopy.read([value for _, value, _ in entries]) if self.client.rank == 0 \
             else [None] * len(entries)
         ents = [(key, 0, flat, value.dtype) for (key, value, _), flat in zip(entries, values)]
@@ -155,6 +157,20 @@ class StageMachine:
                         steps_between=max(between, 1), state=state, lr=self.lr_now.get(key),
                         num_update=self.version_now.get(key))
         self.seeded.add(key)
+
+    def push(self, entries):
+        """A push on its own (``kv.push``; ssgd/asgd only): no reply, no local update; a
+        later ``pull`` waits until the step is applied."""
+        for key, _, _ in entries:
+            if key not in self.key_steps:
+                raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
+        flats = hostcopy.read([_device_sum(grads) for _, grads, _ in entries])
+        wire = [(key, self.key_steps[key], flat, flat.dtype)
+                for (key, _, _), flat in zip(entries, flats)]
+        self.client.exchange(P.Kind.PUSH, wire, step=self.t, reply=False)
+        for key, _, _ in entries:
+            self.key_steps[key] += 1
+        self.counts["pushes"] += 1
 
     # ---- pulls and the end of training ----------------------------------------------
     def pull(self, keys_outs, latest=False):
