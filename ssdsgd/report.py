@@ -162,6 +162,31 @@ def plot(runs: list[dict], out_dir) -> list[Path]:
     return paths
 
 
+def finished_run(run_dir, out_dir=None) -> list[str]:
+    """For the launcher at the end of a job: write the run's two plots (default
+    ``RUN_DIR/plots/``) and return the lines to print: the final test accuracy, then
+    ``plot: PATH`` for each plot."""
+    run = load_run(run_dir)
+    acc = run["final_accuracy"]
+    summary_path = Path(run_dir) / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    text = "test accuracy " + (f"{acc:.4f}" if acc is not None else "n/a")
+    if summary.get("final_top5") is not None:
+        text += f" (top-5 {summary['final_top5']:.4f})"
+    facts = []
+    if summary.get("epochs") is not None and summary.get("steps") is not None:
+        facts.append(f"{summary['epochs']:g} epochs, {summary['steps']} steps")
+    if run["wall_time"] is not None:
+        facts.append(f"training {run['wall_time']:.1f} s")
+    if run["samples_per_sec"]:
+        facts.append(f"{run['samples_per_sec']:.0f} samples/s")
+    lines = [text + (f" ({', '.join(facts)})" if facts else "") +
+             (f"; summary: {summary_path}" if summary else "")]
+    for p in plot([run], Path(out_dir) if out_dir else Path(run_dir) / "plots"):
+        lines.append(f"plot: {p}")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ssdsgd.report",
                                  description=__doc__.split("\n\n")[0])

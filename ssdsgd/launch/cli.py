@@ -12,6 +12,7 @@ the cluster and synchronization taken from the config; the second is MXNet's
 import argparse
 import os
 import sys
+import time
 
 from .job import run_job
 from .local import LAUNCHERS
@@ -46,40 +47,54 @@ def _command_form(argv):
 
 def _config_form(argv):
     from ..config import ConfigError, cluster_env, load_config, new_run_dir, save_config, sync_env
+    from ..data import DataError, validate_data
     p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="the job's YAML file (see configs/)")
+    p.add_argument("config", nargs="?", help="the job's YAML file (see configs/); omitted "
+                   "with --resume (RUN_DIR/config.yaml is used)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set sync.delay_steps=10")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
     args = p.parse_args(argv)
+    if not args.config and not args.resume:
+        p.error("give a CONFIG.yaml (or --resume RUN_DIR)")
     try:
         if args.resume:
             config = load_config(os.path.join(args.resume, "config.yaml"), args.overrides)
             run_dir = args.resume
         else:
             config = load_config(args.config, args.overrides)
+        validate_data(config)       # bad data fails here, before any process starts
+        if not args.resume:
             run_dir = str(new_run_dir(config))
             save_config(config, os.path.join(run_dir, "config.yaml"))
         env = dict(cluster_env(config))
         env.update(sync_env(config))
-    except ConfigError as e:
-        print(f"launch/dist.py: {e}", file=sys.stderr)
+    except (ConfigError, DataError) as e:
+        print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),
            "--run-dir", run_dir]
     if args.resume:
         cmd += ["--resume", run_dir]
-    progress = None
-    try:
-        from ..progress import ProgressMonitor
-        from ..train import total_steps
-        progress = ProgressMonitor(run_dir, total_steps(config), tty=sys.stdout.isatty())
-    except ImportError:
-        pass
+    from ..progress import ProgressMonitor
+    from ..train import total_steps
+    progress = ProgressMonitor(run_dir, total_steps(config), tty=sys.stderr.isatty())
     print(f"[launcher] run directory: {run_dir}", flush=True)
-    return run_job(config.cluster.workers, config.cluster.servers, cmd, env,
-                   port=args.port or None, launcher=config.cluster.launcher, progress=progress)
+    t0 = time.monotonic()
+    code = run_job(config.cluster.workers, config.cluster.servers, cmd, env,
+                   port=args.port or None, launcher=config.cluster.launcher, progress=progress,
+                   stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr))
+    if code == 0:
+        from ..report import ReportError, finished_run
+        try:
+            lines = finished_run(run_dir)
+        except (ReportError, OSError, ValueError) as e:
+            lines = [f"no result to report ({e})"]
+        lines[0] += f"; job {time.monotonic() - t0:.1f} s"
+        for line in lines:
+            print(f"[launcher] {line}", flush=True)
+    return code
 
 
 def main(argv=None):
