@@ -9,12 +9,18 @@
 since the last call. On a tty it drives one tqdm bar for the job (steps of the slowest
 worker, with epoch, job samples/s and the latest accuracy); otherwise it prints a plain
 line at most every ``interval`` seconds (10 by default). ``total_steps`` may be None: it
-is then taken from the workers' ``start`` records.
+is then taken from the workers' ``start`` records. At the end the samples/s shown is the
+job's average throughput (the sum of the workers' ``end`` records).
+
+On a tty, other output must not be written through the bar's line: ``mon.sink(stream)``
+is a file-like object for the launcher's output prefixer that writes whole lines above
+the bar (clear, write, redraw). Without a tty it returns ``stream`` itself.
 """
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +43,8 @@ class ProgressMonitor:
         self._last_print = float("-inf")
         self._t0 = time.monotonic()
         self._closed = False
+        self._lock = threading.RLock()   # the bar vs lines written by other threads
+        self._last_line = None
 
     # -- reading
     def _read_new(self, path: Path) -> list[dict]:
@@ -66,13 +74,15 @@ class ProgressMonitor:
                 self.total_steps = int(rec["total_steps"])
             if rec.get("num_workers"):
                 self.num_workers = int(rec["num_workers"])
-            self.workers.setdefault(rank, {"step": int(rec.get("start_step") or 0)})
+            # a resumed run appends to the file: its start record begins afresh
+            self.workers[rank] = {"step": int(rec.get("start_step") or 0)}
         elif event in ("train", "end"):
             state = self.workers.setdefault(rank, {})
             if event == "end":
                 state["step"] = rec.get("steps", state.get("step", 0))
                 state["done"] = True
-                state["samples_per_sec"] = 0.0
+                # this worker's average over the run (what the job's summary sums)
+                state["samples_per_sec"] = rec.get("samples_per_sec")
             else:
                 state.update({k: rec.get(k) for k in ("step", "epoch", "accuracy", "loss",
                                                       "samples_per_sec", "stage")})
@@ -92,7 +102,9 @@ class ProgressMonitor:
     def status(self) -> dict:
         live = [w for w in self.workers.values() if not w.get("done")]
         epochs = [w.get("epoch") for w in self.workers.values() if w.get("epoch") is not None]
-        speed = sum(w.get("samples_per_sec") or 0.0 for w in live)
+        # while running: the live workers' latest interval speeds; once every worker has
+        # ended: the job's average throughput (sum of the end records)
+        speed = sum(w.get("samples_per_sec") or 0.0 for w in (live or self.workers.values()))
         accs = [w.get("accuracy") for w in self.workers.values()
                 if w.get("accuracy") is not None]
         return {"step": self.step, "total_steps": self.total_steps,
@@ -124,38 +136,84 @@ class ProgressMonitor:
         if self._closed or not display:
             return s
         if self.tty:
-            if self._bar is None and (self.total_steps or self.workers):
-                from tqdm import tqdm
-                self._bar = tqdm(total=self.total_steps, unit="step", file=self.stream,
-                                 dynamic_ncols=True, desc="training",
-                                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/"
-                                            "{total_fmt} [{elapsed}<{remaining}{postfix}]")
-            if self._bar is not None:
-                if self.total_steps and self._bar.total != self.total_steps:
-                    self._bar.total = self.total_steps
-                self._bar.n = s["step"]
-                self._bar.set_postfix_str(self._text(s), refresh=False)
-                self._bar.refresh()
-        else:
+            with self._lock:
+                if self._bar is None and (self.total_steps or self.workers):
+                    from tqdm import tqdm
+                    self._bar = tqdm(total=self.total_steps, unit="step", file=self.stream,
+                                     dynamic_ncols=True, desc="training",
+                                     bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/"
+                                                "{total_fmt} [{elapsed}<{remaining}{postfix}]")
+                if self._bar is not None:
+                    if self.total_steps and self._bar.total != self.total_steps:
+                        self._bar.total = self.total_steps
+                    self._bar.n = s["step"]
+                    self._bar.set_postfix_str(self._text(s), refresh=False)
+                    self._bar.refresh()
+        elif self.workers:
             now = time.monotonic()
             if now - self._last_print >= self.interval:
                 self._last_print = now
                 self._print_line(s)
         return s
 
-    def _print_line(self, s: dict) -> None:
+    def _print_line(self, s: dict, final: bool = False) -> None:
         total = s["total_steps"]
         pct = f" ({100.0 * s['step'] / total:.0f}%)" if total else ""
-        print(f"progress: step {s['step']}/{total if total else '?'}{pct} | {self._text(s)} "
-              f"| {time.monotonic() - self._t0:.0f}s", file=self.stream, flush=True)
+        line = (f"progress: step {s['step']}/{total if total else '?'}{pct} | "
+                f"{self._text(s)}")
+        if final and line == self._last_line:
+            return          # the last periodic line already said it
+        self._last_line = line
+        print(f"{line} | {time.monotonic() - self._t0:.0f}s", file=self.stream, flush=True)
+
+    def sink(self, stream):
+        """A file-like object that writes whole lines to ``stream`` above the bar (on a
+        tty); ``stream`` itself otherwise."""
+        return _LineSink(self, stream) if self.tty else stream
+
+    def _write_lines(self, stream, text: str) -> None:
+        with self._lock:
+            bar = self._bar
+            if bar is not None:
+                bar.clear()
+            stream.write(text)
+            stream.flush()
+            if bar is not None:
+                bar.refresh()
 
     def close(self) -> dict:
         """A last poll, then close the bar (or print the final line)."""
         s = self.poll(display=self.tty)
-        self._closed = True
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-        elif not self.tty:
-            self._print_line(s)
+        with self._lock:
+            self._closed = True
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            elif not self.tty:
+                self._print_line(s, final=True)
         return s
+
+
+class _LineSink:
+    """Buffers writes until a newline, then hands whole lines to the monitor."""
+
+    def __init__(self, monitor: ProgressMonitor, stream):
+        self.monitor, self.stream = monitor, stream
+        self._buf = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._buf += text
+            cut = self._buf.rfind("\n")
+            if cut < 0:
+                return len(text)
+            lines, self._buf = self._buf[:cut + 1], self._buf[cut + 1:]
+        self.monitor._write_lines(self.stream, lines)
+        return len(text)
+
+    def flush(self) -> None:
+        pass                  # partial lines wait for their newline
+
+    def isatty(self) -> bool:
+        return True
