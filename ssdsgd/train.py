@@ -198,14 +198,47 @@ def save_states(run_dir: Path, trainer, epoch: int) -> str | None:
     return states.name
 
 
+def trainable(trainer) -> list:
+    """(kvstore key, Parameter) of the parameters the kvstore updates (the Trainer's
+    keys are the parameters' indices; grad_req 'null' ones, such as BatchNorm's running
+    statistics, stay with each worker)."""
+    return [(i, p) for i, p in enumerate(trainer._params)  # noqa: SLF001
+            if p.grad_req != "null"]
+
+
+def pull_global(kv, trainer, into_params: bool = True) -> dict:
+    """The servers' (global) weights as of this worker's last step, through the
+    kvstore's ``pull`` (one exchange). With ``into_params`` they replace the parameters'
+    values on every device, as ``kv.close()`` does at the end of the steps-delay stage;
+    otherwise they are returned as {Parameter name: NDArray} and the parameters (in
+    ssd's steps-delay stage: this worker's local weights) are left alone."""
+    import mxnet as mx
+    pairs = trainable(trainer)
+    if into_params:
+        outs = [p.list_data() for _, p in pairs]
+    else:
+        outs = [[mx.nd.zeros(p.shape, dtype=p.dtype)] for _, p in pairs]
+    if pairs:
+        kv.pull([i for i, _ in pairs], out=outs)
+    return {p.name: o[0] for (_, p), o in zip(pairs, outs)}
+
+
 def save_checkpoint(run_dir: Path, net, states_name: str | None, epoch: int, step: int,
-                    seed: int) -> Path:
+                    seed: int, weights: dict | None = None) -> Path:
     """Rank 0: parameters and the data position (the next epoch to run) in
-    RUN_DIR/checkpoints/; latest.json points at the newest checkpoint."""
+    RUN_DIR/checkpoints/; latest.json points at the newest checkpoint. ``weights``
+    ({Parameter name: NDArray}, from pull_global) replace the parameters' own values
+    in the file (net.save_parameters' format either way)."""
+    import mxnet as mx
     ck = run_dir / "checkpoints"
     ck.mkdir(parents=True, exist_ok=True)
     params = ck / f"epoch-{epoch:04d}.params"
-    net.save_parameters(str(params))
+    if weights:
+        arrays = {key: weights[p.name] if p.name in weights else p._reduce()  # noqa: SLF001
+                  for key, p in net._collect_params_with_prefix().items()}  # noqa: SLF001
+        mx.nd.save(str(params), arrays)
+    else:
+        net.save_parameters(str(params))
     info = {"epoch": epoch, "next_epoch": epoch + 1, "step": step, "seed": seed,
             "params": params.name, "states": states_name}
     tmp = ck / "latest.json.tmp"
@@ -214,22 +247,59 @@ def save_checkpoint(run_dir: Path, net, states_name: str | None, epoch: int, ste
     return params
 
 
-
-def load_checkpoint(run_dir: Path, net, trainer, ctx) -> dict:
-    info_path = run_dir / "checkpoints" / "latest.json"
+def checkpoint_info(run_dir) -> dict:
+    """RUN_DIR/checkpoints/latest.json, checked (DataError, one line, if unusable)."""
+    ck = Path(run_dir) / "checkpoints"
+    path = ck / "latest.json"
     try:
-        info = json.loads(info_path.read_text())
+        info = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DataError(f"{info_path}: no checkpoint to resume from") from None
-    net.load_parameters(str(run_dir / "checkpoints" / info["params"]), ctx=ctx)
+        raise DataError(f"{path}: no checkpoint to resume from (train.checkpoint_every "
+                        "was 0, or the run stopped before its first checkpoint)") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: unreadable checkpoint record ({exc})") from None
+    need = {"next_epoch": int, "step": int, "params": str}
+    if not isinstance(info, dict) or any(not isinstance(info.get(k), t)
+                                         for k, t in need.items()):
+        raise DataError(f"{path}: expected next_epoch, step and params in the checkpoint "
+                        "record")
+    for key in ("params", "states"):
+        if info.get(key) and not (ck / info[key]).is_file():
+            raise DataError(f"{ck / info[key]}: missing checkpoint file named by {path}")
+    return info
+
+
+def _last_line(exc) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def load_checkpoint(run_dir: Path, net, trainer, ctx, grad_batch: int) -> dict:
+    """Load the latest checkpoint: parameters, optimizer states (through the kvstore,
+    to the servers, when they update) and the optimizer's update count, so that the lr
+    schedule continues. Returns latest.json's record."""
+    ck = run_dir / "checkpoints"
+    info = checkpoint_info(run_dir)
+    step = int(info["step"])
+    opt = trainer._optimizer  # noqa: SLF001 - the Trainer has no public accessor
+    # What the first Trainer.step would have set before the kvstore sends the optimizer
+    # to the servers (load_states creates the kvstore): the gradient scale and the
+    # update count.
+    opt.rescale_grad = trainer._scale / grad_batch  # noqa: SLF001
+    opt.begin_num_update = opt.num_update = step
+    try:
+        net.load_parameters(str(ck / info["params"]), ctx=ctx)
+    except Exception as exc:  # noqa: BLE001 - MXNetError carries a C++ traceback
+        raise DataError(f"{ck / info['params']}: cannot load parameters "
+                        f"({_last_line(exc)})") from None
     if info.get("states"):
         try:
-            trainer.load_states(str(run_dir / "checkpoints" / info["states"]))
+            trainer.load_states(str(ck / info["states"]))
         except Exception as exc:  # noqa: BLE001
-            log.warning("resume: optimizer states not restored (%s)", exc)
-    # the lr schedule continues where it stopped
-    opt = trainer._optimizer  # noqa: SLF001 - the Trainer has no public accessor
-    opt.begin_num_update = opt.num_update = int(info["step"])
+            raise DataError(f"{ck / info['states']}: cannot restore optimizer states "
+                            f"({_last_line(exc)})") from None
+    opt = trainer._optimizer  # noqa: SLF001 - load_states may replace it
+    opt.begin_num_update = opt.num_update = step
     return info
 
 
@@ -292,13 +362,15 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
         grad_batch = gradient_batch(config, kv, num_workers)
 
         start_epoch, step = 0, 0
+        start_step = 0
         if resume:
             # materialize deferred shapes before loading
             x0, _ = dataset.train_batch(np.arange(min(bs, dataset.n_train)),
                                         np.random.default_rng(0))
             net(mx.nd.array(x0[:1], ctx=ctx[0]))
-            info = load_checkpoint(run_dir, net, trainer, ctx)
+            info = load_checkpoint(run_dir, net, trainer, ctx, grad_batch)
             start_epoch, step = int(info["next_epoch"]), int(info["step"])
+            start_step = step
             log.info("resumed from %s at epoch %d, step %d", run_dir / "checkpoints",
                      start_epoch, step)
 
@@ -329,8 +401,8 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
             log.info("Epoch[%d] Validation %s time=%.1fs", epoch, " ".join(
                 f"{k}={v:.6f}" for k, v in res.items()), time.time() - t_train)
 
-        def checkpoint(epoch, states_name):
-            path = save_checkpoint(run_dir, net, states_name, epoch, step, seed)
+        def checkpoint(epoch, states_name, weights=None):
+            path = save_checkpoint(run_dir, net, states_name, epoch, step, seed, weights)
             writer.write("checkpoint", epoch=epoch + 1, step=step, path=str(path))
 
         def wants_checkpoint(epoch):
@@ -375,24 +447,33 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
             if rank == 0 and epoch < last_epoch:
                 validate(epoch)
                 if wants_checkpoint(epoch):
-                    checkpoint(epoch, save_states(run_dir, trainer, epoch))
+                    # in the steps-delay stage rank 0's weights are its local ones: the
+                    # checkpoint holds the global model, pulled from the servers
+                    checkpoint(epoch, save_states(run_dir, trainer, epoch),
+                               pull_global(kv, trainer, into_params=False)
+                               if delay_stage(config, kv, step - start_step, warmup) else None)
         loader.close()
-        # The last epoch is validated after kv.close(), which leaves every worker with
-        # the global weights of the last step (in the steps-delay stage the local ones
-        # can be up to k steps off). The optimizer states must be saved before it.
-        final_states = (save_states(run_dir, trainer, last_epoch)
-                        if rank == 0 and wants_checkpoint(last_epoch) and
-                        start_epoch <= last_epoch else None)
-        if kv is not None and hasattr(kv, "close"):
-            kv.close()
+        # The end of training. In the steps-delay stage rank 0 first replaces its local
+        # weights by the global weights of the last step (what kv.close() does), so the
+        # last validation and checkpoint are of the global model. Rank 0 does everything
+        # (validation, checkpoint, summary) before it leaves the job: the scheduler ends
+        # the job when the last worker has closed its kvstore.
+        ran = start_epoch <= last_epoch
+        if rank == 0 and ran and delay_stage(config, kv, step - start_step, warmup):
+            pull_global(kv, trainer)
         wall = time.time() - t_train
-        if rank == 0 and start_epoch <= last_epoch:
+        if rank == 0 and ran:
             validate(last_epoch)
             if wants_checkpoint(last_epoch):
-                checkpoint(last_epoch, final_states)
+                checkpoint(last_epoch, save_states(run_dir, trainer, last_epoch))
         end = writer.write("end", steps=step, samples=samples, wall_time=wall,
                            samples_per_sec=samples / max(wall, 1e-9), **net_figures(kv),
                            kv=kv_metrics(kv))
+        writer.close()
+        summary = end if rank != 0 else _summary(config, run_dir, kv, vals, step, spe,
+                                                 warmup, num_workers, wall, t_start)
+        if kv is not None and hasattr(kv, "close"):
+            kv.close()
     finally:
         if loader is not None:
             loader.close()
@@ -401,8 +482,24 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
         if kv is not None and hasattr(kv, "close"):
             kv.close()  # idempotent; on an error it still leaves the job
 
-    if rank != 0:
-        return end
+    return summary
+
+
+def delay_stage(config: Config, kv, steps: int, warmup: int) -> bool:
+    """Whether this worker's weights are its local ones (its last step was in ssd's
+    steps-delay stage) rather than the global model. ``steps``: steps this process ran
+    (the kvstore's stage machine counts from 0 in every process, also after --resume)."""
+    if kv is None or config.sync.algorithm != "ssd":
+        return False
+    m = kv_metrics(kv)
+    if "stage" in m:
+        return m["stage"] == "steps_delay"
+    return steps > warmup
+
+
+def _summary(config, run_dir, kv, vals, step, spe, warmup, num_workers, wall,
+             t_start) -> dict:
+    """Rank 0: RUN_DIR/summary.json from its figures and every worker's end record."""
     last = vals[-1] if vals else {}
     base = {
         "name": config.name, "algorithm": config.sync.algorithm if kv is not None else "local",
@@ -421,7 +518,6 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
              f"{summary['final_accuracy']:.4f}" if summary["final_accuracy"] is not None
              else "n/a", step, wall, run_dir / "summary.json")
     return summary
-
 
 
 # ----------------------------------------------------------------------------- CLI
