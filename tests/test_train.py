@@ -271,24 +271,3 @@ def test_progress_monitor_tty_bar(tmp_path):
     mon.poll()
     mon.close()
     assert "5/10" in out.getvalue() and "train acc 0.5000" in out.getvalue()
-
-
-# ----------------------------------------------------------------------------- launcher
-
-@pytest.mark.skipif(not (ROOT / "launch" / "dist.py").exists(), reason="no launcher yet")
-def test_digits_job_through_the_launcher(tmp_path):
-    """The shipped demo, shortened: scheduler + 1 server + 2 workers on ssd_sync."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SSDSGD_", "DMLC_"))}
-    p = subprocess.run([PY, "launch/dist.py", "configs/digits.yaml", "--set",
-                        "train.epochs=4", "--set", f"output.dir={tmp_path}", "--set",
-                        "sync.warmup_steps=20"], capture_output=True, text=True, cwd=ROOT,
-                       env=env, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
-    run, = [d for d in tmp_path.iterdir() if d.is_dir()]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["algorithm"] == "ssd" and summary["num_workers"] == 2
-    assert summary["workers_reporting"] == 2 and summary["steps"] == 88
-    assert summary["final_accuracy"] > 0.9
-    assert summary["bytes_sent"] > 0 and summary["bytes_received"] > 0
-    stages = {r["stage"] for r in events(run / "metrics/worker-1.jsonl", "train")}
-    assert len(stages) == 2  # warm-up, then steps delay
