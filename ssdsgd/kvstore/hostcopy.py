@@ -34,11 +34,13 @@ def _direct(nd):
     return nd.context.device_type == "cpu" and nd.stype == "default"
 
 
-def read(nds):
-    """Flat numpy copies of ``nds``."""
+def read(nds, copy=True):
+    """Flat numpy copies of ``nds``; with ``copy=False``, views of the CPU arrays' own
+    buffers where possible (the caller must not let MXNet write them while in use)."""
     if any(_direct(nd) for nd in nds):
         mx.nd.waitall()
-    return [np.array(host_view(nd)).reshape(-1) if _direct(nd) else nd.asnumpy().reshape(-1)
+    take = np.array if copy else np.asarray
+    return [take(host_view(nd)).reshape(-1) if _direct(nd) else nd.asnumpy().reshape(-1)
             for nd in nds]
 
 

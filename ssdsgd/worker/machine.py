@@ -98,7 +98,11 @@ class StageMachine:
             if key not in self.key_steps:
                 raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
         grads = {key: _device_sum(grad_list) for key, grad_list, _ in entries}
-        flats = hostcopy.read(list(grads.values()))
+        # A synchronous step waits for every server's reply, and a server replies only
+        # after it has received this push: the gradients' own buffers can be sent as they
+        # are. A steps-delay step returns while the push may still be on the wire and the
+        # next backward pass rewrites the gradients, so it sends a copy.
+        flats = hostcopy.read(list(grads.values()), copy=not p.synchronous)
         wire = [(key, self.key_steps[key], flat, flat.dtype) for key, flat in zip(grads, flats)]
         gather = self.client.exchange(P.Kind.PUSH, wire, step=self.t, flags=flags,
                                       reply=p.request_pull)
