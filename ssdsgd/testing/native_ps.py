@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-__all__ = ['CompletedWorker', 'NativePSError', 'free_port', 'run_native']
+__all__ = ['CompletedWorker', 'NativePSError', 'free_port', 'run_native', 'run_native_nodes']
 
 #: Variables run_native owns; ``env`` may not override them.
 OWNED_VARS = ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT',
@@ -138,6 +138,24 @@ def _base_env() -> dict[str, str]:
             if not (k.startswith('DMLC_') or k.startswith('SSDSGD_'))}
 
 
+def run_native_nodes(cmd: list[str], num_workers: int, num_servers: int = 1,
+                     mode: str = 'dist_sync', env: dict[str, str] | None = None,
+                     timeout: float = 300, cwd: str | os.PathLike | None = None,
+                     *, root_uri: str, node, check: bool = True) -> list[CompletedWorker]:
+    """run_native with every process on a host of its own (e.g. a network namespace).
+
+    ``node(role, index)`` returns ``(prefix, host)`` for the scheduler (index 0), each
+    server and each worker (index = launch order): the process runs ``prefix + args``
+    (e.g. ``['ip', 'netns', 'exec', NS]``) with ``DMLC_NODE_HOST=host``, the address
+    ps-lite binds and advertises for it.  ``root_uri`` is the scheduler's address
+    (``DMLC_PS_ROOT_URI``); it must be the scheduler's own host.  Everything else
+    (``mode``, ``env``, ``timeout``, ``check``, the return value, errors and clean-up) is
+    as in :func:`run_native`; ``DMLC_NODE_HOST`` in ``env`` is overridden per process.
+    """
+    return _run(cmd, num_workers, num_servers, mode, env, timeout, cwd, check=check,
+                root_uri=root_uri, node=node)
+
+
 def run_native(cmd: list[str], num_workers: int, num_servers: int = 1,
                mode: str = 'dist_sync', env: dict[str, str] | None = None,
                timeout: float = 300, cwd: str | os.PathLike | None = None,
@@ -160,6 +178,11 @@ def run_native(cmd: list[str], num_workers: int, num_servers: int = 1,
     failed worker is reported in its returncode instead) or if the job outlives
     ``timeout`` seconds.  Every process started is killed before this returns or raises.
     """
+    return _run(cmd, num_workers, num_servers, mode, env, timeout, cwd, check=check,
+                root_uri='127.0.0.1', node=None)
+
+
+def _run(cmd, num_workers, num_servers, mode, env, timeout, cwd, *, check, root_uri, node):
     if num_workers < 1 or num_servers < 1:
         raise ValueError('num_workers and num_servers must be >= 1')
     if mode not in MODES:
@@ -175,7 +198,7 @@ def run_native(cmd: list[str], num_workers: int, num_servers: int = 1,
 
     common = _base_env()
     common.update({
-        'DMLC_PS_ROOT_URI': '127.0.0.1',
+        'DMLC_PS_ROOT_URI': root_uri,
         'DMLC_PS_ROOT_PORT': str(free_port()),
         'DMLC_NUM_SERVER': str(num_servers),
         'DMLC_NUM_WORKER': str(num_workers),
@@ -192,8 +215,13 @@ def run_native(cmd: list[str], num_workers: int, num_servers: int = 1,
         out_path = os.path.join(logdir.name, f'{tag}.out')
         err_path = os.path.join(logdir.name, f'{tag}.err')
         penv = dict(common, DMLC_ROLE=role)
+        prefix = []
+        if node is not None:
+            prefix, host = node(role, index)
+            penv['DMLC_NODE_HOST'] = host
         with open(out_path, 'wb') as out, open(err_path, 'wb') as err:
-            popen = subprocess.Popen(args, env=penv, cwd=cwd, stdin=subprocess.DEVNULL,
+            popen = subprocess.Popen(list(prefix) + list(args), env=penv, cwd=cwd,
+                                     stdin=subprocess.DEVNULL,
                                      stdout=out, stderr=err, start_new_session=True)
         proc = _Proc(name, role, index, args, popen, out_path, err_path)
         procs.append(proc)
