@@ -1,0 +1,67 @@
+"""Start a job's roles on the hosts of an emulated cluster.
+
+* ssdsgd: :class:`NetnsLauncher`, the interface of ``ssdsgd.launch.local.LocalLauncher``
+  (``scheduler_host``, ``node_env``, ``start``, ``stop``), so ``run_job(...,
+  launcher=NetnsLauncher(cluster, layout))`` runs every role in its own namespace.
+* MXNet's ps-lite: :meth:`Layout.native_node` for ``run_native_nodes(node=...)``.
+
+A :class:`Layout` says which host each role gets: host 0 the scheduler, hosts 1..S the
+servers, hosts S+1..S+N the workers.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+
+from ssdsgd.launch.local import LocalProcess
+
+
+class Layout:
+    def __init__(self, cluster, num_workers, num_servers):
+        need = 1 + num_servers + num_workers
+        if need > len(cluster.names):
+            raise ValueError(f'{num_workers} workers + {num_servers} servers + scheduler need '
+                             f'{need} hosts; the cluster has {len(cluster.names)}')
+        self.cluster, self.num_workers, self.num_servers = cluster, num_workers, num_servers
+
+    def host(self, role, rank):
+        if role == 'scheduler':
+            return 0
+        if role == 'server':
+            return 1 + rank
+        if role == 'worker':
+            return 1 + self.num_servers + rank
+        raise ValueError(f'unknown role {role!r}')
+
+    def address(self, role, rank):
+        return self.cluster.addresses[self.host(role, rank)]
+
+    def worker_hosts(self):
+        return [self.host('worker', r) for r in range(self.num_workers)]
+
+    def native_node(self, role, index):
+        """For run_native_nodes: (command prefix, DMLC_NODE_HOST) of one ps-lite node."""
+        h = self.host(role, index)
+        return self.cluster.prefix(h), self.cluster.addresses[h]
+
+
+class NetnsLauncher:
+    """ssdsgd's launcher interface; every role runs in its host's namespace."""
+    name = 'netns'
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.scheduler_host = layout.address('scheduler', 0)
+
+    def node_env(self, role, rank):
+        return {'SSDSGD_NODE_HOST': self.layout.address(role, rank)}
+
+    def start(self, role, rank, cmd, env):
+        h = self.layout.host(role, rank)
+        popen = subprocess.Popen(self.layout.cluster.prefix(h) + list(cmd), env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        return LocalProcess(role, rank, popen)
+
+    def stop(self, proc, sig=signal.SIGTERM):
+        proc.signal(sig)
