@@ -1,0 +1,557 @@
+"""Benchmarks on an emulated cluster, side by side with MXNet's own dist_sync/dist_async.
+
+    sudo .venv/bin/python -m bench.cluster            # everything, ~25 min
+    sudo .venv/bin/python -m bench.cluster --quick    # a smaller version, ~8 min
+
+Every role (scheduler, each server, each worker) runs on a host of its own: a network
+namespace joined to a switch namespace by a veth pair, each link shaped with tc to the
+configured rate both ways. Three experiments (``--only``):
+
+  matrix   for each workload and link rate: native dist_sync, native dist_async,
+           ssd_sync ssgd, asgd and ssd at k in --ks; samples/s, speedup over native
+           dist_sync, time blocked per step, bytes per step, the bound and each row's
+           fraction of it
+  scaling  N in --scaling-workers with emulated compute; efficiency against N times one
+           worker's throughput without communication
+  tta      the digits demo (real compute, real data): time to --tta-target test accuracy
+
+Results go to --out (docs/benchmarks/: cluster.md, cluster.json, PNG plots); every job's
+raw per-worker results and logs go to --raw. Needs root; without it, says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.cluster import netns, plan, report  # noqa: E402
+from bench.cluster.plan import Workload  # noqa: E402
+
+
+# ---- arguments -------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog='python -m bench.cluster',
+                                description=__doc__.split('\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split('\n', 2)[2])
+    p.add_argument('--quick', action='store_true', help='a smaller, faster version')
+    p.add_argument('--only', default='matrix,scaling,tta',
+                   help='comma list of experiments: matrix, scaling, tta')
+    p.add_argument('--workloads', help='comma list, e.g. emulated:resnet50@1gbit+10gbit,'
+                   'real:cifar_resnet20_v1 (default depends on --quick)')
+    p.add_argument('--rates', help='default link rates for workloads without @ '
+                   '(default 1gbit,10gbit)')
+    p.add_argument('--workers', type=int, default=4)
+    p.add_argument('--servers', type=int, default=1)
+    p.add_argument('--ks', default='2,5,10', help='ssd delay steps k for the matrix')
+    p.add_argument('--systems', help='comma list of row ids to run (default all): '
+                   'native-sync, native-async, ssgd, asgd, ssd-kK')
+    p.add_argument('--compute-ratio', type=float, default=1.0,
+                   help='emulated compute per step = this x one push at --compute-ref')
+    p.add_argument('--compute-ref', default='1gbit',
+                   help='the link rate that defines the emulated compute time')
+    p.add_argument('--real-batch', type=int, default=32)
+    p.add_argument('--target-s', type=float, help='seconds of timed steps per row')
+    p.add_argument('--steps', type=int, help='timed steps per row (overrides --target-s)')
+    p.add_argument('--warmup', type=int, default=2, help='untimed steps per row')
+    p.add_argument('--scaling-workers', default='1,2,4,8')
+    p.add_argument('--scaling-workload', default='emulated:resnet20@1gbit')
+    p.add_argument('--scaling-ratio', type=float, default=10.0,
+                   help='scaling: compute = this x one push at the scaling link rate')
+    p.add_argument('--scaling-systems', default='native-sync,native-async,ssgd,ssd-k5')
+    p.add_argument('--tta-rate', default='100mbit')
+    p.add_argument('--tta-workers', type=int, default=2)
+    p.add_argument('--tta-target', type=float, default=0.95)
+    p.add_argument('--tta-epochs', type=int, default=20)
+    p.add_argument('--tta-systems', default='native-sync,ssgd,ssd-k5')
+    p.add_argument('--tta-warmup', type=int, default=50, help='ssd warm-up steps (digits)')
+    p.add_argument('--latency-ms', type=float, default=0.0,
+                   help='added round-trip latency per link (needs netem in the kernel)')
+    p.add_argument('--mtu', type=int, default=1500)
+    p.add_argument('--memory-fraction', type=float, default=0.6,
+                   help='skip a row whose worst-case memory exceeds this x MemAvailable')
+    p.add_argument('--out', default=str(REPO / 'docs' / 'benchmarks'),
+                   help='where cluster.md, cluster.json and the plots go')
+    p.add_argument('--raw', help='per-job results and logs (default: a new temp dir)')
+    p.add_argument('--no-write', action='store_true', help='print only; write nothing to --out')
+    args = p.parse_args(argv)
+    q = args.quick
+    if args.workloads is None:
+        args.workloads = ('emulated:resnet20,emulated:resnet50@1gbit,real:cifar_resnet20_v1@1gbit'
+                          if q else
+                          'emulated:resnet20,emulated:resnet50,emulated:vgg16@10gbit,'
+                          'real:cifar_resnet20_v1')
+    if args.rates is None:
+        args.rates = '1gbit,10gbit'
+    if args.target_s is None:
+        args.target_s = 12.0 if q else 25.0
+    if q and args.scaling_workers == '1,2,4,8':
+        args.scaling_workers = '1,2,4'
+    if q and args.tta_epochs == 20:
+        args.tta_epochs = 10
+    return args
+
+
+def _csv(text):
+    return [t.strip() for t in str(text).split(',') if t.strip()]
+
+
+# ---- workloads --------------------------------------------------------------------------
+TINY_SHAPES = [[64, 32], [64], [128, 64], [128], [10, 128], [10]]
+
+
+def model_shapes(model):
+    """Trainable parameter shapes of an EMULATED_MODELS entry (or 'tiny')."""
+    if model == 'tiny':
+        return TINY_SHAPES
+    import mxnet as mx
+    from gluoncv import model_zoo
+    name, shape, _ = plan.EMULATED_MODELS[model]
+    net = model_zoo.get_model(name, pretrained=False)
+    net.initialize(mx.init.Zero())
+    net(mx.nd.zeros(shape))
+    return [list(p.shape) for p in net.collect_params().values() if p.grad_req != 'null']
+
+
+def real_model_bytes(name, image_size):
+    import mxnet as mx
+    from gluoncv import model_zoo
+    net = model_zoo.get_model(name, classes=10, pretrained=False)
+    net.initialize(mx.init.Zero())
+    net(mx.nd.zeros((1, 3, image_size, image_size)))
+    ps = [p for p in net.collect_params().values() if p.grad_req != 'null']
+    return sum(p.data().size * 4 for p in ps), len(ps)
+
+
+PRETTY = {'resnet20': 'ResNet-20', 'resnet50': 'ResNet-50', 'vgg16': 'VGG-16', 'tiny': 'tiny'}
+
+
+def parse_workload(spec, default_rates, args, raw, ratio=None, ref_rate=None):
+    """'emulated:resnet50@1gbit+10gbit' -> (Workload, [rates in bit/s])."""
+    body, _, rates = spec.partition('@')
+    kind, _, model = body.partition(':')
+    rates = [netns.parse_rate(r) for r in (rates.split('+') if rates else default_rates)]
+    if kind == 'emulated':
+        if model not in plan.EMULATED_MODELS and model != 'tiny':
+            raise SystemExit(f'unknown emulated model {model!r}: '
+                             f'{", ".join(plan.EMULATED_MODELS)}, tiny')
+        shapes = model_shapes(model)
+        path = Path(raw) / f'shapes-{model}.json'
+        path.write_text(json.dumps({'model': model, 'shapes': shapes}))
+        nbytes = sum(4 * _prod(s) for s in shapes)
+        batch = plan.EMULATED_MODELS.get(model, (None, None, 32))[2]
+        ratio = args.compute_ratio if ratio is None else ratio
+        ref = netns.parse_rate(args.compute_ref) if ref_rate is None else ref_rate
+        w = Workload(f'emulated {PRETTY.get(model, model)}', 'emulated', model, batch,
+                     compute_s=ratio * plan.push_time(nbytes, ref), param_bytes=nbytes,
+                     num_keys=len(shapes))
+        w.shapes_path = str(path)
+        w.compute_rule = f'{ratio:g} x one push at {netns.rate_label(ref)}'
+        return w, rates
+    if kind == 'real':
+        nbytes, nkeys = real_model_bytes(model, 32)
+        w = Workload(f'real {model}', 'real', model, args.real_batch, image_size=32,
+                     param_bytes=nbytes, num_keys=nkeys)
+        return w, rates
+    raise SystemExit(f'workload {spec!r}: expected emulated:MODEL or real:GLUONCV_NAME')
+
+
+def _prod(shape):
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def worker_args(workload, steps, warmup):
+    args = ['--workload', workload.kind, '--batch', workload.batch, '--steps', steps,
+            '--warmup', warmup]
+    if workload.kind == 'emulated':
+        args += ['--shapes', workload.shapes_path, '--compute-s', f'{workload.compute_s:.6f}']
+    else:
+        args += ['--model', workload.model, '--image-size', workload.image_size]
+    return args
+
+
+# ---- running ---------------------------------------------------------------------------
+class Bench:
+    def __init__(self, args, cluster, raw, log):
+        self.args, self.cluster, self.raw, self.log = args, cluster, Path(raw), log
+        self.notes = []
+        self.job = 0
+
+    def mem_available(self):
+        try:
+            with open('/proc/meminfo') as f:
+                for line in f:
+                    if line.startswith('MemAvailable'):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
+    def run(self, system, workload, rate, n, s, steps, warmup, extra_args=None, timeout=None,
+            bound_s=None):
+        from bench.cluster import runner
+        self.job += 1
+        tag = f'{self.job:03d}-{workload.model}-{int(rate)}-{system.key}-n{n}s{s}'
+        out = self.raw / tag
+        base = {'system': system.key, 'label': system.label, 'workload': workload.name,
+                'rate_bits': rate, 'workers': n, 'servers': s, 'k': system.k, 'steps': steps}
+        need = plan.memory_needed(system, workload, n, s)
+        avail = self.mem_available()
+        if avail and need > self.args.memory_fraction * avail:
+            msg = (f'skipped: worst case {need / 2**30:.1f} GiB in flight > '
+                   f'{self.args.memory_fraction:g} x {avail / 2**30:.1f} GiB available')
+            self.log(f'{system.label}: {msg}')
+            return dict(base, status=msg)
+        args = extra_args if extra_args is not None else worker_args(workload, steps, warmup)
+        t0 = time.monotonic()
+        try:
+            job_notes = []
+            results = runner.run_job_on(self.cluster, system, n, s, args, out, timeout, warmup,
+                                        out.with_suffix('.log'), notes=job_notes)
+            for note in job_notes:
+                self.notes.append(f'{tag}: {note}')
+        except runner.Interrupted:
+            raise KeyboardInterrupt from None
+        except RuntimeError as e:
+            text = str(e).strip().splitlines()
+            self.log(f'{system.label}: FAILED: {text[0] if text else e} '
+                     f'(log: {out.with_suffix(".log")})')
+            self.notes.append(f'{workload.name} @ {netns.rate_label(rate)}, {system.label}: '
+                              f'failed: {" | ".join(text[-6:])[:600]}')
+            return dict(base, status='failed', error='\n'.join(text[-30:]))
+        if workload.kind == 'digits':
+            return dict(base, status='ok', results=results, job_s=time.monotonic() - t0)
+        row = runner.summarize(results, system, workload, rate, n, s, bound_s)
+        row.update(status='ok', job_s=time.monotonic() - t0, loadavg=os.getloadavg()[0])
+        if row.get('leftover_pids'):
+            self.notes.append(f'{tag}: {row["leftover_pids"]} processes were left in the '
+                              'namespaces after the job and were killed')
+        return row
+
+
+def timeout_for(pred, steps, warmup):
+    return 180 + 4 * pred * (steps + warmup + 2)
+
+
+def steps_for(args, system, pred):
+    if args.steps:
+        return max(args.steps, 2 * system.k) if system.k else args.steps
+    return plan.choose_steps(system, pred, args.target_s)
+
+
+def fmt_row(r):
+    if r.get('status') != 'ok':
+        return f"{r['label']:<24} {r.get('status')}"
+    return (f"{r['label']:<24} {r['samples_per_s']:9.1f} samples/s  {r['step_s']:.3f} s/step  "
+            f"blocked {r['blocked_per_step_s']:.3f}  "
+            f"{(r.get('wire_bytes_per_step') or 0) / 1e6:8.1f} MB/step  "
+            f"of bound {r.get('fraction_of_bound') or 0:.2f}  ({r['steps']} steps, "
+            f"job {r['job_s']:.0f} s)")
+
+
+def run_matrix(bench, args, workloads, log):
+    groups = []
+    wanted = set(_csv(args.systems)) if args.systems else None
+    systems = plan.matrix_systems([int(k) for k in _csv(args.ks)])
+    if wanted:
+        systems = [s for s in systems if s.key in wanted]
+    n, s = args.workers, args.servers
+    for workload, rates in workloads:
+        compute_row = None
+        for rate in rates:
+            bench.cluster.shape(rate, args.latency_ms)
+            g = {'workload': workload.name, 'workload_desc': workload.describe(),
+                 'rate_bits': rate, 'workers': n, 'servers': s, 'rows': []}
+            log(f'--- {workload.describe()} @ {netns.rate_label(rate)}, {n} workers, '
+                f'{s} server(s)')
+            if workload.kind == 'real' and compute_row is None:
+                # compute alone: every worker at once, no kvstore (the compute bound)
+                st = args.steps or 20
+                compute_row = bench.run(plan.COMPUTE_ONLY, workload, rate, n, s, st,
+                                        args.warmup, timeout=600)
+                if compute_row.get('status') == 'ok':
+                    workload.compute_s = compute_row['compute_per_step_s']
+                    workload.notes.append(f"compute alone: {compute_row['samples_per_s']:.1f} "
+                                          f"samples/s, {workload.compute_s:.3f} s/step")
+                log(fmt_row(compute_row))
+            if workload.kind == 'real' and compute_row is not None:
+                g['rows'].append(dict(compute_row))
+            b, by = plan.bound(workload, rate, n, s)
+            g.update(bound_samples_per_s=b, bound_by=by, compute_s=workload.compute_s,
+                     link_s=plan.link_time(workload.param_bytes, rate, n, s),
+                     workload_desc=workload.describe())
+            for system in systems:
+                pred = plan.predict_step(system, workload, rate, n, s)
+                steps = steps_for(args, system, pred)
+                row = bench.run(system, workload, rate, n, s, steps, args.warmup,
+                                timeout=timeout_for(pred, steps, args.warmup), bound_s=b)
+                log(fmt_row(row))
+                g['rows'].append(row)
+            if b:
+                for r in g['rows']:
+                    if r.get('samples_per_s'):
+                        r['bound_samples_per_s'] = b
+                        r['fraction_of_bound'] = r['samples_per_s'] / b
+            base = next((r for r in g['rows'] if r['system'] == 'native-sync'
+                         and r.get('samples_per_s')), None)
+            for r in g['rows']:
+                if base and r.get('samples_per_s'):
+                    r['speedup'] = r['samples_per_s'] / base['samples_per_s']
+            groups.append(g)
+            yield groups
+    return groups
+
+
+def run_scaling(bench, args, log):
+    workload, rates = parse_workload(args.scaling_workload, ['1gbit'], args, bench.raw,
+                                     ratio=args.scaling_ratio,
+                                     ref_rate=netns.parse_rate(
+                                         args.scaling_workload.partition('@')[2] or '1gbit'))
+    rate = rates[0]
+    bench.cluster.shape(rate, args.latency_ms)
+    single = workload.batch / workload.compute_s
+    sc = {'workload': workload.name, 'workload_desc': workload.describe(), 'rate_bits': rate,
+          'servers': args.servers, 'single_samples_per_s': single, 'rows': [],
+          'compute_rule': workload.compute_rule}
+    systems = [plan.system_by_key(k) for k in _csv(args.scaling_systems)]
+    log(f'--- scaling: {workload.describe()} @ {netns.rate_label(rate)}, '
+        f'{args.servers} server(s)')
+    for n in [int(x) for x in _csv(args.scaling_workers)]:
+        for system in systems:
+            pred = plan.predict_step(system, workload, rate, n, args.servers)
+            steps = steps_for(args, system, pred)
+            b, _ = plan.bound(workload, rate, n, args.servers)
+            row = bench.run(system, workload, rate, n, args.servers, steps, args.warmup,
+                            timeout=timeout_for(pred, steps, args.warmup), bound_s=b)
+            row['ideal_samples_per_s'] = n * single
+            if row.get('samples_per_s'):
+                row['efficiency'] = row['samples_per_s'] / (n * single)
+            log(f'N={n} ' + fmt_row(row))
+            sc['rows'].append(row)
+            yield sc
+    return sc
+
+
+def run_tta(bench, args, log):
+    rate = netns.parse_rate(args.tta_rate)
+    bench.cluster.shape(rate, args.latency_ms)
+    n, s = args.tta_workers, 1
+    w = Workload('digits', 'digits', 'digits_mlp', 32)
+    tta = {'rate_bits': rate, 'workers': n, 'servers': s, 'target': args.tta_target,
+           'desc': (f'digits_mlp on the 8x8 digits (1437 train / 360 test), batch 32/worker, '
+                    f'sgd lr 0.1 momentum 0.9 wd 1e-4 cosine over {args.tta_epochs} epochs; '
+                    f'ssd: warm-up {args.tta_warmup} steps'),
+           'rows': []}
+    log(f'--- time to accuracy: digits @ {netns.rate_label(rate)}, {n} workers')
+    for key in _csv(args.tta_systems):
+        system = plan.system_by_key(key)
+        wargs = ['--workload', 'digits', '--epochs', args.tta_epochs, '--batch', 32,
+                 '--lr', 0.1, '--eval-every', 2]
+        row = bench.run(system, w, rate, n, s, 0, args.tta_warmup, extra_args=wargs,
+                        timeout=900)
+        if row.get('status') == 'ok':
+            res = row.pop('results')
+            r0 = next(r for r in res if r.get('evals'))
+            curve = r0['evals']
+            hit = next((e for e in curve if e[2] >= args.tta_target), None)
+            wall = max(r['t_end'] for r in res) - min(r['t_start'] for r in res)
+            row.update(curve=curve, steps=r0['steps'], wall_s=wall,
+                       final_accuracy=curve[-1][2] if curve else None,
+                       best_accuracy=max(e[2] for e in curve) if curve else None,
+                       time_to_target_s=hit[1] if hit else None,
+                       steps_to_target=hit[0] if hit else None)
+            log(f"{system.label:<24} time to {args.tta_target:.0%}: "
+                f"{row['time_to_target_s'] if hit else 'not reached'} s "
+                f"(step {hit[0] if hit else '-'}), final {row['final_accuracy']:.4f}, "
+                f"{wall:.1f} s")
+        else:
+            log(f'{system.label:<24} {row.get("status")}')
+        tta['rows'].append(row)
+        yield tta
+    return tta
+
+
+def comm_bound_checks(matrix, args):
+    """The issue's targets at the comm-bound point (ResNet-50 shapes, 1 Gbit/s, compute =
+    one push at 1 Gbit/s, 4 workers, 1 server)."""
+    g = next((g for g in matrix if g['workload'] == 'emulated ResNet-50'
+              and abs(g['rate_bits'] - 1e9) < 1 and g['workers'] == 4 and g['servers'] == 1
+              and args.compute_ratio == 1.0
+              and netns.parse_rate(args.compute_ref) == 1e9), None)
+    if g is None:
+        return []
+    rows = {r['system']: r for r in g['rows']}
+    nat, k5, ssgd = rows.get('native-sync'), rows.get('ssd-k5'), rows.get('ssgd')
+    checks = []
+
+    def ok(r):
+        return r is not None and r.get('samples_per_s')
+    sp = k5['samples_per_s'] / nat['samples_per_s'] if ok(k5) and ok(nat) else None
+    checks.append({'what': 'ssd k=5 throughput / native dist_sync', 'target': '>= 2.0',
+                   'measured': report._f(sp, '.2f'), 'met': None if sp is None else sp >= 2.0})
+    fr = k5.get('fraction_of_bound') if ok(k5) else None
+    checks.append({'what': 'ssd k=5 fraction of the bound', 'target': '>= 0.8',
+                   'measured': report._f(fr, '.2f'), 'met': None if fr is None else fr >= 0.8})
+    rs = ssgd['samples_per_s'] / nat['samples_per_s'] if ok(ssgd) and ok(nat) else None
+    checks.append({'what': 'ssd_sync ssgd throughput / native dist_sync',
+                   'target': 'within 0.90-1.10 (or better)', 'measured': report._f(rs, '.2f'),
+                   'met': None if rs is None else rs >= 0.9})
+    return checks
+
+
+# ---- main ------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    started = time.monotonic()
+
+    def log(text):
+        print(f'[bench.cluster] {text}', flush=True)
+    try:
+        netns.check_available()
+    except netns.NetnsUnavailable as e:
+        print(f'bench.cluster: cannot build the emulated cluster: {e}. Nothing was run.',
+              flush=True)
+        return 0
+    if args.latency_ms > 0 and not netns.netem_available():
+        print('bench.cluster: --latency-ms needs the netem qdisc, which this kernel does not '
+              'have (CONFIG_NET_SCH_NETEM); run without it.', file=sys.stderr)
+        return 2
+
+    def on_term(signum, _frame):
+        raise KeyboardInterrupt(f'signal {signum}')
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    netns.clean_stale(log)
+    only = set(_csv(args.only))
+    raw = Path(args.raw) if args.raw else Path(tempfile.mkdtemp(prefix='bench-cluster-'))
+    raw.mkdir(parents=True, exist_ok=True)
+    log(f'raw results and logs: {raw}')
+    # workloads first (shapes need MXNet and gluoncv, not the cluster)
+    workloads = []
+    if 'matrix' in only:
+        workloads = [parse_workload(spec, _csv(args.rates), args, raw)
+                     for spec in _csv(args.workloads)]
+    max_n = max([args.workers]
+                + ([int(x) for x in _csv(args.scaling_workers)] if 'scaling' in only else [])
+                + ([args.tta_workers] if 'tta' in only else []))
+    hosts = 1 + args.servers + max_n
+    results = {'meta': {'command': 'python -m bench.cluster ' + ' '.join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+        'machine': report.machine_info(), 'settings': settings(args, workloads)},
+        'matrix': [], 'scaling': {}, 'tta': {}, 'checks': []}
+    bench = None
+    cluster = None
+    interrupted = False
+    try:
+        cluster = netns.Cluster(hosts, log=log, mtu=args.mtu)
+        bench = Bench(args, cluster, raw, log)
+        cluster.shape(1e9)
+        results['meta']['shaping'] = shaping_text(cluster, args)
+        if 'matrix' in only:
+            for groups in run_matrix(bench, args, workloads, log):
+                results['matrix'] = groups
+                save_raw(raw, results)
+            results['checks'] = comm_bound_checks(results['matrix'], args)
+        if 'scaling' in only:
+            for sc in run_scaling(bench, args, log):
+                results['scaling'] = sc
+                save_raw(raw, results)
+        if 'tta' in only:
+            for tta in run_tta(bench, args, log):
+                results['tta'] = tta
+                save_raw(raw, results)
+    except KeyboardInterrupt as e:
+        interrupted = True
+        log(f'interrupted ({e or "Ctrl-C"}): tearing the cluster down; partial results kept')
+    finally:
+        if cluster is not None:
+            cluster.close()
+            left = [ns for ns in netns.list_namespaces() if ns.startswith(
+                f'{netns.PREFIX}{os.getpid()}-')]
+            log('cluster removed' if not left else f'namespaces left: {left}')
+        signal.signal(signal.SIGTERM, old_term)
+    results['meta']['elapsed_s'] = time.monotonic() - started
+    results['meta']['notes'] = (bench.notes if bench else []) + \
+        (['the run was interrupted; the tables are partial'] if interrupted else [])
+    save_raw(raw, results)
+    print_summary(results)
+    if not args.no_write:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        images = report.plots(results, out)
+        (out / 'cluster.json').write_text(json.dumps(strip_for_json(results), indent=1))
+        (out / 'cluster.md').write_text(report.markdown(results, images))
+        log(f'wrote {out / "cluster.md"}, {out / "cluster.json"} and '
+            f'{", ".join(p.name for p in images)}')
+    if interrupted:
+        return 130
+    failed = any(r.get('status') == 'failed' for g in results['matrix'] for r in g['rows'])
+    failed |= any(r.get('status') == 'failed' for r in results.get('scaling', {}).get('rows', []))
+    failed |= any(r.get('status') == 'failed' for r in results.get('tta', {}).get('rows', []))
+    return 1 if failed else 0
+
+
+def settings(args, workloads):
+    s = {'workers x servers (matrix)': f'{args.workers} x {args.servers}',
+         'ssd delay steps k (matrix)': args.ks,
+         'untimed steps per row': f'{args.warmup} (ssd_sync: SSDSGD_WARMUP_STEPS={args.warmup}, '
+                                  'so every timed step is in the steps-delay stage)',
+         'timed steps per row': (f'{args.steps}' if args.steps else
+                                 f'about {args.target_s:g} s worth (predicted), at least '
+                                 '5, at least 3k for ssd'),
+         'emulated compute': f'{args.compute_ratio:g} x one push at {args.compute_ref} '
+                             '(time.sleep)',
+         'optimizer': 'sgd, momentum 0.9, on the servers (update_on_kvstore)',
+         'OMP_NUM_THREADS / MXNET_CPU_WORKER_NTHREADS': '1 / 1 in every process',
+         'MTU': args.mtu}
+    for w, rates in workloads:
+        s[f'workload {w.name}'] = w.describe() + ' @ ' + ', '.join(
+            netns.rate_label(r) for r in rates)
+    return s
+
+
+def shaping_text(cluster, args):
+    lat = f', plus {args.latency_ms:g} ms round trip (netem)' if args.latency_ms else ''
+    return ('tbf on both ends of every host veth (host uplink: the host end; downlink: the '
+            'switch end), rate as in each table, burst = 2 ms of traffic (>= 32 KB), queue '
+            f'20 ms{lat}; e.g. {cluster.qdisc_summary(0)[0]}')
+
+
+def strip_for_json(results):
+    return json.loads(json.dumps(results, default=str))
+
+
+def save_raw(raw, results):
+    (Path(raw) / 'results.json').write_text(json.dumps(strip_for_json(results), indent=1))
+
+
+def print_summary(results):
+    print()
+    if results.get('matrix'):
+        print(report.matrix_tables(results['matrix']))
+    if results.get('scaling', {}).get('rows'):
+        print(report.scaling_table(results['scaling']))
+    if results.get('tta', {}).get('rows'):
+        print(report.tta_table(results['tta']))
+    if results.get('checks'):
+        print('Comm-bound point (ResNet-50 shapes, 1 Gbit/s, compute = one push, 4 workers, '
+              '1 server):')
+        print(report.checks_text(results['checks']))
+    for n in results['meta'].get('notes', []):
+        print(f'note: {n}')
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""What the benchmark runs: systems, workloads, bounds and step counts (no side effects).
+
+A *system* is one row of a table: MXNet's native ps-lite (dist_sync, dist_async) or
+ssd_sync with one algorithm. A *workload* is what every worker does per step. Bounds:
+
+* compute alone: N * batch / compute time per step (emulated: the configured time; real
+  compute: measured by a row with no kvstore, every worker computing at once);
+* link alone: every algorithm here pushes every worker's whole gradient every step, so
+  the busiest link is a server's downlink, which carries N * P / S bytes per step (P: the
+  model's bytes), or a worker's uplink (P bytes) when S > N; pulls (at most as many bytes,
+  fewer for ssd) travel the other direction of the full-duplex links. Link time per step
+  = max(N / S, 1) * P * 8 / rate, at the nominal rate (Ethernet/IP/TCP headers, ~4.6 % at
+  MTU 1500, are part of the gap);
+* the bound = N * batch / max(compute time, link time): the throughput the compute alone,
+  or the link alone, would allow, whichever is lower.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class System:
+    key: str              # short id: native-sync, ssgd, ssd-k5, ...
+    label: str            # the table's row name
+    kind: str             # 'native', 'ssd' or 'none'
+    mode: str = ''        # native: dist_sync | dist_async; ssd: ssd | ssgd | asgd
+    k: int = 0            # ssd: delay steps
+
+    @property
+    def synchronous(self):
+        """The worker waits for the global weights every step."""
+        return (self.kind == 'native' and self.mode == 'dist_sync') or \
+            (self.kind == 'ssd' and self.mode == 'ssgd')
+
+    @property
+    def pulls_per_step(self):
+        return 1.0 / self.k if self.kind == 'ssd' and self.mode == 'ssd' else 1.0
+
+
+NATIVE_SYNC = System('native-sync', 'native dist_sync', 'native', 'dist_sync')
+NATIVE_ASYNC = System('native-async', 'native dist_async', 'native', 'dist_async')
+SSGD = System('ssgd', 'ssd_sync ssgd', 'ssd', 'ssgd')
+ASGD = System('asgd', 'ssd_sync asgd', 'ssd', 'asgd')
+COMPUTE_ONLY = System('compute', 'compute only (no kvstore)', 'none')
+
+
+def ssd(k):
+    return System(f'ssd-k{k}', f'ssd_sync ssd k={k}', 'ssd', 'ssd', k)
+
+
+def matrix_systems(ks=(2, 5, 10)):
+    return [NATIVE_SYNC, NATIVE_ASYNC, SSGD, ASGD] + [ssd(k) for k in ks]
+
+
+def system_by_key(key):
+    for s in matrix_systems((2, 5, 10)) + [COMPUTE_ONLY]:
+        if s.key == key:
+            return s
+    if key.startswith('ssd-k') and key[5:].isdigit():
+        return ssd(int(key[5:]))
+    raise KeyError(key)
+
+
+#: emulated workloads: the gluoncv model whose trainable parameter shapes are exchanged,
+#: and the nominal per-worker batch (only to state throughput in samples/s)
+EMULATED_MODELS = {
+    'resnet20': ('cifar_resnet20_v1', (1, 3, 32, 32), 128),
+    'resnet50': ('resnet50_v1', (1, 3, 224, 224), 32),
+    'vgg16': ('vgg16', (1, 3, 224, 224), 32),
+}
+
+
+@dataclass
+class Workload:
+    name: str             # table title part, e.g. 'emulated ResNet-50'
+    kind: str             # 'emulated' or 'real'
+    model: str            # EMULATED_MODELS key (emulated) or gluoncv name (real)
+    batch: int
+    compute_s: float = 0.0          # emulated: per step; real: measured (compute-only row)
+    image_size: int = 32            # real
+    param_bytes: int = 0            # P, filled from the shapes / the model
+    num_keys: int = 0
+    notes: list = field(default_factory=list)
+
+    def describe(self):
+        if self.kind == 'emulated':
+            return (f'{self.name}: {self.num_keys} tensors, {self.param_bytes / 1e6:.1f} MB, '
+                    f'batch {self.batch}/worker (nominal), compute {self.compute_s * 1e3:.1f} '
+                    f'ms/step (sleep)')
+        return (f'{self.name}: gluoncv {self.model}, synthetic {self.image_size}x'
+                f'{self.image_size}, batch {self.batch}/worker, '
+                f'{self.param_bytes / 1e6:.1f} MB of gradients')
+
+
+def push_time(param_bytes, rate_bits):
+    """Seconds one worker's gradient takes over one link at the nominal rate."""
+    return param_bytes * 8 / rate_bits
+
+
+def link_time(param_bytes, rate_bits, num_workers, num_servers):
+    return max(num_workers / num_servers, 1.0) * push_time(param_bytes, rate_bits)
+
+
+def bound(workload, rate_bits, num_workers, num_servers, compute_s=None):
+    """(samples/s the bound allows, which side binds: 'compute' or 'link')."""
+    c = workload.compute_s if compute_s is None else compute_s
+    link = link_time(workload.param_bytes, rate_bits, num_workers, num_servers)
+    t = max(c, link)
+    if t <= 0:
+        return None, None
+    return num_workers * workload.batch / t, ('link' if link >= c else 'compute')
+
+
+#: aggregate bytes/s this machine's CPUs are assumed to move through the servers (a rough
+#: figure, only to predict step times and so choose step counts and timeouts)
+CPU_BYTES_PER_S = 400e6
+
+
+def predict_step(system, workload, rate_bits, num_workers, num_servers):
+    """A rough step time in seconds (for step counts and timeouts, never for results)."""
+    c = workload.compute_s
+    link = link_time(workload.param_bytes, rate_bits, num_workers, num_servers)
+    cpu = 2 * num_workers * workload.param_bytes / CPU_BYTES_PER_S
+    if system.kind == 'none':
+        return max(c, 1e-3)
+    if system.kind == 'ssd' and system.mode == 'ssd':
+        t = max(c, link * (1 + system.pulls_per_step), cpu)
+    else:
+        t = max(c + 2 * link, cpu + c)
+    return t + 0.005       # per-step software overhead
+
+
+def choose_steps(system, predicted_s, target_s, min_steps=5, max_steps=300):
+    """Timed steps so a row takes about target_s; ssd gets at least 3 pull periods."""
+    lo = max(min_steps, 3 * system.k) if system.k else min_steps
+    n = int(round(target_s / max(predicted_s, 1e-3)))
+    return max(lo, min(max_steps, n))
+
+
+def memory_needed(system, workload, num_workers, num_servers):
+    """Worst-case bytes a row may hold (gradients queued in flight, server buffers)."""
+    p = workload.param_bytes
+    per_worker = 4 * p                           # weights, gradients, pull buffer, copy
+    if system.kind == 'ssd' and system.mode == 'ssd':
+        per_worker += (system.k + 2) * p         # up to k + 1 pushes in flight, a reply
+    server = 4 * p / num_servers + 2 * num_workers * p / num_servers
+    return num_workers * per_worker + num_servers * server

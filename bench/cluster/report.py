@@ -1,0 +1,285 @@
+"""Tables (plain text and markdown) and PNG plots of the emulated-cluster results."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .netns import rate_label
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def machine_info():
+    info = {'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'), 'python': sys.version.split()[0],
+            'kernel': platform.release(), 'cpus': os.cpu_count()}
+    try:
+        with open('/proc/cpuinfo') as f:
+            names = [line.split(':', 1)[1].strip() for line in f if line.startswith('model name')]
+        info['cpu'] = names[0] if names else platform.processor()
+    except OSError:
+        info['cpu'] = platform.processor()
+    try:
+        with open('/proc/meminfo') as f:
+            kb = int(next(line for line in f if line.startswith('MemTotal')).split()[1])
+        info['memory_gib'] = round(kb / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    try:
+        info['loadavg_start'] = os.getloadavg()
+    except OSError:
+        pass
+    for mod in ('mxnet', 'gluoncv', 'zmq', 'numpy'):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    try:
+        info['git'] = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=REPO,
+                                     capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no',
+                                'ssdsgd'], cwd=REPO, capture_output=True, text=True).stdout
+        info['ssdsgd_dirty'] = bool(dirty.strip())
+    except OSError:
+        pass
+    return info
+
+
+# ---- formatting -----------------------------------------------------------------------
+def _f(x, spec, none='-'):
+    return none if x is None else format(x, spec)
+
+
+def _mb(x):
+    return None if x is None else x / 1e6
+
+
+MATRIX_COLS = [
+    ('system', 'label', 's'),
+    ('samples/s', 'samples_per_s', '.1f'),
+    ('vs dist_sync', 'speedup', '.2f'),
+    ('s/step', 'step_s', '.3f'),
+    ('blocked s/step', 'blocked_per_step_s', '.3f'),
+    ('MB/step (wire)', 'wire_mb_per_step', '.1f'),
+    ('bound samples/s', 'bound_samples_per_s', '.1f'),
+    ('of bound', 'fraction_of_bound', '.2f'),
+]
+
+
+def _cells(row, cols):
+    out = []
+    for _, key, spec in cols:
+        if key == 'label' and row.get('status', 'ok') != 'ok':
+            out.append(f"{row['label']} ({row['status']})")
+            continue
+        if key == 'wire_mb_per_step':
+            v = _mb(row.get('wire_bytes_per_step'))
+        else:
+            v = row.get(key)
+        out.append(v if spec == 's' else _f(v, spec))
+    return out
+
+
+def group_title(g):
+    return (f"{g['workload_desc']} | {rate_label(g['rate_bits'])} per link | "
+            f"{g['workers']} workers, {g['servers']} server(s) | bound "
+            f"{_f(g.get('bound_samples_per_s'), '.1f')} samples/s ({g.get('bound_by', '-')} "
+            f"bound: compute {_f(g.get('compute_s'), '.3f')} s/step, link "
+            f"{_f(g.get('link_s'), '.3f')} s/step)")
+
+
+def text_table(headers, rows):
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(headers)]
+    lines = ['  '.join(str(h).rjust(w) if i else str(h).ljust(w)
+                       for i, (h, w) in enumerate(zip(headers, widths)))]
+    for r in rows:
+        lines.append('  '.join(str(c).rjust(w) if i else str(c).ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))))
+    return '\n'.join(lines)
+
+
+def md_table(headers, rows):
+    lines = ['| ' + ' | '.join(headers) + ' |',
+             '|' + '|'.join(['---'] + ['---:'] * (len(headers) - 1)) + '|']
+    for r in rows:
+        lines.append('| ' + ' | '.join(str(c) for c in r) + ' |')
+    return '\n'.join(lines)
+
+
+def matrix_tables(groups, md=False):
+    out = []
+    headers = [c[0] for c in MATRIX_COLS]
+    for g in groups:
+        rows = [_cells(r, MATRIX_COLS) for r in g['rows']]
+        if md:
+            out.append(f"**{group_title(g)}**\n\n{md_table(headers, rows)}\n")
+        else:
+            out.append(f"{group_title(g)}\n{text_table(headers, rows)}\n")
+    return '\n'.join(out)
+
+
+SCALING_COLS = [('N', 'workers', 'd'), ('system', 'label', 's'),
+                ('samples/s', 'samples_per_s', '.1f'),
+                ('ideal N x single', 'ideal_samples_per_s', '.1f'),
+                ('efficiency', 'efficiency', '.2f'), ('s/step', 'step_s', '.3f'),
+                ('blocked s/step', 'blocked_per_step_s', '.3f'),
+                ('bound samples/s', 'bound_samples_per_s', '.1f')]
+
+
+def scaling_table(scaling, md=False):
+    if not scaling.get('rows'):
+        return ''
+    headers = [c[0] for c in SCALING_COLS]
+    rows = []
+    for r in scaling['rows']:
+        cells = []
+        for _, key, spec in SCALING_COLS:
+            v = r.get(key)
+            if key == 'label' and r.get('status', 'ok') != 'ok':
+                v = f"{r['label']} ({r['status']})"
+            cells.append(v if spec == 's' else _f(v, spec))
+        rows.append(cells)
+    title = (f"Scaling: {scaling['workload_desc']} | {rate_label(scaling['rate_bits'])} per "
+             f"link | {scaling['servers']} server(s); efficiency = samples/s / (N x "
+             f"{scaling['single_samples_per_s']:.1f}, one worker's no-communication "
+             f"throughput)")
+    return (f"**{title}**\n\n{md_table(headers, rows)}\n" if md
+            else f"{title}\n{text_table(headers, rows)}\n")
+
+
+def tta_table(tta, md=False):
+    if not tta.get('rows'):
+        return ''
+    headers = ['system', f"time to {tta['target']:.0%} (s)", 'steps to target',
+               'final accuracy', 'best accuracy', 'whole run (s)', 'steps']
+    rows = []
+    for r in tta['rows']:
+        label = r['label'] if r.get('status', 'ok') == 'ok' else f"{r['label']} ({r['status']})"
+        rows.append([label, _f(r.get('time_to_target_s'), '.2f', 'not reached'),
+                     _f(r.get('steps_to_target'), 'd'), _f(r.get('final_accuracy'), '.4f'),
+                     _f(r.get('best_accuracy'), '.4f'), _f(r.get('wall_s'), '.1f'),
+                     _f(r.get('steps'), 'd')])
+    title = (f"Time to accuracy: {tta['desc']} | {rate_label(tta['rate_bits'])} per link | "
+             f"{tta['workers']} workers, {tta['servers']} server(s)")
+    return (f"**{title}**\n\n{md_table(headers, rows)}\n" if md
+            else f"{title}\n{text_table(headers, rows)}\n")
+
+
+def checks_text(checks):
+    lines = []
+    for c in checks:
+        mark = {True: 'MET', False: 'NOT MET', None: 'n/a'}[c['met']]
+        lines.append(f"- {c['what']}: measured {c['measured']} (target {c['target']}): {mark}")
+    return '\n'.join(lines)
+
+
+# ---- plots ----------------------------------------------------------------------------
+def plots(results, outdir):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    outdir = Path(outdir)
+    made = []
+    groups = [g for g in results.get('matrix', []) if g['rows']]
+    if groups:
+        fig, axes = plt.subplots(len(groups), 1, figsize=(9, 2.6 * len(groups)), squeeze=False)
+        for ax, g in zip(axes[:, 0], groups):
+            rows = [r for r in g['rows'] if r.get('samples_per_s')]
+            labels = [r['label'].replace('ssd_sync ', '').replace('native ', 'native\n')
+                      for r in rows]
+            vals = [r.get('speedup') or 0 for r in rows]
+            frac = [r.get('fraction_of_bound') or 0 for r in rows]
+            x = range(len(rows))
+            ax.bar([i - 0.2 for i in x], vals, 0.4, label='speedup vs native dist_sync')
+            ax.bar([i + 0.2 for i in x], frac, 0.4, label='fraction of the bound')
+            ax.axhline(1.0, color='gray', lw=0.8, ls='--')
+            ax.set_xticks(list(x))
+            ax.set_xticklabels(labels, fontsize=7)
+            ax.set_title(f"{g['workload']} @ {rate_label(g['rate_bits'])}, "
+                         f"{g['workers']}w/{g['servers']}s", fontsize=9)
+            ax.tick_params(axis='y', labelsize=8)
+        axes[0, 0].legend(fontsize=7, loc='upper left')
+        fig.tight_layout()
+        path = outdir / 'cluster_matrix.png'
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    sc = results.get('scaling') or {}
+    if sc.get('rows'):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for key in dict.fromkeys(r['system'] for r in sc['rows']):
+            pts = [(r['workers'], r['efficiency']) for r in sc['rows']
+                   if r['system'] == key and r.get('efficiency') is not None]
+            if pts:
+                label = next(r['label'] for r in sc['rows'] if r['system'] == key)
+                ax.plot(*zip(*pts), marker='o', label=label)
+        ax.set_xlabel('workers N')
+        ax.set_ylabel('efficiency (vs N x one worker, no comm.)')
+        ax.set_ylim(0, 1.1)
+        ax.set_xticks(sorted({r['workers'] for r in sc['rows']}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_title(f"{sc['workload']} @ {rate_label(sc['rate_bits'])}", fontsize=9)
+        fig.tight_layout()
+        path = outdir / 'cluster_scaling.png'
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    tta = results.get('tta') or {}
+    if tta.get('rows'):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for r in tta['rows']:
+            if r.get('curve'):
+                t, acc = zip(*[(e[1], e[2]) for e in r['curve']])
+                ax.plot(t, acc, label=r['label'])
+        ax.axhline(tta['target'], color='gray', lw=0.8, ls='--')
+        ax.set_xlabel('wall-clock seconds')
+        ax.set_ylabel('test accuracy (rank 0)')
+        ax.set_ylim(0.5, 1.0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_title(f"digits @ {rate_label(tta['rate_bits'])}", fontsize=9)
+        fig.tight_layout()
+        path = outdir / 'cluster_tta.png'
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+# ---- the markdown file ----------------------------------------------------------------
+def markdown(results, images):
+    meta = results['meta']
+    m = meta['machine']
+    lines = ['# Emulated-cluster benchmark: results', '',
+             '_Generated by `' + meta['command'] + '`; do not edit by hand (method and '
+             'discussion: [README.md](README.md))._', '',
+             '## Machine and settings', '',
+             f"- date {m.get('date')}, git {m.get('git')}"
+             + (' (ssdsgd/ had uncommitted changes)' if m.get('ssdsgd_dirty') else ''),
+             f"- {m.get('cpus')} CPUs ({m.get('cpu')}), {m.get('memory_gib')} GiB, kernel "
+             f"{m.get('kernel')}, load average at start {m.get('loadavg_start')}",
+             f"- Python {m.get('python')}, MXNet {m.get('mxnet')}, gluoncv {m.get('gluoncv')}, "
+             f"pyzmq {m.get('zmq')}, numpy {m.get('numpy')}",
+             f"- shaping: {meta.get('shaping')}",
+             f"- wall time of the whole run: {meta.get('elapsed_s', 0) / 60:.1f} min", '']
+    for key, val in meta.get('settings', {}).items():
+        lines.append(f'- {key}: {val}')
+    lines.append('')
+    if results.get('checks'):
+        lines += ['## The comm-bound point', '', checks_text(results['checks']), '']
+    if results.get('matrix'):
+        lines += ['## Side by side', '', matrix_tables(results['matrix'], md=True)]
+    if results.get('scaling', {}).get('rows'):
+        lines += ['## Scaling', '', scaling_table(results['scaling'], md=True)]
+    if results.get('tta', {}).get('rows'):
+        lines += ['## Time to accuracy', '', tta_table(results['tta'], md=True)]
+    for img in images:
+        lines += [f'![{img.stem}]({img.name})', '']
+    if meta.get('notes'):
+        lines += ['## Notes from the run', ''] + [f'- {n}' for n in meta['notes']] + ['']
+    return '\n'.join(lines)

@@ -1,0 +1,215 @@
+"""Run one row (one job) on the emulated cluster and summarize its workers' results."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ssdsgd.launch.job import run_job
+from ssdsgd.testing.native_ps import NativePSError, run_native_nodes
+
+from . import netns
+from .launchers import Layout, NetnsLauncher
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / 'bench' / 'cluster_worker.py'
+#: for every process of every job: one OpenMP thread (2 cores host every role)
+JOB_ENV = {'OMP_NUM_THREADS': '1', 'MXNET_CPU_WORKER_NTHREADS': '1',
+           'PYTHONPATH': str(REPO), 'PYTHONUNBUFFERED': '1'}
+
+
+class Interrupted(KeyboardInterrupt):
+    pass
+
+
+def worker_cmd(kvstore, out, args):
+    return [sys.executable, str(WORKER), '--kvstore', kvstore, '--out', str(out)] + \
+        [str(a) for a in args]
+
+
+def load_results(out, num_workers):
+    found = sorted(Path(out).glob('result-rank*.json'))
+    if len(found) != num_workers:
+        raise RuntimeError(f'expected {num_workers} result files in {out}, found {len(found)}')
+    return [json.loads(f.read_text()) for f in found]
+
+
+def _tail(path, n=2500):
+    try:
+        return Path(path).read_text(errors='replace')[-n:]
+    except OSError:
+        return ''
+
+
+def _leftovers(cluster):
+    """Kill processes a job left inside the namespaces (there should be none)."""
+    found = []
+    for ns in cluster.names:
+        for pid in netns.namespace_pids(ns):
+            found.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return found
+
+
+RACE_NOTE = ('ssdsgd launcher: "the scheduler exited before the workers finished; stopping '
+             'the job" although every worker had finished its work and written its result '
+             '(the workers were still exiting); the row is kept')
+
+
+def _launcher_exit_race(log_path, out, num_workers):
+    """ssdsgd.launch.job.run_job fails a job when the scheduler (which leaves once every
+    worker said FINISH) exits before a worker's process has exited, even if that worker
+    is only tearing its interpreter down. Recognize exactly that case."""
+    text = _tail(log_path, 4000)
+    launcher = [l for l in text.splitlines() if l.startswith('[launcher]')]
+    done = len(list(Path(out).glob('result-rank*.json'))) == num_workers
+    return done and bool(launcher) and 'the scheduler exited before the workers finished' \
+        in launcher[-1]
+
+
+def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, warmup,
+               log_path, notes=None):
+    """Run ``cluster_worker.py args`` as the workers of one job of ``system``; returns the
+    per-worker result dicts. Raises RuntimeError (with the log's tail) on failure."""
+    layout = Layout(cluster, num_workers, num_servers)
+    notes = notes if notes is not None else []
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if system.kind == 'native':
+        try:
+            workers = run_native_nodes(
+                worker_cmd(system.mode, out, args), num_workers, num_servers, mode=system.mode,
+                env=JOB_ENV, timeout=timeout, cwd=REPO,
+                root_uri=layout.address('scheduler', 0), node=layout.native_node)
+        except NativePSError as e:
+            Path(log_path).write_text(str(e))
+            raise RuntimeError(f'native {system.mode} failed: {str(e)[-2500:]}') from None
+        with open(log_path, 'w') as f:
+            for w in workers:
+                f.write(f'--- worker {w.index} (exit {w.returncode})\n{w.stdout}\n{w.stderr}\n')
+    elif system.kind == 'ssd':
+        env = dict(JOB_ENV, SSDSGD_ALGORITHM=system.mode, SSDSGD_WARMUP_STEPS=str(warmup),
+                   SSDSGD_DELAY_STEPS=str(max(system.k, 1)))
+        with open(log_path, 'w') as f:
+            def log(text):
+                f.write(f'[launcher] {text}\n')
+                f.flush()
+            code = _run_job_with_timeout(
+                num_workers, num_servers, worker_cmd('ssd_sync', out, args), env,
+                NetnsLauncher(layout), f, log, timeout)
+        if code in (130, 143):
+            raise Interrupted()
+        if code == 1 and _launcher_exit_race(log_path, out, num_workers):
+            code = 0       # every worker finished and wrote its result; see the note
+            notes.append(RACE_NOTE)
+        if code != 0:
+            raise RuntimeError(f'ssd_sync ({system.mode}) job exited {code}:\n'
+                               f'{_tail(log_path)}')
+    elif system.kind == 'none':
+        procs = []
+        with open(log_path, 'w') as f:
+            try:
+                for i, h in enumerate(layout.worker_hosts()):
+                    env = dict(os.environ, **JOB_ENV, BENCH_WORKER_INDEX=str(i))
+                    env = {k: v for k, v in env.items()
+                           if not k.startswith(('DMLC_', 'SSDSGD_'))}
+                    procs.append(cluster.popen(h, worker_cmd('none', out, args), env=env,
+                                               stdout=f, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL))
+                deadline = time.monotonic() + timeout
+                while any(p.poll() is None for p in procs):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f'compute-only workers timed out after {timeout:g} s')
+                    time.sleep(0.1)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        try:
+                            os.killpg(p.pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    p.wait()
+        bad = [p.returncode for p in procs if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f'compute-only worker exited {bad[0]}:\n{_tail(log_path)}')
+    else:
+        raise ValueError(system.kind)
+    left = _leftovers(cluster)
+    results = load_results(out, num_workers)
+    for r in results:
+        r['leftover_pids'] = len(left)
+    return results
+
+
+class JobTimeout(RuntimeError):
+    pass
+
+
+class _Deadline:
+    """run_job calls progress.poll() every 0.1 s while it waits for the job; raising here
+    makes run_job stop every process it started (its finally) and re-raise."""
+
+    def __init__(self, timeout):
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+
+    def poll(self):
+        if time.monotonic() > self.deadline:
+            raise JobTimeout(f'the job did not finish within {self.timeout:g} s')
+
+    def close(self):
+        pass
+
+
+def _run_job_with_timeout(num_workers, num_servers, cmd, env, launcher, sink, log, timeout):
+    try:
+        return run_job(num_workers, num_servers, cmd, env, launcher=launcher, log=log,
+                       stdout=sink, stderr=sink, progress=_Deadline(timeout))
+    except JobTimeout as e:
+        log(str(e))
+        return 124
+
+
+def summarize(results, system, workload, rate_bits, num_workers, num_servers, bound_s):
+    """One table row from the workers' result files."""
+    start = min(r['t_start'] for r in results)
+    end = max(r['t_end'] for r in results)
+    steps = results[0]['steps']
+    wall = end - start
+    samples = sum(r['steps'] * r['batch'] for r in results)
+    row = {
+        'system': system.key, 'label': system.label, 'workload': workload.name,
+        'rate_bits': rate_bits, 'workers': num_workers, 'servers': num_servers,
+        'k': system.k, 'steps': steps, 'wall_s': wall,
+        'samples_per_s': samples / wall if wall > 0 else None,
+        'step_s': wall / steps if steps else None,
+        'compute_per_step_s': sum(r['compute_s'] for r in results) / len(results) / steps,
+        # time in trainer.step + waiting for the weights, and for ssd the final drain
+        # (pushes still in flight when the last step returned), spread over the steps
+        'blocked_per_step_s': sum(r['blocked_s'] + r.get('drain_s', 0.0) for r in results)
+        / len(results) / steps,
+        'drain_s': max(r.get('drain_s', 0.0) for r in results),
+        'net_devs': [r.get('net_dev') for r in results],
+        'leftover_pids': results[0].get('leftover_pids', 0),
+    }
+    if all('tx_bytes' in r for r in results):
+        row['wire_bytes_per_step'] = sum(r['tx_bytes'] + r['rx_bytes'] for r in results) \
+            / len(results) / steps
+        row['tx_bytes_per_step'] = sum(r['tx_bytes'] for r in results) / len(results) / steps
+        row['rx_bytes_per_step'] = sum(r['rx_bytes'] for r in results) / len(results) / steps
+    kvm = [r.get('kv_metrics') for r in results]
+    if all(kvm):
+        row['kv_bytes_per_step'] = sum(m.get('bytes_sent', 0) + m.get('bytes_received', 0)
+                                       for m in kvm) / len(kvm) / steps
+    if bound_s:
+        row['bound_samples_per_s'] = bound_s
+        row['fraction_of_bound'] = row['samples_per_s'] / bound_s if row['samples_per_s'] \
+            else None
+    return row
