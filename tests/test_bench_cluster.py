@@ -1,0 +1,215 @@
+"""The emulated-cluster benchmark's harness (bench/cluster): correctness only, no speed.
+
+* bounds, step counts and rates (pure functions; always run);
+* without root the command says so and exits 0 (always run);
+* with root and working network namespaces (skipped otherwise, with the reason):
+  - a tiny version of the benchmark (2 workers, 1 server, a 40 KB model, native dist_sync
+    and ssd_sync ssgd and ssd k=2, 3 steps each, plus one time-to-accuracy row) makes its
+    namespaces, runs every worker on a host of its own and traffic across the shaped links,
+    prints and writes its tables, and removes every namespace it made;
+  - Ctrl-C in the middle tears the cluster down;
+  - namespaces left by a run whose process is gone are removed at start, those of a live
+    run are not; a failed build removes what it made.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.cluster import netns, plan  # noqa: E402
+
+PY = sys.executable
+TINY_BYTES = 4 * (64 * 32 + 64 + 128 * 64 + 128 + 10 * 128 + 10)   # TINY_SHAPES in bench.cluster
+
+
+def _netns_reason():
+    try:
+        netns.check_available()
+    except netns.NetnsUnavailable as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - any failure means: cannot test here
+        return f'network namespaces unusable: {e}'
+    return None
+
+
+_REASON = _netns_reason()
+needs_netns = pytest.mark.skipif(_REASON is not None,
+                                 reason=f'emulated cluster unavailable: {_REASON}')
+
+
+def ours(pid):
+    return [ns for ns in netns.list_namespaces() if ns.startswith(f'{netns.PREFIX}{pid}-')]
+
+
+# ---- pure functions -----------------------------------------------------------------------
+def test_rates_and_bounds():
+    assert netns.parse_rate('1gbit') == 1e9
+    assert netns.parse_rate('10Gbit') == 1e10
+    assert netns.parse_rate('100mbit') == 1e8
+    with pytest.raises(ValueError):
+        netns.parse_rate('fast')
+    w = plan.Workload('w', 'emulated', 'resnet50', 32, compute_s=0.8, param_bytes=100_000_000)
+    # one push of 100 MB at 1 Gbit/s is 0.8 s; 4 workers share one server's downlink
+    assert plan.push_time(w.param_bytes, 1e9) == pytest.approx(0.8)
+    assert plan.link_time(w.param_bytes, 1e9, 4, 1) == pytest.approx(3.2)
+    assert plan.link_time(w.param_bytes, 1e9, 2, 4) == pytest.approx(0.8)
+    b, by = plan.bound(w, 1e9, 4, 1)
+    assert by == 'link' and b == pytest.approx(4 * 32 / 3.2)
+    b, by = plan.bound(w, 1e10, 4, 1)
+    assert by == 'compute' and b == pytest.approx(4 * 32 / 0.8)
+    k10 = plan.ssd(10)
+    assert plan.choose_steps(k10, 3.0, 10) == 30          # at least 3 pull periods
+    assert plan.choose_steps(plan.NATIVE_SYNC, 0.01, 10) == 300
+    assert plan.system_by_key('ssd-k7').k == 7
+    assert plan.NATIVE_SYNC.synchronous and plan.SSGD.synchronous
+    assert not plan.ssd(5).synchronous and plan.ssd(5).pulls_per_step == 0.2
+
+
+def test_without_root_says_so_and_exits_cleanly(monkeypatch, capsys):
+    from bench.cluster import __main__ as cli
+    monkeypatch.setattr(os, 'geteuid', lambda: 1000)
+    assert cli.main(['--quick', '--no-write']) == 0
+    out = capsys.readouterr().out
+    assert 'needs root' in out and 'Nothing was run' in out
+
+
+# ---- the harness on real namespaces -------------------------------------------------------
+@needs_netns
+def test_tiny_benchmark_runs_across_namespaces(tmp_path):
+    out, raw = tmp_path / 'out', tmp_path / 'raw'
+    cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix,tta',
+           '--workloads', 'emulated:tiny@1gbit', '--workers', '2', '--servers', '1',
+           '--systems', 'native-sync,ssgd,ssd-k2', '--steps', '3', '--warmup', '1',
+           '--tta-systems', 'ssgd', '--tta-epochs', '1', '--tta-rate', '1gbit',
+           '--out', str(out), '--raw', str(raw)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        text, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, text[-3000:]
+    # namespaces made (scheduler + server + 2 workers) and all removed again
+    m = re.search(r'made (\d+) hosts \(198\.18\.0\.10\.\.198\.18\.0\.(\d+)\)', text)
+    assert m and int(m.group(1)) == 4, text[-3000:]
+    assert 'cluster removed' in text
+    assert ours(proc.pid) == []
+    # the tables were printed
+    for label in ('native dist_sync', 'ssd_sync ssgd', 'ssd_sync ssd k=2', 'samples/s',
+                  'vs dist_sync', 'of bound', 'Time to accuracy'):
+        assert label in text, label
+    results = json.loads((out / 'cluster.json').read_text())
+    assert (out / 'cluster.md').read_text().startswith('# Emulated-cluster benchmark')
+    assert (out / 'cluster_matrix.png').stat().st_size > 0
+    [group] = results['matrix']
+    assert [r['system'] for r in group['rows']] == ['native-sync', 'ssgd', 'ssd-k2']
+    for r in group['rows']:
+        assert r['status'] == 'ok', r
+        assert r['samples_per_s'] > 0 and r['steps'] >= 3
+        # each worker on its own host: two different devices of this run's cluster
+        devs = r['net_devs']
+        assert len(set(devs)) == 2 and all(re.fullmatch(rf'h{proc.pid}-\d+', d) for d in devs)
+        # the gradients crossed the shaped links: at least one push per step each way out
+        assert r['tx_bytes_per_step'] >= TINY_BYTES
+        assert r['leftover_pids'] == 0
+    assert group['rows'][0]['speedup'] == pytest.approx(1.0)
+    [tta] = results['tta']['rows']
+    assert tta['status'] == 'ok' and tta['curve'] and tta['steps'] > 0
+
+
+@needs_netns
+def test_ctrl_c_tears_the_cluster_down(tmp_path):
+    cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix', '--workloads', 'emulated:tiny@1gbit',
+           '--workers', '2', '--systems', 'native-sync', '--steps', '100000', '--no-write',
+           '--raw', str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            # wait until the job's workers run inside the namespaces
+            if any(netns.namespace_pids(ns) for ns in ours(proc.pid) if not ns.endswith('-sw')):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail('the job never started in the namespaces')
+        assert ours(proc.pid)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        text, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, text[-3000:]
+    assert 'interrupted' in text and 'cluster removed' in text
+    assert ours(proc.pid) == []
+
+
+def _dead_pid():
+    p = subprocess.Popen(['true'])
+    p.wait()
+    return p.pid
+
+
+@needs_netns
+def test_stale_namespaces_are_cleaned_live_ones_kept():
+    dead = _dead_pid()
+    stale = f'{netns.PREFIX}{dead}-h0'
+    live = f'{netns.PREFIX}{os.getppid()}-h0'     # a live process: must be left alone
+    subprocess.run(['ip', 'netns', 'add', stale], check=True)
+    subprocess.run(['ip', 'netns', 'add', live], check=True)
+    try:
+        removed = netns.clean_stale(log=lambda _t: None)
+        names = netns.list_namespaces()
+        assert stale in removed and stale not in names
+        assert live in names and live not in removed
+    finally:
+        for ns in (stale, live):
+            subprocess.run(['ip', 'netns', 'del', ns], stderr=subprocess.DEVNULL)
+
+
+@needs_netns
+def test_failed_build_removes_what_it_made(monkeypatch):
+    calls = []
+    real = netns._ip
+
+    def failing(*args, **kw):
+        calls.append(args)
+        if args[:3] == ('-n', f'{netns.PREFIX}{os.getpid()}-h1', 'addr'):
+            raise RuntimeError('injected failure')
+        return real(*args, **kw)
+    monkeypatch.setattr(netns, '_ip', failing)
+    with pytest.raises(RuntimeError, match='injected'):
+        netns.Cluster(3)
+    monkeypatch.setattr(netns, '_ip', real)
+    assert ours(os.getpid()) == []
+
+
+@needs_netns
+def test_cluster_shapes_both_directions():
+    with netns.Cluster(2) as c:
+        c.shape(1e8)
+        host, switch = c.qdisc_summary(1)
+        assert 'tbf' in host and 'rate 100Mbit' in host
+        assert 'tbf' in switch and 'rate 100Mbit' in switch
+        # loopback up, own address, the peer reachable over the switch
+        r = subprocess.run(c.prefix(0) + [PY, '-c', (
+            'import socket; s = socket.socket(); s.settimeout(5); '
+            f'print(s.connect_ex(("{c.addresses[1]}", 9)))')],
+            capture_output=True, text=True, timeout=30)
+        assert r.stdout.strip() == '111', r     # ECONNREFUSED: host 1 answered (no listener)
+        assert c.names[0] in netns.list_namespaces()
+    assert ours(os.getpid()) == []
