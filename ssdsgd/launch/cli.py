@@ -48,6 +48,7 @@ def _command_form(argv):
 def _config_form(argv):
     from ..config import ConfigError, cluster_env, load_config, new_run_dir, save_config, sync_env
     from ..data import DataError, validate_data
+    from ..train import checkpoint_info, total_steps
     p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="the job's YAML file (see configs/); omitted "
                    "with --resume (RUN_DIR/config.yaml is used)")
@@ -62,6 +63,7 @@ def _config_form(argv):
         if args.resume:
             config = load_config(os.path.join(args.resume, "config.yaml"), args.overrides)
             run_dir = args.resume
+            checkpoint_info(run_dir)   # something to resume from
         else:
             config = load_config(args.config, args.overrides)
         validate_data(config)       # bad data fails here, before any process starts
@@ -78,7 +80,6 @@ def _config_form(argv):
     if args.resume:
         cmd += ["--resume", run_dir]
     from ..progress import ProgressMonitor
-    from ..train import total_steps
     progress = ProgressMonitor(run_dir, total_steps(config), tty=sys.stderr.isatty())
     print(f"[launcher] run directory: {run_dir}", flush=True)
     t0 = time.monotonic()
