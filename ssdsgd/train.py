@@ -561,7 +561,7 @@ def main(argv=None) -> int:
             save_config(config, run_dir / "config.yaml")  # the launcher writes its own
         log.info("run directory %s", run_dir)
         train(config, run_dir, resume=bool(args.resume))
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, FloatingPointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
