@@ -34,7 +34,7 @@ class RequestError(ValueError):
 class KeyShard:
     """The server's part of one key: a flat slice of the weights and its aggregation."""
     __slots__ = ("key", "offset", "count", "dtype", "weight", "grad", "version", "pending",
-                 "waiting")
+                 "waiting", "lent")
 
     def __init__(self, key, offset, values):
         self.key = key
@@ -46,15 +46,17 @@ class KeyShard:
         self.version = 0          # steps applied
         self.pending = {}         # step -> {rank: gradient}
         self.waiting = {}         # step -> [Reply] to complete when that step is applied
+        self.lent = []            # replies holding a view of ``weight``: unsent, or trackers
 
 
 class Reply:
     """A reply being assembled: values snapshotted per key as their step is applied."""
-    __slots__ = ("ident", "req", "records", "parts", "missing", "with_state", "lr")
+    __slots__ = ("ident", "req", "records", "parts", "missing", "with_state", "lr", "tracker")
 
     def __init__(self, ident, req, n, with_state):
         self.ident, self.req, self.with_state = ident, req, with_state
         self.records, self.parts, self.missing, self.lr = [None] * n, [None] * n, n, None
+        self.tracker = None       # set once sent: ZeroMQ is done with the buffers when done
 
 
 class Server:
@@ -79,9 +81,20 @@ class Server:
     # ---- replies -------------------------------------------------------------------
     def _send(self, ident, msg):
         try:
-            self.sock.send_multipart([ident] + P.encode(msg), copy=False)
+            return self.sock.send_multipart([ident] + P.encode(msg), copy=False, track=True)
         except zmq.ZMQError as e:
             self.log(f"could not reply to a worker that left: {e.strerror}")
+            return None
+
+    def _reclaim(self, shard):
+        """Before ``shard.weight`` changes: replies still holding a view of it either take a
+        copy (not sent yet) or are waited for (ZeroMQ still reading the buffer)."""
+        for reply, i in shard.lent:
+            if reply.tracker is None:
+                reply.parts[i][0] = np.array(reply.parts[i][0])
+            elif not reply.tracker.done:
+                reply.tracker.wait()
+        shard.lent.clear()
 
     def _error(self, ident, req, text):
         self.log(f"rejected a request: {text}")
@@ -97,10 +110,13 @@ class Server:
         return [a.asnumpy() for a in flatten_state(self.updater.states[shard.key])]
 
     def _snapshot(self, reply, i, shard):
-        # Every worker waiting on the same step gets the same copy (one copy per step).
+        # The reply carries a view of the weights themselves, not a copy: ``_reclaim`` runs
+        # before they change. Every worker waiting on the same step gets the same view.
         value = self._snapshots.get((shard.key, shard.version))
         if value is None:
-            value = self._snapshots[(shard.key, shard.version)] = hostcopy.read([shard.weight])[0]
+            value = hostcopy.read([shard.weight], copy=False)[0]
+            self._snapshots[(shard.key, shard.version)] = value
+        shard.lent.append((reply, i))
         arrays = [value]
         if reply.with_state:
             arrays += self._state_arrays(shard)
@@ -111,10 +127,12 @@ class Server:
         if self.optimizer is not None:
             reply.lr = float(self.optimizer.learning_rate)
         if reply.missing == 0:
-            self._send(reply.ident, P.Message(
+            reply.tracker = self._send(reply.ident, P.Message(
                 P.Kind.REPLY, sender=self.rank, req=reply.req,
                 records=P.make_records(reply.records), tensors=reply.parts,
                 meta={"lr": reply.lr} if reply.lr is not None else None))
+            if reply.tracker is None:          # not sent: nothing reads the views any more
+                reply.tracker = zmq.MessageTracker()
 
     # ---- validation ----------------------------------------------------------------
     def _shard_for(self, rec, *, with_values):
@@ -240,6 +258,8 @@ class Server:
         arrays), then MXNet's updater runs once for all keys."""
         if not shards:
             return
+        for shard in shards:
+            self._reclaim(shard)
         mx.nd.waitall()
         for shard, parts in zip(shards, grads):
             parts = parts if isinstance(parts, list) else [parts]
