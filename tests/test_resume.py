@@ -1,0 +1,121 @@
+"""Checkpoint and resume through ``launch/dist.py``: a job killed (SIGKILL, every
+process) after a checkpoint and continued with ``--resume RUN_DIR`` ends with the same
+weights as an uninterrupted one (ssgd: exactly); with ssd it continues, restarting the
+stage machine's warm-up (docs/training.md says why it cannot be exact yet)."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import mxnet as mx
+import numpy as np
+
+from ssdsgd import report
+from test_e2e_configs import PY, ROOT, clean_env, dist, records, run_dir_of, sets
+
+EPOCHS = 4
+# digits, 2 workers x 8: 89 steps per epoch, a checkpoint after every epoch
+JOB = dict(data__batch_size=8, train__epochs=EPOCHS, train__checkpoint_every=1,
+           train__log_interval=30)
+
+
+def children(pid: int) -> list[int]:
+    """The launcher's child processes (scheduler, servers, workers)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def kill_job_after_first_checkpoint(args, root: Path, timeout=150) -> Path:
+    """Start ``launch/dist.py ARGS``; as soon as its first checkpoint is on disk, SIGKILL
+    every process of the job (each child runs in a session of its own, so each is killed
+    by its own process group), then the launcher. Returns the run directory."""
+    log = open(root.parent / f"{root.name}-killed.log", "w")
+    proc = subprocess.Popen([PY, "launch/dist.py", *map(str, args)], cwd=ROOT,
+                            env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            runs = [d for d in root.iterdir() if d.is_dir()] if root.exists() else []
+            if runs and (runs[0] / "checkpoints" / "latest.json").exists():
+                break
+            assert proc.poll() is None, f"the job ended before its first checkpoint " \
+                f"({(root.parent / f'{root.name}-killed.log').read_text()[-2000:]})"
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.02)
+        for child in children(proc.pid):
+            try:
+                os.killpg(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        log.close()
+    return runs[0]
+
+
+def params(path: Path) -> dict:
+    return {k: v.asnumpy() for k, v in mx.nd.load(str(path)).items()}
+
+
+def test_killed_ssgd_job_resumes_to_the_same_weights(tmp_path):
+    job = sets(sync__algorithm="ssgd", **JOB)
+    done = dist(["configs/digits.yaml", *job, *sets(output__dir=tmp_path / "a")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    a = run_dir_of(tmp_path / "a")
+
+    b = kill_job_after_first_checkpoint(["configs/digits.yaml", *job,
+                                         *sets(output__dir=tmp_path / "b")], tmp_path / "b")
+    latest = json.loads((b / "checkpoints" / "latest.json").read_text())
+    assert latest["next_epoch"] < EPOCHS and not (b / "summary.json").exists()  # mid-run
+
+    resumed = dist(["--resume", b])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stdout + resumed.stderr
+    last = f"epoch-{EPOCHS - 1:04d}.params"
+    pa, pb = params(a / "checkpoints" / last), params(b / "checkpoints" / last)
+    assert pa.keys() == pb.keys() and len(pa) == 6
+    for key in pa:
+        np.testing.assert_allclose(pb[key], pa[key], rtol=0, atol=1e-6, err_msg=key)
+
+    sa = json.loads((a / "summary.json").read_text())
+    sb = json.loads((b / "summary.json").read_text())
+    assert sb["final_accuracy"] == sa["final_accuracy"] and sb["steps"] == sa["steps"]
+    for rank in (1, 0):
+        starts = records(b, rank, "start")
+        assert len(starts) == 2                        # the killed run's, the resumed one's
+        assert (starts[1]["start_epoch"], starts[1]["start_step"]) == (
+            latest["next_epoch"], latest["step"])
+    # the lr schedule and the report continue where the checkpoint left off
+    lr_a = {r["step"]: r["lr"] for r in records(a, 0, "train")}
+    after = [r for r in records(b, 0, "train") if r["time"] > starts[1]["time"]]
+    assert after and all(r["lr"] == lr_a[r["step"]] for r in after)
+    assert [v["epoch"] for v in report.load_run(b)["val"]] == list(range(1, EPOCHS + 1))
+
+
+def test_killed_ssd_job_resumes(tmp_path):
+    job = sets(sync__algorithm="ssd", sync__warmup_steps=30, **JOB)
+    b = kill_job_after_first_checkpoint(["configs/digits.yaml", *job,
+                                         *sets(output__dir=tmp_path / "b")], tmp_path / "b")
+    latest = json.loads((b / "checkpoints" / "latest.json").read_text())
+    assert latest["next_epoch"] < EPOCHS and latest["step"] >= 89 > 30   # in steps delay
+    resumed = dist(["--resume", b])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((b / "summary.json").read_text())
+    assert summary["steps"] == EPOCHS * 89 and summary["final_accuracy"] > 0.9
+    start = records(b, 0, "start")[-1]
+    after = [r for r in records(b, 0, "train") if r["time"] > start["time"]]
+    # the stage machine starts again at step 0: 30 warm-up steps after the resume
+    first = after[0]
+    assert first["step"] - latest["step"] <= 30 and first["stage"] == "warmup"
+    assert after[-1]["stage"] == "steps_delay"
