@@ -54,7 +54,8 @@ def _config_form(argv):
                    "with --resume (RUN_DIR/config.yaml is used)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set sync.delay_steps=10")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last "
+                   "checkpoint (--set overrides are written to RUN_DIR/config.yaml)")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
     args = p.parse_args(argv)
     if not args.config and not args.resume:
@@ -69,6 +70,7 @@ def _config_form(argv):
         validate_data(config)       # bad data fails here, before any process starts
         if not args.resume:
             run_dir = str(new_run_dir(config))
+        if not args.resume or args.overrides:   # the workers read the run's config file
             save_config(config, os.path.join(run_dir, "config.yaml"))
         env = dict(cluster_env(config))
         env.update(sync_env(config))
@@ -90,7 +92,7 @@ def _config_form(argv):
         from ..report import ReportError, finished_run
         try:
             lines = finished_run(run_dir)
-        except (ReportError, OSError, ValueError) as e:
+        except (ReportError, ImportError, OSError, ValueError) as e:
             lines = [f"no result to report ({e})"]
         lines[0] += f"; job {time.monotonic() - t0:.1f} s"
         for line in lines:
