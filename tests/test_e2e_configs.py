@@ -14,6 +14,7 @@ import termios
 import time
 from pathlib import Path
 
+import mxnet as mx
 import pytest
 
 from ssdsgd.metrics import read_records
@@ -101,8 +102,8 @@ def test_cifar10_resnet20_config(tmp_path):
     make_cifar(data / "cifar-10-batches-bin", per_file=8, test=6)   # 40 train, 6 test
     p = dist(["configs/cifar10_resnet20_ssd.yaml", *sets(
         cluster__workers=2, data__path=data, data__batch_size=4, train__epochs=2,
-        train__log_interval=1, sync__warmup_steps=3, sync__delay_steps=2,
-        output__dir=tmp_path / "runs")])
+        train__log_interval=1, train__checkpoint_every=1, sync__warmup_steps=3,
+        sync__delay_steps=2, output__dir=tmp_path / "runs")])
     run = run_dir_of(tmp_path / "runs")
     # 40 images / (2 workers x 4) = 5 steps per epoch, 2 epochs
     summary = check_job(p, run, 10, ["warmup"] * 3 + ["steps_delay"] * 7)
@@ -110,6 +111,12 @@ def test_cifar10_resnet20_config(tmp_path):
     assert [v["epoch"] for v in records(run, 0, "val")] == [1, 2]
     ck = json.loads((run / "checkpoints" / "latest.json").read_text())
     assert (ck["next_epoch"], ck["step"]) == (2, 10)      # the last epoch is checkpointed
+    # epoch 0 ended in the steps-delay stage: its checkpoint holds the pulled global
+    # weights and rank 0's BatchNorm statistics, under the same names
+    first = mx.nd.load(str(run / "checkpoints" / "epoch-0000.params"))
+    last = mx.nd.load(str(run / "checkpoints" / "epoch-0001.params"))
+    assert first.keys() == last.keys() and any("running_mean" in k for k in first)
+    assert all(first[k].shape == last[k].shape for k in first)
 
 
 def test_imagenet_resnet50_config(tmp_path):

@@ -109,7 +109,8 @@ def test_killed_ssd_job_resumes(tmp_path):
                                          *sets(output__dir=tmp_path / "b")], tmp_path / "b")
     latest = json.loads((b / "checkpoints" / "latest.json").read_text())
     assert latest["next_epoch"] < EPOCHS and latest["step"] >= 89 > 30   # in steps delay
-    resumed = dist(["--resume", b])
+    # overrides given with --resume reach the workers (through RUN_DIR/config.yaml)
+    resumed = dist(["--resume", b, "--set", "train.log_interval=20"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((b / "summary.json").read_text())
     assert summary["steps"] == EPOCHS * 89 and summary["final_accuracy"] > 0.9
@@ -119,3 +120,4 @@ def test_killed_ssd_job_resumes(tmp_path):
     first = after[0]
     assert first["step"] - latest["step"] <= 30 and first["stage"] == "warmup"
     assert after[-1]["stage"] == "steps_delay"
+    assert all(r["batch"] % 20 == 0 for r in after[:-1])
