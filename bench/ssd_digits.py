@@ -316,7 +316,8 @@ def accuracy_tables(results: list[dict], lrs, ks, rows) -> str:
 def network_table(results: list[dict]) -> str:
     ref = {r["lr"]: delay_recv(r) for r in results if r["row"] == "ssgd"}
     head = ["run", "lr", "k", "acc", "pulls/wkr", "sent KB/step", "recv KB/step",
-            "recv KB/step after warm-up", "ssgd/this", "blocked s", "wall s", "job s"]
+            "recv KB/step after warm-up", "ssgd/this", "blocked s", "blocked %", "wall s",
+            "job s"]
     body = []
     for r in results:
         d = delay_recv(r)
@@ -329,11 +330,13 @@ def network_table(results: list[dict]) -> str:
                      _kb(per_worker_step(r, "bytes_received")), _kb(d),
                      "-" if not d or not base else f"{base / d:.1f}",
                      "-" if blocked(r) is None else f"{blocked(r):.2f}",
+                     "-" if not blocked(r) or not wall(r) else f"{100 * blocked(r) / wall(r):.0f}",
                      "-" if wall(r) is None else f"{wall(r):.1f}", f"{r['job_time']:.1f}"])
     return ("per run: KB = 1000 bytes per worker and step; 'after warm-up' counts only the "
             "steps-delay\nstage (from the first metrics record at or after the warm-up to "
-            "the last); blocked = mean\nseconds per worker waiting on the network; wall = "
-            "training loop; job = whole launcher job\n" + _table(head, body))
+            "the last); ssgd/this = ssgd's\nfigure over this one; blocked = mean seconds per "
+            "worker waiting on the network (% of\nwall); wall = training loop; job = whole "
+            "launcher job, process start-up included\n" + _table(head, body))
 
 
 def print_report(data: dict) -> None:
@@ -374,14 +377,16 @@ def plot(data: dict, prefix: str) -> list[str]:
                     continue
                 a = accuracy(r)
                 xs.append(k)
-                ys.append(0.0 if a is None else a)   # diverged: plotted at 0
+                ys.append(0.0 if a is None else a)   # NaN loss: plotted at 0
             if xs:
-                ax.plot(xs, ys, marker="o", label=ROW_LABEL[row])
+                style = {"glu-estimate": ("o", "-"), "glu-exact": ("s", "-"),
+                         "sgd": ("^", "--"), "none": ("v", ":")}[row]
+                ax.plot(xs, ys, marker=style[0], linestyle=style[1], label=ROW_LABEL[row])
         ax.set_xscale("log")
         ax.set_xticks(s["ks"])
         ax.set_xticklabels([str(k) for k in s["ks"]])
         ax.set_xlabel("k (pull period, steps)")
-        ax.set_ylabel("final test accuracy (diverged = 0)")
+        ax.set_ylabel("final test accuracy (NaN loss = 0)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
