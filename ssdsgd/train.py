@@ -110,13 +110,15 @@ def _same(a: str, b: str) -> bool:
         return False
 
 
-def check_environment(config: Config, spe_cluster: int) -> None:
+def check_environment(config: Config, spe_cluster: int, start_step: int = 0) -> None:
     """In worker mode: the SSDSGD_* sync and cluster variables the launcher set must say
-    what the config says; missing ones are filled in from the config."""
+    what the config says, and SSDSGD_START_STEP the step this run starts at (that of the
+    checkpoint it resumes from, else 0); missing ones are filled in."""
     want = sync_env(config, spe_cluster)
     c = cluster_env(config)
     want["SSDSGD_NUM_WORKERS"] = c["SSDSGD_NUM_WORKERS"]
     want["SSDSGD_NUM_SERVERS"] = c["SSDSGD_NUM_SERVERS"]
+    want["SSDSGD_START_STEP"] = str(start_step)
     for key, value in want.items():
         have = os.environ.get(key)
         if have is None:
@@ -126,16 +128,17 @@ def check_environment(config: Config, spe_cluster: int) -> None:
                               f"{value}; start workers with the launcher's sync_env(config)")
 
 
-def create_kvstore(config: Config, spe_cluster: int):
+def create_kvstore(config: Config, spe_cluster: int, start_step: int = 0):
     """(kv, rank, num_workers): the 'ssd_sync' store when SSDSGD_ROLE=worker, else
-    (None, 0, 1)."""
+    (None, 0, 1). ``start_step``: the stage machine's first step (a resumed run
+    continues the warm-up / steps-delay schedule)."""
     role = os.environ.get("SSDSGD_ROLE")
     if role is None:
         return None, 0, 1
     if role != "worker":
         raise ConfigError(f"SSDSGD_ROLE={role}: ssdsgd.train runs only as a worker "
                           "(servers and the scheduler are started by the launcher)")
-    check_environment(config, spe_cluster)
+    check_environment(config, spe_cluster, start_step)
     import mxnet as mx
     import ssdsgd  # noqa: F401 - registers the 'ssd_sync' kvstore
     try:
@@ -328,7 +331,9 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
 
     n_train = count_train(config)
     spe_cluster = steps_per_epoch(config, config.cluster.workers, n_train)
-    kv, rank, num_workers = create_kvstore(config, spe_cluster)
+    resume_info = checkpoint_info(run_dir) if resume else None
+    kv, rank, num_workers = create_kvstore(
+        config, spe_cluster, int(resume_info["step"]) if resume else 0)
     if kv is not None and num_workers != config.cluster.workers:
         log.warning("kvstore reports %d workers, config cluster.workers is %d",
                     num_workers, config.cluster.workers)
@@ -362,7 +367,6 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
         grad_batch = gradient_batch(config, kv, num_workers)
 
         start_epoch, step = 0, 0
-        start_step = 0
         if resume:
             # materialize deferred shapes before loading
             x0, _ = dataset.train_batch(np.arange(min(bs, dataset.n_train)),
@@ -370,7 +374,6 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
             net(mx.nd.array(x0[:1], ctx=ctx[0]))
             info = load_checkpoint(run_dir, net, trainer, ctx, grad_batch)
             start_epoch, step = int(info["next_epoch"]), int(info["step"])
-            start_step = step
             log.info("resumed from %s at epoch %d, step %d", run_dir / "checkpoints",
                      start_epoch, step)
 
@@ -451,7 +454,7 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
                     # checkpoint holds the global model, pulled from the servers
                     checkpoint(epoch, save_states(run_dir, trainer, epoch),
                                pull_global(kv, trainer, into_params=False)
-                               if delay_stage(config, kv, step - start_step, warmup) else None)
+                               if delay_stage(config, kv, step, warmup) else None)
         loader.close()
         # The end of training. In the steps-delay stage rank 0 first replaces its local
         # weights by the global weights of the last step (what kv.close() does), so the
@@ -459,7 +462,7 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
         # (validation, checkpoint, summary) before it leaves the job: the scheduler ends
         # the job when the last worker has closed its kvstore.
         ran = start_epoch <= last_epoch
-        if rank == 0 and ran and delay_stage(config, kv, step - start_step, warmup):
+        if rank == 0 and ran and delay_stage(config, kv, step, warmup):
             pull_global(kv, trainer)
         wall = time.time() - t_train
         if rank == 0 and ran:
@@ -485,16 +488,15 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
     return summary
 
 
-def delay_stage(config: Config, kv, steps: int, warmup: int) -> bool:
-    """Whether this worker's weights are its local ones (its last step was in ssd's
-    steps-delay stage) rather than the global model. ``steps``: steps this process ran
-    (the kvstore's stage machine counts from 0 in every process, also after --resume)."""
+def delay_stage(config: Config, kv, step: int, warmup: int) -> bool:
+    """Whether, after ``step`` steps, this worker's weights are its local ones (its last
+    step was in ssd's steps-delay stage) rather than the global model."""
     if kv is None or config.sync.algorithm != "ssd":
         return False
     m = kv_metrics(kv)
     if "stage" in m:
         return m["stage"] == "steps_delay"
-    return steps > warmup
+    return step > warmup
 
 
 def _summary(config, run_dir, kv, vals, step, spe, warmup, num_workers, wall,

@@ -207,11 +207,17 @@ def test_worker_mode_environment_checks(monkeypatch):
     monkeypatch.setenv("SSDSGD_ROLE", "server")
     with pytest.raises(ConfigError, match="SSDSGD_ROLE=server"):
         T.create_kvstore(cfg, 22)
-    for key in ("SSDSGD_DELAY_STEPS", "SSDSGD_ALGORITHM", "SSDSGD_NUM_WORKERS"):
+    for key in ("SSDSGD_DELAY_STEPS", "SSDSGD_ALGORITHM", "SSDSGD_NUM_WORKERS",
+                "SSDSGD_START_STEP"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SSDSGD_WARMUP_STEPS", "500.0")
     T.check_environment(cfg, 22)
     assert os.environ["SSDSGD_DELAY_STEPS"] == "7" and os.environ["SSDSGD_NUM_WORKERS"] == "2"
+    assert os.environ["SSDSGD_START_STEP"] == "0"      # a new run starts at step 0
+    monkeypatch.setenv("SSDSGD_START_STEP", "44")
+    with pytest.raises(ConfigError, match="SSDSGD_START_STEP=44 in the environment"):
+        T.check_environment(cfg, 22)
+    T.check_environment(cfg, 22, start_step=44)           # resuming after step 44
     monkeypatch.setenv("SSDSGD_DELAY_STEPS", "3")
     with pytest.raises(ConfigError, match="SSDSGD_DELAY_STEPS=3 in the environment"):
         T.check_environment(cfg, 22)

@@ -64,7 +64,7 @@ def _config_form(argv):
         if args.resume:
             config = load_config(os.path.join(args.resume, "config.yaml"), args.overrides)
             run_dir = args.resume
-            checkpoint_info(run_dir)   # something to resume from
+            resume_step = checkpoint_info(run_dir)["step"]   # something to resume from
         else:
             config = load_config(args.config, args.overrides)
         validate_data(config)       # bad data fails here, before any process starts
@@ -74,6 +74,8 @@ def _config_form(argv):
             save_config(config, os.path.join(run_dir, "config.yaml"))
         env = dict(cluster_env(config))
         env.update(sync_env(config))
+        if args.resume:     # the stage machine continues the warm-up / steps-delay schedule
+            env["SSDSGD_START_STEP"] = str(resume_step)
     except (ConfigError, DataError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
