@@ -175,7 +175,8 @@ def finished_run(run_dir, out_dir=None) -> list[str]:
         text += f" (top-5 {summary['final_top5']:.4f})"
     facts = []
     if summary.get("epochs") is not None and summary.get("steps") is not None:
-        facts.append(f"{summary['epochs']:g} epochs, {summary['steps']} steps")
+        e = summary["epochs"]
+        facts.append(f"{e:g} epoch{'' if e == 1 else 's'}, {summary['steps']} steps")
     if run["wall_time"] is not None:
         facts.append(f"training {run['wall_time']:.1f} s")
     if run["samples_per_sec"]:
