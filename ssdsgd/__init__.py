@@ -21,6 +21,8 @@ _previous_hook = sys.excepthook
 
 
 def _excepthook(exc_type, exc, tb):
+    # The job must learn that this worker failed, not that it finished (see store.close).
+    SSD_Sync.uncaught_error = f"{exc_type.__name__}: {exc}"
     if issubclass(exc_type, _ONE_LINE_ERRORS):
         print(f"ssdsgd: {exc_type.__name__}: {exc}", file=sys.stderr)
     else:

@@ -173,3 +173,15 @@ def test_push_pull_and_list_pushpull_without_optimizer_keep_the_sum(tmp_path):
     _check_ok(res)
     for r in range(2):
         assert f"rank {r}: pull [3.0, 3.0, 3.0, 3.0, 3.0, 3.0] pushpull 20.0 3.0" in res.stdout
+
+
+def test_a_worker_that_raises_ends_the_job_and_every_node_names_it(tmp_path):
+    started = time.monotonic()
+    res = launch(2, 1, [], env={"SSDSGD_ALGORITHM": "ssgd"}, script="fail_rank1.py", timeout=60)
+    assert res.returncode != 0
+    assert "worker 1" in res.stderr and "exited with code 1; stopping the job" in res.stderr
+    cause = "worker 1 (pid"
+    for node in ("[scheduler]", "[server 0]", "[worker 0]"):
+        assert any(line.startswith(node) and cause in line and "bad batch shape" in line
+                   for line in res.stderr.splitlines()), (node, res.stderr[-2000:])
+    assert time.monotonic() - started < 30

@@ -171,11 +171,13 @@ class WorkerClient:
             raise self._failure
         self._scheduler_call(P.Kind.BARRIER, {"group": "worker"}, "_barrier")
 
-    def close(self):
-        """Tell the scheduler this worker is done, flush what is queued, stop the thread."""
+    def close(self, error=None):
+        """Tell the scheduler this worker is done (or failed, with ``error``), flush what is
+        queued, stop the thread."""
         if self._thread.is_alive() and self._failure is None:
             try:
-                self._scheduler_call(P.Kind.FINISH, None, "_finished")
+                self._scheduler_call(P.Kind.FINISH, {"error": error} if error else None,
+                                     "_finished")
             except JobAborted:
                 pass
         self._stopping = True

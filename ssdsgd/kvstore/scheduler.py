@@ -127,8 +127,10 @@ class Scheduler:
                     self._send(i, P.Kind.BARRIER, {"group": group})
                 waiting.clear()
         elif msg.kind == P.Kind.FINISH:
-            node["finished"] = True
+            if msg.meta.get("error"):   # everyone (the failed worker too) hears it first
+                self._abort(f"{node_name(node)} failed: {msg.meta['error']}")
             self._send(ident, P.Kind.ACK)
+            node["finished"] = True
         else:
             raise P.ProtocolError(f"unexpected {msg.kind.name} at the scheduler")
 

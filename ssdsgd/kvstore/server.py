@@ -120,7 +120,12 @@ class Server:
         arrays = [value]
         if reply.with_state:
             arrays += self._state_arrays(shard)
-        reply.records[i] = (shard.key, shard.version, shard.offset, shard.count, shard.dtype,
+        # The record's step is the optimizer's update count for the key (what a worker's
+        # local copy continues from); it equals the steps applied unless states were loaded.
+        count = shard.version
+        if self.optimizer is not None:
+            count = self.optimizer._index_update_count.get(shard.key, 0)
+        reply.records[i] = (shard.key, count, shard.offset, shard.count, shard.dtype,
                             len(arrays))
         reply.parts[i] = arrays
         reply.missing -= 1

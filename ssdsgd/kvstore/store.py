@@ -74,6 +74,7 @@ class SSD_Sync(KVStoreBase):
         self._batch = None
 
     _process_state = None
+    uncaught_error = None    # set by ssdsgd's excepthook: close() then reports a failure
 
     # ---- identity ----------------------------------------------------------------
     @property
@@ -234,11 +235,12 @@ class SSD_Sync(KVStoreBase):
         if self._shared["closed"]:
             return
         self._shared["closed"] = True
+        error = SSD_Sync.uncaught_error
         try:
-            if self._client._failure is None:
+            if self._client._failure is None and error is None:
                 self._machine.finish()
         finally:
-            self._client.close()
+            self._client.close(error)
 
 
 # ---- the two adaptations to gluon.Trainer --------------------------------------------

@@ -99,10 +99,11 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
                 log(f"{signal.Signals(interrupted[0]).name}: stopping every process")
                 code = 130 if interrupted[0] == signal.SIGINT else 143
                 return code
-            failed = next((p for p in procs if p.poll() not in (None, 0)), None)
-            if failed is not None:
-                log(f"{failed.name} (pid {failed.pid}) {_describe_exit(failed.poll())}; "
-                    f"stopping the job")
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed:
+                failed.sort(key=lambda p: p.role != "worker")   # usually the root cause
+                log(", ".join(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}"
+                              for p in failed) + "; stopping the job")
                 code = 1
                 return code
             if all(p.poll() == 0 for p in workers):

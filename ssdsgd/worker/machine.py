@@ -22,7 +22,7 @@ import numpy as np
 from ..glu.rules import make_local_rule
 from ..kvstore import hostcopy
 from ..kvstore import protocol as P
-from ..kvstore.optimizer_spec import build, flatten_state
+from ..kvstore.optimizer_spec import build
 from .schedule import DELAY, plan
 
 
@@ -79,7 +79,7 @@ class StageMachine:
         ents = [(key, 0, flat, value.dtype) for (key, value, _), flat in zip(entries, values)]
         replies = self.client.exchange(P.Kind.INIT, ents).wait()
         for key, _, _ in entries:
-            self._remember(key, replies[key], -1)
+            self._remember(key, replies[key], self.t - 1)   # w_G before the first step
         hostcopy.write((out, replies[key].value) for key, _, outs in entries for out in outs)
 
     # ---- one training step ---------------------------------------------------------
@@ -126,6 +126,9 @@ class StageMachine:
                                for out in self.outs[key])
                 for key in replies:
                     self._reset(key, self.outs[key])
+            unseeded = [key for key, _, _ in entries if key not in self.seeded]
+            if unseeded and self.rule.needs_state:
+                self._fetch_state([k for k in unseeded if not self.state_now.get(k)])
             for key, grad_list, outs in entries:
                 if outs is None:
                     raise RuntimeError("algorithm ssd needs pushpull with out= (the weights)")
@@ -148,11 +151,8 @@ class StageMachine:
         now = self.global_now[key].reshape(outs[0].shape)
         state = None
         if self.rule.needs_state:
-            state = self.state_now.get(key) or []
-            if not state:   # no warm-up pull carried state: the server's is still fresh
-                fresh = build(self.optimizer_spec).create_state_multi_precision(key, outs[0])
-                state = [s.asnumpy() for s in flatten_state(fresh)]
-            state = [mx.nd.array(s.reshape(outs[0].shape), ctx=ctx, dtype=s.dtype) for s in state]
+            state = [mx.nd.array(s.reshape(outs[0].shape), ctx=ctx, dtype=s.dtype)
+                     for s in self.state_now[key]]
         between = self.pulled_at[key] - self.prev_pulled_at[key]
         prev = self.global_prev[key] if between > 0 else self.global_now[key]
         self.rule.reset(key, mx.nd.array(now, ctx=ctx, dtype=now.dtype),
@@ -175,6 +175,18 @@ class StageMachine:
         for key, _, _ in entries:
             self.key_steps[key] += 1
         self.counts["pushes"] += 1
+
+    def _fetch_state(self, keys):
+        """The servers' optimizer state, lr and update count for keys that enter the
+        steps-delay stage without a warm-up pull that carried them (no warm-up, or a
+        resumed job whose servers loaded their state from a checkpoint)."""
+        if not keys:
+            return
+        ents = [(key, -1, None, self.global_now[key].dtype) for key in keys]
+        replies = self.client.exchange(P.Kind.PULL, ents, flags=P.Flag.STATE).wait()
+        for key in keys:
+            self.state_now[key] = replies[key].state
+            self.lr_now[key], self.version_now[key] = replies[key].lr, replies[key].version
 
     # ---- pulls and the end of training ----------------------------------------------
     def pull(self, keys_outs, latest=False):
