@@ -97,11 +97,28 @@ def make_kvstore(name):
 
 def barrier(kv):
     if kv is None:
+        _file_barrier()
         return
     if hasattr(kv, 'barrier'):
         kv.barrier()          # ssd_sync
     else:
         kv._barrier()         # MXNet's dist kvstores
+
+
+def _file_barrier(timeout=600):
+    """Without a kvstore (the compute-only row): line up the workers through files, so
+    they all compute at the same time, as in the rows with a kvstore."""
+    where, n = os.environ.get('BENCH_BARRIER_DIR'), int(os.environ.get('BENCH_NUM_WORKERS', '1'))
+    if not where or n <= 1:
+        return
+    me = os.environ.get('BENCH_WORKER_INDEX', '0')
+    Path(where).mkdir(parents=True, exist_ok=True)
+    (Path(where) / f'ready-{me}').touch()
+    deadline = time.monotonic() + timeout
+    while len(list(Path(where).glob('ready-*'))) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f'file barrier in {where}: not all {n} workers arrived')
+        time.sleep(0.005)
 
 
 def kv_metrics(kv):

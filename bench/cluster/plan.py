@@ -131,9 +131,10 @@ def predict_step(system, workload, rate_bits, num_workers, num_servers):
     return t + 0.005       # per-step software overhead
 
 
-def choose_steps(system, predicted_s, target_s, min_steps=5, max_steps=300):
-    """Timed steps so a row takes about target_s; ssd gets at least 3 pull periods."""
-    lo = max(min_steps, 3 * system.k) if system.k else min_steps
+def choose_steps(system, predicted_s, target_s, min_steps=5, max_steps=300, min_periods=3):
+    """Timed steps so a row takes about target_s; ssd gets at least min_periods pull
+    periods (k steps each), so its final drain is spread over several periods."""
+    lo = max(min_steps, min_periods * system.k) if system.k else min_steps
     n = int(round(target_s / max(predicted_s, 1e-3)))
     return max(lo, min(max_steps, n))
 

@@ -66,6 +66,7 @@ MATRIX_COLS = [
     ('MB/step (wire)', 'wire_mb_per_step', '.1f'),
     ('bound samples/s', 'bound_samples_per_s', '.1f'),
     ('of bound', 'fraction_of_bound', '.2f'),
+    ('steady of bound', 'steady_fraction_of_bound', '.2f'),
 ]
 
 

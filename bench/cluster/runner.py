@@ -117,7 +117,9 @@ def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, wa
         with open(log_path, 'w') as f:
             try:
                 for i, h in enumerate(layout.worker_hosts()):
-                    env = dict(os.environ, **JOB_ENV, BENCH_WORKER_INDEX=str(i))
+                    env = dict(os.environ, **JOB_ENV, BENCH_WORKER_INDEX=str(i),
+                               BENCH_NUM_WORKERS=str(num_workers),
+                               BENCH_BARRIER_DIR=str(out / 'barrier'))
                     env = {k: v for k, v in env.items()
                            if not k.startswith(('DMLC_', 'SSDSGD_'))}
                     procs.append(cluster.popen(h, worker_cmd('none', out, args), env=env,
@@ -177,6 +179,25 @@ def _run_job_with_timeout(num_workers, num_servers, cmd, env, launcher, sink, lo
         return 124
 
 
+def steady_step(result, system):
+    """Seconds per step in the steady state, from one worker's step end times.
+
+    ssd: over whole pull periods, from the end of step k-1 to the end of step m*k-1 (the
+    step before the m-th wait for a pull), so the queue of pushes in flight is in the same
+    phase at both ends and neither the idle link of the first step nor the final drain
+    counts; needs m >= 2. Other rows: every step but the first."""
+    e = result.get('step_ends') or []
+    if system.kind == 'ssd' and system.mode == 'ssd' and system.k:
+        k = system.k
+        m = len(e) // k
+        if m < 2:
+            return None
+        return (e[m * k - 1] - e[k - 1]) / ((m - 1) * k)
+    if len(e) < 2:
+        return None
+    return (e[-1] - e[0]) / (len(e) - 1)
+
+
 def summarize(results, system, workload, rate_bits, num_workers, num_servers, bound_s):
     """One table row from the workers' result files."""
     start = min(r['t_start'] for r in results)
@@ -204,12 +225,18 @@ def summarize(results, system, workload, rate_bits, num_workers, num_servers, bo
             / len(results) / steps
         row['tx_bytes_per_step'] = sum(r['tx_bytes'] for r in results) / len(results) / steps
         row['rx_bytes_per_step'] = sum(r['rx_bytes'] for r in results) / len(results) / steps
+    steady = [steady_step(r, system) for r in results]
+    if all(steady):
+        row['steady_step_s'] = sum(steady) / len(steady)
+        row['steady_samples_per_s'] = sum(r['batch'] for r in results) / row['steady_step_s']
     kvm = [r.get('kv_metrics') for r in results]
     if all(kvm):
         row['kv_bytes_per_step'] = sum(m.get('bytes_sent', 0) + m.get('bytes_received', 0)
                                        for m in kvm) / len(kvm) / steps
     if bound_s:
         row['bound_samples_per_s'] = bound_s
+        if row.get('steady_samples_per_s'):
+            row['steady_fraction_of_bound'] = row['steady_samples_per_s'] / bound_s
         row['fraction_of_bound'] = row['samples_per_s'] / bound_s if row['samples_per_s'] \
             else None
     return row
