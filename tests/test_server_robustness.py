@@ -88,3 +88,26 @@ def test_job_shuts_down_cleanly_when_the_worker_finishes(one_server):
     client.close()
     assert sched.wait(timeout=20) == 0
     assert server.wait(timeout=20) == 0
+
+
+def test_a_big_step_is_pipelined_in_chunks_and_reassembled(procs):
+    port = free_port()
+    env = node_env(port, num_workers=1, num_servers=1, SSDSGD_ALGORITHM="ssgd",
+                   SSDSGD_CHUNK_BYTES=64)
+    procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="scheduler"))
+    procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="server"))
+    client = WorkerClient(NodeEnv.from_environ(dict(env, SSDSGD_ROLE="worker")))
+    try:
+        for key in range(10):
+            client.placement.place(key, 8)
+        values = [np.full(8, key, np.float32) for key in range(10)]
+        client.exchange(P.Kind.INIT, [(k, 0, v, np.float32) for k, v in enumerate(values)]).wait()
+        sent = client.stats["messages_sent"]
+        reply = client.exchange(P.Kind.PUSH, [(k, 0, v * 2, np.float32)
+                                              for k, v in enumerate(values)],
+                                flags=P.Flag.PULL).wait()
+        assert client.stats["messages_sent"] - sent == 5     # 10 keys x 32 B in 64 B chunks
+        for key in range(10):
+            np.testing.assert_array_equal(reply[key].value, np.full(8, 2 * key, np.float32))
+    finally:
+        client.close()

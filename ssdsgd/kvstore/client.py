@@ -122,35 +122,41 @@ class WorkerClient:
     def post(self, server, msg):
         self._submit(server, msg, False)
 
-    def exchange(self, kind, entries, *, step=0, flags=0, meta=None, reply=True,
-                 servers=None):
-        """Send one message per server carrying each key's slices.
+    def exchange(self, kind, entries, *, step=0, flags=0, meta=None, reply=True):
+        """Send each server the slices it owns of every key: one message per server, or,
+        when a server's part of the step exceeds ``SSDSGD_CHUNK_BYTES``, consecutive
+        messages of about that size, so the server applies and answers the first keys
+        while the rest are still arriving (both directions of its link busy, as ps-lite's
+        per-key messages achieve, with far fewer messages).
 
-        entries: list of (key, per_key_step, flat array or None, ntensors_hint) where None
-        means "no tensor" (a pull); the key must be placed already."""
+        entries: (key, per-key step, flat array or None for "no tensor" (a pull), dtype);
+        every key must be placed already."""
         per_server = {}
         sizes, dtypes = {}, {}
         for key, kstep, array, dtype in entries:
             size = sum(sl.count for sl in self.placement[key])
             sizes[key], dtypes[key] = size, np.dtype(dtype)
             for sl in self.placement[key]:
-                recs, tens = per_server.setdefault(sl.server, ([], []))
+                chunks = per_server.setdefault(sl.server, [[[], [], 0]])
+                nbytes = sl.count * dtypes[key].itemsize
+                if chunks[-1][0] and chunks[-1][2] + nbytes > self.env.chunk_bytes:
+                    chunks.append([[], [], 0])
+                recs, tens, _ = chunk = chunks[-1]
+                chunk[2] += nbytes
                 if array is None:
                     recs.append((key, kstep, sl.offset, sl.count, dtype, 0))
                     tens.append([])
                 else:
                     recs.append((key, kstep, sl.offset, sl.count, dtype, 1))
                     tens.append([array[sl.offset:sl.offset + sl.count]])
-        for s in (servers if servers is not None else ()):
-            per_server.setdefault(s, ([], []))
         futures = []
         for server in sorted(per_server):
-            recs, tens = per_server[server]
-            msg = P.Message(kind, flags=flags, step=step, records=P.make_records(recs),
-                            tensors=tens, meta=meta)
-            fut = self._submit(server, msg, reply)
-            if fut is not None:
-                futures.append(fut)
+            for recs, tens, _ in per_server[server]:
+                msg = P.Message(kind, flags=flags, step=step, records=P.make_records(recs),
+                                tensors=tens, meta=meta)
+                fut = self._submit(server, msg, reply)
+                if fut is not None:
+                    futures.append(fut)
         return Gather(self, futures, sizes, dtypes) if reply else None
 
     def _scheduler_call(self, kind, meta, attr):

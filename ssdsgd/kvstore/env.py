@@ -55,6 +55,7 @@ class NodeEnv:
     bigarray_bound: int
     max_message_bytes: int
     start_step: int
+    chunk_bytes: int
 
     @classmethod
     def from_environ(cls, env=None):
@@ -85,4 +86,5 @@ class NodeEnv:
             bigarray_bound=positive("SSDSGD_BIGARRAY_BOUND", int, 1_000_000),
             max_message_bytes=positive("SSDSGD_MAX_MESSAGE_BYTES", int, 1 << 34),
             start_step=positive("SSDSGD_START_STEP", int, 0, 0),
+            chunk_bytes=positive("SSDSGD_CHUNK_BYTES", int, 4 << 20),
         )
