@@ -284,14 +284,13 @@ def run_matrix(bench, args, workloads, log):
         systems = [s for s in systems if s.key in wanted]
     n, s = args.workers, args.servers
     for workload, rates in workloads:
-        compute_row = None
         for rate in rates:
             bench.cluster.shape(rate, args.latency_ms)
             g = {'workload': workload.name, 'workload_desc': workload.describe(),
                  'rate_bits': rate, 'workers': n, 'servers': s, 'rows': []}
             log(f'--- {workload.describe()} @ {netns.rate_label(rate)}, {n} workers, '
                 f'{s} server(s)')
-            if workload.kind == 'real' and compute_row is None:
+            if workload.kind == 'real':
                 # compute alone: every worker at once, no kvstore (the compute bound)
                 st = args.steps or 20
                 compute_row = bench.run(plan.COMPUTE_ONLY, workload, rate, n, s, st,
@@ -301,8 +300,8 @@ def run_matrix(bench, args, workloads, log):
                     workload.notes.append(f"compute alone: {compute_row['samples_per_s']:.1f} "
                                           f"samples/s, {workload.compute_s:.3f} s/step")
                 log(fmt_row(compute_row))
-            if workload.kind == 'real' and compute_row is not None:
-                g['rows'].append(dict(compute_row))
+            if workload.kind == 'real':
+                g['rows'].append(compute_row)
             b, by = plan.bound(workload, rate, n, s)
             g.update(bound_samples_per_s=b, bound_by=by, compute_s=workload.compute_s,
                      link_s=plan.link_time(workload.param_bytes, rate, n, s),
@@ -314,13 +313,19 @@ def run_matrix(bench, args, workloads, log):
                                 timeout=timeout_for(pred, steps, args.warmup), bound_s=b)
                 log(fmt_row(row))
                 g['rows'].append(row)
-            if b:
-                for r in g['rows']:
-                    if r.get('samples_per_s'):
-                        r['bound_samples_per_s'] = b
-                        r['fraction_of_bound'] = r['samples_per_s'] / b
-                    if r.get('steady_samples_per_s'):
-                        r['steady_fraction_of_bound'] = r['steady_samples_per_s'] / b
+            for r in g['rows']:
+                rb = b
+                if workload.kind == 'real' and r.get('compute_per_step_s'):
+                    # compute alone, as fast as it ran in this very row (the load from
+                    # other processes changes between rows)
+                    rb, _ = plan.bound(workload, rate, n, s, compute_s=r['compute_per_step_s'])
+                if not rb:
+                    continue
+                r['bound_samples_per_s'] = rb
+                if r.get('samples_per_s'):
+                    r['fraction_of_bound'] = r['samples_per_s'] / rb
+                if r.get('steady_samples_per_s'):
+                    r['steady_fraction_of_bound'] = r['steady_samples_per_s'] / rb
             base = next((r for r in g['rows'] if r['system'] == 'native-sync'
                          and r.get('samples_per_s')), None)
             for r in g['rows']:
@@ -468,6 +473,7 @@ def main(argv=None):
                 + ([int(x) for x in _csv(args.scaling_workers)] if 'scaling' in only else [])
                 + ([args.tta_workers] if 'tta' in only else []))
     hosts = 1 + args.servers + max_n
+    src_start = report.source_hash()
     results = {'meta': {'command': 'python -m bench.cluster ' + ' '.join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
         'machine': report.machine_info(), 'settings': settings(args, workloads)},
@@ -504,6 +510,12 @@ def main(argv=None):
             log('cluster removed' if not left else f'namespaces left: {left}')
         signal.signal(signal.SIGTERM, old_term)
     results['meta']['elapsed_s'] = time.monotonic() - started
+    src_end = report.source_hash()
+    results['meta']['machine']['ssdsgd_sources'] = src_start
+    if src_end != src_start and bench is not None:
+        bench.notes.append(f'ssdsgd/ changed during this run (sources {src_start} at the start, '
+                           f'{src_end} at the end): rows started after the change ran the new '
+                           'code; rerun for a consistent table')
     results['meta']['notes'] = (bench.all_notes() if bench else []) + \
         (['the run was interrupted; the tables are partial'] if interrupted else [])
     save_raw(raw, results)

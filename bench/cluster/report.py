@@ -29,7 +29,7 @@ def machine_info():
     except (OSError, StopIteration):
         pass
     try:
-        info['loadavg_start'] = os.getloadavg()
+        info['loadavg_start'] = tuple(round(x, 2) for x in os.getloadavg())
     except OSError:
         pass
     for mod in ('mxnet', 'gluoncv', 'zmq', 'numpy'):
@@ -46,6 +46,17 @@ def machine_info():
     except OSError:
         pass
     return info
+
+
+def source_hash():
+    """A hash of ssdsgd's Python sources (the editable install every job imports), to
+    notice when they change in the middle of a run."""
+    import hashlib
+    h = hashlib.sha1()
+    for path in sorted((REPO / 'ssdsgd').rglob('*.py')):
+        h.update(str(path.relative_to(REPO)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 # ---- formatting -----------------------------------------------------------------------
