@@ -113,8 +113,8 @@ class Server:
         # The reply carries a view of the weights themselves, not a copy: ``_reclaim`` runs
         # before they change. Every worker waiting on the same step gets the same view.
         value = self._snapshots.get((shard.key, shard.version))
-        if value is None:
-            value = hostcopy.read([shard.weight], copy=False)[0]
+        if value is None:    # _apply leaves no MXNet work pending: the buffer is settled
+            value = hostcopy.host_view(shard.weight).reshape(-1)
             self._snapshots[(shard.key, shard.version)] = value
         shard.lent.append((reply, i))
         arrays = [value]
@@ -279,6 +279,7 @@ class Server:
         if self.updater is not None:   # without an optimizer the store keeps the sum (MXNet's rule)
             self.updater([s.key for s in shards], [s.grad for s in shards],
                          [s.weight for s in shards])
+            mx.nd.waitall()   # once per step: replies then read the weights' buffers directly
         for shard in shards:
             shard.version += 1
 
