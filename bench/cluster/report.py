@@ -37,9 +37,12 @@ def machine_info():
             info[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             pass
+    # BENCH_GIT_COMMIT names the commit of a source export (git archive) run outside a clone
+    info['git'] = os.environ.get('BENCH_GIT_COMMIT', '')
     try:
-        info['git'] = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=REPO,
-                                     capture_output=True, text=True).stdout.strip()
+        if not info['git']:
+            info['git'] = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=REPO,
+                                         capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no',
                                 'ssdsgd'], cwd=REPO, capture_output=True, text=True).stdout
         info['ssdsgd_dirty'] = bool(dirty.strip())
