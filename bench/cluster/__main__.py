@@ -236,8 +236,8 @@ class Bench:
                     self.race_rows.append(tag)
                 else:
                     self.notes.append(f'{tag}: {note}')
-        except runner.Interrupted:
-            raise KeyboardInterrupt from None
+        except runner.Interrupted as e:
+            raise KeyboardInterrupt(str(e)) from None
         except RuntimeError as e:
             text = str(e).strip().splitlines()
             self.log(f'{system.label}: FAILED: {text[0] if text else e} '
@@ -457,7 +457,7 @@ def main(argv=None):
         return 2
 
     def on_term(signum, _frame):
-        raise KeyboardInterrupt(f'signal {signum}')
+        raise KeyboardInterrupt(signal.Signals(signum).name)
     old_term = signal.signal(signal.SIGTERM, on_term)
     netns.clean_stale(log)
     only = set(_csv(args.only))

@@ -105,7 +105,7 @@ def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, wa
                 num_workers, num_servers, worker_cmd('ssd_sync', out, args), env,
                 NetnsLauncher(layout), f, log, timeout)
         if code in (130, 143):
-            raise Interrupted()
+            raise Interrupted('SIGINT' if code == 130 else 'SIGTERM')
         if code == 1 and _launcher_exit_race(log_path, out, num_workers):
             code = 0       # every worker finished and wrote its result; see the note
             notes.append(RACE_NOTE)
