@@ -47,7 +47,7 @@ class Gather:
     def wait(self):
         out, waited = {}, time.perf_counter()
         for fut in self.futures:
-            msg = fut.result()
+            msg = self.client.wait(fut)
             lr = msg.meta.get("lr") if msg.meta else None
             for rec, arrays in zip(msg.records, msg.tensors):
                 key = int(rec["key"])
@@ -116,6 +116,19 @@ class WorkerClient:
             self._wake_out.send(b"")
         return fut
 
+    def wait(self, fut):
+        """The future's result. Never waits on a future nobody will resolve: if the I/O
+        thread has failed or ended (a race with a request made just then), raise why."""
+        while True:
+            try:
+                return fut.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                if self._failure is not None:
+                    raise self._failure from None
+                if not self._thread.is_alive():
+                    raise JobAborted("the worker's I/O thread has stopped; the job is over") \
+                        from None
+
     def request(self, server, msg):
         return self._submit(server, msg, True)
 
@@ -167,7 +180,7 @@ class WorkerClient:
             self._wake_out.send(b"")
         waited = time.perf_counter()
         try:
-            return fut.result()
+            return self.wait(fut)
         finally:
             self.stats["time_blocked"] += time.perf_counter() - waited
 

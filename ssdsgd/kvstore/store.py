@@ -151,13 +151,13 @@ class SSD_Sync(KVStoreBase):
                                                          meta={"optimizer": spec}))
                        for s in range(self._client.num_servers)]
             for f in futures:
-                f.result()
+                self._client.wait(f)
         self._client.barrier()   # no worker pushes before every server has the optimizer
 
     def _server_states(self):
         futures = [self._client.request(s, P.Message(P.Kind.GET_STATE))
                    for s in range(self._client.num_servers)]
-        return [f.result() for f in futures]
+        return [self._client.wait(f) for f in futures]
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Gather the servers' optimizer state into a file in MXNet's own format."""
@@ -211,7 +211,7 @@ class SSD_Sync(KVStoreBase):
                     P.Kind.SET_STATE, records=P.make_records(recs), tensors=tens,
                     meta={"optimizer": spec})))
             for f in futures:
-                f.result()
+                self._client.wait(f)
         self._client.barrier()
 
     # ---- lifecycle and metrics ----------------------------------------------------
