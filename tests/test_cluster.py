@@ -115,6 +115,7 @@ def _no_leftovers(tmp_path):
 
 def test_killed_worker_ends_the_job_with_a_message_naming_it(tmp_path):
     job = _start_long_job(tmp_path)
+    _wait_for(tmp_path / "pid-rank0")
     pid = _wait_for(tmp_path / "pid-rank1")
     time.sleep(1.0)
     os.kill(pid, signal.SIGKILL)
@@ -128,6 +129,7 @@ def test_killed_worker_ends_the_job_with_a_message_naming_it(tmp_path):
 
 def test_hung_worker_is_detected_by_heartbeats_and_named(tmp_path):
     job = _start_long_job(tmp_path, ["SSDSGD_HEARTBEAT_TIMEOUT=3"], ["--stop-at", "5"])
+    _wait_for(tmp_path / "pid-rank0")
     _wait_for(tmp_path / "pid-rank1")
     started = time.monotonic()
     out, err = _finish(job, 40)
