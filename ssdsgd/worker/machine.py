@@ -23,7 +23,7 @@ from ..glu.rules import make_local_rule
 from ..kvstore import hostcopy
 from ..kvstore import protocol as P
 from ..kvstore.optimizer_spec import build
-from .schedule import DELAY, plan
+from .schedule import Stage, plan
 
 
 def _device_sum(nd_list):
@@ -48,8 +48,7 @@ class StageMachine:
         self.global_now, self.global_prev = {}, {}
         self.pulled_at, self.prev_pulled_at = {}, {}
         self.state_now, self.lr_now, self.version_now = {}, {}, {}
-        self.counts = {"warmup": 0, "steps_delay": 0, "ssgd": 0, "asgd": 0,
-                       "pushes": 0, "pulls": 0}
+        self.counts = {**{s.value: 0 for s in Stage}, "pushes": 0, "pulls": 0}
         self.last_step_blocked = 0.0
 
     # ---- set-up --------------------------------------------------------------------
@@ -109,7 +108,7 @@ class StageMachine:
         for key, _, _ in entries:
             self.key_steps[key] += 1
         self.counts["pushes"] += 1
-        self.counts[p.stage] += 1
+        self.counts[p.stage.value] += 1
         if p.synchronous:
             self.counts["pulls"] += 1
             replies = gather.wait()

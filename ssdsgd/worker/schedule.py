@@ -6,22 +6,34 @@ step pushes without waiting and requests the global weights when (t - T_w) mod k
 to be waited for one step later.
 """
 import dataclasses
+import enum
 
-WARMUP, DELAY, SYNC, ASYNC = "warmup", "steps_delay", "ssgd", "asgd"
+
+class Stage(str, enum.Enum):
+    """The one stage vocabulary: the stage machine, the training program and the metrics
+    all use these values (a ``str`` enum, so it is written to JSON as its value)."""
+    WARMUP = "warmup"            # ssd, t < T_w: synchronous SGD
+    STEPS_DELAY = "steps_delay"  # ssd, t >= T_w: push every step, pull every k steps
+    SSGD = "ssgd"                # algorithm ssgd: every step synchronous (dist_sync)
+    ASGD = "asgd"                # algorithm asgd: the server applies each push (dist_async)
+
+    def __str__(self):
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    stage: str
+    stage: Stage
     synchronous: bool   # push and wait for w_G(t) in this step
     request_pull: bool  # ask for w_G(t) with the push (waited for at t + 1 when asynchronous)
 
 
 def plan(t, algorithm, warmup_steps, delay_steps):
     if algorithm == "asgd":
-        return StepPlan(ASYNC, True, True)
+        return StepPlan(Stage.ASGD, True, True)
     if algorithm == "ssgd":
-        return StepPlan(SYNC, True, True)
+        return StepPlan(Stage.SSGD, True, True)
     if t < warmup_steps:
-        return StepPlan(WARMUP, True, True)
-    return StepPlan(DELAY, False, (t - warmup_steps) % delay_steps == delay_steps - 1)
+        return StepPlan(Stage.WARMUP, True, True)
+    return StepPlan(Stage.STEPS_DELAY, False,
+                    (t - warmup_steps) % delay_steps == delay_steps - 1)
