@@ -15,11 +15,76 @@ MXNet 1.9.1 state conventions (checked against the ops, see tests/test_glu_rules
   lr is needed and lr_mult drops out.
 """
 import mxnet as mx
+import numpy as np
 
 from ..kvstore.optimizer_spec import flatten_state  # noqa: F401  (how state travels)
 
 RULES = ('glu', 'sgd', 'none')
-GLU_STATES = ('estimate', 'exact')
+GLU_STATES = ('estimate', 'exact', 'recursive', 'corrected')
+# glu_state values that derive the momentum from the weights (no state on the wire).
+ESTIMATED_STATES = ('estimate', 'recursive', 'corrected')
+
+
+# ---------------------------------------------------------------------------------------
+# The state estimates: pure functions on arrays (NDArray or numpy), shared by the worker
+# and the simulator. m is the momentum state in weight units (sgd and nag alike).
+
+def period_model(momentum, steps, nesterov=False):
+    """Linear model of one pull period of k = `steps` steps. With per-step forces f_1..f_k
+    (m <- mu*m + f_j, f = -lr*(g + wd*w)) from momentum m0:
+        momentum at the end  m_k = c*m0 + sum_j A_j*f_j,
+        displacement         D   = a*m0 + sum_j B_j*f_j
+    (sgd moves by m per step, nag by mu*m + f). Returns (a, c, A, B), A and B arrays."""
+    mu, k = float(momentum), int(steps)
+    if k < 1 or not 0.0 < mu < 1.0:
+        raise ValueError(f"period_model needs steps >= 1 and 0 < momentum < 1; got "
+                         f"steps={steps}, momentum={momentum}")
+    j = np.arange(1, k + 1)
+    A = mu ** (k - j)
+    tail = (1.0 - mu ** (k - j + 1)) / (1.0 - mu)    # f_j's share of sum_s m_s
+    S = float(np.sum(mu ** j))                         # m0's share of sum_s m_s
+    if nesterov:
+        return mu * S, mu ** k, A, mu * tail + 1.0
+    return S, mu ** k, A, tail
+
+
+def velocity_estimate(global_weight, prev_global_weight, steps):
+    """`estimate`: the mean global velocity over the period, (w_G(t_p) - w_G(t_q)) / k."""
+    return (global_weight - prev_global_weight) / steps
+
+
+def recursive_estimate(global_weight, prev_global_weight, steps, prev_momentum, momentum,
+                       nesterov=False):
+    """`recursive`: solve the period model for the force, given the momentum this worker
+    seeded at the previous reset (m0) and the global displacement D:
+    f = (D - a*m0) / b, m = c*m0 + A*f. Exact at k = 1 and for a constant gradient."""
+    a, c, A, B = period_model(momentum, steps, nesterov)
+    gain = float(A.sum() / B.sum())
+    return (c - gain * a) * prev_momentum + gain * (global_weight - prev_global_weight)
+
+
+def corrected_estimate(global_weight, local_weight, local_momentum, steps, momentum,
+                       nesterov=False):
+    """`corrected`: the worker's own momentum after its local steps of the period, plus
+    the model's share of the gap to the global weights: m_i + (A/b) * (w_G(t_p) - w_i).
+    Both runs start the period from the same weights (and, if the previous seed was
+    right, the same momentum), so the gap is the summed force difference; the model
+    turns it into a momentum difference. Exact at k = 1 and for identical workers."""
+    return local_momentum + correction_gain(momentum, steps, nesterov) * (
+        global_weight - local_weight)
+
+
+def correction_gain(momentum, steps, nesterov=False):
+    """GAIN"""
+    _, _, A, B = period_model(momentum, steps, nesterov)
+    if GAIN == 'model':
+        return float(A.sum() / B.sum())
+    if GAIN == 'zero':
+        return 0.0
+    return float(A @ B / (B @ B))
+
+
+GAIN = 'lsq'
 
 
 def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_local=None):
@@ -41,7 +106,7 @@ class LocalRule:
     needs_state = False
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
-              state=None, lr=None, num_update=None):
+              state=None, lr=None, num_update=None, local_weight=None):
         """Re-seed the rule for `key` from a pull reply (spec step 3)."""
 
     def update(self, key, weight, grad):
@@ -66,7 +131,7 @@ class _UpdaterRule(LocalRule):
         self._lr = {}
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
-              state=None, lr=None, num_update=None):
+              state=None, lr=None, num_update=None, local_weight=None):
         self._lr[key] = self.lr_local if self.lr_local is not None else lr
 
     def update(self, key, weight, grad):
@@ -93,19 +158,22 @@ class GLURule(_UpdaterRule):
     """Local copy of the server optimizer whose state is re-seeded at every reset."""
 
     def __init__(self, opt, num_workers, glu_state, lr_local):
-        if glu_state == 'estimate' and not (isinstance(opt, (mx.optimizer.SGD, mx.optimizer.NAG))
-                                            and opt.momentum > 0):
+        if glu_state in ESTIMATED_STATES and not (
+                isinstance(opt, (mx.optimizer.SGD, mx.optimizer.NAG)) and opt.momentum > 0):
             raise ValueError(
-                f"glu_state: estimate needs sgd or nag with momentum > 0 (got "
+                f"glu_state: {glu_state} needs sgd or nag with momentum > 0 (got "
                 f"{type(opt).__name__.lower()}, momentum={getattr(opt, 'momentum', None)}); "
                 f"use glu_state: exact")
         super().__init__(opt, num_workers, lr_local)
         self.glu_state = glu_state
         self.needs_state = glu_state == 'exact'
+        self.nesterov = isinstance(opt, mx.optimizer.NAG)
+        self._seeded = {}   # key -> the momentum seeded at the last reset (recursive)
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
-              state=None, lr=None, num_update=None):
+              state=None, lr=None, num_update=None, local_weight=None):
         super().reset(key, global_weight, lr=lr)
+        previous = self.updater.states.get(key)
         local = self.opt.create_state_multi_precision(key, global_weight)
         slots = flatten_state(local)
         if self.glu_state == 'exact':
@@ -116,14 +184,18 @@ class GLURule(_UpdaterRule):
                 slot[:] = value
         else:
             if prev_global_weight is None or not steps_between:
-                raise ValueError(f"key {key}: estimate glu_state needs prev_global_weight and "
-                                 f"steps_between > 0 (pass the weight itself for no history)")
+                raise ValueError(f"key {key}: {self.glu_state} glu_state needs "
+                                 f"prev_global_weight and steps_between > 0 (pass the weight "
+                                 f"itself for no history)")
             # slots[0] is the momentum; a multi-precision state also holds the fp32 master
             # weight, which must restart from the global weights.
-            velocity = (global_weight - prev_global_weight) / steps_between
-            slots[0][:] = velocity.astype(slots[0].dtype)
+            mom = self._estimate(key, global_weight, prev_global_weight, steps_between,
+                                 previous, local_weight)
+            slots[0][:] = mom.astype(slots[0].dtype)
             for master in slots[1:]:
                 master[:] = global_weight.astype(master.dtype)
+            if self.glu_state == 'recursive':
+                self._seeded[key] = slots[0].copy()
         self.updater.states[key] = local
         self.updater.states_synced[key] = True
         if num_update is not None:
@@ -131,3 +203,19 @@ class GLURule(_UpdaterRule):
             self.opt._set_current_context(global_weight.context.device_id)
             for counts in self.opt._all_index_update_counts.values():
                 counts[key] = num_update
+
+    def _estimate(self, key, now, prev, steps, previous_state, local_weight):
+        """The momentum to seed, per glu_state. The first reset of a key has no history
+        of this worker's own, so every estimate starts as the mean velocity."""
+        mu, dtype = self.opt.momentum, now.dtype
+        if self.glu_state == 'recursive' and key in self._seeded:
+            return recursive_estimate(now, prev, steps, self._seeded[key].astype(dtype),
+                                      mu, self.nesterov)
+        if self.glu_state == 'corrected' and previous_state is not None:
+            if local_weight is None:
+                raise ValueError(f"key {key}: corrected glu_state needs local_weight, the "
+                                 f"worker's weights before the reset")
+            local_mom = flatten_state(previous_state)[0].astype(dtype)
+            return corrected_estimate(now, local_weight.astype(dtype), local_mom, steps,
+                                      mu, self.nesterov)
+        return velocity_estimate(now, prev, steps)

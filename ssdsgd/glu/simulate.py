@@ -69,8 +69,10 @@ class Server:
 
 def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorithm='ssd',
              warmup_steps=0, delay_steps=1, local_rule='glu', glu_state='estimate',
-             lr_local=None):
-    """Run the spec for `steps` global steps; grad_fn(worker, step, weights) -> raw grads."""
+             lr_local=None, on_step=None):
+    """Run the spec for `steps` global steps; grad_fn(worker, step, weights) -> raw grads.
+    on_step(t, global_weights), if given, sees w_G(t) right after the server applied step t
+    (for learning curves; it must not modify the arrays)."""
     if algorithm not in ('ssd', 'ssgd'):
         raise ValueError(f"algorithm must be ssd or ssgd in the simulator; got {algorithm!r}")
     if delay_steps < 1:
@@ -97,6 +99,8 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
         grads = [grad_fn(i, t, workers[i]) for i in range(N)]
         # Server: wait for all N, sum in rank order, apply Opt once.
         server.apply_step(grads)
+        if on_step is not None:
+            on_step(t, server.weights)
 
         if t < T_w:
             # Warm-up: plain synchronous SGD, wait for w_G(t).
@@ -115,10 +119,10 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
             if pending[i] is not None:
                 p, q = pending[i], previous_pull[i]
                 for key in workers[i]:
-                    workers[i][key] = p.weights[key].copy()
+                    local, workers[i][key] = workers[i][key], p.weights[key].copy()
                     rules[i].reset(key, p.weights[key], prev_global_weight=q.weights[key],
                                    steps_between=p.step - q.step, state=p.state.get(key),
-                                   lr=p.lr, num_update=p.num_update)
+                                   lr=p.lr, num_update=p.num_update, local_weight=local)
                 previous_pull[i], pending[i] = p, None
             # 4. local update with g_i(t).
             for key in workers[i]:
