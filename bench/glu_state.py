@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-DEFAULTS = dict(lrs=[0.02, 0.05, 0.1, 0.2], ks=[2, 5, 10, 20], seeds=3, steps=756,
+DEFAULTS = dict(lrs=[0.02, 0.05, 0.1, 0.2], ks=[2, 5, 10, 20], seeds=3, steps=504,
                 short=252, warmup=40, states=['estimate', 'exact', 'corrected'])
 QUICK = dict(lrs=[0.05], ks=[5, 10], seeds=1, steps=120, short=60, warmup=20)
 
@@ -140,12 +140,12 @@ def run_one(cfg: dict) -> dict:
                                 wd=cfg['wd'], rescale_grad=1.0 / b)
 
     init = {0: mx.nd.array(init_weights(h, cfg['seed']))}
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     simulate(init, grad_fn, make_optimizer, n, cfg['steps'], algorithm=cfg['algorithm'],
              warmup_steps=cfg['warmup'], delay_steps=cfg['k'] or 1,
              glu_state=cfg['state'] or 'estimate', on_step=on_step)
     return {key: cfg[key] for key in ('algorithm', 'state', 'lr', 'k', 'seed')} | {
-        'curve': curve, 'seconds': time.time() - t0}
+        'curve': curve, 'seconds': time.time() - t0, 'cpu': time.process_time() - cpu0}
 
 
 def pull_bytes(cfg: dict, state: str) -> int:
@@ -246,9 +246,9 @@ def print_report(data):
     print("\nper glu_state, points vs ssgd (paired seeds), mean over every lr and k; curve "
           "gap = mean over the\nevaluations after the warm-up; B/pull = payload of one pull "
           "reply, x = relative to estimate\n" + summary_table(data))
-    total = sum(r['seconds'] for r in data['results'])
-    print(f"\n{len(data['results'])} runs, {total / 60:.1f} min of simulation "
-          f"({data.get('wall', 0) / 60:.1f} min wall)")
+    cpu = sum(r.get('cpu', 0) for r in data['results'])
+    print(f"\n{len(data['results'])} runs: {cpu:.0f} s of CPU in the simulations, "
+          f"{data.get('wall', 0) / 60:.1f} min wall")
 
 
 def plot(data, path):
@@ -260,7 +260,7 @@ def plot(data, path):
                              2.4 * len(s['ks'])), sharex=True, sharey=True, squeeze=False,
                              dpi=90)
     styles = {'ssgd': ('k', '--'), 'estimate': ('tab:red', '-'), 'exact': ('tab:blue', '-'),
-              'corrected': ('tab:green', '-'), 'recursive': ('tab:orange', ':')}
+              'corrected': ('tab:green', '-')}
     for i, k in enumerate(s['ks']):
         for j, lr in enumerate(s['lrs']):
             ax = axes[i][j]
@@ -309,7 +309,7 @@ def main(argv=None) -> int:
     p.add_argument('--act', choices=['tanh', 'relu'], default='tanh')
     p.add_argument('--momentum', type=float, default=0.9)
     p.add_argument('--wd', type=float, default=1e-4)
-    p.add_argument('--eval-every', type=int, default=6)
+    p.add_argument('--eval-every', type=int, default=12, help='steps between evaluations')
     p.add_argument('--jobs', type=int, default=2, help='worker processes')
     p.add_argument('--json', type=Path, help='write settings and every run here')
     p.add_argument('--plot', type=Path, help='write the accuracy curves (PNG) here')

@@ -20,9 +20,9 @@ import numpy as np
 from ..kvstore.optimizer_spec import flatten_state  # noqa: F401  (how state travels)
 
 RULES = ('glu', 'sgd', 'none')
-GLU_STATES = ('estimate', 'exact', 'recursive', 'corrected')
-# glu_state values that derive the momentum from the weights (no state on the wire).
-ESTIMATED_STATES = ('estimate', 'recursive', 'corrected')
+GLU_STATES = ('estimate', 'exact', 'corrected')
+# glu_state values that derive the momentum from weights (no optimizer state on the wire).
+ESTIMATED_STATES = ('estimate', 'corrected')
 
 
 # ---------------------------------------------------------------------------------------
@@ -48,43 +48,30 @@ def period_model(momentum, steps, nesterov=False):
     return S, mu ** k, A, tail
 
 
+def correction_gain(momentum, steps, nesterov=False):
+    """Least-squares gain of a momentum error on a displacement error over one period:
+    if the per-step forces of two runs differ by independent noise, sum_j A_j B_j /
+    sum_j B_j^2 is the best linear predictor of m - m_i from D - D_i (1 at k = 1)."""
+    _, _, A, B = period_model(momentum, steps, nesterov)
+    return float(A @ B / (B @ B))
+
+
 def velocity_estimate(global_weight, prev_global_weight, steps):
     """`estimate`: the mean global velocity over the period, (w_G(t_p) - w_G(t_q)) / k."""
     return (global_weight - prev_global_weight) / steps
 
 
-def recursive_estimate(global_weight, prev_global_weight, steps, prev_momentum, momentum,
-                       nesterov=False):
-    """`recursive`: solve the period model for the force, given the momentum this worker
-    seeded at the previous reset (m0) and the global displacement D:
-    f = (D - a*m0) / b, m = c*m0 + A*f. Exact at k = 1 and for a constant gradient."""
-    a, c, A, B = period_model(momentum, steps, nesterov)
-    gain = float(A.sum() / B.sum())
-    return (c - gain * a) * prev_momentum + gain * (global_weight - prev_global_weight)
-
-
 def corrected_estimate(global_weight, local_weight, local_momentum, steps, momentum,
                        nesterov=False):
-    """`corrected`: the worker's own momentum after its local steps of the period, plus
-    the model's share of the gap to the global weights: m_i + (A/b) * (w_G(t_p) - w_i).
-    Both runs start the period from the same weights (and, if the previous seed was
-    right, the same momentum), so the gap is the summed force difference; the model
-    turns it into a momentum difference. Exact at k = 1 and for identical workers."""
+    """`corrected`: the worker's own momentum after the period's local steps, plus the
+    gain times the gap to the global weights, m_i + beta * (w_G(t_p) - w_i).
+    Each local copy's force is N times its own gradient and the server's is the sum of
+    the N gradients, so the workers' momenta and displacements average to the server's:
+    the gaps average to zero and the mean seed is the server's momentum, period after
+    period (exactly for wd = 0). The gap only removes part of each worker's own noise.
+    Exact at k = 1 and for identical workers."""
     return local_momentum + correction_gain(momentum, steps, nesterov) * (
         global_weight - local_weight)
-
-
-def correction_gain(momentum, steps, nesterov=False):
-    """GAIN"""
-    _, _, A, B = period_model(momentum, steps, nesterov)
-    if GAIN == 'model':
-        return float(A.sum() / B.sum())
-    if GAIN == 'zero':
-        return 0.0
-    return float(A @ B / (B @ B))
-
-
-GAIN = 'lsq'
 
 
 def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_local=None):
@@ -168,7 +155,6 @@ class GLURule(_UpdaterRule):
         self.glu_state = glu_state
         self.needs_state = glu_state == 'exact'
         self.nesterov = isinstance(opt, mx.optimizer.NAG)
-        self._seeded = {}   # key -> the momentum seeded at the last reset (recursive)
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
               state=None, lr=None, num_update=None, local_weight=None):
@@ -189,13 +175,11 @@ class GLURule(_UpdaterRule):
                                  f"itself for no history)")
             # slots[0] is the momentum; a multi-precision state also holds the fp32 master
             # weight, which must restart from the global weights.
-            mom = self._estimate(key, global_weight, prev_global_weight, steps_between,
-                                 previous, local_weight)
-            slots[0][:] = mom.astype(slots[0].dtype)
+            slots[0][:] = self._estimate(key, global_weight, prev_global_weight,
+                                         steps_between, previous, local_weight,
+                                         slots[0].dtype)
             for master in slots[1:]:
                 master[:] = global_weight.astype(master.dtype)
-            if self.glu_state == 'recursive':
-                self._seeded[key] = slots[0].copy()
         self.updater.states[key] = local
         self.updater.states_synced[key] = True
         if num_update is not None:
@@ -204,18 +188,15 @@ class GLURule(_UpdaterRule):
             for counts in self.opt._all_index_update_counts.values():
                 counts[key] = num_update
 
-    def _estimate(self, key, now, prev, steps, previous_state, local_weight):
-        """The momentum to seed, per glu_state. The first reset of a key has no history
-        of this worker's own, so every estimate starts as the mean velocity."""
-        mu, dtype = self.opt.momentum, now.dtype
-        if self.glu_state == 'recursive' and key in self._seeded:
-            return recursive_estimate(now, prev, steps, self._seeded[key].astype(dtype),
-                                      mu, self.nesterov)
+    def _estimate(self, key, now, prev, steps, previous_state, local_weight, dtype):
+        """The momentum to seed, per glu_state, computed in the state's dtype. The first
+        reset of a key has no local history, so 'corrected' starts as the velocity."""
+        now, prev = now.astype(dtype), prev.astype(dtype)
         if self.glu_state == 'corrected' and previous_state is not None:
             if local_weight is None:
                 raise ValueError(f"key {key}: corrected glu_state needs local_weight, the "
                                  f"worker's weights before the reset")
             local_mom = flatten_state(previous_state)[0].astype(dtype)
             return corrected_estimate(now, local_weight.astype(dtype), local_mom, steps,
-                                      mu, self.nesterov)
+                                      self.opt.momentum, self.nesterov)
         return velocity_estimate(now, prev, steps)
