@@ -141,11 +141,50 @@ def run_one(cfg: dict) -> dict:
 
     init = {0: mx.nd.array(init_weights(h, cfg['seed']))}
     t0, cpu0 = time.time(), time.process_time()
-    simulate(init, grad_fn, make_optimizer, n, cfg['steps'], algorithm=cfg['algorithm'],
-             warmup_steps=cfg['warmup'], delay_steps=cfg['k'] or 1,
-             glu_state=cfg['state'] or 'estimate', on_step=on_step)
+    seeds = _record_seeds() if cfg.get('seed_error') else None
+    try:
+        simulate(init, grad_fn, make_optimizer, n, cfg['steps'], algorithm=cfg['algorithm'],
+                 warmup_steps=cfg['warmup'], delay_steps=cfg['k'] or 1,
+                 glu_state=cfg['state'] or 'estimate', on_step=on_step)
+    finally:
+        if seeds is not None:
+            seeds = seeds.close()
     return {key: cfg[key] for key in ('algorithm', 'state', 'lr', 'k', 'seed')} | {
-        'curve': curve, 'seconds': time.time() - t0, 'cpu': time.process_time() - cpu0}
+        'curve': curve, 'seconds': time.time() - t0, 'cpu': time.process_time() - cpu0,
+        'seed_error': seeds}
+
+
+class _record_seeds:
+    """--seed-error: every rule the simulator builds also gets the server's state with each
+    pull (only `exact` uses it) and records, per reset, its seeded momentum and the server's.
+    close() restores the simulator and returns the median relative error of worker 0's
+    seed and of the workers' mean seed (resets after the first two)."""
+
+    def __init__(self):
+        from ssdsgd.glu import simulate as sim
+        self.sim, self.orig, self.log = sim, sim.make_local_rule, []
+        sim.make_local_rule = self.make
+
+    def make(self, *args, **kwargs):
+        rule, log = self.orig(*args, **kwargs), []
+        self.log.append(log)
+        rule.needs_state, reset = True, rule.reset
+
+        def recording_reset(key, global_weight, **kw):
+            reset(key, global_weight, **kw)
+            log.append((rule.updater.states[key].asnumpy(), kw['state'][0].asnumpy()))
+        rule.reset = recording_reset
+        return rule
+
+    def close(self):
+        self.sim.make_local_rule = self.orig
+        if not self.log or len(self.log[0]) < 3:
+            return None
+        rel = lambda a, b: float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-12))  # noqa
+        per_reset = list(zip(*self.log))[2:]   # [(seed, true) per worker] per reset
+        return {'worker': float(np.median([rel(*r[0]) for r in per_reset])),
+                'mean': float(np.median([rel(np.mean([s for s, _ in r], axis=0), r[0][1])
+                                         for r in per_reset]))}
 
 
 def pull_bytes(cfg: dict, state: str) -> int:
@@ -225,15 +264,30 @@ def summary_table(data):
     rows = []
     for state in s['states']:
         gp = gaps(data, state)
+        per_lr = [f"{np.mean([x[4] for x in gp if x[0] == lr]):+.1f} / "
+                  f"{np.mean([x[3] for x in gp if x[0] == lr]):+.1f}" for lr in s['lrs']]
         worst = min(gp, key=lambda x: x[3])
         nbytes = data['pull_bytes'][state]
-        rows.append([state, '', f"{np.mean([x[2] for x in gp]):+.1f}",
-                     f"{np.mean([x[3] for x in gp]):+.1f}",
-                     f"{worst[3]:+.1f} (lr {worst[0]:g}, k={worst[1]})",
-                     f"{np.mean([x[4] for x in gp]):+.1f}",
-                     f"{nbytes:,}", f"{nbytes / data['pull_bytes']['estimate']:.1f}"])
-    return _table(['glu_state', '', f"gap@{s['short']}", f"gap@{s['steps']}",
-                   f"worst gap@{s['steps']}", 'curve gap', 'B/pull', 'x'], rows)
+        rows.append([state, ''] + per_lr + [
+            f"{np.mean([x[4] for x in gp]):+.1f} / {np.mean([x[3] for x in gp]):+.1f}",
+            f"{worst[3]:+.1f} (lr {worst[0]:g} k={worst[1]})",
+            f"{nbytes:,}", f"{nbytes / data['pull_bytes']['estimate']:.1f}"])
+    return _table(['glu_state', ''] + [f"lr {lr:g}" for lr in s['lrs']] +
+                  ['all', f"worst @{s['steps']}", 'B/pull', 'x'], rows)
+
+
+def seed_error_table(data):
+    s, g = data['settings'], group(data['results'])
+    rows = []
+    for lr in s['lrs']:
+        for state in s['states']:
+            cells = []
+            for k in s['ks']:
+                errs = [r['seed_error'] for r in g[('ssd', state, lr, k)] if r['seed_error']]
+                cells.append(f"{np.mean([e['worker'] for e in errs]):.2f} / "
+                             f"{np.mean([e['mean'] for e in errs]):.2f}" if errs else '-')
+            rows.append([f"{lr:g}", state] + cells)
+    return _table(['lr', 'glu_state'] + [f"k={k}" for k in s['ks']], rows)
 
 
 def print_report(data):
@@ -243,9 +297,13 @@ def print_report(data):
           f"warm-up {s['warmup']}, {s['seeds']} seeds (mean±std); test accuracy of w_G")
     for step in (s['short'], s['steps']):
         print(f"\nafter {step} steps\n" + accuracy_table(data, step))
-    print("\nper glu_state, points vs ssgd (paired seeds), mean over every lr and k; curve "
-          "gap = mean over the\nevaluations after the warm-up; B/pull = payload of one pull "
-          "reply, x = relative to estimate\n" + summary_table(data))
+    print(f"\nper glu_state, points vs ssgd (paired seeds), mean over k (and seeds): "
+          f"'curve / final' = the gap\naveraged over every evaluation after the warm-up "
+          f"(per-step progress) / the gap after {s['steps']}\nsteps; B/pull = payload of one "
+          f"pull reply (framing excluded), x = relative to estimate\n" + summary_table(data))
+    if s.get('seed_error'):
+        print("\nmedian relative error of the seeded momentum against the server's, "
+              "'worker 0 / mean over workers'\n" + seed_error_table(data))
     cpu = sum(r.get('cpu', 0) for r in data['results'])
     print(f"\n{len(data['results'])} runs: {cpu:.0f} s of CPU in the simulations, "
           f"{data.get('wall', 0) / 60:.1f} min wall")
@@ -280,8 +338,9 @@ def plot(data, path):
             if i == len(s['ks']) - 1:
                 ax.set_xlabel('step', fontsize=9)
     axes[0][0].legend(fontsize=7, loc='lower right')
-    fig.suptitle(f"digits MLP, N={s['workers']}, mean of {s['seeds']} seeds; grey line: end "
-                 f"of warm-up", fontsize=10)
+    fig.suptitle(f"digits {s['act']} MLP, N={s['workers']}, test accuracy of w_G, mean of "
+                 f"{s['seeds']} seeds (below 0.5 cut off); grey line: end of warm-up",
+                 fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -310,6 +369,9 @@ def main(argv=None) -> int:
     p.add_argument('--momentum', type=float, default=0.9)
     p.add_argument('--wd', type=float, default=1e-4)
     p.add_argument('--eval-every', type=int, default=12, help='steps between evaluations')
+    p.add_argument('--seed-error', action='store_true',
+                   help="also measure how far the seeded momenta are from the server's "
+                   "(pulls then carry the state for every variant; accuracy is unchanged)")
     p.add_argument('--jobs', type=int, default=2, help='worker processes')
     p.add_argument('--json', type=Path, help='write settings and every run here')
     p.add_argument('--plot', type=Path, help='write the accuracy curves (PNG) here')
@@ -342,7 +404,7 @@ def measure(args) -> dict:
         raise SystemExit(f"bad settings: states {bad} not in {GLU_STATES}, or not "
                          f"warmup < short <= steps ({s['warmup']}, {s['short']}, {s['steps']})")
     s |= {key: getattr(args, key) for key in ('workers', 'batch', 'hidden', 'act',
-                                              'momentum', 'wd', 'eval_every')}
+                                              'momentum', 'wd', 'eval_every', 'seed_error')}
     plan = [dict(s, algorithm='ssgd', state=None, lr=lr, k=None, seed=seed)
             for lr in s['lrs'] for seed in range(s['seeds'])]
     plan += [dict(s, algorithm='ssd', state=st, lr=lr, k=k, seed=seed)

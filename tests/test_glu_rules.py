@@ -5,7 +5,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from ssdsgd.glu.rules import flatten_state, make_local_rule, period_model
+from ssdsgd.glu.rules import correction_gain, flatten_state, make_local_rule, period_model
 
 N, RESCALE, KEY = 4, 1 / 8, 3
 W0 = np.array([0.5, -1.0, 2.0], dtype=np.float32)
@@ -209,10 +209,11 @@ def test_period_model_rejects_bad_arguments():
         period_model(1.0, 3)
 
 
-def _corrected_period(cls, k, num_workers, wd=0.0, seed=0):
+def _corrected_period(cls, k, num_workers, wd=0.0, seed=0, offset=0.0):
     """One server and num_workers 'corrected' rules over two pull periods of k steps, each
-    worker with its own gradients; every worker starts from the server's true momentum.
-    Returns the server's momentum and each worker's seed at the end of each period."""
+    worker with its own gradients; every worker starts from the server's true momentum
+    (plus `offset`). Returns the server's momentum and each worker's seed at the end of
+    each period."""
     def make():
         return cls(momentum=0.9, learning_rate=0.1, wd=wd, rescale_grad=RESCALE)
     server, w_g = mx.optimizer.get_updater(make()), nd(W0)
@@ -221,7 +222,8 @@ def _corrected_period(cls, k, num_workers, wd=0.0, seed=0):
     w_g[:] = nd(W0)
     rules = [make_local_rule('glu', make, num_workers, 'corrected') for _ in range(num_workers)]
     for rule in rules:   # first reset: one step of "velocity" equal to the true momentum
-        rule.reset(KEY, w_g.copy(), prev_global_weight=w_g - nd(M0), steps_between=1, lr=0.1)
+        rule.reset(KEY, w_g.copy(), prev_global_weight=w_g - nd(M0 + offset), steps_between=1,
+                   lr=0.1)
     local = [w_g.copy() for _ in rules]
     rs = np.random.RandomState(seed)
     out = []
@@ -257,6 +259,20 @@ def test_corrected_seeds_average_to_the_server_momentum(cls, k):
                 np.testing.assert_allclose(seed, true, rtol=1e-4, atol=1e-6)
         else:   # ... while each worker's own seed differs (its own gradients' noise)
             assert not np.allclose(seeds[0], true, rtol=1e-2)
+
+
+def test_corrected_heals_a_wrong_common_seed():
+    """A seed that is wrong for every worker alike (a resumed job seeds zero) shrinks by
+    c - beta*a per period (|.| < 1 for every k: -0.20, -0.33, -0.33, -0.27 at k = 2, 5,
+    10, 20 with sgd momentum 0.9; 0 at k = 1)."""
+    k, offset = 5, np.array([0.05, -0.1, 0.2], dtype=np.float32)
+    a, c, _, _ = period_model(0.9, k)
+    factor = c - correction_gain(0.9, k) * a
+    assert -0.35 < factor < -0.3
+    for p, (true, seeds) in enumerate(_corrected_period(mx.optimizer.SGD, k, 3,
+                                                         offset=offset), 1):
+        np.testing.assert_allclose(np.mean(seeds, axis=0) - true, factor ** p * offset,
+                                   rtol=1e-3, atol=1e-6)
 
 
 def test_corrected_needs_the_local_weights_after_its_first_reset():

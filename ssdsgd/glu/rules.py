@@ -4,6 +4,9 @@ A rule turns the worker's raw gradient into the local step d_i(t) between two re
 It never re-implements an update formula: `glu` runs a local copy of the server's own
 MXNet optimizer (through MXNet's Updater), `sgd` runs MXNet's stateless SGD. What this
 module adds is only the re-seeding at a reset: the lr, the update count and the state.
+The state comes from the server (`exact`) or is estimated at no extra bytes: `estimate`
+(the mean global velocity of the last period) or `corrected` (the worker's own momentum
+corrected by the gap to the pulled weights; docs/glu.md measures the three).
 
 MXNet 1.9.1 state conventions (checked against the ops, see tests/test_glu_rules.py):
 - sgd (momentum > 0): mom <- mu*mom - lr*(g + wd*w); w <- w + mom. So mom is the weight
@@ -68,8 +71,9 @@ def corrected_estimate(global_weight, local_weight, local_momentum, steps, momen
     Each local copy's force is N times its own gradient and the server's is the sum of
     the N gradients, so the workers' momenta and displacements average to the server's:
     the gaps average to zero and the mean seed is the server's momentum, period after
-    period (exactly for wd = 0). The gap only removes part of each worker's own noise.
-    Exact at k = 1 and for identical workers."""
+    period (exactly for wd = 0), and a seed that was wrong for all alike heals by the
+    factor c - beta*a per period. The gap removes part of each worker's own noise. Exact
+    for identical workers, and at k = 1 for sgd (for nag once the previous seed was)."""
     return local_momentum + correction_gain(momentum, steps, nesterov) * (
         global_weight - local_weight)
 

@@ -199,7 +199,7 @@ def main(argv=None):
     ap.add_argument('--workers', type=int, default=4)
     ap.add_argument('--k', default='2,5,10', help='comma-separated delays')
     ap.add_argument('--rules', default='glu,sgd,none', help='comma-separated local rules')
-    ap.add_argument('--glu-states', default='estimate,exact',
+    ap.add_argument('--glu-states', default='estimate,exact,corrected',
                     help='comma-separated glu_state values, one glu row each')
     ap.add_argument('--optimizer', default='sgd', help='any mx.optimizer name')
     ap.add_argument('--lr', type=float, default=0.05)
