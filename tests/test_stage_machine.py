@@ -280,6 +280,23 @@ def test_weights_equal_the_simulation(rule, glu_state, k, n, optimizer):
                                           err_msg=f"worker {i} final weights of key {key}")
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_without_warmup_the_exact_state_is_as_of_the_weights_it_resets_to(n):
+    """A job without warm-up (or a resumed one) fetches the servers' optimizer state for
+    its first reset. Fetched after its own first push, the state could already include
+    step t (that push may complete the step) while the weights are w_G(t - 1)."""
+    steps = 5
+    job = Job(n, algorithm="ssd", warmup_steps=0, delay_steps=2, local_rule="glu",
+              glu_state="exact").run(steps)
+    ref = simulate(_init(), _grad_fn, job.make_optimizer, n, steps, algorithm="ssd",
+                   warmup_steps=0, delay_steps=2, local_rule="glu", glu_state="exact")
+    for i in range(n):
+        for key in SHAPES:
+            np.testing.assert_array_equal(job.weights[i][key].asnumpy(),
+                                          ref.worker_weights[i][key].asnumpy(),
+                                          err_msg=f"worker {i} local weights of key {key}")
+
+
 def test_ssgd_equals_the_simulation():
     job = Job(2, algorithm="ssgd").run(5)
     ref = simulate(_init(), _grad_fn, job.make_optimizer, 2, 5, algorithm="ssgd")

@@ -105,6 +105,7 @@ class StageMachine:
         p = plan(self.t, self.env.algorithm, self.env.warmup_steps, self.env.delay_steps)
         if not p.synchronous:
             self._check_steps_delay(entries)
+            self._fetch_state(entries)
         # A synchronous step waits for every server's reply, and a server replies only
         # after it has received this push: the gradients' own buffers can be sent as they
         # are. A steps-delay step returns while the push may still be on the wire and the
@@ -156,9 +157,6 @@ class StageMachine:
         """Spec steps 3-5 after the push (which carried the pull request of step 5)."""
         if self.pending is not None:
             self._reset_to_pulled()
-        unseeded = [key for key, _, _ in entries if not self.keys[key].seeded]
-        if unseeded and self.rule.needs_state:
-            self._fetch_state([key for key in unseeded if not self.keys[key].state])
         for key, _, outs in entries:
             record = self.keys[key]
             record.outs = outs
@@ -196,15 +194,20 @@ class StageMachine:
                         num_update=record.version)
         record.seeded = True
 
-    def _fetch_state(self, keys):
+    def _fetch_state(self, entries):
         """The servers' optimizer state, lr and update count for keys that enter the
         steps-delay stage without a warm-up pull that carried them (no warm-up, or a
-        resumed job whose servers loaded their state from a checkpoint)."""
-        if not keys:
+        resumed job whose servers loaded their state from a checkpoint). Fetched before
+        this step's push, which may complete step t: the state must be as of the weights
+        of the first reset, w_G(t - 1)."""
+        if not self.rule.needs_state:
             return
-        replies = self.client.pull(keys, latest=True, state=True).wait()
-        for key in keys:
-            self.keys[key].take_state(replies[key])
+        keys = [key for key, _, _ in entries
+                if key in self.keys and not self.keys[key].seeded and not self.keys[key].state]
+        if keys:
+            replies = self.client.pull(keys, latest=True, state=True).wait()
+            for key in keys:
+                self.keys[key].take_state(replies[key])
 
     # ---- outside the step schedule ----------------------------------------------------
     def push(self, entries):
