@@ -40,17 +40,17 @@ def _device_sum(nd_list):
 class KeyRecord:
     """Everything the machine keeps about one key."""
     shape: tuple
-    outs: list = None            # the arrays that hold w_i (set in the steps-delay stage)
+    outs: list | None = None     # the arrays that hold w_i (set in the steps-delay stage)
     seeded: bool = False         # the local rule has been reset from w_G at least once
     # The global weights of the last two resets (estimate mode needs both) and the steps
     # they are as of; with the newest, the server's optimizer state, lr and update count.
-    value: np.ndarray = None
-    pulled_at: int = None
-    prev_value: np.ndarray = None
-    prev_pulled_at: int = None
-    state: list = None
-    lr: float = None
-    version: int = None
+    value: np.ndarray | None = None
+    pulled_at: int | None = None
+    prev_value: np.ndarray | None = None
+    prev_pulled_at: int | None = None
+    state: list | None = None
+    lr: float | None = None
+    version: int | None = None
 
     def remember(self, reply, step):
         """A reply as of ``step`` becomes the newest global weights."""
