@@ -122,10 +122,15 @@ def test_launcher_refuses_lr_local_before_starting(launcher):
 
 def test_launcher_refuses_a_bad_inherited_variable_before_starting(launcher, monkeypatch,
                                                                     tmp_path):
+    """What every process would inherit from the launcher's own environment is checked
+    too (a config-form job overrides the variables the config decides: see job_env)."""
     monkeypatch.setenv("SSDSGD_LR_LOCAL", "1e30")
-    one_line_error(*launcher(["configs/digits.yaml", "--set", f"output.dir={tmp_path}"]),
-                   "SSDSGD_LR_LOCAL='1e30'")
     one_line_error(*launcher(["-n", 1, "--", PY, "-c", "pass"]), "SSDSGD_LR_LOCAL='1e30'")
+    monkeypatch.setenv("SSDSGD_MAX_MESSAGE_BYTES", "0")
+    runs = tmp_path / "runs"
+    one_line_error(*launcher(["configs/digits.yaml", "--set", f"output.dir={runs}"]),
+                   "SSDSGD_MAX_MESSAGE_BYTES='0': expected an integer >= 1")
+    assert not runs.exists() or not any(runs.iterdir()), "a run directory was left behind"
 
 
 # ------------------------------------------------------------ --env SSDSGD_NUM_WORKERS=3 -n 2
