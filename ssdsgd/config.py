@@ -39,7 +39,8 @@ __all__ = [
     "ConfigError", "Config", "ClusterConfig", "SyncConfig", "ModelConfig", "DataConfig",
     "LRScheduleConfig", "OptimizerConfig", "TrainConfig", "OutputConfig",
     "load_config", "parse_config", "save_config", "sync_env", "cluster_env",
-    "job_env", "check_worker_env", "resolve_warmup_steps", "new_run_dir", "MODEL_NAMES", "DATASETS",
+    "job_env", "check_worker_env", "resolve_warmup_steps", "new_run_dir", "MODEL_NAMES",
+    "DATASETS",
 ]
 
 

@@ -137,59 +137,58 @@ class Setting:
         return self.path.split(".")[-1] if self.path else None
 
 
-N, F, S = int, float, str
 SETTINGS = (
     # --- who is who: set by the launcher for every process
-    Setting("role", S, "worker", "this process's part in the job", env="SSDSGD_ROLE",
+    Setting("role", str, "worker", "this process's part in the job", env="SSDSGD_ROLE",
             choices=("scheduler", "server", "worker"), launcher="each process"),
-    Setting("scheduler_host", S, "127.0.0.1", "where the scheduler listens",
+    Setting("scheduler_host", str, "127.0.0.1", "where the scheduler listens",
             env="SSDSGD_SCHEDULER_HOST", launcher="its host"),
-    Setting("scheduler_port", N, REQUIRED, "the scheduler's TCP port",
+    Setting("scheduler_port", int, REQUIRED, "the scheduler's TCP port",
             env="SSDSGD_SCHEDULER_PORT", min=1, max=65535, launcher="--port"),
-    Setting("rank", N, -1, "rank a worker or server asks for (-1: assigned in registration "
+    Setting("rank", int, -1, "rank a worker or server asks for (-1: assigned in registration "
             "order; the local launcher sets it so log prefixes match)", env="SSDSGD_RANK",
             min=-1, launcher="each process"),
-    Setting("node_host", S, "127.0.0.1", "address a server binds and advertises",
+    Setting("node_host", str, "127.0.0.1", "address a server binds and advertises",
             env="SSDSGD_NODE_HOST", launcher="each process"),
     # --- the cluster
-    Setting("num_workers", N, 1, "number of worker processes N", env="SSDSGD_NUM_WORKERS",
+    Setting("num_workers", int, 1, "number of worker processes N", env="SSDSGD_NUM_WORKERS",
             path="cluster.workers", min=1, launcher="-n"),
-    Setting("num_servers", N, 1, "number of server processes S", env="SSDSGD_NUM_SERVERS",
+    Setting("num_servers", int, 1, "number of server processes S", env="SSDSGD_NUM_SERVERS",
             path="cluster.servers", min=1, launcher="-s"),
-    Setting("launcher", S, "local", "how the processes are started",
+    Setting("launcher", str, "local", "how the processes are started",
             path="cluster.launcher", choices=("local",)),
-    Setting("heartbeat_interval", F, 1.0, "seconds between a node's heartbeats",
+    Setting("heartbeat_interval", float, 1.0, "seconds between a node's heartbeats",
             env="SSDSGD_HEARTBEAT_INTERVAL", path="cluster.heartbeat_interval",
             min=0.01, max=3600.0),
-    Setting("heartbeat_timeout", F, 30.0, "seconds without a heartbeat before a node is "
+    Setting("heartbeat_timeout", float, 30.0, "seconds without a heartbeat before a node is "
             "presumed dead (at least twice the interval)", env="SSDSGD_HEARTBEAT_TIMEOUT",
             path="cluster.heartbeat_timeout", min=0.1, max=86400.0),
     # --- the synchronization (docs/spec)
-    Setting("algorithm", S, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync) or asgd (like "
+    Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync) or asgd (like "
             "dist_async)", env="SSDSGD_ALGORITHM", path="sync.algorithm",
             choices=("ssd", "ssgd", "asgd")),
-    Setting("warmup_steps", N, 500, "T_w: synchronous warm-up steps",
+    Setting("warmup_steps", int, 500, "T_w: synchronous warm-up steps",
             env="SSDSGD_WARMUP_STEPS", path="sync.warmup_steps", min=0),
-    Setting("warmup_epochs", F, None, "if set, overrides warmup_steps: round(epochs x steps "
+    Setting("warmup_epochs", float, None, "if set, overrides warmup_steps: round(epochs x steps "
             "per epoch)", path="sync.warmup_epochs", min=0.0, optional=True),
-    Setting("delay_steps", N, 5, "k: pull period in steps", env="SSDSGD_DELAY_STEPS",
+    Setting("delay_steps", int, 5, "k: pull period in steps", env="SSDSGD_DELAY_STEPS",
             path="sync.delay_steps", min=1),
-    Setting("local_rule", S, "glu", "the worker's local update between pulls (docs/glu.md)",
+    Setting("local_rule", str, "glu", "the worker's local update between pulls (docs/glu.md)",
             env="SSDSGD_LOCAL_RULE", path="sync.local_rule", choices=("glu", "sgd", "none")),
-    Setting("glu_state", S, "estimate", "glu's optimizer state at a reset: estimated from "
+    Setting("glu_state", str, "estimate", "glu's optimizer state at a reset: estimated from "
             "the last two pulls (needs sgd/nag with momentum > 0) or the servers' exact "
             "state", env="SSDSGD_GLU_STATE", path="sync.glu_state",
             choices=("estimate", "exact")),
-    Setting("lr_local", F, None, "the local rule's lr; unset: the servers' lr",
+    Setting("lr_local", float, None, "the local rule's lr; unset: the servers' lr",
             env="SSDSGD_LR_LOCAL", path="sync.lr_local", above=0.0, max=10.0, optional=True),
     # --- the transport
-    Setting("bigarray_bound", N, 1_000_000, "arrays with more elements are split over all "
+    Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),
-    Setting("max_message_bytes", N, 1 << 34, "a server rejects messages carrying more "
+    Setting("max_message_bytes", int, 1 << 34, "a server rejects messages carrying more "
             "data bytes", env="SSDSGD_MAX_MESSAGE_BYTES", min=1, max=1 << 62),
-    Setting("chunk_bytes", N, 4 << 20, "a server's part of a step is sent in messages of "
+    Setting("chunk_bytes", int, 4 << 20, "a server's part of a step is sent in messages of "
             "about this size (pipelining)", env="SSDSGD_CHUNK_BYTES", min=1),
-    Setting("start_step", N, 0, "the worker's first global step (a resumed job continues "
+    Setting("start_step", int, 0, "the worker's first global step (a resumed job continues "
             "the stage schedule; the launcher sets it from the checkpoint)",
             env="SSDSGD_START_STEP", min=0),
 )

@@ -31,7 +31,8 @@ def _from_environ(cls, env=None):
 
 
 NodeEnv = dataclasses.make_dataclass(
-    "NodeEnv", [_field(s) for s in BY_ENV.values()], frozen=True, kw_only=True, namespace={"from_environ": classmethod(_from_environ),
-                            "__doc__": "One process's settings, read from SSDSGD_* variables "
-                                       "(ssdsgd.settings has one row per attribute)."})
+    "NodeEnv", [_field(s) for s in BY_ENV.values()], frozen=True, kw_only=True,
+    namespace={"from_environ": classmethod(_from_environ),
+               "__doc__": "One process's settings, read from SSDSGD_* variables "
+                          "(ssdsgd.settings has one row per attribute)."})
 NodeEnv.__module__ = __name__
