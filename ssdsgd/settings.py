@@ -140,16 +140,16 @@ class Setting:
 SETTINGS = (
     # --- who is who: set by the launcher for every process
     Setting("role", str, "worker", "this process's part in the job", env="SSDSGD_ROLE",
-            choices=("scheduler", "server", "worker"), launcher="each process"),
+            choices=("scheduler", "server", "worker"), launcher="for each process"),
     Setting("scheduler_host", str, "127.0.0.1", "where the scheduler listens",
             env="SSDSGD_SCHEDULER_HOST", launcher="its host"),
     Setting("scheduler_port", int, REQUIRED, "the scheduler's TCP port",
             env="SSDSGD_SCHEDULER_PORT", min=1, max=65535, launcher="--port"),
     Setting("rank", int, -1, "rank a worker or server asks for (-1: assigned in registration "
             "order; the local launcher sets it so log prefixes match)", env="SSDSGD_RANK",
-            min=-1, launcher="each process"),
+            min=-1, launcher="for each process"),
     Setting("node_host", str, "127.0.0.1", "address a server binds and advertises",
-            env="SSDSGD_NODE_HOST", launcher="each process"),
+            env="SSDSGD_NODE_HOST", launcher="for each process"),
     # --- the cluster
     Setting("num_workers", int, 1, "number of worker processes N", env="SSDSGD_NUM_WORKERS",
             path="cluster.workers", min=1, launcher="-n"),
