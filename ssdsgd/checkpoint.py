@@ -69,6 +69,16 @@ def checkpoint_info(run_dir) -> dict:
     return info
 
 
+def check_unfinished(run_dir, info: dict, length: RunLength) -> None:
+    """Refuse (DataError) to resume a run whose checkpoint ``info`` has no step left of
+    ``length``: it would train nothing and overwrite the run's summary.json with an
+    empty result. A larger train.epochs or max_steps makes it a run with steps left."""
+    if info["step"] >= length.total_steps or info["next_epoch"] > length.last_epoch:
+        raise DataError(f"{run_dir}: the run is finished ({info['step']} of "
+                        f"{length.total_steps} steps done); nothing to resume (--set "
+                        "train.epochs=N with a larger N continues it)")
+
+
 # ----------------------------------------------------------------------------- saving
 
 def save_states(run_dir: Path, trainer, epoch: int) -> str | None:

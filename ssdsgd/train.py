@@ -34,7 +34,7 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
 
-from ssdsgd.checkpoint import (RunLength, checkpoint_info, load_checkpoint,
+from ssdsgd.checkpoint import (RunLength, check_unfinished, checkpoint_info, load_checkpoint,
                                pull_global, run_length, save_checkpoint, save_states)
 from ssdsgd.config import (Config, ConfigError, cluster_env, load_config, new_run_dir,
                            resolve_warmup_steps, save_config, sync_env)
@@ -232,6 +232,8 @@ def set_up(config: Config, run_dir: Path, resume: bool, closing) -> Run:
                         num_workers, config.cluster.workers)
     dataset = open_dataset(config)
     length = run_length(config, num_workers, dataset.n_train)
+    if info:
+        check_unfinished(run_dir, info, length)
     ctx = contexts(config)
     net, trainer = build_trainer(config, kv, dataset, length, ctx)
     run = Run(config, run_dir, kv, rank, num_workers, dataset, length,

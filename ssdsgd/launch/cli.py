@@ -59,9 +59,9 @@ def _config_parser():
 
 def _prepare(args):
     """Check everything that can be checked before a process starts: the config, the
-    data and, with --resume, a checkpoint to resume from. Returns (config,
+    data and, with --resume, a checkpoint with steps left to run. Returns (config,
     run_dir, length, environment for every process); raises ConfigError/DataError."""
-    from ..checkpoint import checkpoint_info, run_length
+    from ..checkpoint import check_unfinished, checkpoint_info, run_length
     from ..config import cluster_env, load_config, new_run_dir, save_config, sync_env
     from ..data import validate_data
     if args.resume:
@@ -74,6 +74,7 @@ def _prepare(args):
     length = run_length(config)
     env = dict(cluster_env(config), **sync_env(config))
     if args.resume:
+        check_unfinished(run_dir, info, length)   # a finished run keeps its result
         # the stage machine continues the warm-up / steps-delay schedule
         env["SSDSGD_START_STEP"] = str(info["step"])
     else:
