@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from ..settings import SettingError, check_launch_env, to_env
 from .job import run_job
 from .local import LAUNCHERS
 
@@ -41,6 +42,12 @@ def _command_form(argv):
         if not sep or not key:
             p.error(f"--env {item!r}: expected KEY=VALUE")
         extra[key] = value
+    try:    # before anything starts: no --env for what the launcher sets, no bad values
+        check_launch_env(extra, to_env(num_workers=args.num_workers, scheduler_port=args.port
+                                       or None, num_servers=args.num_servers), os.environ)
+    except SettingError as e:
+        print(f"launch/dist.py: error: {e}", file=sys.stderr)
+        return 2
     return run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
                    launcher=args.launcher)
 
@@ -60,10 +67,12 @@ def _config_parser():
 def _prepare(args):
     """Check everything that can be checked before a process starts: the config, the
     data and, with --resume, a checkpoint with steps left to run. Returns (config,
-    run_dir, length, environment for every process); raises ConfigError/DataError."""
+    run_dir, length, environment for every process); raises ConfigError, DataError or
+    SettingError."""
     from ..checkpoint import check_unfinished, checkpoint_info, run_length
-    from ..config import cluster_env, load_config, new_run_dir, save_config, sync_env
+    from ..config import job_env, load_config, new_run_dir, save_config
     from ..data import validate_data
+    info = None
     if args.resume:
         run_dir = args.resume
         config = load_config(os.path.join(run_dir, "config.yaml"), args.overrides)
@@ -72,12 +81,12 @@ def _prepare(args):
         config = load_config(args.config, args.overrides)
     validate_data(config)       # bad data fails here, before any process starts
     length = run_length(config)
-    env = dict(cluster_env(config), **sync_env(config))
-    if args.resume:
+    if info:
         check_unfinished(run_dir, info, length)   # a finished run keeps its result
-        # the stage machine continues the warm-up / steps-delay schedule
-        env["SSDSGD_START_STEP"] = str(info["step"])
-    else:
+    # the stage machine of a resumed run continues the warm-up / steps-delay schedule
+    env = job_env(config, start_step=info["step"] if info else 0)
+    check_launch_env({}, env, os.environ)
+    if not args.resume:
         run_dir = str(new_run_dir(config))
     if not args.resume or args.overrides:   # the workers read the run's config file
         save_config(config, os.path.join(run_dir, "config.yaml"))
@@ -106,7 +115,7 @@ def _config_form(argv):
         p.error("give a CONFIG.yaml (or --resume RUN_DIR)")
     try:
         config, run_dir, length, env = _prepare(args)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, SettingError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),
