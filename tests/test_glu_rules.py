@@ -277,7 +277,8 @@ def test_corrected_heals_a_wrong_common_seed():
 
 def test_corrected_needs_the_local_weights_after_its_first_reset():
     rule = make_local_rule('glu', sgd(momentum=0.9), N, 'corrected')
-    assert not rule.needs_state
+    assert not rule.needs_state and rule.needs_local_weight
+    assert not make_local_rule('glu', sgd(momentum=0.9), N, 'estimate').needs_local_weight
     w = nd(W0)
     rule.reset(KEY, w.copy(), prev_global_weight=w.copy(), steps_between=1, lr=0.1)
     rule.update(KEY, w, nd(G))

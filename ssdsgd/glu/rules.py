@@ -21,9 +21,10 @@ import mxnet as mx
 import numpy as np
 
 from ..kvstore.optimizer_spec import flatten_state  # noqa: F401  (how state travels)
+from ..settings import BY_NAME
 
-RULES = ('glu', 'sgd', 'none')
-GLU_STATES = ('estimate', 'exact', 'corrected')
+RULES = BY_NAME['local_rule'].choices
+GLU_STATES = BY_NAME['glu_state'].choices
 # glu_state values that derive the momentum from weights (no optimizer state on the wire).
 ESTIMATED_STATES = ('estimate', 'corrected')
 
@@ -85,6 +86,11 @@ def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_
         raise ValueError(f"local_rule must be one of {', '.join(RULES)}; got {name!r}")
     if glu_state not in GLU_STATES:
         raise ValueError(f"glu_state must be one of {', '.join(GLU_STATES)}; got {glu_state!r}")
+    if lr_local is not None:    # the bounds the config and the environment reader apply
+        try:
+            BY_NAME['lr_local'].check(lr_local)
+        except ValueError as e:
+            raise ValueError(f"lr_local: {e}, got {lr_local!r}") from None
     if name == 'none':
         return NoneRule()
     if name == 'sgd':
@@ -94,7 +100,8 @@ def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_
 
 class LocalRule:
     """Interface the worker stage machine calls (see make_local_rule)."""
-    needs_state = False
+    needs_state = False          # pulls must carry the server's optimizer state
+    needs_local_weight = False   # reset() needs the worker's weights from before the reset
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
               state=None, lr=None, num_update=None, local_weight=None):
@@ -158,6 +165,7 @@ class GLURule(_UpdaterRule):
         super().__init__(opt, num_workers, lr_local)
         self.glu_state = glu_state
         self.needs_state = glu_state == 'exact'
+        self.needs_local_weight = glu_state == 'corrected'
         self.nesterov = isinstance(opt, mx.optimizer.NAG)
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
