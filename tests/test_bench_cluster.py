@@ -11,6 +11,7 @@
   - namespaces left by a run whose process is gone are removed at start, those of a live
     run are not; a failed build removes what it made.
 """
+import functools
 import json
 import os
 import re
@@ -32,6 +33,7 @@ PY = sys.executable
 TINY_BYTES = 4 * (64 * 32 + 64 + 128 * 64 + 128 + 10 * 128 + 10)   # TINY_SHAPES in bench.cluster
 
 
+@functools.lru_cache(maxsize=None)
 def _netns_reason():
     try:
         netns.check_available()
@@ -42,9 +44,15 @@ def _netns_reason():
     return None
 
 
-_REASON = _netns_reason()
-needs_netns = pytest.mark.skipif(_REASON is not None,
-                                 reason=f'emulated cluster unavailable: {_REASON}')
+@pytest.fixture
+def netns_available():
+    """Skip (with the reason) where the emulated cluster cannot be built. A fixture, not a
+    skipif at import: the probe makes a namespace, which a quick run must not do."""
+    if _netns_reason() is not None:
+        pytest.skip(f'emulated cluster unavailable: {_netns_reason()}')
+
+
+needs_netns = pytest.mark.usefixtures('netns_available')
 
 
 def ours(pid):
@@ -84,6 +92,7 @@ def test_without_root_says_so_and_exits_cleanly(monkeypatch, capsys):
 
 
 # ---- the harness on real namespaces -------------------------------------------------------
+@pytest.mark.system
 @needs_netns
 def test_tiny_benchmark_runs_across_namespaces(tmp_path):
     out, raw = tmp_path / 'out', tmp_path / 'raw'
@@ -129,6 +138,7 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
     assert tta['status'] == 'ok' and tta['curve'] and tta['steps'] > 0
 
 
+@pytest.mark.system
 @needs_netns
 def test_ctrl_c_tears_the_cluster_down(tmp_path):
     cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix', '--workloads', 'emulated:tiny@1gbit',
@@ -164,6 +174,7 @@ def _dead_pid():
     return p.pid
 
 
+@pytest.mark.system
 @needs_netns
 def test_stale_namespaces_are_cleaned_live_ones_kept():
     dead = _dead_pid()
@@ -181,6 +192,7 @@ def test_stale_namespaces_are_cleaned_live_ones_kept():
             subprocess.run(['ip', 'netns', 'del', ns], stderr=subprocess.DEVNULL)
 
 
+@pytest.mark.system
 @needs_netns
 def test_failed_build_removes_what_it_made(monkeypatch):
     calls = []
@@ -198,6 +210,7 @@ def test_failed_build_removes_what_it_made(monkeypatch):
     assert ours(os.getpid()) == []
 
 
+@pytest.mark.system
 @needs_netns
 def test_cluster_shapes_both_directions():
     with netns.Cluster(2) as c:

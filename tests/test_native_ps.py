@@ -23,6 +23,8 @@ if str(REPO) not in sys.path:
 
 from ssdsgd.testing import NativePSError, free_port, run_native  # noqa: E402
 
+pytestmark = pytest.mark.system
+
 TRAIN = REPO / 'tests' / 'scripts' / 'train_small.py'
 DIST = REPO / 'launch' / 'dist.py'
 STEPS = 20
