@@ -11,6 +11,7 @@
   - namespaces left by a run whose process is gone are removed at start, those of a live
     run are not; a failed build removes what it made.
 """
+import contextlib
 import functools
 import json
 import os
@@ -53,6 +54,20 @@ def netns_available():
 
 
 needs_netns = pytest.mark.usefixtures('netns_available')
+
+
+@contextlib.contextmanager
+def bench_process(cmd):
+    """``cmd`` (a ``python -m bench.cluster``) with its output merged; killed if still
+    running when the block ends."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def ours(pid):
@@ -101,14 +116,8 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
            '--systems', 'native-sync,ssgd,ssd-k2', '--steps', '3', '--warmup', '1',
            '--tta-systems', 'ssgd', '--tta-epochs', '1', '--tta-rate', '1gbit',
            '--out', str(out), '--raw', str(raw)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
+    with bench_process(cmd) as proc:
         text, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, text[-3000:]
     # namespaces made (scheduler + server + 2 workers) and all removed again
     m = re.search(r'made (\d+) hosts \(198\.18\.0\.10\.\.198\.18\.0\.(\d+)\)', text)
@@ -144,13 +153,13 @@ def test_ctrl_c_tears_the_cluster_down(tmp_path):
     cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix', '--workloads', 'emulated:tiny@1gbit',
            '--workers', '2', '--systems', 'native-sync', '--steps', '100000', '--no-write',
            '--raw', str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
+    with bench_process(cmd) as proc:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            # wait until the job's workers run inside the namespaces
-            if any(netns.namespace_pids(ns) for ns in ours(proc.pid) if not ns.endswith('-sw')):
+            # wait until the job's workers run inside the namespaces (the start-up probe's
+            # namespace, with a `tc` inside for a moment, is not one of them)
+            if any(netns.namespace_pids(ns) for ns in ours(proc.pid)
+                   if not ns.endswith(('-sw', '-probe'))):
                 break
             time.sleep(0.2)
         else:
@@ -159,10 +168,6 @@ def test_ctrl_c_tears_the_cluster_down(tmp_path):
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         text, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 130, text[-3000:]
     assert 'interrupted' in text and 'cluster removed' in text
     assert ours(proc.pid) == []
