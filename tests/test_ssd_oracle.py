@@ -131,6 +131,7 @@ def test_warmup_covering_the_whole_run_equals_ssgd_exactly(tmp_path):
             np.testing.assert_array_equal(ssd[r][name], ssgd[r][name])
 
 
+@pytest.mark.system
 def test_without_warmup_exact_glu_state_equals_the_simulation(tmp_path):
     # the first reset's optimizer state must be as of the weights it resets to, not one
     # step later (one worker completes each step with its own push)
