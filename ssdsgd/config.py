@@ -61,8 +61,10 @@ def _f(default=dataclasses.MISSING, *, min=None, max=None, min_excl=None, requir
 class ClusterConfig:
     workers: int = _f(1, min=1, doc="number of worker processes N")
     servers: int = _f(1, min=1, doc="number of server processes S")
-    launcher: Literal["local"] = _f("local", doc="how processes are started")
-    hosts: list[str] = _f(factory=list, doc="hosts for remote launchers (unused by local)")
+    launcher: Literal["local", "ssh", "mpi", "slurm"] = _f(
+        "local", doc="how processes are started (docs/launch.md)")
+    hosts: list[str] = _f(factory=list, doc="hosts for ssh/mpi as host[:slots] (unused by "
+                          "local)")
     heartbeat_timeout: float = _f(30.0, min_excl=0.0, doc="seconds without a heartbeat "
                                   "before a node is declared dead")
 

@@ -15,7 +15,8 @@ import sys
 import time
 
 from .job import run_job
-from .local import LAUNCHERS
+from .launchers import make_launcher
+from .remote import LaunchError, add_arguments, options_from
 
 
 def _command_form(argv):
@@ -26,10 +27,10 @@ def _command_form(argv):
     p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--num-workers", type=int, required=True)
     p.add_argument("-s", "--num-servers", type=int, default=1)
-    p.add_argument("--launcher", default="local", choices=sorted(LAUNCHERS))
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process, e.g. SSDSGD_ALGORITHM=ssgd")
+    add_arguments(p)
     args = p.parse_args(opts)
     if not cmd:
         p.error("no command after --")
@@ -41,8 +42,13 @@ def _command_form(argv):
         if not sep or not key:
             p.error(f"--env {item!r}: expected KEY=VALUE")
         extra[key] = value
+    try:
+        runner = make_launcher(options_from(args, extra), args.num_workers, args.num_servers)
+    except LaunchError as e:
+        print(f"launch/dist.py: error: {e}", file=sys.stderr)
+        return 2
     return run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
-                   launcher=args.launcher)
+                   launcher=runner)
 
 
 def _config_form(argv):
@@ -57,6 +63,7 @@ def _config_form(argv):
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last "
                    "checkpoint (--set overrides are written to RUN_DIR/config.yaml)")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
+    add_arguments(p, default_launcher=None)
     args = p.parse_args(argv)
     if not args.config and not args.resume:
         p.error("give a CONFIG.yaml (or --resume RUN_DIR)")
@@ -68,15 +75,20 @@ def _config_form(argv):
         else:
             config = load_config(args.config, args.overrides)
         validate_data(config)       # bad data fails here, before any process starts
+        args.launcher = args.launcher or config.cluster.launcher
+        runner = make_launcher(options_from(args), config.cluster.workers,
+                               config.cluster.servers, config.cluster.hosts)
         if not args.resume:
             run_dir = str(new_run_dir(config))
+        if args.launcher != "local":        # the same path on every host
+            run_dir = os.path.abspath(run_dir)
         if not args.resume or args.overrides:   # the workers read the run's config file
             save_config(config, os.path.join(run_dir, "config.yaml"))
         env = dict(cluster_env(config))
         env.update(sync_env(config))
         if args.resume:     # the stage machine continues the warm-up / steps-delay schedule
             env["SSDSGD_START_STEP"] = str(resume_step)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),
@@ -88,7 +100,7 @@ def _config_form(argv):
     print(f"[launcher] run directory: {run_dir}", flush=True)
     t0 = time.monotonic()
     code = run_job(config.cluster.workers, config.cluster.servers, cmd, env,
-                   port=args.port or None, launcher=config.cluster.launcher, progress=progress,
+                   port=args.port or None, launcher=runner, progress=progress,
                    stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr))
     if code == 0:
         from ..report import ReportError, finished_run
