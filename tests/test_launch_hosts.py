@@ -164,3 +164,13 @@ def test_the_remote_exit_code_of_a_signal_is_the_signal():
     assert RemoteProcess("worker", 0, P(128 + signal.SIGKILL)).poll() == -signal.SIGKILL
     assert RemoteProcess("worker", 0, P(2)).poll() == 2
     assert RemoteProcess("worker", 0, P(255)).poll() == 255
+
+
+def test_slurm_tasks_per_node_and_no_allocation():
+    from ssdsgd.launch.slurm import allocation_hosts, expand_counts
+    assert expand_counts("2(x3),1") == [2, 2, 2, 1]
+    assert expand_counts("4") == [4] and expand_counts("") == []
+    with pytest.raises(remote.LaunchError, match=r"SLURM_TASKS_PER_NODE='2\(3\)': expected"):
+        expand_counts("2(3)")
+    with pytest.raises(remote.LaunchError, match="--launcher slurm runs inside an allocation"):
+        allocation_hosts({})

@@ -1,15 +1,17 @@
-"""``launch/dist.py --launcher ssh`` on three emulated hosts (network namespaces, each with
-a real sshd): the digits job with 1 server and 2 workers, one process per host.
+"""``launch/dist.py --launcher ssh`` and ``--launcher mpi`` on three emulated hosts (network
+namespaces, each with a real sshd; mpirun reaches them with the same ssh): the digits job
+with 1 server and 2 workers, the scheduler on the launcher's host (host 0).
 
 * ssgd: the final weights equal those of the same job run by the local launcher;
 * ssd: the job finishes with its accuracy, the remote lines prefixed with role, rank, host;
 * faults: a remote worker killed, the launcher SIGKILLed, a host unreachable before start,
-  an address the others cannot reach, a data path missing on one host: each ends as
+  addresses the others cannot reach, a data path missing on one host: each ends as
   docs/launch.md says, and no process of the job is left in any namespace.
 """
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -25,6 +27,9 @@ pytestmark = pytest.mark.system
 REASON = unavailable()
 if REASON:
     pytest.skip(f"emulated hosts unavailable: {REASON}", allow_module_level=True)
+needs_mpirun = pytest.mark.skipif(not shutil.which("mpirun"),
+                                  reason="mpirun is not installed (Debian: openmpi-bin)")
+LAUNCHERS = ["ssh", pytest.param("mpi", marks=needs_mpirun)]
 
 EPOCHS = 2
 SSGD = dict(sync__algorithm="ssgd", train__epochs=EPOCHS, train__checkpoint_every=1)
@@ -47,20 +52,29 @@ def hosts(tmp_path_factory):
         h.close()
 
 
+@pytest.fixture(scope="module")
+def local_ssgd(tmp_path_factory):
+    """The reference: the same ssgd job run by the local launcher."""
+    root = tmp_path_factory.mktemp("local")
+    p = dist(["configs/digits.yaml", *sets(**SSGD, output__dir=root)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run_dir_of(root)
+
+
 def launcher_env(h):
     return dict(clean_env(), SSDSGD_SSH_COMMAND=h.ssh_command, PYTHONPATH=str(ROOT))
 
 
-def start(h, args, log):
+def start(h, args, log, env=None):
     """``launch/dist.py ARGS`` on host 0 (the launcher's host), output to ``log``."""
-    return h.popen(0, [PY, "launch/dist.py", *map(str, args)], cwd=ROOT, env=launcher_env(h),
-                   stdout=log, stderr=subprocess.STDOUT)
+    return h.popen(0, [PY, "launch/dist.py", *map(str, args)], cwd=ROOT,
+                   env=env or launcher_env(h), stdout=log, stderr=subprocess.STDOUT)
 
 
-def run(h, args, tmp_path, timeout=240):
+def run(h, args, tmp_path, timeout=240, env=None):
     log = tmp_path / "launcher.log"
     with open(log, "w") as f:
-        p = start(h, args, f)
+        p = start(h, args, f, env)
         try:
             p.wait(timeout=timeout)
         finally:
@@ -70,9 +84,9 @@ def run(h, args, tmp_path, timeout=240):
     return p.returncode, log.read_text()
 
 
-def ssh_job(h, job, tmp_path, *more):
-    return ["configs/digits.yaml", *sets(**job, output__dir=tmp_path / "runs"),
-            "--launcher", "ssh", "-H", h.file, *more]
+def job(h, sync, tmp_path, *more, launcher="ssh", hostfile=None):
+    return ["configs/digits.yaml", *sets(**sync, output__dir=tmp_path / "runs"),
+            "--launcher", launcher, "-H", hostfile or h.file, *more]
 
 
 def assert_nothing_left(h):
@@ -101,28 +115,27 @@ def remote_pid(h, host, what):
 
 
 # ---- the job across hosts -------------------------------------------------------------
-def test_ssgd_over_ssh_equals_the_local_job(hosts, tmp_path):
-    local = dist(["configs/digits.yaml", *sets(**SSGD, output__dir=tmp_path / "local")])
-    assert local.returncode == 0, local.stderr[-3000:]
-    code, out = run(hosts, ssh_job(hosts, SSGD, tmp_path), tmp_path)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_ssgd_across_hosts_equals_the_local_job(hosts, local_ssgd, tmp_path, launcher):
+    code, out = run(hosts, job(hosts, SSGD, tmp_path, launcher=launcher), tmp_path)
     assert code == 0, out[-4000:]
     assert "Traceback" not in out
-    a, b = run_dir_of(tmp_path / "local"), run_dir_of(tmp_path / "runs")
+    b = run_dir_of(tmp_path / "runs")
     last = f"epoch-{EPOCHS - 1:04d}.params"
-    pa, pb = params(a / "checkpoints" / last), params(b / "checkpoints" / last)
+    pa, pb = params(local_ssgd / "checkpoints" / last), params(b / "checkpoints" / last)
     assert pa.keys() == pb.keys() and len(pa) == 6
     for key in pa:
         np.testing.assert_allclose(pb[key], pa[key], rtol=0, atol=1e-6, err_msg=key)
     # the placement was printed first: scheduler here, server and workers round-robin
     x, y, z = hosts.addresses
-    assert f"[launcher]   {x} (the launcher's host): scheduler" in out
-    assert [f"[launcher]   {x}: server 0", f"[launcher]   {y}: worker 0",
-            f"[launcher]   {z}: worker 1"] == re.findall(r"\[launcher\]   \S+: \w+ \d", out)
+    assert re.findall(r"^\[launcher\]   (\S+): (.*)$", out, re.M) == [
+        (x, "scheduler, server 0"), (y, "worker 0"), (z, "worker 1")], out[:2000]
     assert out.index("placement") < out.index("[worker 0 on")
 
 
-def test_ssd_over_ssh_finishes_with_its_accuracy(hosts, tmp_path):
-    code, out = run(hosts, ssh_job(hosts, SSD, tmp_path), tmp_path)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_ssd_across_hosts_finishes_with_its_accuracy(hosts, tmp_path, launcher):
+    code, out = run(hosts, job(hosts, SSD, tmp_path, launcher=launcher), tmp_path)
     assert code == 0, out[-4000:]
     run_dir = run_dir_of(tmp_path / "runs")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -131,7 +144,8 @@ def test_ssd_over_ssh_finishes_with_its_accuracy(hosts, tmp_path):
     x, y, z = hosts.addresses
     for prefix in (f"[scheduler on {x}] ", f"[worker 0 on {y}] ", f"[worker 1 on {z}] "):
         assert any(line.startswith(prefix) for line in out.splitlines()), prefix
-    assert f"[worker 0 on {y}] " in out and "Epoch[1] Validation accuracy" in out
+    assert re.search(rf"^\[worker 0 on {re.escape(y)}\] .*Epoch\[2\] Validation accuracy",
+                     out, re.M)
     # the same progress line and final lines as a local job
     assert re.search(r"^progress: step 66/66 \(100%\)", out, re.M)
     tail = out.strip().splitlines()[-3:]
@@ -144,10 +158,11 @@ def test_ssd_over_ssh_finishes_with_its_accuracy(hosts, tmp_path):
 LONG = dict(sync__algorithm="ssgd", train__epochs=1000)
 
 
-def test_a_killed_remote_worker_ends_the_job_everywhere(hosts, tmp_path):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_killed_remote_worker_ends_the_job_everywhere(hosts, tmp_path, launcher):
     log = tmp_path / "launcher.log"
     with open(log, "w") as f:
-        p = start(hosts, ssh_job(hosts, LONG, tmp_path), f)
+        p = start(hosts, job(hosts, LONG, tmp_path, launcher=launcher), f)
     try:
         wait_for(log, "job started", p)
         os.kill(remote_pid(hosts, 2, "ssdsgd.train"), signal.SIGKILL)
@@ -164,10 +179,11 @@ def test_a_killed_remote_worker_ends_the_job_everywhere(hosts, tmp_path):
     assert_nothing_left(hosts)
 
 
-def test_sigkill_of_the_launcher_leaves_nothing_on_any_host(hosts, tmp_path):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_sigkill_of_the_launcher_leaves_nothing_on_any_host(hosts, tmp_path, launcher):
     log = tmp_path / "launcher.log"
     with open(log, "w") as f:
-        p = start(hosts, ssh_job(hosts, LONG, tmp_path), f)
+        p = start(hosts, job(hosts, LONG, tmp_path, launcher=launcher), f)
     try:
         wait_for(log, "job started", p)
         assert set(hosts.job_pids()) == set(hosts.names)    # a process on every host
@@ -187,7 +203,7 @@ def test_an_unreachable_host_fails_before_anything_starts(hosts, tmp_path):
     hosts.run(2, ["ip", "link", "set", dev, "down"], check=True)
     try:
         t0 = time.monotonic()
-        code, out = run(hosts, ssh_job(hosts, SSGD, tmp_path, "--start-timeout", "5"),
+        code, out = run(hosts, job(hosts, SSGD, tmp_path, "--start-timeout", "5"),
                         tmp_path, timeout=60)
         took = time.monotonic() - t0
     finally:
@@ -202,7 +218,7 @@ def test_an_unreachable_host_fails_before_anything_starts(hosts, tmp_path):
 
 
 def test_a_loopback_scheduler_address_is_refused_before_start(hosts, tmp_path):
-    code, out = run(hosts, ssh_job(hosts, SSGD, tmp_path, "--interface", "lo"), tmp_path,
+    code, out = run(hosts, job(hosts, SSGD, tmp_path, "--interface", "lo"), tmp_path,
                     timeout=120)
     x, y, z = hosts.addresses
     assert code == 2, out[-3000:]
@@ -222,7 +238,7 @@ def test_a_scheduler_address_the_hosts_cannot_reach_fails_within_the_start_timeo
     hosts.run(0, ["sysctl", "-qw", "net.ipv4.conf.all.arp_ignore=1"], check=True)
     try:
         t0 = time.monotonic()
-        code, out = run(hosts, ssh_job(hosts, SSGD, tmp_path, "--scheduler-host", hidden,
+        code, out = run(hosts, job(hosts, SSGD, tmp_path, "--scheduler-host", hidden,
                                        "--start-timeout", "4"), tmp_path, timeout=120)
         took = time.monotonic() - t0
     finally:
@@ -246,20 +262,12 @@ def test_a_server_address_the_others_cannot_reach_ends_the_job(hosts, tmp_path):
     hidden = "198.18.2.11"
     order = hosts.hostfile([y, z, x], "reordered.txt")
     hosts.run(1, ["ip", "addr", "add", f"{hidden}/32", "dev", "lo"], check=True)
-    log = tmp_path / "launcher.log"
     try:
-        with open(log, "w") as f:
-            p = hosts.popen(0, [PY, "launch/dist.py", *ssh_job(hosts, SSGD, tmp_path)[:-2],
-                                "-H", str(order)], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                            env=dict(launcher_env(hosts), SSDSGD_NODE_HOST=hidden))
-        p.wait(timeout=180)
+        code, out = run(hosts, job(hosts, SSGD, tmp_path, hostfile=order), tmp_path,
+                        timeout=180, env=dict(launcher_env(hosts), SSDSGD_NODE_HOST=hidden))
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
         hosts.run(1, ["ip", "addr", "del", f"{hidden}/32", "dev", "lo"])
-    out = log.read_text()
-    assert p.returncode == 1, out[-3000:]
+    assert code == 1, out[-3000:]
     assert f"[launcher]   {y}: server 0" in out
     assert re.search(rf"aborting the job: server 0 \(pid \d+ on \S+\) advertised "
                      rf"{re.escape(hidden)}:\d+, which the scheduler cannot reach", out), out[-3000:]
@@ -267,7 +275,7 @@ def test_a_server_address_the_others_cannot_reach_ends_the_job(hosts, tmp_path):
 
 
 def test_a_data_path_missing_on_one_host_is_one_line_naming_it(hosts, tmp_path):
-    code, out = run(hosts, ssh_job(hosts, SSGD, tmp_path, "--set", f"data.path={hosts.data}"),
+    code, out = run(hosts, job(hosts, SSGD, tmp_path, "--set", f"data.path={hosts.data}"),
                     tmp_path, timeout=120)
     assert code == 1, out[-3000:]
     z = hosts.addresses[2]

@@ -150,6 +150,13 @@ class SchedulerSite:
                               " cannot reach; choose --interface or --scheduler-host")
 
 
+    def slot_name(self, hosts):
+        """The scheduler's host in the placement: a listed host when it is this one."""
+        if not self.local:
+            return self.host
+        return next((h.name for h in hosts if addresses.is_local(h.name)), H.LAUNCHER_HOST)
+
+
 def entry_path(relative):
     """Where the hosts find rank_entry.py: relative to the working directory when the
     code is copied there (--sync-dir), else this file's absolute path (shared or

@@ -65,7 +65,7 @@ class SSHLauncher:
         self.hosts = hosts
         self.site = SchedulerSite(hosts, opts)
         self.plan = {(s.role, s.rank): s for s in
-                     H.place(hosts, num_workers, num_servers, self.site.host)}
+                     H.place(hosts, num_workers, num_servers, self.site.slot_name(hosts))}
         self.scheduler_host = self.site.address
         self.workdir = opts.sync_dir or opts.workdir or os.getcwd()
         self.python = opts.python or sys.executable
@@ -87,7 +87,7 @@ class SSHLauncher:
     def _remote_hosts(self):
         seen = {}
         for s in self.plan.values():
-            if s.host != H.LAUNCHER_HOST:
+            if not self._here(s):
                 seen[(s.host, s.port)] = s
         return list(seen)
 
@@ -142,8 +142,8 @@ class SSHLauncher:
             log(f"copying {os.getcwd()} to {self.opts.sync_dir} on {len(remote)} hosts")
             self._parallel(self._rsync, remote)
             self._parallel(self._check_host_after_sync, remote)
-        log(f"scheduler at {self.scheduler_host}; placement (scheduler, then servers and "
-            "workers round-robin over the hosts' slots):")
+        log(f"scheduler at {self.scheduler_host}; placement (the scheduler on the launcher's "
+            "host, servers then workers round-robin over the hosts' slots):")
         for line in H.describe(self.plan.values(), self.scheduler_host):
             log(f"  {line}")
 
@@ -160,7 +160,7 @@ class SSHLauncher:
 
     def start(self, role, rank, cmd, env):
         slot = self.plan[(role, rank)]
-        if slot.host == H.LAUNCHER_HOST:       # the scheduler, here
+        if self._here(slot):                    # the scheduler, a child of the launcher
             env = dict(env, SSDSGD_NODE_HOST=self.scheduler_host)
             return LocalProcess(role, rank, start_child(cmd, env), self.scheduler_host)
         spec = {"procs": [[role, rank, replace_python(cmd, self.opts.python), slot.host]],
@@ -174,6 +174,9 @@ class SSHLauncher:
         popen.stdin.write((json.dumps(spec) + "\n").encode())
         popen.stdin.flush()
         return RemoteProcess(role, rank, popen, slot.host)
+
+    def _here(self, slot):
+        return slot.role == "scheduler" and self.site.local
 
     def remote_command(self):
         wd, py = shlex.quote(self.workdir), shlex.quote(self.python)
