@@ -159,6 +159,13 @@ class EmulatedHosts:
         self.cluster.close()
 
 
+def copy_repo(dest):
+    """A copy of this repository's files (not .git, runs, caches) at ``dest``."""
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "*.egg-info"))
+    return Path(dest)
+
+
 def _cmdline(pid):
     try:
         return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") \

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from emulated_hosts import EmulatedHosts, unavailable
+from emulated_hosts import EmulatedHosts, copy_repo, unavailable
 from test_e2e_configs import PY, ROOT, clean_env, dist, run_dir_of, sets
 from test_resume import params
 
@@ -33,8 +33,6 @@ LAUNCHERS = ["ssh", pytest.param("mpi", marks=needs_mpirun)]
 
 EPOCHS = 2
 SSGD = dict(sync__algorithm="ssgd", train__epochs=EPOCHS, train__checkpoint_every=1)
-SSD = dict(sync__algorithm="ssd", sync__warmup_steps=22, sync__delay_steps=5,
-           train__epochs=3)          # 0.925 when run locally
 LEFT_S = 30           # no process of the job may be left on any host after this
 
 
@@ -117,9 +115,15 @@ def remote_pid(h, host, what):
 # ---- the job across hosts -------------------------------------------------------------
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_ssgd_across_hosts_equals_the_local_job(hosts, local_ssgd, tmp_path, launcher):
-    code, out = run(hosts, job(hosts, SSGD, tmp_path, launcher=launcher), tmp_path)
+    """(ssh with --sync-dir: the code is rsynced to a directory of its own and run there.)"""
+    sync = ["--sync-dir", tmp_path / "synced"] if launcher == "ssh" else []
+    code, out = run(hosts, job(hosts, SSGD, tmp_path, *sync, launcher=launcher), tmp_path)
     assert code == 0, out[-4000:]
     assert "Traceback" not in out
+    if sync:    # the hosts ran `cd synced && python ssdsgd/launch/rank_entry.py`: relative
+        assert f"copying {ROOT} to {tmp_path / 'synced'} on 3 hosts" in out
+        assert (tmp_path / "synced" / "ssdsgd" / "launch" / "rank_entry.py").exists()
+        assert not (tmp_path / "synced" / "runs").exists()
     b = run_dir_of(tmp_path / "runs")
     last = f"epoch-{EPOCHS - 1:04d}.params"
     pa, pb = params(local_ssgd / "checkpoints" / last), params(b / "checkpoints" / last)
@@ -133,21 +137,46 @@ def test_ssgd_across_hosts_equals_the_local_job(hosts, local_ssgd, tmp_path, lau
     assert out.index("placement") < out.index("[worker 0 on")
 
 
+def readme_blocks():
+    """The code blocks of the README's "Several machines" section."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Several machines\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```\n(.*?)^```$", section, re.S | re.M)
+
+
+def readme_script(launcher):
+    ssh, mpi = readme_blocks()[:2]
+    if launcher == "ssh":
+        return ssh
+    return ssh[:ssh.index("python launch/dist.py")] + mpi     # after writing hosts.txt
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_ssd_across_hosts_finishes_with_its_accuracy(hosts, tmp_path, launcher):
-    code, out = run(hosts, job(hosts, SSD, tmp_path, launcher=launcher), tmp_path)
-    assert code == 0, out[-4000:]
-    run_dir = run_dir_of(tmp_path / "runs")
+def test_readme_commands_as_written(hosts, tmp_path, launcher):
+    """The README's commands pasted into a shell on host 0, in a copy of the repository:
+    the demo job (ssd) finishes with its accuracy across the three hosts."""
+    repo = copy_repo(tmp_path / "repo")
+    env = {k: v for k, v in launcher_env(hosts).items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{os.path.dirname(PY)}:{env.get('PATH', '/usr/bin:/bin')}"
+    r = hosts.run(0, ["bash", "-e", "-c", readme_script(launcher)], cwd=repo, env=env,
+                  timeout=400, capture_output=False, stdout=subprocess.PIPE,
+                  stderr=subprocess.STDOUT)
+    out = r.stdout
+    assert r.returncode == 0, out[-4000:]
+    assert "Traceback" not in out
+    run_dir = run_dir_of(repo / "runs")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["algorithm"] == "ssd" and summary["workers_reporting"] == 2
-    assert summary["final_accuracy"] > 0.85 and summary["steps"] == 66
+    assert summary["final_accuracy"] > 0.9 and summary["steps"] == 440
     x, y, z = hosts.addresses
+    assert re.findall(r"^\[launcher\]   (\S+): (.*)$", out, re.M) == [
+        (x, "scheduler, server 0"), (y, "worker 0"), (z, "worker 1")], out[:2000]
     for prefix in (f"[scheduler on {x}] ", f"[worker 0 on {y}] ", f"[worker 1 on {z}] "):
         assert any(line.startswith(prefix) for line in out.splitlines()), prefix
-    assert re.search(rf"^\[worker 0 on {re.escape(y)}\] .*Epoch\[2\] Validation accuracy",
+    assert re.search(rf"^\[worker 0 on {re.escape(y)}\] .*Epoch\[19\] Validation accuracy",
                      out, re.M)
     # the same progress line and final lines as a local job
-    assert re.search(r"^progress: step 66/66 \(100%\)", out, re.M)
+    assert re.search(r"^progress: step 440/440 \(100%\)", out, re.M)
     tail = out.strip().splitlines()[-3:]
     assert tail[0].startswith(f"[launcher] test accuracy {summary['final_accuracy']:.4f}")
     assert tail[2] == f"[launcher] plot: {run_dir / 'plots' / 'accuracy_vs_epoch.png'}"
@@ -179,19 +208,24 @@ def test_a_killed_remote_worker_ends_the_job_everywhere(hosts, tmp_path, launche
     assert_nothing_left(hosts)
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_sigkill_of_the_launcher_leaves_nothing_on_any_host(hosts, tmp_path, launcher):
+@pytest.mark.parametrize("launcher, sig", [
+    ("ssh", signal.SIGKILL), ("ssh", signal.SIGTERM),
+    pytest.param("mpi", signal.SIGKILL, marks=needs_mpirun)])
+def test_a_killed_launcher_leaves_nothing_on_any_host(hosts, tmp_path, launcher, sig):
     log = tmp_path / "launcher.log"
     with open(log, "w") as f:
         p = start(hosts, job(hosts, LONG, tmp_path, launcher=launcher), f)
     try:
         wait_for(log, "job started", p)
         assert set(hosts.job_pids()) == set(hosts.names)    # a process on every host
-        p.kill()
-        p.wait(timeout=10)
+        p.send_signal(sig)
+        p.wait(timeout=LEFT_S)
         t0 = time.monotonic()
         assert_nothing_left(hosts)
         assert time.monotonic() - t0 < LEFT_S
+        if sig == signal.SIGTERM:
+            assert p.returncode == 143
+            assert "[launcher] SIGTERM: stopping every process" in log.read_text()
     finally:
         if p.poll() is None:
             p.kill()
