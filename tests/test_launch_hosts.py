@@ -174,3 +174,18 @@ def test_slurm_tasks_per_node_and_no_allocation():
         expand_counts("2(3)")
     with pytest.raises(remote.LaunchError, match="--launcher slurm runs inside an allocation"):
         allocation_hosts({})
+
+
+def test_where_the_hosts_come_from():
+    from ssdsgd.launch.launchers import make_launcher
+    assert remote.host_list(remote.Options(), "a:2,b") == [Host("a", 2), Host("b")]
+    assert remote.host_list(remote.Options(hosts="c:3"), "a:2") == [Host("c", 3)]
+    assert remote.host_list(remote.Options()) is None
+    with pytest.raises(remote.LaunchError, match="either -H/--hostfile or --hosts, not both"):
+        remote.host_list(remote.Options(hostfile="f", hosts="a"))
+    with pytest.raises(remote.LaunchError, match="^cluster.hosts: hosts need --launcher ssh"):
+        make_launcher(remote.Options(), 2, 1, "a:2,b")
+    with pytest.raises(remote.LaunchError, match="^--launcher ssh needs hosts"):
+        make_launcher(remote.Options(launcher="ssh"), 2, 1)
+    with pytest.raises(remote.LaunchError, match=r"^cluster.hosts: slots of b must be"):
+        make_launcher(remote.Options(launcher="ssh"), 2, 1, "a,b:0")

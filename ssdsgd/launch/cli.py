@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from ..settings import SettingError, check_launch_env, to_env
 from .job import run_job
 from .launchers import make_launcher
 from .remote import LaunchError, add_arguments, options_from
@@ -42,9 +43,11 @@ def _command_form(argv):
         if not sep or not key:
             p.error(f"--env {item!r}: expected KEY=VALUE")
         extra[key] = value
-    try:
+    try:    # before anything starts: no --env for what the launcher sets, no bad values
+        check_launch_env(extra, to_env(num_workers=args.num_workers, scheduler_port=args.port
+                                       or None, num_servers=args.num_servers), os.environ)
         runner = make_launcher(options_from(args, extra), args.num_workers, args.num_servers)
-    except LaunchError as e:
+    except (SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
     return run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
@@ -52,7 +55,7 @@ def _command_form(argv):
 
 
 def _config_form(argv):
-    from ..config import ConfigError, cluster_env, load_config, new_run_dir, save_config, sync_env
+    from ..config import ConfigError, job_env, load_config, new_run_dir, save_config
     from ..data import DataError, validate_data
     from ..train import checkpoint_info, total_steps
     p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
@@ -75,6 +78,9 @@ def _config_form(argv):
         else:
             config = load_config(args.config, args.overrides)
         validate_data(config)       # bad data fails here, before any process starts
+        # the stage machine of a resumed run continues the warm-up / steps-delay schedule
+        env = job_env(config, start_step=resume_step if args.resume else 0)
+        check_launch_env({}, env, os.environ)
         args.launcher = args.launcher or config.cluster.launcher
         runner = make_launcher(options_from(args), config.cluster.workers,
                                config.cluster.servers, config.cluster.hosts)
@@ -84,11 +90,7 @@ def _config_form(argv):
             run_dir = os.path.abspath(run_dir)
         if not args.resume or args.overrides:   # the workers read the run's config file
             save_config(config, os.path.join(run_dir, "config.yaml"))
-        env = dict(cluster_env(config))
-        env.update(sync_env(config))
-        if args.resume:     # the stage machine continues the warm-up / steps-delay schedule
-            env["SSDSGD_START_STEP"] = str(resume_step)
-    except (ConfigError, DataError, LaunchError) as e:
+    except (ConfigError, DataError, SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),

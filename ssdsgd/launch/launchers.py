@@ -23,8 +23,9 @@ def make_launcher(opts, num_workers, num_servers, config_hosts=(), log=_log):
     except H.HostError as e:
         raise LaunchError(str(e)) from None
     if name == "local":
-        if opts.hostfile or opts.hosts:
-            raise LaunchError("-H/--hostfile and --hosts need --launcher ssh or mpi")
+        if hosts:
+            given = "-H/--hostfile, --hosts" if opts.hostfile or opts.hosts else "cluster.hosts"
+            raise LaunchError(f"{given}: hosts need --launcher ssh or mpi")
         return LocalLauncher()
     if name == "ssh":
         from .ssh import SSHLauncher

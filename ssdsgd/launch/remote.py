@@ -92,7 +92,7 @@ def host_list(opts, config_hosts=()):
     if opts.hosts:
         return H.parse_hosts(opts.hosts)
     if config_hosts:
-        return H.parse_hosts(list(config_hosts), "cluster.hosts")
+        return H.parse_hosts(config_hosts, "cluster.hosts")
     return None
 
 
