@@ -1,4 +1,5 @@
 """Host lists, placement and the other pure parts of the multi-host launchers, in process."""
+import os
 import signal
 import sys
 
@@ -189,3 +190,25 @@ def test_where_the_hosts_come_from():
         make_launcher(remote.Options(launcher="ssh"), 2, 1)
     with pytest.raises(remote.LaunchError, match=r"^cluster.hosts: slots of b must be"):
         make_launcher(remote.Options(launcher="ssh"), 2, 1, "a,b:0")
+
+
+@pytest.mark.system
+def test_a_secret_file_reaches_the_process_as_a_0600_file_of_its_host(tmp_path):
+    """rank_entry writes the spec's secret files again (mode 0600), gives the process
+    their path, and removes them when it ends."""
+    check = ("import os, stat, sys; p = os.environ['SSDSGD_SECRET_FILE']; "
+             "print(p); assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, oct(os.stat(p).st_mode); "
+             "assert open(p).read() == 'the keys'; assert p not in ' '.join(sys.argv)")
+    out = tmp_path / "out"
+    spec = {"procs": [["scheduler", 0, ["sh", "-c", f"{sys.executable} -c \"{check}\" > {out}"]]],
+            "env": {"SSDSGD_SCHEDULER_HOST": "127.0.0.1"}, "files": {"SSDSGD_SECRET_FILE":
+                                                                    "the keys"}}
+    with pytest.raises(remote.LaunchError, match=r"SSDSGD_SECRET_FILE=.*/k: cannot read it"):
+        remote.split_secrets({"SSDSGD_SECRET_FILE": str(tmp_path / "k")})
+    (tmp_path / "k").write_text("the keys")
+    assert remote.split_secrets({"SSDSGD_SECRET_FILE": str(tmp_path / "k"), "A": "1"}) == (
+        {"A": "1"}, {"SSDSGD_SECRET_FILE": "the keys"})
+    assert rank_entry.run(spec, 0, None) == 0
+    path = out.read_text().strip()
+    assert path.startswith(("/dev/shm/ssdsgd-secret-", "/tmp/ssdsgd-secret-"))
+    assert not os.path.exists(path)

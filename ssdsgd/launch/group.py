@@ -26,7 +26,7 @@ from . import hosts as H
 from .addresses import is_local
 from .local import die_with_parent
 from .rank_entry import TAG
-from .remote import SchedulerSite, forwarded, replace_python
+from .remote import SchedulerSite, forwarded, replace_python, split_secrets
 
 
 ABORT_WAIT = 5.0     # seconds the group command gets to end the job after a rank failed
@@ -88,6 +88,7 @@ class GroupProcess:
 class GroupLauncher:
     """Subclasses give ``name``, ``rank_var``, ``hosts_of()`` and ``command(K)``."""
     rank_var = None
+    secure_default = True       # see launchers.make_launcher (SECURE-BY-DEFAULT)
 
     def __init__(self, hosts, num_workers, num_servers, opts):
         self.hosts = hosts
@@ -145,14 +146,16 @@ class GroupLauncher:
         self.procs.append(proc)
         self.table.append([role, rank, replace_python(cmd, self.opts.python), slot.host])
         if self.env is None:
-            self.env = {k: v for k, v in forwarded(env, self.opts.env_keys).items()
-                        if k not in ("SSDSGD_ROLE", "SSDSGD_RANK")}
+            self.env, self.files = split_secrets(
+                {k: v for k, v in forwarded(env, self.opts.env_keys).items()
+                 if k not in ("SSDSGD_ROLE", "SSDSGD_RANK")})
         if index + 1 == self.total:
             self._launch()
         return proc
 
     def _launch(self):
-        spec = {"procs": self.table, "env": self.env, "tag": True, "cwd": self.workdir,
+        spec = {"procs": self.table, "env": self.env, "files": self.files, "tag": True,
+                "cwd": self.workdir,
                 "connect_timeout": self.opts.start_timeout,
                 "lifeline": list(self.listener.getsockname()[:2])}
         cmd = self.command(self.total) + [self.python, self.entry(), "--rank-from",

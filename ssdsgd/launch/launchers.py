@@ -39,4 +39,10 @@ def make_launcher(opts, num_workers, num_servers, config_hosts=(), log=_log):
     else:
         raise LaunchError(f"unknown launcher {name!r}; available: {', '.join(NAMES)}")
     runner.prepare(log)
+    # SECURE-BY-DEFAULT (issue 9; to wire when the hardening's CURVE is on main): a job
+    # whose runner has ``secure_default`` (ssh, mpi, slurm) runs with CURVE unless
+    # --insecure: the caller makes the job's keys (kvstore/security.py, a 0600 file) and
+    # puts the file's path in SSDSGD_SECRET_FILE of the job's environment; the remote
+    # launchers already carry that file's text to every host and write it there 0600
+    # (remote.split_secrets, rank_entry.write_secrets), never on a command line.
     return runner

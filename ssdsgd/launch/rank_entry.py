@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -241,6 +242,20 @@ def _background(target, *args):
     return t
 
 
+def write_secrets(files, env):
+    """Each secret file of the spec written here, mode 0600 (mkstemp), its path in
+    ``env``; returns the paths, removed when the process ends."""
+    paths = []
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else None     # not on a disk if we can
+    for var, text in files.items():
+        fd, path = tempfile.mkstemp(prefix="ssdsgd-secret-", dir=where)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        env[var] = path
+        paths.append(path)
+    return paths
+
+
 def prepare(spec, role, cmd):
     """The child's environment, after the checks (EntryError when one fails)."""
     env = dict(os.environ)
@@ -262,11 +277,13 @@ def prepare(spec, role, cmd):
 def run(spec, index, stdin):
     index, role, rank, cmd = choose(spec, index)
     out = Output(index, bool(spec.get("tag")))
+    secrets = []
     try:
         if spec.get("cwd"):
             os.chdir(spec["cwd"])
         env = prepare(spec, role, cmd)
         env.update(SSDSGD_ROLE=role, SSDSGD_RANK=str(rank))
+        secrets = write_secrets(spec.get("files") or {}, env)      # removed at the end
         lifeline = (socket.create_connection(tuple(spec["lifeline"]), timeout=10)
                     if spec.get("lifeline") else None)
         child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -274,9 +291,25 @@ def run(spec, index, stdin):
                                  stderr=subprocess.PIPE if out.tag else None,
                                  preexec_fn=die_with_parent())
     except (EntryError, OSError, ValueError, KeyError) as e:
+        _remove(secrets)
         out.line("e", f"ssdsgd: {role} {rank}: {e}")
         out.end(CHECK_FAILED)
         return CHECK_FAILED
+    try:
+        return _supervise(child, out, stdin, lifeline)
+    finally:
+        _remove(secrets)
+
+
+def _remove(paths):
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _supervise(child, out, stdin, lifeline):
     sup = Supervisor(child)
     pumps = [_background(_pump, child.stdout, "o", out),
              _background(_pump, child.stderr, "e", out)] if out.tag else []

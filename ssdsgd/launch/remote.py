@@ -18,6 +18,7 @@ from . import addresses, hosts as H
 FORWARD_PREFIXES = ("SSDSGD_", "MXNET_", "OMP_", "KMP_", "PYTHON")
 FORWARD_NAMES = ("LD_LIBRARY_PATH",)
 DEFAULT_START_TIMEOUT = 30.0
+SECRET_FILE_VARS = ("SSDSGD_SECRET_FILE",)   # the job's keys (0600 file; kvstore/security)
 
 
 class LaunchError(RuntimeError):
@@ -106,6 +107,22 @@ def forwarded(env, extra_keys=()):
                 or os.environ.get(k) != v):
             out[k] = v
     return out
+
+
+def split_secrets(env):
+    """(env without SECRET_FILE_VARS, {variable: the file's text}): a secret file of the
+    launcher's host travels inside the job's spec (ssh: stdin, never a command line) and
+    is written again, mode 0600, on each host by rank_entry.py."""
+    env, files = dict(env), {}
+    for var in SECRET_FILE_VARS:
+        path = env.pop(var, None)
+        if path:
+            try:
+                with open(path) as f:
+                    files[var] = f.read()
+            except OSError as e:
+                raise LaunchError(f"{var}={path}: cannot read it ({e.strerror})") from None
+    return env, files
 
 
 def replace_python(cmd, python):

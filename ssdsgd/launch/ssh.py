@@ -22,7 +22,8 @@ import threading
 
 from . import hosts as H
 from .local import LocalProcess, die_with_parent, start_child
-from .remote import LaunchError, SchedulerSite, entry_path, forwarded, quote, replace_python
+from .remote import (LaunchError, SchedulerSite, entry_path, forwarded, quote, replace_python,
+                     split_secrets)
 
 SSH_OPTIONS = ["-T", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
                "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
@@ -56,6 +57,7 @@ class RemoteProcess(LocalProcess):
 
 class SSHLauncher:
     name = "ssh"
+    secure_default = True       # see launchers.make_launcher (SECURE-BY-DEFAULT)
 
     def __init__(self, hosts, num_workers, num_servers, opts):
         if not hosts:
@@ -163,9 +165,9 @@ class SSHLauncher:
         if self._here(slot):                    # the scheduler, a child of the launcher
             env = dict(env, SSDSGD_NODE_HOST=self.scheduler_host)
             return LocalProcess(role, rank, start_child(cmd, env), self.scheduler_host)
+        env, files = split_secrets(forwarded(env, self.opts.env_keys))
         spec = {"procs": [[role, rank, replace_python(cmd, self.opts.python), slot.host]],
-                "index": 0,
-                "env": forwarded(env, self.opts.env_keys),
+                "index": 0, "env": env, "files": files,
                 "connect_timeout": self.opts.start_timeout}
         popen = subprocess.Popen(self.ssh_args(slot.host, slot.port) + [self.remote_command()],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
