@@ -80,7 +80,7 @@ def read_spec(args, stdin):
             raise EntryError("SSDSGD_LAUNCH_SPEC is not set (start this through "
                              "launch/dist.py --launcher mpi|slurm)")
         return json.loads(text), int(raw_index)
-    raise EntryError("usage: python -m ssdsgd.launch.rank_entry --stdin | --rank-from VAR")
+    raise EntryError("usage: rank_entry.py --stdin | --rank-from VAR")
 
 
 def choose(spec, index):
