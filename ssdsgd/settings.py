@@ -155,8 +155,15 @@ SETTINGS = (
             path="cluster.workers", min=1, launcher="-n"),
     Setting("num_servers", int, 1, "number of server processes S", env="SSDSGD_NUM_SERVERS",
             path="cluster.servers", min=1, launcher="-s"),
-    Setting("launcher", str, "local", "how the processes are started",
-            path="cluster.launcher", choices=("local",)),
+    Setting("launcher", str, "local", "how the processes are started (docs/launch.md); "
+            "launch/dist.py --launcher overrides it", path="cluster.launcher",
+            choices=("local", "ssh", "mpi", "slurm")),
+    Setting("hosts", str, None, "hosts of the ssh and mpi launchers, Horovod's host[:slots] "
+            "list, e.g. node1:2,node2:2 (or -H/--hostfile, --hosts)", path="cluster.hosts",
+            optional=True),
+    Setting("interface", str, None, "network interface whose address each process "
+            "advertises (multi-host launchers); unset: the route to the scheduler",
+            env="SSDSGD_INTERFACE", optional=True, launcher="--interface"),
     Setting("heartbeat_interval", float, 1.0, "seconds between a node's heartbeats",
             env="SSDSGD_HEARTBEAT_INTERVAL", path="cluster.heartbeat_interval",
             min=0.01, max=3600.0),
