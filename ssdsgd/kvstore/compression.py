@@ -1,0 +1,241 @@
+"""Compressed pushes with error feedback (docs/spec/compression.md).
+
+A worker keeps a residual per key: what compression has not sent yet. Each push adds the
+fresh gradient to it, sends a coarse version of the sum and keeps the rest for the next
+push. Servers decode every worker's push and sum the decoded values in rank order. Pulls
+are never compressed. Everything here is vectorized numpy on flat float32 arrays.
+
+``2bit`` is MXNet 1.9.1's scheme, bit for bit (src/kvstore/gradient_compression-inl.h):
+    residual += grad
+    residual >= t  -> send +t, residual -= t   (code 0b11)
+    residual <= -t -> send -t, residual += t   (code 0b10)
+    otherwise      -> send 0                   (code 0b00)
+Four codes per byte, the first element in the two most significant bits; 16 elements per
+32-bit word, the last word zero-padded: ``4 * ceil(n / 16)`` bytes for n elements. Like
+``dist_sync``, every key is compressed whatever its size. MXNet's worker reads the
+threshold with dmlc's float parser (``mxnet_stof``); its servers receive it printed with
+six decimals (``std::to_string``) and decode with that value (``server_threshold``).
+tests/test_compression.py checks all of this against MXNet's own code.
+"""
+import dataclasses
+import difflib
+import fractions
+import math
+
+import numpy as np
+
+TYPES = ("2bit",)
+DEFAULT_THRESHOLD = 0.5          # MXNet's GradientCompressionParam default
+_PACK = np.uint32(0x40100401)    # moves codes at bits 0, 8, 16, 24 to 30, 28, 26, 24
+
+
+class CompressionError(ValueError):
+    """Compression parameters or data that cannot be used; the message says why."""
+
+
+def mxnet_stof(text):
+    """A float parameter as MXNet 1.9.1 reads it: dmlc-core's ``dmlc::stof``
+    (include/dmlc/strtonum.h, ParseFloat<float, true>), replayed in float32 arithmetic.
+    It is not correctly rounded (about one value in ten lands one ulp off), and a job
+    moved from dist_sync must quantize with the same threshold. Raises ValueError."""
+    f32, s, p = np.float32, str(text), 0
+    while p < len(s) and s[p] in " \t\n\v\f\r":
+        p += 1
+    start, negative = p, s[p:p + 1] == "-"
+    p += s[p:p + 1] in "+-" and 1
+    predec = 0
+    while p < len(s) and s[p].isdigit() and s[p].isascii():
+        predec = (predec * 10 + int(s[p])) % 2 ** 64
+        p += 1
+    digits = p > start + (s[start:start + 1] in "+-")
+    value = f32(np.uint64(predec))
+    if s[p:p + 1] == ".":
+        p += 1
+        val2 = pow10 = cnt = 0
+        pow10 = 1
+        while p < len(s) and s[p].isdigit() and s[p].isascii():
+            if cnt < 19:
+                val2, pow10 = val2 * 10 + int(s[p]), pow10 * 10
+            p, cnt, digits = p + 1, cnt + 1, True
+        value = f32(value + f32(np.float64(np.uint64(val2)) / np.float64(np.uint64(pow10))))
+    if not digits:
+        raise ValueError(f"{text!r} is not a number")
+    if s[p:p + 1] in ("e", "E"):
+        p += 1
+        frac = s[p:p + 1] == "-"
+        p += s[p:p + 1] in "+-" and 1
+        expon = 0
+        while p < len(s) and s[p].isdigit() and s[p].isascii():
+            expon, p = (expon * 10 + int(s[p])) % 2 ** 32, p + 1
+        if expon > 38 or (expon == 38 and ((not frac and value > f32(3.402823466))
+                                           or (frac and value < f32(1.175494351)))):
+            raise ValueError(f"{text!r} is out of the float32 range")
+        scale = f32(1)
+        while expon >= 8:
+            scale, expon = f32(scale * f32(1e8)), expon - 8
+        while expon > 0:
+            scale, expon = f32(scale * f32(10)), expon - 1
+        value = f32(value / scale) if frac else f32(value * scale)
+    p += s[p:p + 1] in ("f", "F") and 1
+    if p < len(s):
+        raise ValueError(f"{text!r}: trailing characters {s[p:]!r}")
+    return -value if negative else value
+
+
+def strtof(text):
+    """Correctly rounded decimal -> float32 (C's strtof; what std::stof does)."""
+    exact = fractions.Fraction(text)
+    near = np.float32(float(exact))      # within one ulp: float() rounds once to double
+    best = min((near, np.nextafter(near, np.float32(-np.inf)),
+                np.nextafter(near, np.float32(np.inf))),
+               key=lambda c: (abs(fractions.Fraction(float(c)) - exact),
+                              int(np.float32(c).view(np.uint32)) & 1))
+    return np.float32(best)
+
+
+def _threshold(value):
+    """``threshold`` as MXNet's worker gets it: str(value) through dmlc::stof."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, np.floating)):
+        raise CompressionError(f"threshold must be a number, got {value!r}")
+    try:
+        parsed = mxnet_stof(value)
+    except ValueError as e:
+        raise CompressionError(f"threshold must be a number: {e}") from None
+    if not math.isfinite(parsed):
+        raise CompressionError(f"threshold={value!r} is not a finite float32")
+    return parsed
+
+
+@dataclasses.dataclass(frozen=True)
+class Compression:
+    """One job's compression settings; build with ``from_params``."""
+    type: str
+    threshold: float    # float32 value the worker quantizes with (2bit)
+
+    @classmethod
+    def from_params(cls, params):
+        """Validate ``kv.set_gradient_compression``'s dict; None or {} -> None (off)."""
+        if params is None or params == {}:
+            return None
+        if not isinstance(params, dict):
+            raise CompressionError(f"compression params must be a dict like "
+                                   f"{{'type': '2bit', 'threshold': 0.5}}, got {params!r}")
+        unknown = sorted(set(params) - {"type", "threshold"})
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], ["type", "threshold"], n=1)
+            raise CompressionError(f"unknown compression parameter {unknown[0]!r}"
+                                   + (f"; did you mean {hint[0]!r}?" if hint else
+                                      "; expected 'type' and 'threshold'"))
+        kind = params.get("type")
+        if kind not in TYPES:
+            raise CompressionError(f"compression type must be one of {', '.join(TYPES)}; "
+                                   f"got {kind!r}")
+        threshold = _threshold(params.get("threshold", DEFAULT_THRESHOLD))
+        if not threshold > 0:
+            raise CompressionError(f"threshold must be > 0 for 2bit compression, got "
+                                   f"{params.get('threshold')!r}")
+        spec = cls(kind, float(threshold))
+        if not spec.server_threshold > 0:
+            raise CompressionError(f"threshold {params['threshold']!r} is below 5e-7: "
+                                   f"MXNet's servers round it to 6 decimals, i.e. to 0")
+        return spec
+
+    def params(self):
+        """The dict form (what ``from_params`` accepts back; scalars only, for the wire)."""
+        return {"type": self.type, "threshold": self.threshold}
+
+    @property
+    def server_threshold(self):
+        """The value servers decode +-t with: MXNet sends it as std::to_string(float)."""
+        return float(strtof("%f" % self.threshold))
+
+    def packed_nbytes(self, count):
+        """Bytes a push of ``count`` elements takes on the wire."""
+        return 4 * (-(-count // 16))
+
+
+# ---- 2bit --------------------------------------------------------------------------------
+
+def quantize_2bit(grad, residual, threshold):
+    """residual += grad; return the packed codes (uint8, 4 * ceil(n/16) bytes) and leave
+    in ``residual`` what was not sent. Both arrays flat float32; residual is updated."""
+    n = residual.size
+    t = np.float32(threshold)
+    np.add(residual, grad, out=residual)
+    codes = np.zeros(-(-n // 16) * 16, np.uint8)
+    pos = codes[:n].view(bool)
+    np.greater_equal(residual, t, out=pos)
+    neg = np.less_equal(residual, -t)
+    # residual -= (+t, -t or 0): r - (-t) is exactly MXNet's r -= neg_threshold.
+    sent = np.subtract(pos.view(np.int8), neg.view(np.int8)).astype(np.float32)
+    sent *= t
+    residual -= sent
+    codes[:n] *= np.uint8(3)                  # 0b11 for +t
+    codes[:n] += neg.view(np.uint8) << np.uint8(1)   # 0b10 for -t
+    # 4 codes (one per byte of a little-endian uint32) -> one byte, first code on top.
+    words = codes.view("<u4")
+    return ((words * _PACK) >> np.uint32(24)).astype(np.uint8)
+
+
+def _lut_2bit(threshold):
+    """byte -> its 4 decoded float32 values, as one complex128 per byte (fast gather)."""
+    t = np.float32(threshold)
+    value = np.array([0, 0, -t, t], np.float32)
+    byte = np.arange(256)
+    table = np.stack([value[(byte >> s) & 3] for s in (6, 4, 2, 0)], axis=1)
+    return np.ascontiguousarray(table, np.float32).view(np.complex128).reshape(256)
+
+
+_LUTS = {}
+
+
+def dequantize_2bit(packed, count, threshold):
+    """Decode ``count`` float32 values (+t, -t or 0) from MXNet's packed 2bit codes."""
+    packed = np.asarray(packed)
+    if packed.dtype != np.uint8 or packed.ndim != 1:
+        raise CompressionError(f"2bit data must be flat bytes, got {packed.dtype}{packed.shape}")
+    if packed.size != 4 * (-(-count // 16)):
+        raise CompressionError(f"2bit data for {count} elements is {4 * (-(-count // 16))} "
+                               f"bytes, got {packed.size}")
+    lut = _LUTS.get(threshold)
+    if lut is None:
+        lut = _LUTS[threshold] = _lut_2bit(threshold)
+    return lut[packed].view(np.float32)[:count]
+
+
+# ---- per-scheme dispatch -----------------------------------------------------------------
+
+def decode(spec, packed, count):
+    """What a server adds up for one push: ``count`` float32 values."""
+    return dequantize_2bit(packed, count, spec.server_threshold)
+
+
+class Residuals:
+    """A worker's error-feedback memory: one float32 residual per key, whole-key sized."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self._residual = {}
+
+    def encode(self, key, grad, slices=None):
+        """Compress ``grad`` (flat float32, the whole key) for its server slices
+        [(offset, count), ...] (default: one slice, the whole key); one uint8 payload
+        per slice. The result equals compressing the whole key at once."""
+        grad = np.asarray(grad)
+        if grad.dtype != np.float32:
+            raise CompressionError(f"key {key}: gradient compression needs float32 "
+                                   f"gradients (as in MXNet), got {grad.dtype}")
+        grad = grad.reshape(-1)
+        residual = self._residual.get(key)
+        if residual is None:
+            residual = self._residual[key] = np.zeros(grad.size, np.float32)
+        elif residual.size != grad.size:
+            raise CompressionError(f"key {key}: gradient of {grad.size} elements, earlier "
+                                   f"pushes had {residual.size}")
+        slices = slices or [(0, grad.size)]
+        return [quantize_2bit(grad[o:o + n], residual[o:o + n], self.spec.threshold)
+                for o, n in slices]
+
+    def residual(self, key):
+        """The key's residual (a view; None before its first push)."""
+        return self._residual.get(key)
