@@ -153,6 +153,14 @@ class Compression:
         """Bytes a push of ``count`` elements takes on the wire."""
         return 4 * (-(-count // 16))
 
+    def residuals(self):
+        """A worker's error-feedback state for this scheme."""
+        return Residuals(self)
+
+    def decode(self, payload, count):
+        """What a server adds up for one push: ``count`` float32 values."""
+        return decode(self, payload, count)
+
 
 # ---- 2bit --------------------------------------------------------------------------------
 
