@@ -13,6 +13,7 @@ the local rule still gets the worker's own uncompressed gradient.
 trains a small MLP on scikit-learn's digits and prints test accuracy per (rule, k).
 """
 import argparse
+import json
 import time
 from dataclasses import dataclass, replace
 
@@ -238,6 +239,8 @@ def main(argv=None):
     ap.add_argument('--batch', type=int, default=16, help='per-worker batch size')
     ap.add_argument('--hidden', type=int, default=64)
     ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--compression', type=json.loads, default=None,
+                    help='push compression for every row, e.g. \'{"type": "2bit", "threshold": 0.5}\'')
     args = ap.parse_args(argv)
     init, grad_fn, accuracy = _experiment(args)
 
@@ -249,14 +252,15 @@ def main(argv=None):
 
     def run(**kw):
         res = simulate(init, grad_fn, make_optimizer, args.workers, args.steps,
-                       warmup_steps=args.warmup, **kw)
+                       warmup_steps=args.warmup, compression=args.compression, **kw)
         return accuracy(res.global_weights)
 
     start = time.time()
     ks = [int(k) for k in args.k.split(',')]
     print(f"digits MLP, N={args.workers}, {args.optimizer} lr={args.lr} "
           f"momentum={args.momentum} wd={args.wd}, batch {args.batch}/worker, "
-          f"{args.steps} steps, warm-up {args.warmup}; test accuracy of w_G")
+          f"{args.steps} steps, warm-up {args.warmup}, compression {args.compression}; "
+          f"test accuracy of w_G")
     rows = [(rule, state) for rule in args.rules.split(',')
             for state in (args.glu_states.split(',') if rule == 'glu' else ['estimate'])]
     print(f"{'rule':<14}" + ''.join(f"{'k=' + str(k):>8}" for k in ks))

@@ -27,6 +27,7 @@ import numpy as np
 TYPES = ("2bit",)
 DEFAULT_THRESHOLD = 0.5          # MXNet's GradientCompressionParam default
 _PACK = np.uint32(0x40100401)    # moves codes at bits 0, 8, 16, 24 to 30, 28, 26, 24
+CHUNK = 1 << 16                  # elements per vectorized pass (a multiple of 16)
 
 
 class CompressionError(ValueError):
@@ -168,7 +169,17 @@ def quantize_2bit(grad, residual, threshold):
     """residual += grad; return the packed codes (uint8, 4 * ceil(n/16) bytes) and leave
     in ``residual`` what was not sent. Both arrays flat float32; residual is updated."""
     n = residual.size
+    out = np.empty(4 * (-(-n // 16)), np.uint8)
     t = np.float32(threshold)
+    for start in range(0, n, CHUNK):     # passes over cache-sized pieces, not elements
+        stop = min(n, start + CHUNK)
+        out[start // 4:4 * (-(-stop // 16))] = _quantize_chunk(
+            grad[start:stop], residual[start:stop], t)
+    return out
+
+
+def _quantize_chunk(grad, residual, t):
+    n = residual.size
     np.add(residual, grad, out=residual)
     codes = np.zeros(-(-n // 16) * 16, np.uint8)
     pos = codes[:n].view(bool)
@@ -178,8 +189,8 @@ def quantize_2bit(grad, residual, threshold):
     sent = np.subtract(pos.view(np.int8), neg.view(np.int8)).astype(np.float32)
     sent *= t
     residual -= sent
-    codes[:n] *= np.uint8(3)                  # 0b11 for +t
-    codes[:n] += neg.view(np.uint8) << np.uint8(1)   # 0b10 for -t
+    codes[:n] *= np.uint8(3)                        # 0b11 for +t
+    codes[:n] += neg.view(np.uint8) << np.uint8(1)  # 0b10 for -t
     # 4 codes (one per byte of a little-endian uint32) -> one byte, first code on top.
     words = codes.view("<u4")
     return ((words * _PACK) >> np.uint32(24)).astype(np.uint8)
@@ -208,7 +219,11 @@ def dequantize_2bit(packed, count, threshold):
     lut = _LUTS.get(threshold)
     if lut is None:
         lut = _LUTS[threshold] = _lut_2bit(threshold)
-    return lut[packed].view(np.float32)[:count]
+    out = np.empty(count, np.float32)
+    for start in range(0, count, CHUNK):
+        stop = min(count, start + CHUNK)
+        out[start:stop] = lut[packed[start // 4:-(-stop // 4)]].view(np.float32)[:stop - start]
+    return out
 
 
 # ---- per-scheme dispatch -----------------------------------------------------------------
