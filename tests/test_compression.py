@@ -11,7 +11,7 @@ import pytest
 
 from ssdsgd.kvstore.compression import (Compression, CompressionError, Residuals,
                                         decode, dequantize_2bit, mxnet_stof,
-                                        quantize_2bit, strtof)
+                                        payload_nbytes, quantize_2bit, strtof)
 from ssdsgd.testing import mxnet_compression
 
 needs_symbols = pytest.mark.skipif(not mxnet_compression.available(),
@@ -48,7 +48,7 @@ def test_quantize_equals_mxnet_bit_for_bit_over_steps(size, threshold):
         ref_packed, theirs = ref.quantize(g, theirs)
         np.testing.assert_array_equal(packed, ref_packed, err_msg=f"step {step}")
         np.testing.assert_array_equal(bits(ours), bits(theirs), err_msg=f"step {step}")
-        assert packed.size == spec.packed_nbytes(size) == 4 * -(-size // 16)
+        assert packed.size == payload_nbytes(spec, size) == 4 * -(-size // 16)
 
 
 @needs_symbols
@@ -167,6 +167,11 @@ def test_residual_keeps_what_was_not_sent():
     ({"type": "2bit", "threshold": "0.5x"}, "trailing"),
     ({"type": "2bit", "threshold": 1e-7}, "round it to 6 decimals"),
     ({"type": "2bit", "threshhold": 0.1}, "did you mean 'threshold'"),
+    ({"type": "2bit", "ratio": 0.1}, "2bit takes type, threshold"),
+    ({"type": "topk", "threshold": 0.1}, "topk takes type, ratio"),
+    ({"type": "topk", "ratio": 0}, r"in \(0, 1\]"),
+    ({"type": "topk", "ratio": 1.5}, r"in \(0, 1\]"),
+    ({"type": "topk", "ratio": "nan"}, "not finite"),
     (["2bit"], "must be a dict"),
 ])
 def test_bad_params_name_the_cause(params, match):
@@ -180,6 +185,8 @@ def test_params_defaults_and_round_trip():
     assert spec.threshold == 0.5                       # MXNet's default
     assert Compression.from_params({"type": "2bit", "threshold": "0.25"}).threshold == 0.25
     assert Compression.from_params(spec.params()) == spec
+    topk = Compression.from_params({"type": "topk"})
+    assert topk.ratio == 0.1 and Compression.from_params(topk.params()) == topk
 
 
 def test_bad_data_is_refused():
@@ -192,3 +199,65 @@ def test_bad_data_is_refused():
         res.encode(0, np.zeros(5, np.float32))
     with pytest.raises(CompressionError, match="is 4 bytes, got 8"):
         decode(spec, np.zeros(8, np.uint8), 16)
+
+
+# --- topk ------------------------------------------------------------------------------
+
+TOPK = Compression.from_params({"type": "topk", "ratio": 0.1})
+
+
+def test_topk_sends_the_largest_and_keeps_the_rest():
+    rs = np.random.RandomState(0)
+    res = TOPK.residuals()
+    before = np.zeros(1000, np.float32)
+    for step in range(3):
+        g = rs.randn(1000).astype(np.float32)
+        p = before + g
+        (payload,) = res.encode(0, g)
+        sent = decode(TOPK, payload, 1000)
+        chosen = sent != 0
+        assert chosen.sum() == 100                       # exact top-k below SAMPLE elements
+        assert np.abs(p[chosen]).min() >= np.abs(p[~chosen]).max()
+        np.testing.assert_array_equal(sent[chosen], p[chosen])
+        np.testing.assert_array_equal(res.residual(0), np.where(chosen, 0, p))
+        assert payload.nbytes == 8 * 100
+        before = res.residual(0).copy()
+
+
+def test_topk_of_a_big_key_samples_its_threshold():
+    n = 40 * (1 << 16) + 5
+    g = np.random.RandomState(1).randn(n).astype(np.float32)
+    (payload,) = TOPK.residuals().encode(0, g)
+    assert 0.09 * n < payload.nbytes / 8 < 0.11 * n
+
+
+def test_topk_slices_equal_the_whole_key():
+    whole, sliced = TOPK.residuals(), TOPK.residuals()
+    size, slices = 3001, [(0, 1000), (1000, 1001), (2001, 1000)]
+    for g in grads(size, 1.0, steps=3):
+        g = np.nan_to_num(g, nan=0.0, posinf=5.0, neginf=-5.0)
+        (payload,) = whole.encode(3, g)
+        parts = sliced.encode(3, g, slices)
+        got = np.concatenate([decode(TOPK, p, n) for p, (_, n) in zip(parts, slices)])
+        np.testing.assert_array_equal(bits(got), bits(decode(TOPK, payload, size)))
+        np.testing.assert_array_equal(bits(whole.residual(3)), bits(sliced.residual(3)))
+
+
+def test_topk_of_zeros_sends_nothing():
+    (payload,) = TOPK.residuals().encode(0, np.zeros(50, np.float32))
+    assert payload.size == 0
+    assert not decode(TOPK, payload, 50).any()
+
+
+@pytest.mark.parametrize("index,values,count,match", [
+    ([0, 1, 2], [], 10, "multiple of 8"),
+    ([3, 1], [1.0, 2.0], 10, "increase strictly"),
+    ([1, 1], [1.0, 2.0], 10, "increase strictly"),
+    ([0, 10], [1.0, 2.0], 10, "< 10"),
+    ([0, 1, 2], [1.0, 2.0, 3.0], 2, "carries 3 entries"),
+])
+def test_bad_topk_data_is_refused(index, values, count, match):
+    payload = np.concatenate([np.array(index, "<u4").view(np.uint8),
+                              np.array(values, "<f4").view(np.uint8)])
+    with pytest.raises(CompressionError, match=match):
+        decode(TOPK, payload, count)

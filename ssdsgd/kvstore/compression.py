@@ -16,6 +16,12 @@ Four codes per byte, the first element in the two most significant bits; 16 elem
 threshold with dmlc's float parser (``mxnet_stof``); its servers receive it printed with
 six decimals (``std::to_string``) and decode with that value (``server_threshold``).
 tests/test_compression.py checks all of this against MXNet's own code.
+
+``topk`` (ssdsgd's second scheme, chosen by measurement: docs/spec/compression.md) sends
+the elements of residual + grad with the largest magnitude, about ``ratio`` of each key,
+as (uint32 index, float32 value) pairs, and zeroes them in the residual. The selection
+threshold is exact for keys of up to SAMPLE elements and estimated from a strided sample
+for bigger ones, so it costs O(n) and is the same on every run.
 """
 import dataclasses
 import difflib
@@ -24,8 +30,10 @@ import math
 
 import numpy as np
 
-TYPES = ("2bit",)
+TYPES = ("2bit", "topk")
 DEFAULT_THRESHOLD = 0.5          # MXNet's GradientCompressionParam default
+DEFAULT_RATIO = 0.1              # topk: see docs/spec/compression.md for the measurement
+SAMPLE = 1 << 16                 # topk: sample size for the selection threshold
 _PACK = np.uint32(0x40100401)    # moves codes at bits 0, 8, 16, 24 to 30, 28, 26, 24
 CHUNK = 1 << 16                  # elements per vectorized pass (a multiple of 16)
 
@@ -107,11 +115,15 @@ def _threshold(value):
     return parsed
 
 
+PARAMS = {"2bit": ("threshold",), "topk": ("ratio",)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Compression:
     """One job's compression settings; build with ``from_params``."""
     type: str
-    threshold: float    # float32 value the worker quantizes with (2bit)
+    threshold: float = None   # 2bit: the float32 value the worker quantizes with
+    ratio: float = None       # topk: the fraction of each key's elements a push carries
 
     @classmethod
     def from_params(cls, params):
@@ -121,21 +133,28 @@ class Compression:
         if not isinstance(params, dict):
             raise CompressionError(f"compression params must be a dict like "
                                    f"{{'type': '2bit', 'threshold': 0.5}}, got {params!r}")
-        unknown = sorted(set(params) - {"type", "threshold"})
-        if unknown:
-            hint = difflib.get_close_matches(unknown[0], ["type", "threshold"], n=1)
-            raise CompressionError(f"unknown compression parameter {unknown[0]!r}"
-                                   + (f"; did you mean {hint[0]!r}?" if hint else
-                                      "; expected 'type' and 'threshold'"))
         kind = params.get("type")
         if kind not in TYPES:
             raise CompressionError(f"compression type must be one of {', '.join(TYPES)}; "
                                    f"got {kind!r}")
+        allowed = ("type",) + PARAMS[kind]
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], allowed, n=1)
+            raise CompressionError(f"unknown {kind} compression parameter {unknown[0]!r}"
+                                   + (f"; did you mean {hint[0]!r}?" if hint else
+                                      f"; {kind} takes {', '.join(allowed)}"))
+        if kind == "topk":
+            ratio = _number(params.get("ratio", DEFAULT_RATIO), "ratio")
+            if not 0 < ratio <= 1:
+                raise CompressionError(f"ratio must be in (0, 1] for topk compression, got "
+                                       f"{params.get('ratio')!r}")
+            return cls(kind, ratio=ratio)
         threshold = _threshold(params.get("threshold", DEFAULT_THRESHOLD))
         if not threshold > 0:
             raise CompressionError(f"threshold must be > 0 for 2bit compression, got "
                                    f"{params.get('threshold')!r}")
-        spec = cls(kind, float(threshold))
+        spec = cls(kind, threshold=float(threshold))
         if not spec.server_threshold > 0:
             raise CompressionError(f"threshold {params['threshold']!r} is below 5e-7: "
                                    f"MXNet's servers round it to 6 decimals, i.e. to 0")
@@ -143,16 +162,12 @@ class Compression:
 
     def params(self):
         """The dict form (what ``from_params`` accepts back; scalars only, for the wire)."""
-        return {"type": self.type, "threshold": self.threshold}
+        return {"type": self.type, **{name: getattr(self, name) for name in PARAMS[self.type]}}
 
     @property
     def server_threshold(self):
         """The value servers decode +-t with: MXNet sends it as std::to_string(float)."""
         return float(strtof("%f" % self.threshold))
-
-    def packed_nbytes(self, count):
-        """Bytes a push of ``count`` elements takes on the wire."""
-        return 4 * (-(-count // 16))
 
     def residuals(self):
         """A worker's error-feedback state for this scheme."""
@@ -161,6 +176,18 @@ class Compression:
     def decode(self, payload, count):
         """What a server adds up for one push: ``count`` float32 values."""
         return decode(self, payload, count)
+
+
+def _number(value, what):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, np.floating)):
+        raise CompressionError(f"{what} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise CompressionError(f"{what} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise CompressionError(f"{what}={value!r} is not finite")
+    return number
 
 
 # ---- 2bit --------------------------------------------------------------------------------
@@ -226,11 +253,67 @@ def dequantize_2bit(packed, count, threshold):
     return out
 
 
+# ---- topk --------------------------------------------------------------------------------
+
+def topk_threshold(magnitude, ratio):
+    """The smallest |value| a topk push sends: the ceil(ratio * n)-th largest of ``magnitude``
+    when n <= SAMPLE, else that quantile of every (n // SAMPLE)-th element (a strided
+    sample, so selection is O(n) and deterministic; about ratio * n elements go out)."""
+    n = magnitude.size
+    sample = magnitude[::max(1, n // SAMPLE)]
+    k = min(sample.size, max(1, math.ceil(ratio * sample.size)))
+    return np.partition(sample, sample.size - k)[sample.size - k]
+
+
+def select_topk(grad, residual, ratio, slices):
+    """residual += grad; per slice, the (uint32 index in the slice, float32 value) pairs of
+    the key's largest |residual|, as index bytes then value bytes; those elements of the
+    residual become 0 (sent exactly), the rest stay for later pushes."""
+    np.add(residual, grad, out=residual)
+    magnitude = np.abs(residual)
+    threshold = topk_threshold(magnitude, ratio)
+    chosen = magnitude >= threshold
+    if threshold == 0:
+        chosen &= magnitude > 0       # nothing to send for an all-zero residual
+    payloads = []
+    for offset, count in slices:
+        index = np.flatnonzero(chosen[offset:offset + count]).astype("<u4")
+        value = residual[offset:offset + count][index]
+        residual[offset + index.astype(np.intp)] = 0
+        payloads.append(np.concatenate([index.view(np.uint8),
+                                        value.astype("<f4").view(np.uint8)]))
+    return payloads
+
+
+def scatter_topk(payload, count):
+    """Decode a topk payload into ``count`` float32 values (zero where nothing was sent)."""
+    payload = np.asarray(payload)
+    if payload.dtype != np.uint8 or payload.ndim != 1 or payload.size % 8:
+        raise CompressionError(f"topk data must be flat bytes, a multiple of 8, got "
+                               f"{payload.dtype}{payload.shape}")
+    k = payload.size // 8
+    if k > count:
+        raise CompressionError(f"topk data for {count} elements carries {k} entries")
+    index = payload[:4 * k].view("<u4")
+    if k and (index[-1] >= count or (k > 1 and not (np.diff(index.astype(np.int64)) > 0).all())):
+        raise CompressionError(f"topk indices must increase strictly and be < {count}")
+    out = np.zeros(count, np.float32)
+    out[index] = payload[4 * k:].view("<f4")
+    return out
+
+
 # ---- per-scheme dispatch -----------------------------------------------------------------
 
-def decode(spec, packed, count):
+def decode(spec, payload, count):
     """What a server adds up for one push: ``count`` float32 values."""
-    return dequantize_2bit(packed, count, spec.server_threshold)
+    if spec.type == "topk":
+        return scatter_topk(payload, count)
+    return dequantize_2bit(payload, count, spec.server_threshold)
+
+
+def payload_nbytes(spec, count):
+    """Bytes of a push of ``count`` elements (fixed for 2bit; topk: None, data-dependent)."""
+    return 4 * (-(-count // 16)) if spec.type == "2bit" else None
 
 
 class Residuals:
@@ -256,6 +339,8 @@ class Residuals:
             raise CompressionError(f"key {key}: gradient of {grad.size} elements, earlier "
                                    f"pushes had {residual.size}")
         slices = slices or [(0, grad.size)]
+        if self.spec.type == "topk":
+            return select_topk(grad, residual, self.spec.ratio, slices)
         return [quantize_2bit(grad[o:o + n], residual[o:o + n], self.spec.threshold)
                 for o, n in slices]
 
