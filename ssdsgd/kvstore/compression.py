@@ -255,12 +255,12 @@ def dequantize_2bit(packed, count, threshold):
 
 # ---- topk --------------------------------------------------------------------------------
 
-def topk_threshold(magnitude, ratio):
-    """The smallest |value| a topk push sends: the ceil(ratio * n)-th largest of ``magnitude``
-    when n <= SAMPLE, else that quantile of every (n // SAMPLE)-th element (a strided
-    sample, so selection is O(n) and deterministic; about ratio * n elements go out)."""
-    n = magnitude.size
-    sample = magnitude[::max(1, n // SAMPLE)]
+def topk_threshold(grad, residual, ratio):
+    """The smallest |residual + grad| a topk push sends: the ceil(ratio * m)-th largest of
+    m magnitudes, all n when n <= SAMPLE, else every (n // SAMPLE)-th (a strided sample,
+    so selection is O(n) and the same on every run; about ratio * n elements go out)."""
+    stride = max(1, residual.size // SAMPLE)
+    sample = np.abs(residual[::stride] + grad[::stride])
     k = min(sample.size, max(1, math.ceil(ratio * sample.size)))
     return np.partition(sample, sample.size - k)[sample.size - k]
 
@@ -269,17 +269,24 @@ def select_topk(grad, residual, ratio, slices):
     """residual += grad; per slice, the (uint32 index in the slice, float32 value) pairs of
     the key's largest |residual|, as index bytes then value bytes; those elements of the
     residual become 0 (sent exactly), the rest stay for later pushes."""
-    np.add(residual, grad, out=residual)
-    magnitude = np.abs(residual)
-    threshold = topk_threshold(magnitude, ratio)
-    chosen = magnitude >= threshold
-    if threshold == 0:
-        chosen &= magnitude > 0       # nothing to send for an all-zero residual
+    threshold = topk_threshold(grad, residual, ratio)
     payloads = []
     for offset, count in slices:
-        index = np.flatnonzero(chosen[offset:offset + count]).astype("<u4")
-        value = residual[offset:offset + count][index]
-        residual[offset + index.astype(np.intp)] = 0
+        index, value = [], []
+        for start in range(offset, offset + count, CHUNK):   # cache-sized passes
+            stop = min(offset + count, start + CHUNK)
+            r = residual[start:stop]
+            np.add(r, grad[start:stop], out=r)
+            magnitude = np.abs(r)
+            chosen = magnitude >= threshold
+            if threshold == 0:
+                chosen &= magnitude > 0   # nothing to send for an all-zero residual
+            at = np.flatnonzero(chosen)
+            value.append(r[at])
+            r[at] = 0
+            index.append((at + (start - offset)).astype("<u4"))
+        index = np.concatenate(index) if index else np.zeros(0, "<u4")
+        value = np.concatenate(value) if value else np.zeros(0, "<f4")
         payloads.append(np.concatenate([index.view(np.uint8),
                                         value.astype("<f4").view(np.uint8)]))
     return payloads
