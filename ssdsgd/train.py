@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ssdsgd.config import (Config, ConfigError, cluster_env, load_config, new_run_dir,
-                           resolve_warmup_steps, save_config, sync_env)
+from ssdsgd.config import (Config, ConfigError, check_worker_env, load_config, new_run_dir,
+                           resolve_warmup_steps, save_config)
 from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_epoch
 from ssdsgd.metrics import MetricsWriter, Speedometer, net_figures, kv_metrics, summarize
 
@@ -101,31 +101,11 @@ def seed_everything(seed: int) -> None:
     mx.random.seed(seed)
 
 
-def _same(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return False
-
-
 def check_environment(config: Config, spe_cluster: int, start_step: int = 0) -> None:
     """In worker mode: the SSDSGD_* sync and cluster variables the launcher set must say
     what the config says, and SSDSGD_START_STEP the step this run starts at (that of the
     checkpoint it resumes from, else 0); missing ones are filled in."""
-    want = sync_env(config, spe_cluster)
-    c = cluster_env(config)
-    want["SSDSGD_NUM_WORKERS"] = c["SSDSGD_NUM_WORKERS"]
-    want["SSDSGD_NUM_SERVERS"] = c["SSDSGD_NUM_SERVERS"]
-    want["SSDSGD_START_STEP"] = str(start_step)
-    for key, value in want.items():
-        have = os.environ.get(key)
-        if have is None:
-            os.environ[key] = value
-        elif not _same(have, value):
-            raise ConfigError(f"{key}={have} in the environment, but the config gives "
-                              f"{value}; start workers with the launcher's sync_env(config)")
+    check_worker_env(config, os.environ, spe_cluster, start_step)
 
 
 def create_kvstore(config: Config, spe_cluster: int, start_step: int = 0):

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from ..settings import SettingError, check_launch_env, to_env
 from .job import run_job
 from .local import LAUNCHERS
 
@@ -41,12 +42,18 @@ def _command_form(argv):
         if not sep or not key:
             p.error(f"--env {item!r}: expected KEY=VALUE")
         extra[key] = value
+    try:    # before anything starts: no --env for what the launcher sets, no bad values
+        check_launch_env(extra, to_env(num_workers=args.num_workers, scheduler_port=args.port
+                                       or None, num_servers=args.num_servers), os.environ)
+    except SettingError as e:
+        print(f"launch/dist.py: error: {e}", file=sys.stderr)
+        return 2
     return run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
                    launcher=args.launcher)
 
 
 def _config_form(argv):
-    from ..config import ConfigError, cluster_env, load_config, new_run_dir, save_config, sync_env
+    from ..config import ConfigError, job_env, load_config, new_run_dir, save_config
     from ..data import DataError, validate_data
     from ..train import checkpoint_info, total_steps
     p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
@@ -68,15 +75,14 @@ def _config_form(argv):
         else:
             config = load_config(args.config, args.overrides)
         validate_data(config)       # bad data fails here, before any process starts
+        # the stage machine of a resumed run continues the warm-up / steps-delay schedule
+        env = job_env(config, start_step=resume_step if args.resume else 0)
+        check_launch_env({}, env, os.environ)
         if not args.resume:
             run_dir = str(new_run_dir(config))
         if not args.resume or args.overrides:   # the workers read the run's config file
             save_config(config, os.path.join(run_dir, "config.yaml"))
-        env = dict(cluster_env(config))
-        env.update(sync_env(config))
-        if args.resume:     # the stage machine continues the warm-up / steps-delay schedule
-            env["SSDSGD_START_STEP"] = str(resume_step)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, SettingError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from ..settings import to_env
 from .local import LAUNCHERS
 
 GRACE_SECONDS = 5.0
@@ -43,9 +44,8 @@ def _describe_exit(code):
 
 def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0.1"):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
-    env.update({"SSDSGD_SCHEDULER_HOST": scheduler_host, "SSDSGD_SCHEDULER_PORT": str(port),
-                "SSDSGD_NUM_WORKERS": str(num_workers), "SSDSGD_NUM_SERVERS": str(num_servers),
-                "PYTHONUNBUFFERED": "1"})
+    env.update(to_env(scheduler_host=scheduler_host, scheduler_port=port,
+                      num_workers=num_workers, num_servers=num_servers), PYTHONUNBUFFERED="1")
     env.update(extra or {})
     return env
 
@@ -78,7 +78,7 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     code = 0
     try:
         for role, rank, cmd in plan:
-            penv = dict(env, SSDSGD_ROLE=role, SSDSGD_RANK=str(rank), **runner.node_env(role, rank))
+            penv = dict(env, **to_env(role=role, rank=rank), **runner.node_env(role, rank))
             try:
                 proc = runner.start(role, rank, cmd, penv)
             except OSError as e:
