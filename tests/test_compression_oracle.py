@@ -5,6 +5,9 @@
   weights of ssdsgd.glu.simulate's ssgd with the same compression: the codec, the
   threshold MXNet's servers decode with and the rank-order sum are MXNet's.
 * native dist_sync refuses compression with the stock gluon.Trainer (it calls pushpull).
+* ssd_sync with SSDSGD_ALGORITHM=ssgd, same script, same compression: the same weights as
+  native dist_sync (1 and 2 servers, the big key split over both); asgd with one worker
+  too (dist_async semantics, which with one worker are ssgd's).
 """
 import json
 import sys
@@ -16,6 +19,7 @@ import pytest
 
 import push_pull_train as PP
 import train_small as T
+from conftest import launch
 from ssdsgd.glu.simulate import simulate
 from ssdsgd.testing import run_native
 
@@ -45,7 +49,7 @@ def load_weights(out, num_workers=NUM_WORKERS):
     return runs
 
 
-def simulated(compression, algorithm='ssgd', **kw):
+def simulated(compression, algorithm='ssgd', num_workers=NUM_WORKERS, **kw):
     """push_pull_train.py's job (same net, seed, shards, optimizer) in the simulator;
     returns ({npz key: array} of the global weights, the SimResult)."""
     mx.random.seed(0)
@@ -55,8 +59,8 @@ def simulated(compression, algorithm='ssgd', **kw):
     init = {i: p.data().copy() for i, p in enumerate(params)}
     names = sorted(T.snapshot(net)[0])
     data = T.make_data()
-    batches = [list(T.batches(*T.shard(*data, r, NUM_WORKERS), BATCH, STEPS))
-               for r in range(NUM_WORKERS)]
+    batches = [list(T.batches(*T.shard(*data, r, num_workers), BATCH, STEPS))
+               for r in range(num_workers)]
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
 
     def grad_fn(worker, step, weights):
@@ -68,9 +72,26 @@ def simulated(compression, algorithm='ssgd', **kw):
         loss.backward()
         return {i: p.grad().copy() for i, p in enumerate(params)}
 
-    res = simulate(init, grad_fn, lambda: PP.make_optimizer(BATCH), NUM_WORKERS, STEPS,
+    res = simulate(init, grad_fn, lambda: PP.make_optimizer(BATCH), num_workers, STEPS,
                    algorithm=algorithm, compression=compression, **kw)
     return {name: res.global_weights[i].asnumpy() for i, name in enumerate(names)}, res
+
+
+@pytest.fixture(scope='module')
+def native_runs(tmp_path_factory):
+    """native dist_sync + 2bit, by number of servers (run once each)."""
+    cache = {}
+
+    def get(num_servers):
+        if num_servers not in cache:
+            out = tmp_path_factory.mktemp(f'native-2bit-s{num_servers}')
+            run_native(push_pull_cmd('{mode}', out, TWO_BIT), NUM_WORKERS,
+                       num_servers=num_servers, mode='dist_sync',
+                       env=dict(JOB_ENV, MXNET_KVSTORE_BIGARRAY_BOUND=str(BIG_BOUND)),
+                       timeout=180, cwd=REPO)
+            cache[num_servers] = load_weights(out)
+        return cache[num_servers]
+    return get
 
 
 @pytest.fixture(scope='module')
@@ -79,12 +100,8 @@ def reference():
 
 
 @pytest.mark.parametrize('num_servers', [1, 2])
-def test_native_dist_sync_2bit_equals_the_simulation(tmp_path, reference, num_servers):
-    run_native(push_pull_cmd('{mode}', tmp_path, TWO_BIT), NUM_WORKERS,
-               num_servers=num_servers, mode='dist_sync',
-               env=dict(JOB_ENV, MXNET_KVSTORE_BIGARRAY_BOUND=str(BIG_BOUND)),
-               timeout=180, cwd=REPO)
-    runs = load_weights(tmp_path)
+def test_native_dist_sync_2bit_equals_the_simulation(native_runs, reference, num_servers):
+    runs = native_runs(num_servers)
     assert sorted(runs[0]) == sorted(reference)
     assert max(runs[0][k].size for k in runs[0]) > BIG_BOUND
     plain = simulated(None)[0]
@@ -94,6 +111,37 @@ def test_native_dist_sync_2bit_equals_the_simulation(tmp_path, reference, num_se
                                           err_msg=f'rank {rank} {key} ({num_servers} servers)')
             # compression changed the result (the comparison can fail)
             assert not np.allclose(weights[key], plain[key].reshape(weights[key].shape))
+
+
+def run_ssd_sync(out, num_servers, compression, algorithm='ssgd', num_workers=NUM_WORKERS):
+    args = push_pull_cmd('ssd_sync', out, compression)[2:]    # the script's arguments
+    res = launch(num_workers, num_servers, args, script='push_pull_train.py', timeout=300,
+                 env={'SSDSGD_ALGORITHM': algorithm, 'SSDSGD_BIGARRAY_BOUND': BIG_BOUND,
+                      'OMP_NUM_THREADS': 1})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return load_weights(out, num_workers)
+
+
+@pytest.mark.parametrize('num_servers', [1, 2])
+def test_ssd_sync_ssgd_2bit_equals_native_dist_sync_2bit(tmp_path, native_runs, num_servers):
+    native = native_runs(num_servers)
+    ours = run_ssd_sync(tmp_path, num_servers, TWO_BIT)
+    for rank in range(NUM_WORKERS):
+        assert sorted(ours[rank]) == sorted(native[rank])
+        for key in native[rank]:
+            np.testing.assert_array_equal(ours[rank][key], native[rank][key],
+                                          err_msg=f'rank {rank} {key} ({num_servers} servers)')
+
+
+def test_asgd_with_one_worker_and_compression_is_ssgd(tmp_path):
+    """dist_async applies each push on arrival; with one worker that is ssgd, step by
+    step: the simulation of ssgd with the same compression."""
+    topk = {'type': 'topk', 'ratio': 0.1}
+    ours = run_ssd_sync(tmp_path, 2, topk, algorithm='asgd', num_workers=1)
+    ref = simulated(topk, num_workers=1)[0]
+    for key, expected in ref.items():
+        np.testing.assert_allclose(ours[0][key], expected.reshape(ours[0][key].shape),
+                                   rtol=1e-6, atol=1e-7, err_msg=key)
 
 
 TRAINER_SCRIPT = '''

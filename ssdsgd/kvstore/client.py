@@ -20,6 +20,7 @@ import numpy as np
 import zmq
 
 from . import protocol as P
+from .compression import CompressionError
 from .scheduler import JobAborted, SchedulerLink
 from .sharding import Placement
 
@@ -99,6 +100,23 @@ class WorkerClient:
         self.num_workers = self.topology["num_workers"]
         self.num_servers = self.topology["num_servers"]
         self.placement = Placement(self.num_servers, env.bigarray_bound)
+        self.compression = None   # pushes are compressed with it (set_compression)
+        self._residuals = None    # this worker's error feedback, one residual per key
+
+    def set_compression(self, spec):
+        """Compress every later push with ``spec`` (a Compression); every server learns it.
+        Only before the first push, and only once (MXNet cannot unset it either)."""
+        if self.compression is not None:
+            if spec != self.compression:
+                raise CompressionError(f"compression is already {self.compression.params()}; "
+                                       f"it cannot be changed to {spec.params()}")
+            return
+        futures = [self.request(s, P.Message(P.Kind.SET_COMPRESSION,
+                                             meta={"compression": spec.params()}))
+                   for s in range(self.num_servers)]
+        for fut in futures:
+            self.wait(fut)
+        self.compression, self._residuals = spec, spec.residuals()
 
     # ---- main-thread API -------------------------------------------------------------
     def _submit(self, target, msg, want_reply):
@@ -143,15 +161,20 @@ class WorkerClient:
         per-key messages achieve, with far fewer messages).
 
         entries: (key, per-key step, flat array or None for "no tensor" (a pull), dtype);
-        every key must be placed already."""
+        every key must be placed already. A PUSH is compressed if ``set_compression`` was
+        called (each key with this worker's residual, then cut into the servers' slices)."""
         per_server = {}
         sizes, dtypes = {}, {}
         for key, kstep, array, dtype in entries:
             size = sum(sl.count for sl in self.placement[key])
             sizes[key], dtypes[key] = size, np.dtype(dtype)
-            for sl in self.placement[key]:
+            coded = None
+            if kind == P.Kind.PUSH and self._residuals is not None and array is not None:
+                coded = self._residuals.encode(key, array, [(sl.offset, sl.count)
+                                                            for sl in self.placement[key]])
+            for i, sl in enumerate(self.placement[key]):
                 chunks = per_server.setdefault(sl.server, [[[], [], 0]])
-                nbytes = sl.count * dtypes[key].itemsize
+                nbytes = sl.count * dtypes[key].itemsize if coded is None else coded[i].nbytes
                 if chunks[-1][0] and chunks[-1][2] + nbytes > self.env.chunk_bytes:
                     chunks.append([[], [], 0])
                 recs, tens, _ = chunk = chunks[-1]
@@ -159,6 +182,10 @@ class WorkerClient:
                 if array is None:
                     recs.append((key, kstep, sl.offset, sl.count, dtype, 0))
                     tens.append([])
+                elif coded is not None:
+                    recs.append((key, kstep, sl.offset, sl.count, dtype, 1,
+                                 self.compression.type))
+                    tens.append([coded[i]])
                 else:
                     recs.append((key, kstep, sl.offset, sl.count, dtype, 1))
                     tens.append([array[sl.offset:sl.offset + sl.count]])

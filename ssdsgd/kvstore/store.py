@@ -20,6 +20,7 @@ from mxnet.kvstore import KVStoreBase
 
 from . import protocol as P
 from .client import WorkerClient
+from .compression import Compression, CompressionError
 from .env import NodeEnv
 from .optimizer_spec import build, describe, flatten_state, unflatten_state
 from ..worker.machine import StageMachine
@@ -97,7 +98,14 @@ class SSD_Sync(KVStoreBase):
         return capability == KVStoreBase.OPTIMIZER
 
     def set_gradient_compression(self, compression_params):
-        raise NotImplementedError("ssd_sync does not compress gradients")
+        """MXNet's interface (the Trainer calls it with ``compression_params``): compress
+        every later push, with a residual per key on this worker (docs/spec/compression.md).
+        Pulls are not compressed."""
+        spec = Compression.from_params(compression_params)
+        if spec is None:
+            raise CompressionError("set_gradient_compression needs a dict with a 'type', "
+                                   "e.g. {'type': '2bit', 'threshold': 0.5}")
+        self._client.set_compression(spec)
 
     # ---- data --------------------------------------------------------------------
     def init(self, key, value):
