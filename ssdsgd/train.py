@@ -30,6 +30,7 @@ import numpy as np
 from ssdsgd.config import (Config, ConfigError, check_worker_env, load_config, new_run_dir,
                            resolve_warmup_steps, save_config)
 from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_epoch
+from ssdsgd.kvstore.compression import parse_setting as parse_compression
 from ssdsgd.metrics import MetricsWriter, Speedometer, net_figures, kv_metrics, summarize
 
 log = logging.getLogger("ssdsgd.train")
@@ -341,8 +342,11 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
         def lr_at(num_update):
             return float(lr_view(num_update)) if lr_view is not None else config.optimizer.lr
         store = kv if kv is not None else ("device" if len(ctx) > 1 else None)
+        # pushes are compressed on ssd_sync only (one process alone has nothing to push)
+        compression = parse_compression(config.sync.compression) if kv is not None else None
         trainer = gluon.Trainer(net.collect_params(), config.optimizer.name,
-                                optimizer_params(config, sched), kvstore=store)
+                                optimizer_params(config, sched), kvstore=store,
+                                compression_params=compression)
         loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
         grad_batch = gradient_batch(config, kv, num_workers)
 

@@ -11,7 +11,8 @@ import pytest
 
 from ssdsgd.kvstore.compression import (Compression, CompressionError, Residuals,
                                         decode, dequantize_2bit, mxnet_stof,
-                                        payload_nbytes, quantize_2bit, strtof)
+                                        parse_setting, payload_nbytes, quantize_2bit,
+                                        strtof)
 from ssdsgd.testing import mxnet_compression
 
 needs_symbols = pytest.mark.skipif(not mxnet_compression.available(),
@@ -177,6 +178,39 @@ def test_residual_keeps_what_was_not_sent():
 def test_bad_params_name_the_cause(params, match):
     with pytest.raises(CompressionError, match=match):
         Compression.from_params(params)
+
+
+SETTING_PROBES = ["none", "2bit", "2bit:0.5", "2bit:0.0123456789", "2bit:0", "2bit:-1",
+                  "2bit:1e-7", "2bit:abc", "2bit:1e39", "topk", "topk:0.05", "topk:1",
+                  "topk:0", "topk:1.5", "3bit", "none:1", "2bit:", "topk:nan"]
+
+
+@pytest.mark.parametrize("text", SETTING_PROBES)
+def test_sync_compression_text_is_read_alike_by_the_settings_row_and_the_codec(text):
+    from ssdsgd import settings as S
+    try:
+        S.BY_NAME["compression"].check(text)
+        row = True
+    except S.SettingError:
+        row = False
+    try:
+        params = parse_setting(text)
+        codec = True
+    except CompressionError:
+        codec = False
+    assert row == codec, (text, row, codec)
+    if codec and params is not None:
+        assert Compression.from_params(params).type == text.split(":")[0]
+
+
+def test_sync_compression_in_a_config():
+    from ssdsgd.config import ConfigError, parse_config
+    base = {"model": {"name": "digits_mlp"}, "data": {"dataset": "digits"}}
+    cfg = parse_config(dict(base, sync={"compression": "topk:0.05"}))
+    assert parse_setting(cfg.sync.compression) == {"type": "topk", "ratio": "0.05"}
+    assert parse_config(base).sync.compression == "none"
+    with pytest.raises(ConfigError, match=r"^sync.compression: expected a topk ratio"):
+        parse_config(dict(base, sync={"compression": "topk:2"}))
 
 
 def test_params_defaults_and_round_trip():

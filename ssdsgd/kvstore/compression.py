@@ -178,6 +178,21 @@ class Compression:
         return decode(self, payload, count)
 
 
+def parse_setting(text):
+    """``sync.compression``'s text as kv.set_gradient_compression's dict: 'none' -> None,
+    '2bit' or '2bit:T' (threshold T), 'topk' or 'topk:R' (ratio R); checked like the dict."""
+    kind, sep, value = str(text).partition(":")
+    if kind == "none" and not sep:
+        return None
+    if kind not in TYPES:
+        raise CompressionError(f"expected none, 2bit[:threshold] or topk[:ratio], got {text!r}")
+    params = {"type": kind}
+    if sep:
+        params[PARAMS[kind][0]] = value
+    Compression.from_params(params)
+    return params
+
+
 def _number(value, what):
     if isinstance(value, bool) or not isinstance(value, (int, float, str, np.floating)):
         raise CompressionError(f"{what} must be a number, got {value!r}")
