@@ -136,3 +136,13 @@ def test_warmup_covering_the_whole_run_equals_ssgd_exactly(tmp_path):
     for r in range(2):
         for name in ssd[r]:
             np.testing.assert_array_equal(ssd[r][name], ssgd[r][name])
+
+
+def test_without_warmup_exact_glu_state_equals_the_simulation(tmp_path):
+    # the first reset's optimizer state must be as of the weights it resets to, not one
+    # step later (one worker completes each step with its own push)
+    locals_, finals = _run(tmp_path, "glu-exact", 2, 1, 1, "sgd", warmup=0)
+    keys, ref = _reference("glu-exact", 2, 1, "sgd", warmup=0)
+    for i, j in keys.items():
+        _close(locals_[0][f"p{j}"], ref.worker_weights[0][i].asnumpy(), f"local weights of key {i}")
+        _close(finals[0][f"p{j}"], ref.global_weights[i].asnumpy(), f"final weights of key {i}")

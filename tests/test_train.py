@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
+from ssdsgd.checkpoint import run_length
 from ssdsgd.config import ConfigError, parse_config
 from ssdsgd.metrics import read_records
 from ssdsgd.progress import ProgressMonitor
@@ -196,10 +197,10 @@ def test_gradient_batch_and_optimizer_params():
 
 def test_total_steps():
     cfg = cfg_with(cluster={"workers": 2}, data={"batch_size": 32}, train={"epochs": 20})
-    assert T.total_steps(cfg) == 440
-    assert T.total_steps(cfg, num_workers=1) == 880
+    assert run_length(cfg).total_steps == 440
+    assert run_length(cfg, num_workers=1).total_steps == 880
     capped = cfg_with(data={"batch_size": 32}, train={"epochs": 20, "max_steps": 100})
-    assert T.total_steps(capped) == 100
+    assert run_length(capped).total_steps == 100
 
 
 def test_worker_mode_environment_checks(monkeypatch):
