@@ -110,6 +110,7 @@ def _close(actual, expected, what):
     np.testing.assert_allclose(actual, expected, rtol=2e-4, atol=2e-5, err_msg=what)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("rule,k,n,s,opt,compression", CASES,
                          ids=["-".join(map(str, c)) for c in CASES])
 def test_distributed_run_equals_the_simulation(tmp_path, rule, k, n, s, opt, compression):
@@ -130,6 +131,7 @@ def test_distributed_run_equals_the_simulation(tmp_path, rule, k, n, s, opt, com
         assert gap > 1e-6, "local weights should differ from the global ones between pulls"
 
 
+@pytest.mark.system
 def test_warmup_covering_the_whole_run_equals_ssgd_exactly(tmp_path):
     _, ssd = _run(tmp_path / "ssd", "glu-estimate", 2, 2, 1, "sgd", warmup=STEPS)
     _, ssgd = _run(tmp_path / "ssgd", "glu-estimate", 2, 2, 1, "sgd", algorithm="ssgd")
@@ -138,6 +140,7 @@ def test_warmup_covering_the_whole_run_equals_ssgd_exactly(tmp_path):
             np.testing.assert_array_equal(ssd[r][name], ssgd[r][name])
 
 
+@pytest.mark.system
 def test_without_warmup_exact_glu_state_equals_the_simulation(tmp_path):
     # the first reset's optimizer state must be as of the weights it resets to, not one
     # step later (one worker completes each step with its own push)

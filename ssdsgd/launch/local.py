@@ -4,6 +4,16 @@ import signal
 import subprocess
 
 
+def kill_group(pid, sig):
+    """Send ``sig`` to the process group led by ``pid`` (a child started with
+    ``start_new_session=True``), so nothing it started survives it; a group that is gone
+    already, or not ours, is no error."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class LocalProcess:
     def __init__(self, role, rank, popen):
         self.role, self.rank, self.popen = role, rank, popen
@@ -22,10 +32,7 @@ class LocalProcess:
     def signal(self, sig):
         """Signal the child's whole process group (it runs in a session of its own), so
         nothing it started survives it."""
-        try:
-            os.killpg(self.popen.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(self.popen.pid, sig)
 
 
 class LocalLauncher:
