@@ -114,6 +114,7 @@ def run_one(cfg: dict) -> dict:
     """One simulated job; cfg holds the settings and (algorithm, glu_state, lr, k, seed)."""
     import mxnet as mx
     from ssdsgd.glu.simulate import simulate
+    from ssdsgd.kvstore.compression import parse_setting
     x_tr, x_te, y_tr, y_te = digits()
     n, b, act, h = cfg['workers'], cfg['batch'], cfg['act'], cfg['hidden']
     per_epoch = len(x_tr) // (b * n)
@@ -145,7 +146,8 @@ def run_one(cfg: dict) -> dict:
     try:
         simulate(init, grad_fn, make_optimizer, n, cfg['steps'], algorithm=cfg['algorithm'],
                  warmup_steps=cfg['warmup'], delay_steps=cfg['k'] or 1,
-                 glu_state=cfg['state'] or 'estimate', on_step=on_step)
+                 glu_state=cfg['state'] or 'estimate', on_step=on_step,
+                 compression=parse_setting(cfg.get('compression', 'none')))
     finally:
         if seeds is not None:
             seeds = seeds.close()
@@ -294,7 +296,8 @@ def print_report(data):
     s = data['settings']
     print(f"digits {s['act']} MLP 64-{s['hidden']}-10, N={s['workers']}, batch "
           f"{s['batch']}/worker, sgd momentum {s['momentum']} wd {s['wd']}, constant lr, "
-          f"warm-up {s['warmup']}, {s['seeds']} seeds (mean±std); test accuracy of w_G")
+          f"warm-up {s['warmup']}, push compression {s.get('compression', 'none')}, "
+          f"{s['seeds']} seeds (mean±std); test accuracy of w_G")
     for step in (s['short'], s['steps']):
         print(f"\nafter {step} steps\n" + accuracy_table(data, step))
     print(f"\nper glu_state, points vs ssgd (paired seeds), mean over k (and seeds): "
@@ -369,6 +372,8 @@ def main(argv=None) -> int:
     p.add_argument('--momentum', type=float, default=0.9)
     p.add_argument('--wd', type=float, default=1e-4)
     p.add_argument('--eval-every', type=int, default=12, help='steps between evaluations')
+    p.add_argument('--compression', default='none',
+                   help="push compression, as sync.compression: none, 2bit[:t], topk[:r]")
     p.add_argument('--seed-error', action='store_true',
                    help="also measure how far the seeded momenta are from the server's "
                    "(pulls then carry the state for every variant; accuracy is unchanged)")
@@ -404,7 +409,13 @@ def measure(args) -> dict:
         raise SystemExit(f"bad settings: states {bad} not in {GLU_STATES}, or not "
                          f"warmup < short <= steps ({s['warmup']}, {s['short']}, {s['steps']})")
     s |= {key: getattr(args, key) for key in ('workers', 'batch', 'hidden', 'act',
-                                              'momentum', 'wd', 'eval_every', 'seed_error')}
+                                              'momentum', 'wd', 'eval_every', 'seed_error',
+                                              'compression')}
+    from ssdsgd.kvstore.compression import CompressionError, parse_setting
+    try:                                # a bad value fails here, not in every run
+        parse_setting(s['compression'])
+    except CompressionError as e:
+        raise SystemExit(f"--compression: {e}") from None
     plan = [dict(s, algorithm='ssgd', state=None, lr=lr, k=None, seed=seed)
             for lr in s['lrs'] for seed in range(s['seeds'])]
     plan += [dict(s, algorithm='ssd', state=st, lr=lr, k=k, seed=seed)
