@@ -144,7 +144,7 @@ def test_every_reader_has_exactly_the_table_rows():
         assert [f.name for f in dataclasses.fields(cls)] == \
             [s.key for s in S.SETTINGS if s.section == section]
     from ssdsgd.glu import rules
-    from ssdsgd.launch.local import LAUNCHERS
+    from ssdsgd.launch.launchers import NAMES as LAUNCHERS   # local, ssh, mpi, slurm
     assert rules.RULES == S.BY_NAME["local_rule"].choices
     assert rules.GLU_STATES == S.BY_NAME["glu_state"].choices
     assert tuple(sorted(LAUNCHERS)) == tuple(sorted(S.BY_NAME["launcher"].choices))

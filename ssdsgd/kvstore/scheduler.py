@@ -76,6 +76,7 @@ class Scheduler:
                 self.nodes[i]["rank"] = r if r in taken else next(free)
         servers = sorted((n for n in self.nodes.values() if n["role"] == "server"),
                          key=lambda n: n["rank"])
+        self._check_reachable(servers)
         addresses = [[n["host"], n["port"]] for n in servers]
         now = time.monotonic()
         for ident, n in self.nodes.items():
@@ -85,6 +86,17 @@ class Scheduler:
                 "num_servers": self.env.num_servers, "servers": addresses})
         self.started = True
         self.log(f"all {len(self.nodes)} nodes registered; job started")
+
+    def _check_reachable(self, servers, timeout=5.0):
+        """Abort naming a server whose advertised address cannot be reached (the workers
+        would wait on it forever): a TCP connect to each, from the scheduler's host."""
+        for n in servers:
+            try:
+                socket.create_connection((n["host"], n["port"]), timeout=timeout).close()
+            except (OSError, TypeError, ValueError) as e:
+                self._abort(f"{node_name(n)} advertised {n['host']}:{n['port']}, which the "
+                            f"scheduler cannot reach ({getattr(e, 'strerror', None) or e}); "
+                            "set its address with --interface or SSDSGD_NODE_HOST")
 
     def _abort(self, reason):
         for ident in self.nodes:

@@ -16,7 +16,8 @@ import time
 
 from ..settings import SettingError, check_launch_env, to_env
 from .job import run_job
-from .local import LAUNCHERS
+from .launchers import make_launcher
+from .remote import LaunchError, add_arguments, options_from
 
 
 def _command_form(argv):
@@ -27,10 +28,10 @@ def _command_form(argv):
     p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--num-workers", type=int, required=True)
     p.add_argument("-s", "--num-servers", type=int, default=1)
-    p.add_argument("--launcher", default="local", choices=sorted(LAUNCHERS))
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process, e.g. SSDSGD_ALGORITHM=ssgd")
+    add_arguments(p)
     args = p.parse_args(opts)
     if not cmd:
         p.error("no command after --")
@@ -45,11 +46,12 @@ def _command_form(argv):
     try:    # before anything starts: no --env for what the launcher sets, no bad values
         check_launch_env(extra, to_env(num_workers=args.num_workers, scheduler_port=args.port
                                        or None, num_servers=args.num_servers), os.environ)
-    except SettingError as e:
+        runner = make_launcher(options_from(args, extra), args.num_workers, args.num_servers)
+    except (SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
     return run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
-                   launcher=args.launcher)
+                   launcher=runner)
 
 
 def _config_parser():
@@ -61,14 +63,15 @@ def _config_parser():
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last "
                    "checkpoint (--set overrides are written to RUN_DIR/config.yaml)")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
+    add_arguments(p, default_launcher=None)
     return p
 
 
 def _prepare(args):
     """Check everything that can be checked before a process starts: the config, the
-    data and, with --resume, a checkpoint with steps left to run. Returns (config,
-    run_dir, length, environment for every process); raises ConfigError, DataError or
-    SettingError."""
+    data, with --resume a checkpoint with steps left to run, and the launcher's hosts.
+    Returns (config, run_dir, length, environment for every process, launcher); raises
+    ConfigError, DataError, SettingError or LaunchError."""
     from ..checkpoint import check_unfinished, checkpoint_info, run_length
     from ..config import job_env, load_config, new_run_dir, save_config
     from ..data import validate_data
@@ -86,11 +89,16 @@ def _prepare(args):
     # the stage machine of a resumed run continues the warm-up / steps-delay schedule
     env = job_env(config, start_step=info["step"] if info else 0)
     check_launch_env({}, env, os.environ)
+    args.launcher = args.launcher or config.cluster.launcher
+    runner = make_launcher(options_from(args), config.cluster.workers, config.cluster.servers,
+                           config.cluster.hosts)
     if not args.resume:
         run_dir = str(new_run_dir(config))
+    if args.launcher != "local":        # the same path on every host
+        run_dir = os.path.abspath(run_dir)
     if not args.resume or args.overrides:   # the workers read the run's config file
         save_config(config, os.path.join(run_dir, "config.yaml"))
-    return config, run_dir, length, env
+    return config, run_dir, length, env, runner
 
 
 def _report(run_dir, seconds):
@@ -114,8 +122,8 @@ def _config_form(argv):
     if not args.config and not args.resume:
         p.error("give a CONFIG.yaml (or --resume RUN_DIR)")
     try:
-        config, run_dir, length, env = _prepare(args)
-    except (ConfigError, DataError, SettingError) as e:
+        config, run_dir, length, env, runner = _prepare(args)
+    except (ConfigError, DataError, SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),
@@ -126,7 +134,7 @@ def _config_form(argv):
     print(f"[launcher] run directory: {run_dir}", flush=True)
     t0 = time.monotonic()
     code = run_job(config.cluster.workers, config.cluster.servers, cmd, env,
-                   port=args.port or None, launcher=config.cluster.launcher, progress=progress,
+                   port=args.port or None, launcher=runner, progress=progress,
                    stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr))
     if code == 0:
         _report(run_dir, time.monotonic() - t0)

@@ -1,7 +1,43 @@
-"""The local launcher: every role is a child process of the launcher on this machine."""
+"""The local launcher: every role is a child process of the launcher on this machine.
+
+Every child the launchers start dies with the launcher: ``die_with_parent`` asks the kernel
+(``PR_SET_PDEATHSIG``) to SIGKILL it when the launcher's process ends, even by SIGKILL,
+so a killed launcher leaves no scheduler, server or worker training on (issue 12, defect 5).
+"""
+import ctypes
 import os
 import signal
 import subprocess
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError):    # not Linux: children are stopped by run_job only
+        return None
+
+
+_PRCTL = _prctl()      # resolved once here: the child after fork only calls it
+
+
+def die_with_parent(sig=signal.SIGKILL):
+    """A ``preexec_fn`` for Popen: the child gets ``sig`` when this process dies.
+
+    Call it in the thread that lives as long as the launcher (the kernel ties the signal
+    to the forking thread). Returns None where prctl does not exist."""
+    if _PRCTL is None or not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()
+
+    def preexec():
+        _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:       # the launcher died before prctl took effect
+            os.kill(os.getpid(), sig)
+    return preexec
 
 
 def kill_group(pid, sig):
@@ -38,12 +74,13 @@ def _exists(pid):
 
 
 class LocalProcess:
-    def __init__(self, role, rank, popen):
-        self.role, self.rank, self.popen = role, rank, popen
+    def __init__(self, role, rank, popen, host=None):
+        self.role, self.rank, self.popen, self.host = role, rank, popen, host
 
     @property
     def name(self):
-        return self.role if self.role == "scheduler" else f"{self.role} {self.rank}"
+        label = self.role if self.role == "scheduler" else f"{self.role} {self.rank}"
+        return f"{label} on {self.host}" if self.host else label
 
     @property
     def pid(self):
@@ -58,6 +95,13 @@ class LocalProcess:
         signal_group(self.popen, sig)
 
 
+def start_child(cmd, env, cwd=None, stdin=subprocess.DEVNULL):
+    """A child in a session of its own, with stdout/stderr pipes, that dies with us."""
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=stdin, start_new_session=True,
+                            preexec_fn=die_with_parent())
+
+
 class LocalLauncher:
     """Every launcher offers: ``scheduler_host`` (the address workers and servers dial),
     ``node_env(role, rank)`` (extra variables for one process, e.g. SSDSGD_NODE_HOST, the
@@ -69,9 +113,7 @@ class LocalLauncher:
         return {}
 
     def start(self, role, rank, cmd, env):
-        popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        return LocalProcess(role, rank, popen)
+        return LocalProcess(role, rank, start_child(cmd, env))
 
     def stop(self, proc, sig=signal.SIGTERM):
         proc.signal(sig)
