@@ -52,6 +52,7 @@ class Setting:
     above: Optional[float] = None       # exclusive lower bound
     optional: bool = False              # None (unset) is allowed
     launcher: Optional[str] = None      # set by the launcher: the option that decides it
+    validate: Optional[Callable[[Any], Optional[str]]] = None  # a str's form: error or None
 
     def expects(self) -> str:
         """What the setting accepts, as the end of "expected ..."."""
@@ -76,6 +77,9 @@ class Setting:
         if self.type in (str, bool):
             if not isinstance(value, self.type) or value == "":
                 raise wrong
+            error = self.validate(value) if self.validate else None
+            if error:
+                raise SettingError(error)
             return value
         if isinstance(value, bool):
             raise wrong
@@ -137,6 +141,26 @@ class Setting:
         return self.path.split(".")[-1] if self.path else None
 
 
+def _compression(text: str) -> Optional[str]:
+    """sync.compression's form (ssdsgd.kvstore.compression.parse_setting reads it; a test
+    checks that the two agree): none, 2bit[:threshold] or topk[:ratio]."""
+    kind, sep, arg = text.partition(":")
+    if (kind == "none" and not sep) or (kind in ("2bit", "topk") and not sep):
+        return None
+    if kind not in ("2bit", "topk"):
+        return f"expected none, 2bit[:threshold] or topk[:ratio], got {text!r}"
+    try:
+        value = float(arg)
+    except ValueError:
+        return f"expected a number after '{kind}:', got {text!r}"
+    if kind == "topk" and not 0 < value <= 1:
+        return f"expected a topk ratio in (0, 1], got {text!r}"
+    if kind == "2bit" and not 5e-7 <= value < 3.4e38:
+        return (f"expected a 2bit threshold >= 5e-7 (MXNet's servers round it to 6 decimals) "
+                f"and below 3.4e38, got {text!r}")
+    return None
+
+
 SETTINGS = (
     # --- who is who: set by the launcher for every process
     Setting("role", str, "worker", "this process's part in the job", env="SSDSGD_ROLE",
@@ -188,6 +212,9 @@ SETTINGS = (
             choices=("estimate", "exact")),
     Setting("lr_local", float, None, "the local rule's lr; unset: the servers' lr",
             env="SSDSGD_LR_LOCAL", path="sync.lr_local", above=0.0, max=10.0, optional=True),
+    Setting("compression", str, "none", "push compression, the Trainer's compression_params "
+            "(docs/spec/compression.md): none, 2bit[:threshold] (MXNet's; default 0.5) or "
+            "topk[:ratio] (default 0.1)", path="sync.compression", validate=_compression),
     # --- the transport
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),

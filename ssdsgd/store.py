@@ -12,6 +12,7 @@ import mxnet as mx
 from mxnet.kvstore import KVStoreBase
 
 from .integration import NAME, PROCESS
+from .kvstore.compression import Compression, CompressionError
 from .kvstore.optimizer_spec import build, describe, flatten_state, unflatten_state
 
 
@@ -69,7 +70,14 @@ class SSD_Sync(KVStoreBase):
         return capability == KVStoreBase.OPTIMIZER
 
     def set_gradient_compression(self, compression_params):
-        raise NotImplementedError("ssd_sync does not compress gradients")
+        """MXNet's interface (the Trainer calls it with ``compression_params``): every later
+        push is compressed, with a residual per key on this worker; pulls are not
+        (docs/spec/compression.md)."""
+        spec = Compression.from_params(compression_params)
+        if spec is None:
+            raise CompressionError("set_gradient_compression needs a dict with a 'type', "
+                                   "e.g. {'type': '2bit', 'threshold': 0.5}")
+        self._client.set_compression(spec)
 
     # ---- data --------------------------------------------------------------------
     def init(self, key, value):

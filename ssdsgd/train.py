@@ -39,6 +39,7 @@ from ssdsgd.checkpoint import (RunLength, check_unfinished, checkpoint_info, loa
 from ssdsgd.config import (Config, ConfigError, check_worker_env, load_config, new_run_dir,
                            resolve_warmup_steps, save_config)
 from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_epoch
+from ssdsgd.kvstore.compression import parse_setting as parse_compression
 from ssdsgd.metrics import MetricsWriter, Speedometer, kv_metrics, net_figures, summarize
 from ssdsgd.models import build_model, initializer
 from ssdsgd.worker.schedule import Stage, plan
@@ -240,8 +241,11 @@ def build_trainer(config: Config, kv, dataset, length: RunLength, ctx):
         net.hybridize(static_alloc=True, static_shape=True)
     store = kv if kv is not None else ("device" if len(ctx) > 1 else None)
     sched = build_lr_scheduler(config, length.steps_per_epoch)
+    # pushes are compressed on ssd_sync only (one process alone has nothing to push)
+    compression = parse_compression(config.sync.compression) if kv is not None else None
     trainer = gluon.Trainer(net.collect_params(), config.optimizer.name,
-                            optimizer_params(config, sched), kvstore=store)
+                            optimizer_params(config, sched), kvstore=store,
+                            compression_params=compression)
     return net, trainer
 
 

@@ -4,34 +4,19 @@ training program -> adapter (store.py, integration.py) -> stage machine (worker/
 rules (glu/) -> worker client (kvstore/client.py) -> protocol; server and scheduler ->
 protocol. Nothing below imports from above, and only the client and the nodes speak the
 protocol. settings.py (the one settings table) is a leaf every layer may read."""
-import ast
 from pathlib import Path
+
+from test_packaging import _imports as _absolute_imports
 
 PKG = Path(__file__).resolve().parents[1] / "ssdsgd"
 
 
 def _imports(path):
-    """The ssdsgd modules ``path`` imports, as dotted names relative to the package."""
-    package = path.relative_to(PKG.parent).parts[:-1]      # e.g. ("ssdsgd", "worker")
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[:len(package) - node.level + 1]
-                parts = list(base) + (node.module.split(".") if node.module else [])
-            else:
-                parts = (node.module or "").split(".")
-            if parts[0] != "ssdsgd":
-                continue
-            names = [".".join(parts[1:] + [a.name]) for a in node.names]
-            out.update(n for n in names if (PKG / (n.replace(".", "/") + ".py")).exists()
-                       or (PKG / n.replace(".", "/")).is_dir())
-            if len(parts) > 1:
-                out.add(".".join(parts[1:]))
-        elif isinstance(node, ast.Import):
-            out.update(a.name.split(".", 1)[1] for a in node.names
-                       if a.name.startswith("ssdsgd."))
-    return {m.removesuffix(".__init__") for m in out if m}
+    """The ssdsgd modules and packages ``path`` imports, relative to the package."""
+    names = (n.removeprefix("ssdsgd.") for n in _absolute_imports(path)
+             if n.startswith("ssdsgd."))
+    return {n for n in names if (PKG / (n.replace(".", "/") + ".py")).exists()
+            or (PKG / n.replace(".", "/")).is_dir()}
 
 
 def _module(path):

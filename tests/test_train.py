@@ -136,6 +136,7 @@ def test_cifar_pipeline_smoke(tmp_path, no_role):
     assert summary["final_accuracy"] is not None
 
 
+@pytest.mark.system
 def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     bad = digits_job(tmp_path, "bad", sync={"delay_steps": 0})
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SSDSGD_", "DMLC_"))}

@@ -7,11 +7,14 @@ What the layers above see (``Gather``: the replies of one request, to be waited 
                                         as of this step (and the optimizer state) -> Gather
     pull(keys, latest=, state=)         w_G as of this worker's last push (or the latest) -> Gather
     set_optimizer(spec), get_state(), set_state(states, spec)    every server -> Gather
+    set_compression(spec)               every later push compressed (and every server told)
     barrier(), close(error)
 
 The client numbers each key's pushes (the per-key step a server aggregates by), splits
 every request over the servers by the key placement (slices of big keys included), and
-``Gather.wait`` puts the replies back together: nothing above builds a message.
+``Gather.wait`` puts the replies back together: nothing above builds a message. With
+compression (docs/spec/compression.md) it keeps this worker's residual per key and sends
+each push's slices in their compressed form.
 
 ZeroMQ sockets belong to one thread, and SSD-SGD needs pushes and pulls in flight while
 the main thread computes, so all socket work happens on a background thread: the main
@@ -31,6 +34,7 @@ import numpy as np
 import zmq
 
 from . import protocol as P
+from .compression import CompressionError
 from .scheduler import JobAborted, SchedulerLink
 from .sharding import Placement
 
@@ -101,6 +105,13 @@ def _tensors(arrays):
     return list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
 
 
+@dataclasses.dataclass
+class Coded:
+    """An entry's compressed gradient: one payload per slice of the key's placement."""
+    encoding: str
+    payloads: list
+
+
 class WorkerClient:
     def __init__(self, env):
         self.env = env
@@ -131,6 +142,8 @@ class WorkerClient:
         self.num_workers = self.topology["num_workers"]
         self.num_servers = self.topology["num_servers"]
         self.placement = Placement(self.num_servers, env.bigarray_bound)
+        self.compression = None   # pushes are compressed with it (set_compression)
+        self._residuals = None    # this worker's error feedback, one residual per key
 
     # ---- the API -----------------------------------------------------------------------
     def init(self, keys, values=None):
@@ -147,12 +160,16 @@ class WorkerClient:
     def push(self, step, grads, *, pull=False, state=False):
         """grads: (key, flat gradient) of one step of this worker. With ``pull`` the reply
         (a Gather; else None) holds the weights once the step is applied, with ``state``
-        also the optimizer state, lr and update count."""
+        also the optimizer state, lr and update count. With compression each key is coded
+        with this worker's residual (so the arrays may be reused as soon as this returns)."""
         keys = [self._key(key) for key, _ in grads]
         flags = (P.Flag.PULL if pull else P.Flag.NONE) | (P.Flag.STATE if state else P.Flag.NONE)
-        gather = self.exchange(P.Kind.PUSH, [(key, k.pushes, flat, flat.dtype)
-                                             for (key, flat), k in zip(grads, keys)],
-                               step=step, flags=flags, reply=pull)
+        entries = [(key, k.pushes, flat, flat.dtype) for (key, flat), k in zip(grads, keys)]
+        if self._residuals is not None:
+            entries = [(key, n, Coded(self.compression.type, self._residuals.encode(
+                key, flat, [(sl.offset, sl.count) for sl in self.placement[key]])), dtype)
+                for key, n, flat, dtype in entries]
+        gather = self.exchange(P.Kind.PUSH, entries, step=step, flags=flags, reply=pull)
         for k in keys:
             k.pushes += 1
         return gather
@@ -168,6 +185,18 @@ class WorkerClient:
     def set_optimizer(self, spec):
         """Every server rebuilds the optimizer from its description (optimizer_spec)."""
         return self._every_server(P.Kind.SET_OPTIMIZER, meta={"optimizer": spec})
+
+    def set_compression(self, spec):
+        """Compress every later push with ``spec`` (a Compression) and tell every server
+        (each worker does; the servers check that they agree). Once only: MXNet cannot
+        change or unset it either."""
+        if self.compression is not None:
+            if spec != self.compression:
+                raise CompressionError(f"compression is already {self.compression.params()}; "
+                                       f"it cannot be changed to {spec.params()}")
+            return
+        self._every_server(P.Kind.SET_COMPRESSION, meta={"compression": spec.params()}).wait()
+        self.compression, self._residuals = spec, spec.residuals()
 
     def get_state(self):
         """Every key's weights and optimizer state (``Gather.meta['optimizer']``: the
@@ -235,8 +264,8 @@ class WorkerClient:
         first keys while the rest are still arriving (both directions of its link busy, as
         ps-lite's per-key messages achieve, with far fewer messages).
 
-        entries: (key, per-key step, tensors (see ``_tensors``), dtype); every key must be
-        placed already."""
+        entries: (key, per-key step, tensors (see ``_tensors``) or a ``Coded`` gradient,
+        dtype); every key must be placed already."""
         messages = self._split(entries, self.env.chunk_bytes)
         sizes = {key: sum(sl.count for sl in self.placement[key]) for key, _, _, _ in entries}
         dtypes = {key: np.dtype(dtype) for key, _, _, dtype in entries}
@@ -258,14 +287,19 @@ class WorkerClient:
         cut into messages of about ``chunk_bytes`` (None: one message per server)."""
         per_server = {}
         for key, kstep, arrays, dtype in entries:
-            arrays, itemsize = _tensors(arrays), np.dtype(dtype).itemsize
-            for sl in self.placement[key]:
+            coded = arrays if isinstance(arrays, Coded) else None
+            arrays, itemsize = ([] if coded else _tensors(arrays)), np.dtype(dtype).itemsize
+            for i, sl in enumerate(self.placement[key]):
                 chunks = per_server.setdefault(sl.server, [[[], [], 0]])
-                nbytes = sl.count * itemsize
+                nbytes = coded.payloads[i].nbytes if coded else sl.count * itemsize
                 if chunk_bytes and chunks[-1][0] and chunks[-1][2] + nbytes > chunk_bytes:
                     chunks.append([[], [], 0])
                 recs, tens, _ = chunk = chunks[-1]
                 chunk[2] += nbytes
+                if coded:
+                    recs.append((key, kstep, sl.offset, sl.count, dtype, 1, coded.encoding))
+                    tens.append([coded.payloads[i]])
+                    continue
                 recs.append((key, kstep, sl.offset, sl.count, dtype, len(arrays)))
                 tens.append([a[sl.offset:sl.offset + sl.count] for a in arrays])
         return per_server

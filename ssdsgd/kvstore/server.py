@@ -19,6 +19,7 @@ import zmq
 
 from . import hostcopy
 from . import protocol as P
+from .compression import Compression, CompressionError
 from .env import NodeEnv
 from .optimizer_spec import OptimizerSpecError, build, describe, flatten_state, unflatten_state
 from .scheduler import JobAborted, SchedulerLink, bind_router
@@ -73,6 +74,7 @@ class Server:
         self.shards = {}
         self.optimizer = None
         self.updater = None
+        self.compression = None   # the job's push compression (SET_COMPRESSION), if any
         self.pending_inits = []
         self._snapshots = {}   # (key, version) -> weights copied for replies, per message
         self.rank = -1
@@ -203,13 +205,46 @@ class Server:
         self.optimizer = optimizer
         self.updater = mx.optimizer.get_updater(optimizer)
 
+    def on_set_compression(self, ident, msg):
+        """Every worker sends the job's compression; they must agree (as they do when the
+        same script calls kv.set_gradient_compression on each)."""
+        self._check_sender(msg)
+        try:
+            spec = Compression.from_params(msg.meta.get("compression"))
+        except CompressionError as e:
+            raise RequestError(f"SET_COMPRESSION: {e}") from None
+        if spec is None:
+            raise RequestError("SET_COMPRESSION without a compression")
+        if self.compression is not None and spec != self.compression:
+            raise RequestError(f"worker {msg.sender} sets compression {spec.params()}, but the "
+                               f"job compresses with {self.compression.params()}")
+        self.compression = spec
+        self._send(ident, P.Message(P.Kind.ACK, sender=self.rank, req=msg.req))
+
+    def _gradient(self, rec, arrays, shard):
+        """A push's gradient of ``shard``: as sent, or decoded from its compressed form."""
+        code = int(rec["encoding"])
+        if not code:
+            return arrays[0]
+        encoding = P.ENCODINGS[code]
+        if shard.dtype != np.float32:
+            raise RequestError(f"key {shard.key}: a compressed push for a {shard.dtype} key "
+                               f"(compression needs float32)")
+        if self.compression is None or encoding != self.compression.type:
+            raise RequestError(f"key {shard.key}: a {encoding} push, but the job's compression "
+                               f"is {self.compression.type if self.compression else 'none'}")
+        try:
+            return self.compression.decode(arrays[0], shard.count)
+        except CompressionError as e:
+            raise RequestError(f"key {shard.key}: {e}") from None
+
     def on_push(self, ident, msg):
         self._check_sender(msg)
         shards = []
         if len(np.unique(msg.records["key"])) != len(msg.records):
             raise RequestError("a push names a key twice")
         for rec, arrays in zip(msg.records, msg.tensors):
-            shard = self._shard_for(rec, with_values=True)
+            shard = self._shard_for(rec, with_values=not rec["encoding"])
             step = int(rec["step"])
             if len(arrays) != 1:
                 raise RequestError(f"key {shard.key}: a push carries one gradient per key")
@@ -222,7 +257,7 @@ class Server:
                                        f"{MAX_STEPS_AHEAD}+ steps ahead of the slowest worker")
                 if msg.sender in shard.pending.get(step, ()):
                     raise RequestError(f"key {shard.key}: worker {msg.sender} pushed step {step} twice")
-            shards.append((shard, step, arrays[0]))
+            shards.append((shard, step, self._gradient(rec, arrays, shard)))
         reply = None
         if msg.flags & P.Flag.PULL:
             reply = Reply(ident, msg.req, len(shards), bool(msg.flags & P.Flag.STATE))
@@ -326,7 +361,7 @@ class Server:
 
     HANDLERS = {P.Kind.INIT: on_init, P.Kind.SET_OPTIMIZER: on_set_optimizer,
                 P.Kind.PUSH: on_push, P.Kind.PULL: on_pull, P.Kind.GET_STATE: on_get_state,
-                P.Kind.SET_STATE: on_set_state}
+                P.Kind.SET_STATE: on_set_state, P.Kind.SET_COMPRESSION: on_set_compression}
 
     # ---- loop ----------------------------------------------------------------------
     def handle(self, frames):

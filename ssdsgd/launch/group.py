@@ -216,8 +216,19 @@ class GroupLauncher:
         for raw in iter(stream.readline, b""):
             self._own(raw)
 
+    hostfile = None     # a temporary hostfile the group command reads (mpi, slurm)
+
     def wait(self, timeout=None):
-        return self.popen.wait(timeout) if self.popen else None
+        """The group command's exit code (None while it runs); once it has ended, the
+        temporary hostfile it read is removed."""
+        code = self.popen.wait(timeout) if self.popen else None
+        if code is not None and self.hostfile:
+            try:
+                os.unlink(self.hostfile)
+            except OSError:
+                pass
+            self.hostfile = None
+        return code
 
     def send_signal(self, sig):
         """Once per signal: the group command forwards it to every rank; SIGKILL ends the

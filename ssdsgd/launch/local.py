@@ -40,6 +40,16 @@ def die_with_parent(sig=signal.SIGKILL):
     return preexec
 
 
+def kill_group(pid, sig):
+    """Send ``sig`` to the process group led by ``pid`` (a child started with
+    ``start_new_session=True``), so nothing it started survives it; a group that is gone
+    already, or not ours, is no error."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class LocalProcess:
     def __init__(self, role, rank, popen, host=None):
         self.role, self.rank, self.popen, self.host = role, rank, popen, host
@@ -59,10 +69,7 @@ class LocalProcess:
     def signal(self, sig):
         """Signal the child's whole process group (it runs in a session of its own), so
         nothing it started survives it."""
-        try:
-            os.killpg(self.popen.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(self.popen.pid, sig)
 
 
 def start_child(cmd, env, cwd=None, stdin=subprocess.DEVNULL):

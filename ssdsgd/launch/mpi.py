@@ -69,13 +69,3 @@ class MPILauncher(GroupLauncher):
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         return cmd + shlex.split(self.opts.mpi_args or "")
-
-    def wait(self, timeout=None):
-        code = super().wait(timeout)
-        if code is not None and getattr(self, "hostfile", None):
-            try:
-                os.unlink(self.hostfile)
-            except OSError:
-                pass
-            self.hostfile = None
-        return code

@@ -90,13 +90,3 @@ class SlurmLauncher(GroupLauncher):
 
     def extra_env(self):
         return {"SLURM_HOSTFILE": self.hostfile}
-
-    def wait(self, timeout=None):
-        code = super().wait(timeout)
-        if code is not None and getattr(self, "hostfile", None):
-            try:
-                os.unlink(self.hostfile)
-            except OSError:
-                pass
-            self.hostfile = None
-        return code
