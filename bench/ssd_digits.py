@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import machine_info  # noqa: E402
-from ssdsgd.launch.local import kill_group  # noqa: E402
+from ssdsgd.launch.local import signal_group  # noqa: E402
 from ssdsgd.metrics import metrics_path, read_records  # noqa: E402
 from ssdsgd.report import text_table, validation_curve  # noqa: E402
 
@@ -199,11 +199,11 @@ def run_job(cmd, env, log_path: Path, append: bool, deadline: float):
                     timed_out = True
                     break
             if timed_out:
-                kill_group(proc.pid, signal.SIGTERM)
+                signal_group(proc, signal.SIGTERM)
             proc.wait(timeout=max(5.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
             timed_out = True
-            kill_group(proc.pid, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
             proc.wait()
     return proc.returncode, run_dir, timed_out
 

@@ -50,6 +50,29 @@ def kill_group(pid, sig):
         pass
 
 
+def signal_group(popen, sig):
+    """kill_group for a child we started, safe after it has been reaped.
+
+    Until the leader is reaped its pid stays reserved. Once reaped (``returncode`` set),
+    the kernel may give the pid to a new process, which can lead a session of its own; a
+    live process with that pid is therefore a stranger, and its group is left alone. With
+    no such process the group, if any, is ours: a pid is not reused while a group of that
+    id has members (children the leader left behind)."""
+    if popen.returncode is not None and _exists(popen.pid):
+        return
+    kill_group(popen.pid, sig)
+
+
+def _exists(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class LocalProcess:
     def __init__(self, role, rank, popen, host=None):
         self.role, self.rank, self.popen, self.host = role, rank, popen, host
@@ -69,7 +92,7 @@ class LocalProcess:
     def signal(self, sig):
         """Signal the child's whole process group (it runs in a session of its own), so
         nothing it started survives it."""
-        kill_group(self.popen.pid, sig)
+        signal_group(self.popen, sig)
 
 
 def start_child(cmd, env, cwd=None, stdin=subprocess.DEVNULL):

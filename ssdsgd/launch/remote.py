@@ -50,8 +50,8 @@ def add_arguments(p, launchers=("local", "ssh", "mpi", "slurm"), default_launche
     tools/launch.py (dmlc-tracker) and horovodrun."""
     g = p.add_argument_group("several machines (docs/launch.md)")
     g.add_argument("--launcher", choices=launchers, default=default_launcher,
-                   help="how the processes are started (default: %(default)s, or "
-                   "cluster.launcher of the config)")
+                   help="how the processes are started (default: cluster.launcher of the "
+                   "config, else local)")
     g.add_argument("-H", "--hostfile", metavar="FILE", help="hosts, one a line: dmlc's "
                    "host[:ssh_port] or Horovod's 'host slots=N'")
     g.add_argument("--hosts", metavar="H1:SLOTS,H2:SLOTS", help="hosts as a list, e.g. "

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from ssdsgd.launch.local import kill_group
+from ssdsgd.launch.local import signal_group
 
 __all__ = ['REPO', 'DIST', 'clean_env', 'stop_groups', 'run_dist']
 
@@ -37,19 +37,19 @@ def stop_groups(popens, grace: float = 2.0) -> None:
     """Stop the process groups led by ``popens`` (started with start_new_session=True).
 
     SIGTERM every group still running and wait up to ``grace`` seconds (0: skip this),
-    then SIGKILL every group, also those whose leader has exited (a child may linger),
-    and reap the leaders.
+    then SIGKILL every group, also those whose leader has exited (a child may linger) but
+    never a group that is no longer ours (see ``signal_group``), and reap the leaders.
     """
     running = [p for p in popens if p.poll() is None]
     if grace > 0:
         for p in running:
-            kill_group(p.pid, signal.SIGTERM)
+            signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while running and time.monotonic() < deadline:
             running = [p for p in running if p.poll() is None]
             time.sleep(_POLL_S)
     for p in popens:
-        kill_group(p.pid, signal.SIGKILL)
+        signal_group(p, signal.SIGKILL)
     for p in popens:
         try:
             p.wait(timeout=5)
