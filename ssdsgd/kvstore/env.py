@@ -56,6 +56,7 @@ class NodeEnv:
     max_message_bytes: int
     start_step: int
     chunk_bytes: int
+    secret_file: str | None = None   # the job's keys (0600 file; kvstore/security.py)
 
     @classmethod
     def from_environ(cls, env=None):
@@ -87,4 +88,5 @@ class NodeEnv:
             max_message_bytes=positive("SSDSGD_MAX_MESSAGE_BYTES", int, 1 << 34),
             start_step=positive("SSDSGD_START_STEP", int, 0, 0),
             chunk_bytes=positive("SSDSGD_CHUNK_BYTES", int, 4 << 20),
+            secret_file=_get(env, "SSDSGD_SECRET_FILE", str, None),
         )

@@ -30,6 +30,8 @@ def _command_form(argv):
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process, e.g. SSDSGD_ALGORITHM=ssgd")
+    p.add_argument("--secure", action="store_true", help="encrypt and authenticate every "
+                   "connection with ZeroMQ CURVE (docs/reliability.md)")
     args = p.parse_args(opts)
     if not cmd:
         p.error("no command after --")
@@ -42,7 +44,7 @@ def _command_form(argv):
             p.error(f"--env {item!r}: expected KEY=VALUE")
         extra[key] = value
     return run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
-                   launcher=args.launcher)
+                   launcher=args.launcher, secure=args.secure)
 
 
 def _config_form(argv):
@@ -57,6 +59,8 @@ def _config_form(argv):
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last "
                    "checkpoint (--set overrides are written to RUN_DIR/config.yaml)")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
+    p.add_argument("--secure", action="store_true", help="encrypt and authenticate every "
+                   "connection with ZeroMQ CURVE (docs/reliability.md)")
     args = p.parse_args(argv)
     if not args.config and not args.resume:
         p.error("give a CONFIG.yaml (or --resume RUN_DIR)")
@@ -89,7 +93,8 @@ def _config_form(argv):
     t0 = time.monotonic()
     code = run_job(config.cluster.workers, config.cluster.servers, cmd, env,
                    port=args.port or None, launcher=config.cluster.launcher, progress=progress,
-                   stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr))
+                   stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr),
+                   secure=args.secure)
     if code == 0:
         from ..report import ReportError, finished_run
         try:

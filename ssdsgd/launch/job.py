@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from ..kvstore.security import ENV_VAR as SECRET_ENV, KeyFile
 from .local import LAUNCHERS
 
 GRACE_SECONDS = 5.0
@@ -51,7 +52,7 @@ def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0
 
 
 def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, launcher="local",
-            progress=None, log=None, stdout=None, stderr=None):
+            progress=None, log=None, stdout=None, stderr=None, secure=False):
     """Start the job and wait for it; returns the exit code for the launcher's process."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     log = log or (lambda text: print(f"[launcher] {text}", file=stderr, flush=True))
@@ -64,6 +65,9 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
         runner = launcher          # an instance with the LocalLauncher interface
     port = port or free_port()
     env = base_env(num_workers, num_servers, port, extra_env, runner.scheduler_host)
+    keys = KeyFile(secure)    # only this job's processes may join it (kvstore/security.py)
+    if SECRET_ENV not in (extra_env or {}):
+        env.update(keys.env)
     py = sys.executable
     plan = [("scheduler", 0, [py, "-m", "ssdsgd.node"])]
     plan += [("server", r, [py, "-m", "ssdsgd.node"]) for r in range(num_servers)]
@@ -120,6 +124,7 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
             time.sleep(0.1)
     finally:
         _stop_all(runner, procs)
+        keys.remove()
         for t in pumps:
             t.join(timeout=2)
         if progress is not None:
