@@ -31,7 +31,6 @@ import tempfile
 import threading
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 ENV_VAR = "SSDSGD_SECRET_FILE"
 ZAP_DOMAIN = "ssdsgd"
@@ -124,39 +123,46 @@ class KeyFile:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class _Gate(ThreadAuthenticator):
-    """The ZAP handler of a scheduler or server: admits the job's processes only, and
-    says (a bounded number of times) whom it refused."""
+def _gate(ctx, keys, log):
+    """The ZAP handler of a scheduler or server (pyzmq's authenticator thread, imported
+    here: workers, which only connect, never load asyncio for it)."""
+    from zmq.auth.thread import ThreadAuthenticator
 
-    def __init__(self, ctx, keys, log):
-        super().__init__(ctx)
-        self.keys, self.note, self.refused, self.peer = keys, log, 0, "?"
-        self._lock = threading.Lock()
+    class Gate(ThreadAuthenticator):
+        """Admits the job's processes only, and says (a bounded number of times) whom
+        it refused."""
 
-    async def handle_zap_message(self, msg):
-        self.peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
-        await super().handle_zap_message(msg)
+        def __init__(self):
+            super().__init__(ctx)
+            self.refused, self.peer = 0, "?"
+            self._lock = threading.Lock()
 
-    def _refuse(self, why):
-        with self._lock:
-            self.refused += 1
-            n = self.refused
-        if n <= 10 or n % 1000 == 0:
-            self.note(f"refused a connection from {self.peer}: {why} (refusal {n})")
+        async def handle_zap_message(self, msg):
+            self.peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+            await super().handle_zap_message(msg)
 
-    def _authenticate_plain(self, domain, username, password):
-        ok = (username.encode() == PLAIN_USER
-              and hmac.compare_digest(password.encode(), self.keys.token))
-        if not ok:
-            self._refuse("it does not hold this job's key file (wrong PLAIN token)")
-        return ok, b"OK" if ok else b"not a process of this job"
+        def _refuse(self, why):
+            with self._lock:
+                self.refused += 1
+                n = self.refused
+            if n <= 10 or n % 1000 == 0:
+                log(f"refused a connection from {self.peer}: {why} (refusal {n})")
 
-    def callback(self, domain, key):
-        """CURVE: only the job's client key."""
-        ok = hmac.compare_digest(key, self.keys.curve["client_public"].encode())
-        if not ok:
-            self._refuse("its CURVE key is not this job's")
-        return ok
+        def _authenticate_plain(self, domain, username, password):
+            ok = (username.encode() == PLAIN_USER
+                  and hmac.compare_digest(password.encode(), keys.token))
+            if not ok:
+                self._refuse("it does not hold this job's key file (wrong PLAIN token)")
+            return ok, b"OK" if ok else b"not a process of this job"
+
+        def callback(self, domain, key):
+            """CURVE: only the job's client key."""
+            ok = hmac.compare_digest(key, keys.curve["client_public"].encode())
+            if not ok:
+                self._refuse("its CURVE key is not this job's")
+            return ok
+
+    return Gate()
 
 
 class Guard:
@@ -180,7 +186,7 @@ class Guard:
         if self.keys is None:
             return
         if self.gate is None:
-            self.gate = _Gate(ctx, self.keys, self.log)
+            self.gate = _gate(ctx, self.keys, self.log)
             self.gate.start()
             if self.keys.curve:
                 self.gate.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self.gate)
