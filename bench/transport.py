@@ -2,7 +2,7 @@
 
     python bench/transport.py [--reps 5] [--big-mb 100] [--small-keys 160]
                               [--small-steps 50] [--workers 2] [--servers 1]
-                              [--only native|ssd] [--json FILE]
+                              [--only native|ssd|secure] [--no-secure] [--json FILE]
 
 Runs bench/transport_worker.py as every worker of two local jobs, one after the other:
 native dist_sync (ps-lite, started by ssdsgd.testing.run_native) and ssd_sync (started
@@ -16,7 +16,9 @@ by launch/dist.py), and prints one table:
 
 Figures are medians over the timed repetitions, then averaged over the workers.
 The ratio column is ssd_sync / native; it reads "better" above 1 for GB/s and below 1
-for ms/step.  If launch/dist.py does not exist yet, the ssd_sync part is skipped.
+for ms/step. The "secure" columns run ssd_sync once more with ``launch/dist.py --secure``
+(ZeroMQ CURVE: every connection authenticated and encrypted) and give secure / ssd_sync,
+the cost of encryption.  If launch/dist.py does not exist yet, the ssd_sync part is skipped.
 """
 import argparse
 import json
@@ -49,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument('--small-steps', type=int, default=50, help='timed trainer.step calls')
     p.add_argument('--workers', type=int, default=2)
     p.add_argument('--servers', type=int, default=1)
-    p.add_argument('--only', choices=['native', 'ssd'], help='run one side only')
+    p.add_argument('--only', choices=['native', 'ssd', 'secure'], help='run one side only')
+    p.add_argument('--no-secure', action='store_true', help='skip the --secure (CURVE) run')
     p.add_argument('--timeout', type=float, default=900, help='seconds per job')
     p.add_argument('--json', help='also write the raw per-worker results here')
     return p.parse_args(argv)
@@ -74,9 +77,9 @@ def run_native_side(args, out):
     return load_results(out, args.workers)
 
 
-def run_ssd_side(args, out):
+def run_ssd_side(args, out, secure=False):
     cmd = [sys.executable, str(DIST), '-n', str(args.workers), '-s', str(args.servers),
-           '--env', 'SSDSGD_ALGORITHM=ssgd']
+           '--env', 'SSDSGD_ALGORITHM=ssgd'] + (['--secure'] if secure else [])
     for k, v in JOB_ENV.items():
         cmd += ['--env', f'{k}={v}']
     cmd += ['--', *worker_cmd('ssd_sync', out, args)]
@@ -115,7 +118,7 @@ def fmt(x, spec):
     return '-' if x is None else format(x, spec)
 
 
-def print_table(args, native, ssd, notes):
+def print_table(args, native, ssd, notes, secure=None):
     size = f'{args.big_mb:g} MB'
     rows = [
         (f'big: pushpull {size}, GB/s/worker (higher better)', 'big_gbps', '.3f'),
@@ -125,13 +128,17 @@ def print_table(args, native, ssd, notes):
             f'small steps {args.small_steps}; medians, mean over workers')
     print(head)
     w0 = max(len(r[0]) for r in rows)
-    print(f'{"":{w0}}  {"native":>10}  {"ssd_sync":>10}  {"ssd/native":>10}')
+    print(f'{"":{w0}}  {"native":>10}  {"ssd_sync":>10}  {"ssd/native":>10}'
+          f'  {"secure":>10}  {"secure/ssd":>10}')
     for label, key, spec in rows:
         a = native[key] if native else None
         b = ssd[key] if ssd else None
+        c = secure[key] if secure else None
         ratio = b / a if a and b is not None else None
-        print(f'{label:{w0}}  {fmt(a, spec):>10}  {fmt(b, spec):>10}  {fmt(ratio, ".2f"):>10}')
-    for side, s in (('native', native), ('ssd_sync', ssd)):
+        cost = c / b if b and c is not None else None
+        print(f'{label:{w0}}  {fmt(a, spec):>10}  {fmt(b, spec):>10}  {fmt(ratio, ".2f"):>10}'
+              f'  {fmt(c, spec):>10}  {fmt(cost, ".2f"):>10}')
+    for side, s in (('native', native), ('ssd_sync', ssd), ('secure', secure)):
         if s:
             per = ', '.join(f'{g:.3f}' for g in s['big_gbps_workers'])
             per_ms = ', '.join(f'{m:.2f}' for m in s['small_ms_workers'])
@@ -144,7 +151,7 @@ def print_table(args, native, ssd, notes):
 
 def main(argv=None):
     args = parse_args(argv)
-    native = ssd = None
+    native = ssd = secure = None
     notes, raw = [], {}
     with tempfile.TemporaryDirectory(prefix='transport-bench-') as tmp:
         if args.only in (None, 'native'):
@@ -162,10 +169,17 @@ def main(argv=None):
                     ssd = summarize(raw['ssd'])
                 except RuntimeError as e:
                     notes.append(f'ssd_sync part failed: {e}')
-    print_table(args, native, ssd, notes)
+        if args.only in (None, 'secure') and not args.no_secure and DIST.exists():
+            try:
+                raw['secure'] = run_ssd_side(args, Path(tmp) / 'secure', secure=True)
+                secure = summarize(raw['secure'])
+            except RuntimeError as e:
+                notes.append(f'secure part failed: {e}')
+    print_table(args, native, ssd, notes, secure)
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=1))
-    failed = any(n.startswith(('native part failed', 'ssd_sync part failed')) for n in notes)
+    failed = any(n.startswith(('native part failed', 'ssd_sync part failed', 'secure part failed'))
+                 for n in notes)
     return 1 if failed else 0
 
 
