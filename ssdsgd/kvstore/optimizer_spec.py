@@ -213,7 +213,7 @@ def build(spec, check=True):
 
 def _create(spec):
     try:
-        params = dict(spec["params"])
+        params = dict(spec.get("params", {}))
         sched = spec.get("lr_scheduler")
         if sched:
             cls = getattr(mx.lr_scheduler, sched["class"])

@@ -31,6 +31,7 @@ import tempfile
 import threading
 
 import zmq
+from zmq.utils import z85
 
 ENV_VAR = "SSDSGD_SECRET_FILE"
 ZAP_DOMAIN = "ssdsgd"
@@ -94,7 +95,7 @@ class JobKeys:
                 if curve is not None:
                     curve = {k: str(curve[k]) for k in _CURVE_FIELDS}
                     for value in curve.values():
-                        zmq.utils.z85.decode(value.encode())
+                        z85.decode(value.encode())
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise SecurityError(f"{ENV_VAR}={path}: not a job key file ({e!r:.80})") from None
         if len(secret) < 16:

@@ -112,8 +112,8 @@ class Server:
         self.rank = -1
         self.num_workers = env.num_workers
         self.peers = {}        # connection id -> Peer, from the scheduler's topology
-        self.started = False   # a push arrived: no more INITs of new keys or SET_OPTIMIZER
         self.steps_ahead = steps_ahead_bound(env)
+        self.unread = 0        # replies dropped because a stranger's queue was full
         self.rejected = Rejections(lambda text: self.log(text))
         self.log(f"listening on {env.node_host}:{self.port}; {self.guard.describe()}")
 
@@ -129,6 +129,10 @@ class Server:
             if peer is not None:
                 raise Fatal(f"worker {peer.rank} does not read its replies ({SNDHWM} queued); "
                             "stopping the job") from None
+            self.unread += 1
+            if self.unread in (1, 10) or self.unread % 10_000 == 0:
+                self.log(f"dropped {self.unread} replies so far to peers that do not read them "
+                         f"({SNDHWM} queued; not nodes of this job)")
             return None
         except zmq.ZMQError as e:
             self.log(f"could not reply to {'worker %d' % peer.rank if peer else 'a peer'} "
@@ -231,20 +235,18 @@ class Server:
 
     def _only_rank0(self, msg, what):
         if msg.sender != 0:
-            raise RequestError(f"{what} comes from worker 0 only, not worker {msg.sender}")
+            raise RequestError(f"only worker 0 may send {what} (this is worker {msg.sender})")
 
     # ---- handlers ------------------------------------------------------------------
     def on_init(self, ident, msg):
-        """Keys are declared once, before training: rank 0's values, the others wait."""
+        """Each key is declared once, by worker 0's values (the model it declares); the
+        other workers' INITs wait for them, holding no tensors."""
         new = {}
         for rec, arrays in zip(msg.records, msg.tensors):
             key = int(rec["key"])
             if key in self.shards or key in new or not arrays:
                 continue
-            if self.started:
-                raise RequestError(f"key {key}: INIT of a new key after training started "
-                                   "(every key is initialized once, before the first push)")
-            self._only_rank0(msg, f"key {key}: initial values")
+            self._only_rank0(msg, f"the initial values of key {key}")
             if len(arrays) != 1:
                 raise RequestError(f"key {key}: INIT carries one tensor per key")
             new[key] = (int(rec["offset"]), arrays[0])
@@ -279,11 +281,17 @@ class Server:
         for i, shard in enumerate(shards):
             self._snapshot(reply, i, shard)
 
+    def _between_steps(self, what):
+        """Changing the optimizer while a step is half aggregated would apply two
+        optimizers within one step."""
+        for shard in self.shards.values():
+            if shard.pending:
+                raise RequestError(f"{what} while step {min(shard.pending)} of key "
+                                   f"{shard.key} is being aggregated; set it between steps")
+
     def on_set_optimizer(self, ident, msg):
         self._only_rank0(msg, "SET_OPTIMIZER")
-        if self.started:
-            raise RequestError("SET_OPTIMIZER after training started: the optimizer is set "
-                               "once, before the first push")
+        self._between_steps("SET_OPTIMIZER")
         try:
             optimizer = build(msg.meta["optimizer"])
         except OptimizerSpecError as e:
@@ -326,7 +334,6 @@ class Server:
 
     def on_push(self, ident, msg):
         shards = self._check_push(msg)
-        self.started = True
         reply = None
         if msg.flags & P.Flag.PULL:
             reply = self._new_reply(ident, msg, len(shards), bool(msg.flags & P.Flag.STATE))
@@ -417,6 +424,7 @@ class Server:
 
     def on_set_state(self, ident, msg):
         self._only_rank0(msg, "SET_STATE")
+        self._between_steps("SET_STATE")
         optimizer, updater = self.optimizer, self.updater
         if "optimizer" in msg.meta:
             try:
