@@ -269,6 +269,12 @@ def test_only_processes_with_the_job_key_can_register(job_factory, tmp_path):
         for stray in strays:    # the registration race: both ask for rank 1 before the workers
             stray.send_multipart(P.control(P.Kind.REGISTER, {
                 "role": "worker", "rank": 1, "routing_id": os.urandom(16).hex()}))
+        for wrong in (other.path, ""):    # a worker of ours with the wrong file, or none
+            started = time.monotonic()
+            with pytest.raises(JobAborted, match="refused this worker's connection .* does "
+                                                 "not hold this job's keys"):
+                WorkerClient(job.worker_env(SSDSGD_SECRET_FILE=wrong))
+            assert time.monotonic() - started < 10
         c0, c1 = job.start_workers()
         assert (c0.rank, c1.rank) == (0, 1)
         for stray in strays:

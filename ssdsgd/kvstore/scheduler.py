@@ -15,10 +15,15 @@ import sys
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
 from .env import NodeEnv
 from .security import Guard
+
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class JobAborted(RuntimeError):
@@ -287,7 +292,22 @@ class SchedulerLink:
         self.send(P.Kind.REGISTER, meta)
         deadline = time.monotonic() + max(60.0, 4 * self.env.heartbeat_timeout) + 10
         where = f"{self.env.scheduler_host}:{self.env.scheduler_port}"
+        monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        try:
+            return self._await_topology(deadline, where, monitor)
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(0)
+
+    def _await_topology(self, deadline, where, monitor):
         while time.monotonic() < deadline:
+            if monitor.poll(0):
+                event = recv_monitor_message(monitor)["event"]
+                raise JobAborted(
+                    f"the scheduler at {where} refused this {self.role}'s connection "
+                    f"({zmq.Event(event).name}): it does not hold this job's keys "
+                    f"(SSDSGD_SECRET_FILE={self.env.secret_file or 'unset'}, mode "
+                    f"{self.guard.mode})")
             if self.sock.poll(200):
                 try:
                     msg = P.receive(self.sock.recv_multipart(), max_bytes=0)
@@ -301,11 +321,9 @@ class SchedulerLink:
                 if msg.kind in (P.Kind.ERROR, P.Kind.ABORT):
                     raise JobAborted(f"the scheduler at {where} refused this {self.role}: "
                                      f"{msg.meta.get('error') or msg.meta.get('reason')}")
-        hint = ("; is it running, are all "
-                f"{self.env.num_workers} workers and {self.env.num_servers} servers started")
-        if self.guard.mode != "open":
-            hint += f", and do they share this job's key file ({self.guard.mode})"
-        raise JobAborted(f"no topology from the scheduler at {where} in time{hint}?")
+        raise JobAborted(f"no topology from the scheduler at {where} in time; is it running "
+                         f"and are all {self.env.num_workers} workers and "
+                         f"{self.env.num_servers} servers started?")
 
     def tick(self):
         """Send a heartbeat when due; raise JobAborted when the scheduler went silent."""
