@@ -191,62 +191,87 @@ class RealModel:
         self.mx.nd.waitall()
 
 
-def run_throughput(args, kv):
-    import mxnet as mx
-    from mxnet import gluon
-    ctx = mx.cpu()
-    if args.workload == 'emulated':
-        params, model = emulated_params(args), None
-    else:
-        model = RealModel(args, ctx)
-        params = model.params()
-    trainer = gluon.Trainer(params, 'sgd', {'learning_rate': 1e-4, 'momentum': 0.9},
-                            kvstore=kv)
-    num_workers = kv.num_workers if kv is not None else 1
-    grad_batch = args.batch * (num_workers if is_sync(kv) else 1)
-    trained = [i for i, p in enumerate(params) if p.grad_req != 'null']
-    dev = net_device()
+class Throughput:
+    """The emulated or real workload's step on ``kv``: compute, then exchange (the
+    Trainer's step and waiting for every weight)."""
 
-    def compute():
-        if model is None:
-            time.sleep(args.compute_s)
+    def __init__(self, args, kv):
+        import mxnet as mx
+        from mxnet import gluon
+        self.mx, self.args, self.kv = mx, args, kv
+        if args.workload == 'emulated':
+            self.params, self.model = emulated_params(args), None
         else:
-            model.compute()
+            self.model = RealModel(args, mx.cpu())
+            self.params = self.model.params()
+        self.trainer = gluon.Trainer(self.params, 'sgd',
+                                     {'learning_rate': 1e-4, 'momentum': 0.9}, kvstore=kv)
+        num_workers = kv.num_workers if kv is not None else 1
+        self.grad_batch = args.batch * (num_workers if is_sync(kv) else 1)
+        self.trained = [i for i, p in enumerate(self.params) if p.grad_req != 'null']
 
-    def exchange():
-        trainer.step(grad_batch, ignore_stale_grad=True)
-        mx.nd.waitall()
+    def compute(self):
+        if self.model is None:
+            time.sleep(self.args.compute_s)
+        else:
+            self.model.compute()
 
+    def exchange(self):
+        self.trainer.step(self.grad_batch, ignore_stale_grad=True)
+        self.mx.nd.waitall()
+
+    def drain(self):
+        """ssd_sync (ssd): pull every weight as of the last step; the seconds it took."""
+        if not drains(self.kv):
+            return 0.0
+        a = time.perf_counter()
+        self.kv.pull(self.trained, out=[self.params[i].list_data() for i in self.trained])
+        self.mx.nd.waitall()
+        return time.perf_counter() - a
+
+    def param_bytes(self):
+        return int(sum(self.params[i].data().size * 4 for i in self.trained))
+
+
+def run_throughput(args, kv):
+    job = Throughput(args, kv)
+    dev = net_device()
     for _ in range(args.warmup):
-        compute()
-        exchange()
+        job.compute()
+        job.exchange()
     barrier(kv)
     c0, m0 = read_counters(dev), kv_metrics(kv)
     t_start = time.time()
+    timed = timed_steps(job, args.steps, t_start)
+    drain_s = job.drain()
+    t_end = time.time()
+    c1, m1 = read_counters(dev), kv_metrics(kv)
+    res = {'t_start': t_start, 't_end': t_end, 'steps': args.steps, 'batch': args.batch,
+           **timed, 'drain_s': drain_s, 'net_dev': dev,
+           'param_bytes': job.param_bytes(), 'num_keys': len(job.trained)}
+    res.update(counter_deltas(c0, c1, m0, m1))
+    return res
+
+
+def timed_steps(job, steps, t_start):
+    """compute_s and blocked_s (sums over the steps) and every step's end time."""
     compute_s = blocked_s = 0.0
     step_ends = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         a = time.perf_counter()
-        compute()
+        job.compute()
         b = time.perf_counter()
-        exchange()
+        job.exchange()
         c = time.perf_counter()
         compute_s += b - a
         blocked_s += c - b
         step_ends.append(time.time() - t_start)
-    drain_s = 0.0
-    if drains(kv):
-        a = time.perf_counter()
-        kv.pull(trained, out=[params[i].list_data() for i in trained])
-        mx.nd.waitall()
-        drain_s = time.perf_counter() - a
-    t_end = time.time()
-    c1, m1 = read_counters(dev), kv_metrics(kv)
-    res = {'t_start': t_start, 't_end': t_end, 'steps': args.steps, 'batch': args.batch,
-           'compute_s': compute_s, 'blocked_s': blocked_s, 'drain_s': drain_s,
-           'step_ends': step_ends, 'net_dev': dev,
-           'param_bytes': int(sum(params[i].data().size * 4 for i in trained)),
-           'num_keys': len(trained)}
+    return {'compute_s': compute_s, 'blocked_s': blocked_s, 'step_ends': step_ends}
+
+
+def counter_deltas(c0, c1, m0, m1):
+    """The interface's bytes and the kvstore's figures over the timed region."""
+    res = {}
     if c0 and c1:
         res['tx_bytes'], res['rx_bytes'] = c1[0] - c0[0], c1[1] - c0[1]
     if m0 and m1:
@@ -257,55 +282,68 @@ def run_throughput(args, kv):
     return res
 
 
-def run_digits(args, kv):
-    import mxnet as mx
-    from mxnet import autograd, gluon
-    sys.path.insert(0, str(REPO))
-    from ssdsgd.data import shard_indices
-    from ssdsgd.data.digits import DigitsDataset
-    from ssdsgd.models import digits_mlp, initializer
-    mx.random.seed(args.seed)
-    np.random.seed(args.seed)
-    ds = DigitsDataset()
-    rank = kv.rank if kv is not None else 0
-    num_workers = kv.num_workers if kv is not None else 1
-    spe = ds.n_train // (num_workers * args.batch)
-    total = args.epochs * spe
-    net = digits_mlp(10)
-    net.initialize(initializer('digits_mlp'))
-    net.hybridize(static_alloc=True, static_shape=True)
-    sched = mx.lr_scheduler.CosineScheduler(max_update=total, base_lr=args.lr, final_lr=0)
-    trainer = gluon.Trainer(net.collect_params(), 'sgd',
-                            {'learning_rate': args.lr, 'momentum': 0.9, 'wd': 1e-4,
-                             'lr_scheduler': sched}, kvstore=kv)
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    grad_batch = args.batch * (num_workers if is_sync(kv) else 1)
+class Digits:
+    """The digits demo's model, data shard and Trainer on ``kv`` (rank 0 evaluates)."""
 
-    def evaluate():
+    def __init__(self, args, kv):
+        import mxnet as mx
+        from mxnet import gluon
+        sys.path.insert(0, str(REPO))
+        from ssdsgd.data.digits import DigitsDataset
+        from ssdsgd.models import digits_mlp, initializer
+        mx.random.seed(args.seed)
+        np.random.seed(args.seed)
+        self.mx, self.args = mx, args
+        self.ds = DigitsDataset()
+        self.rank = kv.rank if kv is not None else 0
+        self.num_workers = kv.num_workers if kv is not None else 1
+        self.spe = self.ds.n_train // (self.num_workers * args.batch)
+        self.total = args.epochs * self.spe
+        self.net = digits_mlp(10)
+        self.net.initialize(initializer('digits_mlp'))
+        self.net.hybridize(static_alloc=True, static_shape=True)
+        sched = mx.lr_scheduler.CosineScheduler(max_update=self.total, base_lr=args.lr,
+                                                final_lr=0)
+        self.trainer = gluon.Trainer(self.net.collect_params(), 'sgd',
+                                     {'learning_rate': args.lr, 'momentum': 0.9, 'wd': 1e-4,
+                                      'lr_scheduler': sched}, kvstore=kv)
+        self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+        self.grad_batch = args.batch * (self.num_workers if is_sync(kv) else 1)
+
+    def evaluate(self):
         correct = 0
-        for x, y in ds.val_batches(120):
-            correct += int((net(mx.nd.array(x)).asnumpy().argmax(axis=1) == y).sum())
-        return correct / ds.n_val
+        for x, y in self.ds.val_batches(120):
+            out = self.net(self.mx.nd.array(x)).asnumpy()
+            correct += int((out.argmax(axis=1) == y).sum())
+        return correct / self.ds.n_val
 
+    def train_step(self, idx):
+        from mxnet import autograd
+        x, y = self.ds.train_batch(idx, None)
+        with autograd.record():
+            loss = self.loss_fn(self.net(self.mx.nd.array(x)), self.mx.nd.array(y))
+        loss.backward()
+        self.trainer.step(self.grad_batch)
+
+
+def run_digits(args, kv):
+    job = Digits(args, kv)              # puts the checkout on sys.path
+    from ssdsgd.data import shard_indices
     barrier(kv)
     t_start = time.time()
     evals = []
     step = 0
     for epoch in range(args.epochs):
-        shards = shard_indices(ds.n_train, epoch, args.seed, rank, num_workers, args.batch)
-        for idx in shards:
-            x, y = ds.train_batch(idx, None)
-            with autograd.record():
-                loss = loss_fn(net(mx.nd.array(x)), mx.nd.array(y))
-            loss.backward()
-            trainer.step(grad_batch)
+        for idx in shard_indices(job.ds.n_train, epoch, args.seed, job.rank, job.num_workers,
+                                 args.batch):
+            job.train_step(idx)
             step += 1
-            if rank == 0 and (step % args.eval_every == 0 or step == total):
-                mx.nd.waitall()
-                evals.append((step, time.time() - t_start, evaluate()))
-    mx.nd.waitall()
+            if job.rank == 0 and (step % args.eval_every == 0 or step == job.total):
+                job.mx.nd.waitall()
+                evals.append((step, time.time() - t_start, job.evaluate()))
+    job.mx.nd.waitall()
     t_end = time.time()
-    return {'t_start': t_start, 't_end': t_end, 'steps': step, 'steps_per_epoch': spe,
+    return {'t_start': t_start, 't_end': t_end, 'steps': step, 'steps_per_epoch': job.spe,
             'batch': args.batch, 'evals': evals}
 
 

@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -40,6 +39,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import machine_info  # noqa: E402
+from ssdsgd.launch.local import kill_group  # noqa: E402
+from ssdsgd.metrics import metrics_path, read_records  # noqa: E402
+from ssdsgd.report import text_table, validation_curve  # noqa: E402
+
 CONFIG = ROOT / "configs" / "digits.yaml"
 LAUNCH = ROOT / "launch" / "dist.py"
 
@@ -84,22 +91,6 @@ def overrides(args, row: str, lr: float, k: int | None, out: Path, name: str) ->
     return [f"{key}={value}" for key, value in sets.items()]
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass  # a line cut by a killed process
-    except FileNotFoundError:
-        pass
-    return out
-
-
 def delay_stage_bytes(records: list[dict], warmup: int) -> dict | None:
     """Bytes per step of one worker between its first ``train`` record at or after the
     warm-up and its last one (the figures are cumulative)."""
@@ -122,85 +113,109 @@ def collect(run_dir: Path, warmup: int, num_workers: int) -> dict:
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     workers = {}
     for rank in range(num_workers):
-        recs = read_jsonl(run_dir / "metrics" / f"worker-{rank}.jsonl")
-        end = next((r for r in reversed(recs) if r.get("event") == "end"), None)
-        train = [r for r in recs if r.get("event") == "train"]
-        last = end or (train[-1] if train else {})
-        kv = (end or {}).get("kv") or {}
-        workers[rank] = {
-            "steps": last.get("steps", last.get("step")),
-            "bytes_sent": last.get("bytes_sent"), "bytes_received": last.get("bytes_received"),
-            "time_blocked": last.get("time_blocked"), "wall_time": last.get("wall_time",
-                                                                            last.get("elapsed")),
-            "pushes": kv.get("pushes"), "pulls": kv.get("pulls"),
-            "delay_stage": delay_stage_bytes(recs, warmup),
-            "nonfinite_loss_at": next((r["step"] for r in train
-                                       if r.get("loss") is None
-                                       or not math.isfinite(r["loss"])), None),
-        }
+        recs = read_records(metrics_path(run_dir, rank))
+        workers[rank] = worker_figures(recs, warmup)
         if rank == 0:
-            vals = [r for r in recs if r.get("event") == "val"]
-            res["val_curve"] = [(r.get("epoch"), r.get("step"), r.get("accuracy")) for r in vals]
+            res["val_curve"] = [(r.get("epoch"), r.get("step"), r.get("accuracy"))
+                                for r in validation_curve(recs)]
     res["workers"] = workers
     res["summary"] = summary
     return res
 
 
-def run_one(args, row: str, lr: float, k: int | None, out: Path) -> dict:
-    name = f"{row}_lr{lr:g}" + (f"_k{k}" if k is not None else "")
-    log_path = out / "logs" / f"{name}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+def worker_figures(recs: list[dict], warmup: int) -> dict:
+    """One worker's totals from its metrics records (its ``end`` record, else its last
+    ``train`` record), the steps-delay stage's bytes per step, the first non-finite loss."""
+    end = next((r for r in reversed(recs) if r.get("event") == "end"), None)
+    train = [r for r in recs if r.get("event") == "train"]
+    last = end or (train[-1] if train else {})
+    kv = (end or {}).get("kv") or {}
+    return {
+        "steps": last.get("steps", last.get("step")),
+        "bytes_sent": last.get("bytes_sent"), "bytes_received": last.get("bytes_received"),
+        "time_blocked": last.get("time_blocked"),
+        "wall_time": last.get("wall_time", last.get("elapsed")),
+        "pushes": kv.get("pushes"), "pulls": kv.get("pulls"),
+        "delay_stage": delay_stage_bytes(recs, warmup),
+        "nonfinite_loss_at": next((r["step"] for r in train
+                                   if r.get("loss") is None
+                                   or not math.isfinite(r["loss"])), None),
+    }
+
+
+def launch_cmd(args, row: str, lr: float, k: int | None, out: Path, name: str) -> list[str]:
     cmd = [sys.executable, str(LAUNCH), str(args.config)]
     for s in overrides(args, row, lr, k, out, name):
         cmd += ["--set", s]
+    return cmd
+
+
+def run_one(args, row: str, lr: float, k: int | None, out: Path) -> dict:
+    """One configuration as one job; a job that failed (no summary, no divergence) is
+    run again up to ``args.retries`` times."""
+    name = f"{row}_lr{lr:g}" + (f"_k{k}" if k is not None else "")
+    log_path = out / "logs" / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = launch_cmd(args, row, lr, k, out, name)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     attempts = []
     for attempt in range(1 + args.retries):
         t0 = time.time()
-        with open(log_path, "w" if attempt == 0 else "a") as logf:
-            logf.write("$ " + " ".join(cmd) + "\n")
-            logf.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
-            run_dir = None
-            timed_out = False
-            deadline = t0 + args.timeout
-            try:
-                for line in proc.stdout:
-                    logf.write(line)
-                    if line.startswith("[launcher] run directory: "):
-                        run_dir = Path(line.split(": ", 1)[1].strip())
-                    if time.time() > deadline:
-                        timed_out = True
-                        break
-                if timed_out:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=max(5.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        returncode, run_dir, timed_out = run_job(cmd, env, log_path, attempt > 0,
+                                                 t0 + args.timeout)
         job_time = time.time() - t0
-        text = log_path.read_text(errors="replace")
-        diverged = "FloatingPointError" in text or "diverged" in text
         res = collect(run_dir, args.warmup, args.workers) if run_dir else {"workers": {},
                                                                           "summary": None}
         res.update(row=row, lr=lr, k=k, name=name, cmd=cmd, log=str(log_path),
-                   returncode=proc.returncode, job_time=job_time, timed_out=timed_out)
-        if res["summary"] is not None:
-            res["status"] = "ok"
-        elif diverged or any(w.get("nonfinite_loss_at") for w in res["workers"].values()):
-            res["status"] = "diverged"
-        else:
-            res["status"] = "failed"
-        attempts.append({"returncode": proc.returncode, "status": res["status"],
+                   returncode=returncode, job_time=job_time, timed_out=timed_out)
+        res["status"] = job_status(res, log_path.read_text(errors="replace"))
+        attempts.append({"returncode": returncode, "status": res["status"],
                          "run_dir": res.get("run_dir"), "job_time": job_time})
         if res["status"] != "failed":
             break
     res["attempts"] = attempts
     return res
+
+
+def run_job(cmd, env, log_path: Path, append: bool, deadline: float):
+    """Run the launcher, copying its output to the log (appended on a retry) and reading
+    the run directory from it; stop it at ``deadline`` (SIGTERM, then SIGKILL).
+    Returns (exit code, run directory or None, whether it timed out)."""
+    with open(log_path, "a" if append else "w") as logf:
+        logf.write("$ " + " ".join(cmd) + "\n")
+        logf.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        run_dir = None
+        timed_out = False
+        try:
+            for line in proc.stdout:
+                logf.write(line)
+                if line.startswith("[launcher] run directory: "):
+                    run_dir = Path(line.split(": ", 1)[1].strip())
+                if time.time() > deadline:
+                    timed_out = True
+                    break
+            if timed_out:
+                kill_group(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=max(5.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, run_dir, timed_out
+
+
+def job_status(res: dict, log_text: str) -> str:
+    """ok (summary written), diverged (non-finite loss) or failed."""
+    diverged = "FloatingPointError" in log_text or "diverged" in log_text
+    if res["summary"] is not None:
+        return "ok"
+    if diverged or any(w.get("nonfinite_loss_at") for w in res["workers"].values()):
+        return "diverged"
+    return "failed"
 
 
 # ----------------------------------------------------------------------------- figures
@@ -251,14 +266,6 @@ def pulls(r: dict):
 
 # ----------------------------------------------------------------------------- tables
 
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
-              for i, h in enumerate(head)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                                  for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
-
-
 def _acc_cell(r: dict | None) -> str:
     if r is None:
         return ""
@@ -281,7 +288,7 @@ def accuracy_tables(results: list[dict], lrs, ks, rows) -> str:
         body = [[ROW_LABEL[row], f"{lr:g}", _acc_cell(by.get((row, lr, None)))]
                 for row in rows for lr in lrs]
         return ("final test accuracy (global model, 360 test images)\n" +
-                _table(["run", "lr", "accuracy"], body))
+                text_table(["run", "lr", "accuracy"], body))
     for lr in lrs:
         ssgd = by.get(("ssgd", lr, None))
         base = accuracy(ssgd) if ssgd and ssgd["status"] == "ok" else None
@@ -295,22 +302,28 @@ def accuracy_tables(results: list[dict], lrs, ks, rows) -> str:
                 body.append([ROW_LABEL[row], ""] + [_acc_cell(by.get((row, lr, k)))
                                                     for k in ks])
         out.append("final test accuracy (global model, 360 test images)\n" +
-                   _table(head, body))
+                   text_table(head, body))
         if base is not None and any(ROWS[row][0] == "ssd" for row in rows):
-            body = []
-            for row in rows:
-                if ROWS[row][0] != "ssd":
-                    continue
-                cells = []
-                for k in ks:
-                    r = by.get((row, lr, k))
-                    a = accuracy(r) if r else None
-                    cells.append("" if r is None else ("div" if r["status"] == "diverged"
-                                                       else "fail" if a is None
-                                                       else f"{100 * (a - base):+.1f}"))
-                body.append([ROW_LABEL[row], ""] + cells)
-            out.append(f"difference to ssgd ({base:.4f}), points\n" + _table(head, body))
+            out.append(f"difference to ssgd ({base:.4f}), points\n" +
+                       text_table(head, difference_rows(by, base, lr, ks, rows)))
     return "\n\n".join(out)
+
+
+def difference_rows(by: dict, base: float, lr: float, ks, rows) -> list[list[str]]:
+    """Per ssd row and k: the accuracy minus ssgd's (``base``), in points."""
+    body = []
+    for row in rows:
+        if ROWS[row][0] != "ssd":
+            continue
+        cells = []
+        for k in ks:
+            r = by.get((row, lr, k))
+            a = accuracy(r) if r else None
+            cells.append("" if r is None else ("div" if r["status"] == "diverged"
+                                               else "fail" if a is None
+                                               else f"{100 * (a - base):+.1f}"))
+        body.append([ROW_LABEL[row], ""] + cells)
+    return body
 
 
 def network_table(results: list[dict]) -> str:
@@ -336,7 +349,7 @@ def network_table(results: list[dict]) -> str:
             "steps-delay\nstage (from the first metrics record at or after the warm-up to "
             "the last); ssgd/this = ssgd's\nfigure over this one; blocked = mean seconds per "
             "worker waiting on the network (% of\nwall); wall = training loop; job = whole "
-            "launcher job, process start-up included\n" + _table(head, body))
+            "launcher job, process start-up included\n" + text_table(head, body))
 
 
 def print_report(data: dict) -> None:
@@ -353,6 +366,7 @@ def print_report(data: dict) -> None:
 
 
 def plot(data: dict, prefix: str) -> list[str]:
+    """PREFIX_lr<lr>.png per learning rate: final accuracy against k, one line per rule."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -362,26 +376,7 @@ def plot(data: dict, prefix: str) -> list[str]:
     for lr in s["lrs"]:
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
         for row in s["rows"]:
-            if ROWS[row][0] != "ssd":
-                r = by.get((row, lr, None))
-                a = accuracy(r) if r else None
-                if a is not None:
-                    ax.axhline(a, linestyle="--" if row == "ssgd" else ":",
-                               color="k" if row == "ssgd" else "gray",
-                               label=f"{row} ({a:.3f})")
-                continue
-            xs, ys = [], []
-            for k in s["ks"]:
-                r = by.get((row, lr, k))
-                if r is None:
-                    continue
-                a = accuracy(r)
-                xs.append(k)
-                ys.append(0.0 if a is None else a)   # NaN loss: plotted at 0
-            if xs:
-                style = {"glu-estimate": ("o", "-"), "glu-exact": ("s", "-"),
-                         "sgd": ("^", "--"), "none": ("v", ":")}[row]
-                ax.plot(xs, ys, marker=style[0], linestyle=style[1], label=ROW_LABEL[row])
+            plot_row(ax, by, row, lr, s["ks"])
         ax.set_xscale("log")
         ax.set_xticks(s["ks"])
         ax.set_xticklabels([str(k) for k in s["ks"]])
@@ -401,35 +396,37 @@ def plot(data: dict, prefix: str) -> list[str]:
     return paths
 
 
+def plot_row(ax, by: dict, row: str, lr: float, ks) -> None:
+    """A row without k (ssgd, asgd) as a horizontal line, an ssd row as accuracy vs k."""
+    if ROWS[row][0] != "ssd":
+        r = by.get((row, lr, None))
+        a = accuracy(r) if r else None
+        if a is not None:
+            ax.axhline(a, linestyle="--" if row == "ssgd" else ":",
+                       color="k" if row == "ssgd" else "gray",
+                       label=f"{row} ({a:.3f})")
+        return
+    xs, ys = [], []
+    for k in ks:
+        r = by.get((row, lr, k))
+        if r is None:
+            continue
+        a = accuracy(r)
+        xs.append(k)
+        ys.append(0.0 if a is None else a)   # NaN loss: plotted at 0
+    if xs:
+        style = {"glu-estimate": ("o", "-"), "glu-exact": ("s", "-"),
+                 "sgd": ("^", "--"), "none": ("v", ":")}[row]
+        ax.plot(xs, ys, marker=style[0], linestyle=style[1], label=ROW_LABEL[row])
+
+
 # ----------------------------------------------------------------------------- main
-
-def machine() -> dict:
-    info = {"nproc": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform()}
-    try:
-        with open("/proc/meminfo") as f:
-            kb = int(next(l for l in f if l.startswith("MemTotal")).split()[1])
-        info["memory_gb"] = round(kb / 1024 ** 2, 1)
-    except (OSError, StopIteration, ValueError):
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(l for l in f if l.startswith("model name")).split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        pass
-    try:
-        import mxnet
-        info["mxnet"] = mxnet.__version__
-    except ImportError:
-        pass
-    return info
-
 
 def parse_list(text: str, kind):
     return [kind(x) for x in text.split(",") if x.strip()]
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
@@ -459,16 +456,15 @@ def main(argv=None) -> int:
                    help="re-run a job that ended without summary.json and did not diverge")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--load", type=Path, help="print the tables of a --json file; run nothing")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
-
     if args.load:
-        data = json.loads(args.load.read_text())
-        print_report(data)
-        if args.plot:
-            for path in plot(data, args.plot):
-                print(f"plot: {path}")
+        show(json.loads(args.load.read_text()), args.plot)
         return 0
-
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown:
         p.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
@@ -477,7 +473,14 @@ def main(argv=None) -> int:
     args.epochs = args.epochs or (QUICK["epochs"] if args.quick else DEFAULTS["epochs"])
     out = args.out or Path(tempfile.mkdtemp(prefix="ssd_digits-"))
     out.mkdir(parents=True, exist_ok=True)
+    data = {"settings": settings(args, out, argv), "machine": machine_info(), "results": []}
+    run_all(args, job_plan(args), out, data)
+    show(data, args.plot)
+    return 0
 
+
+def job_plan(args) -> list[tuple]:
+    """(row, lr, k) of every job: rows without k once per lr, ssd rows once per k."""
     plan = []
     for lr in args.lrs:
         for row in args.rows:
@@ -485,13 +488,20 @@ def main(argv=None) -> int:
                 plan += [(row, lr, k) for k in args.ks]
             else:
                 plan.append((row, lr, None))
-    settings = {"lrs": args.lrs, "ks": args.ks, "rows": args.rows, "epochs": args.epochs,
-                "warmup": args.warmup, "workers": args.workers, "servers": 1,
-                "batch": args.batch, "lr_schedule": args.lr_schedule, "seed": args.seed,
-                "config": str(args.config), "out": str(out),
-                "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),
-                "argv": sys.argv[1:] if argv is None else argv}
-    data = {"settings": settings, "machine": machine(), "results": []}
+    return plan
+
+
+def settings(args, out: Path, argv) -> dict:
+    return {"lrs": args.lrs, "ks": args.ks, "rows": args.rows, "epochs": args.epochs,
+            "warmup": args.warmup, "workers": args.workers, "servers": 1,
+            "batch": args.batch, "lr_schedule": args.lr_schedule, "seed": args.seed,
+            "config": str(args.config), "out": str(out),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),
+            "argv": sys.argv[1:] if argv is None else argv}
+
+
+def run_all(args, plan: list[tuple], out: Path, data: dict) -> None:
+    """Run every job in turn, saying how far it got; --json is rewritten after each."""
     print(f"{len(plan)} jobs; runs and logs in {out}", file=sys.stderr, flush=True)
     t0 = time.time()
     for i, (row, lr, k) in enumerate(plan, 1):
@@ -506,11 +516,13 @@ def main(argv=None) -> int:
     data["total_time"] = time.time() - t0
     if args.json:
         args.json.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def show(data: dict, plot_prefix: str | None) -> None:
     print_report(data)
-    if args.plot:
-        for path in plot(data, args.plot):
+    if plot_prefix:
+        for path in plot(data, plot_prefix):
             print(f"plot: {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ the cost of encryption.  If launch/dist.py does not exist yet, the ssd_sync part
 """
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,10 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ssdsgd.testing import NativePSError, run_native  # noqa: E402
+from bench.common import load_results  # noqa: E402
+from ssdsgd.testing import NativePSError, run_dist, run_native  # noqa: E402
+from ssdsgd.testing.procs import DIST  # noqa: E402
 
 WORKER = REPO / 'bench' / 'transport_worker.py'
-DIST = REPO / 'launch' / 'dist.py'
 # Same for both jobs: one OpenMP thread per process, so 2 workers + servers +
 # scheduler do not oversubscribe a small machine.
 JOB_ENV = {'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(REPO)}
@@ -64,13 +63,6 @@ def worker_cmd(kvstore, out, args):
             '--small-keys', str(args.small_keys), '--small-steps', str(args.small_steps)]
 
 
-def load_results(out, num_workers):
-    found = sorted(out.glob('result-rank*.json'))
-    if len(found) != num_workers:
-        raise RuntimeError(f'expected {num_workers} result files in {out}, found {len(found)}')
-    return [json.loads(f.read_text()) for f in found]
-
-
 def run_native_side(args, out):
     run_native(worker_cmd('dist_sync', out, args), args.workers, num_servers=args.servers,
                mode='dist_sync', env=JOB_ENV, timeout=args.timeout, cwd=REPO)
@@ -78,29 +70,18 @@ def run_native_side(args, out):
 
 
 def run_ssd_side(args, out, secure=False):
-    cmd = [sys.executable, str(DIST), '-n', str(args.workers), '-s', str(args.servers),
-           '--env', 'SSDSGD_ALGORITHM=ssgd'] + (['--secure'] if secure else [])
+    dist_args = ['-n', args.workers, '-s', args.servers, '--env', 'SSDSGD_ALGORITHM=ssgd']
+    dist_args += ['--secure'] if secure else []
     for k, v in JOB_ENV.items():
-        cmd += ['--env', f'{k}={v}']
-    cmd += ['--', *worker_cmd('ssd_sync', out, args)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith('DMLC_')}
-    env.update(JOB_ENV)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        dist_args += ['--env', f'{k}={v}']
+    dist_args += ['--', *worker_cmd('ssd_sync', out, args)]
     try:
-        output, _ = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+        proc = run_dist(dist_args, env=JOB_ENV, timeout=args.timeout, merge_output=True)
+    except subprocess.TimeoutExpired as e:
         raise RuntimeError(f'launch/dist.py timed out after {args.timeout:g} s:\n'
-                           f'{output[-4000:]}')
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)   # anything the launcher left behind
-        except (ProcessLookupError, PermissionError):
-            pass
+                           f'{e.output[-4000:]}') from None
     if proc.returncode != 0:
-        raise RuntimeError(f'launch/dist.py exited {proc.returncode}:\n{output[-4000:]}')
+        raise RuntimeError(f'launch/dist.py exited {proc.returncode}:\n{proc.stdout[-4000:]}')
     return load_results(out, args.workers)
 
 
@@ -151,36 +132,34 @@ def print_table(args, native, ssd, notes, secure=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    native = ssd = secure = None
-    notes, raw = [], {}
+    notes, raw, figures = [], {}, {}
     with tempfile.TemporaryDirectory(prefix='transport-bench-') as tmp:
         if args.only in (None, 'native'):
-            try:
-                raw['native'] = run_native_side(args, Path(tmp) / 'native')
-                native = summarize(raw['native'])
-            except (NativePSError, RuntimeError) as e:
-                notes.append(f'native part failed: {e}')
+            run_side('native', run_native_side, args, Path(tmp), raw, figures, notes)
         if args.only in (None, 'ssd'):
             if not DIST.exists():
                 notes.append('ssd_sync part skipped: launch/dist.py does not exist yet')
             else:
-                try:
-                    raw['ssd'] = run_ssd_side(args, Path(tmp) / 'ssd')
-                    ssd = summarize(raw['ssd'])
-                except RuntimeError as e:
-                    notes.append(f'ssd_sync part failed: {e}')
+                run_side('ssd', run_ssd_side, args, Path(tmp), raw, figures, notes)
         if args.only in (None, 'secure') and not args.no_secure and DIST.exists():
-            try:
-                raw['secure'] = run_ssd_side(args, Path(tmp) / 'secure', secure=True)
-                secure = summarize(raw['secure'])
-            except RuntimeError as e:
-                notes.append(f'secure part failed: {e}')
-    print_table(args, native, ssd, notes, secure)
+            run_side('secure', lambda a, out: run_ssd_side(a, out, secure=True), args,
+                     Path(tmp), raw, figures, notes)
+    print_table(args, figures.get('native'), figures.get('ssd'), notes, figures.get('secure'))
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=1))
     failed = any(n.startswith(('native part failed', 'ssd_sync part failed', 'secure part failed'))
                  for n in notes)
     return 1 if failed else 0
+
+
+def run_side(side, run, args, tmp, raw, figures, notes):
+    """Run one job; its per-worker results go to ``raw``, its summary to ``figures``,
+    a failure to ``notes``."""
+    try:
+        raw[side] = run(args, tmp / side)
+        figures[side] = summarize(raw[side])
+    except (NativePSError, RuntimeError) as e:
+        notes.append(f'{ {"ssd": "ssd_sync"}.get(side, side)} part failed: {e}')
 
 
 if __name__ == '__main__':

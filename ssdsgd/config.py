@@ -12,9 +12,13 @@ API used by the launcher::
 
     cfg = load_config("configs/digits.yaml", ["sync.delay_steps=10"])
     cfg.to_dict(); save_config(cfg, run_dir / "config.yaml")
-    env = sync_env(cfg)          # SSDSGD_ALGORITHM, SSDSGD_WARMUP_STEPS, ...
-    env.update(cluster_env(cfg)) # SSDSGD_NUM_WORKERS, SSDSGD_NUM_SERVERS, ...
-    run_dir = new_run_dir(cfg)   # <output.dir>/<output.name>-<timestamp>
+    env = job_env(cfg, start_step=0)   # every SSDSGD_* variable the config decides
+    run_dir = new_run_dir(cfg)         # <output.dir>/<output.name>-<timestamp>
+
+The ``cluster`` and ``sync`` sections are the config keys of ``ssdsgd.settings``' table:
+their fields, defaults, bounds and choices come from there, as do the variables that
+``sync_env`` / ``cluster_env`` write, so a config the loader accepts is one every process
+accepts.
 """
 from __future__ import annotations
 
@@ -29,11 +33,14 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from . import settings as S
+
 __all__ = [
     "ConfigError", "Config", "ClusterConfig", "SyncConfig", "ModelConfig", "DataConfig",
     "LRScheduleConfig", "OptimizerConfig", "TrainConfig", "OutputConfig",
     "load_config", "parse_config", "save_config", "sync_env", "cluster_env",
-    "resolve_warmup_steps", "new_run_dir", "MODEL_NAMES", "DATASETS",
+    "job_env", "check_worker_env", "resolve_warmup_steps", "new_run_dir", "MODEL_NAMES",
+    "DATASETS",
 ]
 
 
@@ -46,10 +53,10 @@ MODEL_NAMES = ("cifar_resnet20_v1", "cifar_resnet56_v1", "resnet50_v1", "alexnet
 DATASETS = ("digits", "cifar10", "imagenet")
 
 
-def _f(default=dataclasses.MISSING, *, min=None, max=None, min_excl=None, required=False,
+def _f(default=dataclasses.MISSING, *, min=None, max=None, above=None, required=False,
        doc="", factory=None):
-    """A dataclass field with validation metadata (bounds are inclusive unless *_excl)."""
-    meta = {"min": min, "max": max, "min_excl": min_excl, "required": required, "doc": doc}
+    """A dataclass field with validation metadata (min, max inclusive; above exclusive)."""
+    meta = {"min": min, "max": max, "above": above, "required": required, "doc": doc}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     if default is dataclasses.MISSING:
@@ -57,26 +64,22 @@ def _f(default=dataclasses.MISSING, *, min=None, max=None, min_excl=None, requir
     return field(default=default, metadata=meta)
 
 
-@dataclass
-class ClusterConfig:
-    workers: int = _f(1, min=1, doc="number of worker processes N")
-    servers: int = _f(1, min=1, doc="number of server processes S")
-    launcher: Literal["local"] = _f("local", doc="how processes are started")
-    hosts: list[str] = _f(factory=list, doc="hosts for remote launchers (unused by local)")
-    heartbeat_timeout: float = _f(30.0, min_excl=0.0, doc="seconds without a heartbeat "
-                                  "before a node is declared dead")
+def _section(name: str):
+    """The dataclass of config section ``name``: one field per row of the settings table
+    whose key is ``name.*``, with its default; the row validates the value."""
+    def annotation(s):
+        tp = Literal[s.choices] if s.choices else s.type
+        return Optional[tp] if s.optional else tp
+    rows = [s for s in S.SETTINGS if s.section == name]
+    cls = dataclasses.make_dataclass(f"{name.title()}Config", [
+        (s.key, annotation(s), field(default=s.default, metadata={"setting": s, "doc": s.doc}))
+        for s in rows])
+    cls.__module__ = __name__
+    return cls
 
 
-@dataclass
-class SyncConfig:
-    algorithm: Literal["ssd", "ssgd", "asgd"] = _f("ssd")
-    warmup_steps: int = _f(500, min=0, doc="T_w: synchronous warm-up steps")
-    warmup_epochs: Optional[float] = _f(None, min=0.0, doc="if set, overrides warmup_steps "
-                                        "(converted with the job's steps per epoch)")
-    delay_steps: int = _f(5, min=1, doc="k: pull period in steps")
-    local_rule: Literal["glu", "sgd", "none"] = _f("glu")
-    glu_state: Literal["estimate", "exact"] = _f("estimate")
-    lr_local: Optional[float] = _f(None, min=0.0, doc="local lr; default: the server's lr")
+ClusterConfig = _section("cluster")
+SyncConfig = _section("sync")
 
 
 @dataclass
@@ -102,8 +105,8 @@ class DataConfig:
 class LRScheduleConfig:
     type: Literal["none", "step", "cosine", "poly"] = _f("none")
     step_epochs: list[float] = _f(factory=list, doc="step: epochs at which lr *= factor")
-    factor: float = _f(0.1, min_excl=0.0, max=1.0)
-    power: float = _f(2.0, min_excl=0.0, doc="poly: exponent")
+    factor: float = _f(0.1, above=0.0, max=1.0)
+    power: float = _f(2.0, above=0.0, doc="poly: exponent")
     final_lr: float = _f(0.0, min=0.0, doc="cosine/poly: lr at the end")
     warmup_epochs: float = _f(0.0, min=0.0, doc="linear lr warm-up length")
     warmup_begin_lr: float = _f(0.0, min=0.0)
@@ -112,7 +115,7 @@ class LRScheduleConfig:
 @dataclass
 class OptimizerConfig:
     name: str = _f("sgd", doc="any registered mx.optimizer name")
-    lr: float = _f(0.1, min_excl=0.0)
+    lr: float = _f(0.1, above=0.0)
     momentum: float = _f(0.9, min=0.0, max=1.0, doc="ignored by optimizers without momentum")
     wd: float = _f(0.0, min=0.0)
     lr_schedule: LRScheduleConfig = _f(factory=LRScheduleConfig)
@@ -177,17 +180,6 @@ def _describe(tp) -> str:
     return str(tp)
 
 
-def _bounds_text(meta) -> str:
-    parts = []
-    if meta.get("min") is not None:
-        parts.append(f">= {meta['min']}")
-    if meta.get("min_excl") is not None:
-        parts.append(f"> {meta['min_excl']}")
-    if meta.get("max") is not None:
-        parts.append(f"<= {meta['max']}")
-    return " and ".join(parts)
-
-
 def _show(value) -> str:
     text = repr(value) if isinstance(value, str) else yaml.safe_dump(
         value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
@@ -195,9 +187,12 @@ def _show(value) -> str:
 
 
 def _convert(value, tp, path: str, meta: dict):
-    """Check ``value`` against type ``tp`` (and bounds); return the converted value."""
+    """Check ``value`` against type ``tp`` (and bounds); return the converted value.
+    Scalars are checked by a settings row: the table's own for the ``cluster`` and ``sync``
+    keys, else one made from the field's type and bounds."""
+    setting = meta.get("setting")
     origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[X]
+    if setting is None and origin is typing.Union:  # Optional[X]
         if value is None:
             return None
         inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
@@ -209,43 +204,15 @@ def _convert(value, tp, path: str, meta: dict):
             raise ConfigError(f"{path}: expected {_describe(tp)}, got {_show(value)}")
         item = typing.get_args(tp)[0]
         return [_convert(v, item, f"{path}[{i}]", {}) for i, v in enumerate(value)]
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}, "
-                              f"got {_show(value)}")
-        return value
-    expected = _describe(tp)
-    bounds = _bounds_text(meta)
-    want = f"{expected} {bounds}".strip()
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected {want}, got {_show(value)}")
-        return value
-    if tp is str:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{path}: expected a non-empty string, got {_show(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected {want}, got {_show(value)}")
-    elif tp is float:
-        if isinstance(value, str):
-            # PyYAML reads '1e-4' (no dot) as a string; accept anything float() accepts.
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{path}: expected {want}, got {_show(value)}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected {want}, got {_show(value)}")
-        value = float(value)
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ConfigError(f"{path}: expected a finite number, got {_show(value)}")
-    lo, hi, lo_x = meta.get("min"), meta.get("max"), meta.get("min_excl")
-    if (lo is not None and value < lo) or (hi is not None and value > hi) or (
-            lo_x is not None and value <= lo_x):
-        raise ConfigError(f"{path}: expected {want}, got {_show(value)}")
-    return value
+    if setting is None:
+        choices = typing.get_args(tp) if origin is Literal else ()
+        setting = S.Setting(path, str if choices else tp, None, meta.get("doc", ""),
+                            choices=choices, min=meta.get("min"), max=meta.get("max"),
+                            above=meta.get("above"))
+    try:
+        return setting.check(value)
+    except S.SettingError as e:
+        raise ConfigError(f"{path}: {e}, got {_show(value)}") from None
 
 
 def _build(cls, raw, path: str):
@@ -325,9 +292,15 @@ def _cross_check(cfg: Config) -> None:
         raise ConfigError(f"train.gpus: expected distinct GPU ids, got {_show(cfg.train.gpus)}")
     if any(g < 0 for g in cfg.train.gpus):
         raise ConfigError(f"train.gpus: expected GPU ids >= 0, got {_show(cfg.train.gpus)}")
-    if cfg.cluster.launcher == "local" and cfg.cluster.hosts:
-        raise ConfigError("cluster.hosts: expected an empty list with launcher 'local', got "
-                          f"{_show(cfg.cluster.hosts)}")
+    try:
+        S.cross_check(_setting_values(cfg), lambda name: S.BY_NAME[name].path)
+    except S.SettingError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _setting_values(cfg: Config) -> dict:
+    """The config's value of every setting that has a config key, by setting name."""
+    return {s.name: getattr(getattr(cfg, s.section), s.key) for s in S.BY_PATH.values()}
 
 
 # --------------------------------------------------------------------------- overrides
@@ -423,32 +396,64 @@ def resolve_warmup_steps(config: Config, steps_per_epoch: int | None = None) -> 
     return int(round(config.sync.warmup_epochs * steps_per_epoch))
 
 
+def _env_values(config: Config, section: str | None = None,
+                steps_per_epoch: int | None = None) -> dict:
+    """By setting name, the value of every setting the config decides that has a variable
+    (of ``section`` only, if given); warm-up resolved to steps."""
+    values = {name: value for name, value in _setting_values(config).items()
+              if S.BY_NAME[name].env and section in (None, S.BY_NAME[name].section)}
+    if "warmup_steps" in values:
+        values["warmup_steps"] = resolve_warmup_steps(config, steps_per_epoch)
+    return values
+
+
 def sync_env(config: Config, steps_per_epoch: int | None = None) -> dict[str, str]:
-    """The SSDSGD_* variables of docs/design.md for the ``sync`` section.
+    """The SSDSGD_* variables of the ``sync`` section (unset ones left out).
 
     If sync.warmup_epochs is set, the steps per epoch are computed from the data
     (cheap: file sizes / index lengths) unless given."""
-    s = config.sync
-    env = {
-        "SSDSGD_ALGORITHM": s.algorithm,
-        "SSDSGD_WARMUP_STEPS": str(resolve_warmup_steps(config, steps_per_epoch)),
-        "SSDSGD_DELAY_STEPS": str(s.delay_steps),
-        "SSDSGD_LOCAL_RULE": s.local_rule,
-        "SSDSGD_GLU_STATE": s.glu_state,
-    }
-    if s.lr_local is not None:
-        env["SSDSGD_LR_LOCAL"] = repr(float(s.lr_local))
-    return env
+    return S.to_env(**_env_values(config, "sync", steps_per_epoch))
 
 
 def cluster_env(config: Config) -> dict[str, str]:
-    """The SSDSGD_* variables of docs/design.md for the ``cluster`` section."""
-    c = config.cluster
-    return {
-        "SSDSGD_NUM_WORKERS": str(c.workers),
-        "SSDSGD_NUM_SERVERS": str(c.servers),
-        "SSDSGD_HEARTBEAT_TIMEOUT": repr(float(c.heartbeat_timeout)),
-    }
+    """The SSDSGD_* variables of the ``cluster`` section."""
+    return S.to_env(**_env_values(config, "cluster"))
+
+
+def _worker_values(config: Config, steps_per_epoch: int | None, start_step: int) -> dict:
+    return dict(_env_values(config, None, steps_per_epoch), start_step=start_step)
+
+
+def job_env(config: Config, steps_per_epoch: int | None = None,
+            start_step: int = 0) -> dict[str, str]:
+    """What a launcher gives every process of the job: the variables of the ``cluster`` and
+    ``sync`` sections and SSDSGD_START_STEP (the checkpoint's step when resuming, else 0).
+    A setting the config leaves unset is written empty (unset), so that a value inherited
+    from the launcher's environment cannot override the config."""
+    values = _worker_values(config, steps_per_epoch, start_step)
+    env = {S.BY_NAME[name].env: "" for name, value in values.items() if value is None}
+    env.update(S.to_env(**values))
+    return env
+
+
+def check_worker_env(config: Config, env: dict, steps_per_epoch: int | None = None,
+                     start_step: int = 0) -> None:
+    """A worker's check that the variables of ``job_env`` in ``env`` (its os.environ) say
+    what its config says; missing ones are filled in, a mismatch is a ConfigError."""
+    for name, value in _worker_values(config, steps_per_epoch, start_step).items():
+        s = S.BY_NAME[name]
+        raw = env.get(s.env)
+        if raw is None or raw == "":
+            env.update(S.to_env(**{name: value}))
+            continue
+        try:
+            have = s.parse(raw)
+        except S.SettingError as e:
+            raise ConfigError(f"{s.env}={raw!r}: {e}") from None
+        if have != value:
+            want = "unset" if value is None else s.format(value)
+            raise ConfigError(f"{s.env}={raw} in the environment, but the config gives "
+                              f"{want}; start workers with the launcher's job_env(config)")
 
 
 def new_run_dir(config: Config, now: datetime.datetime | None = None) -> Path:

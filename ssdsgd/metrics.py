@@ -67,12 +67,12 @@ def kv_metrics(kv) -> dict:
     return dict(out) if isinstance(out, dict) else {}
 
 
-def net_figures(kv) -> dict:
+def net_figures(kv, m: dict | None = None) -> dict:
     """bytes_sent, bytes_received, time_blocked: 0 without a kvstore, None when the
-    kvstore does not report them."""
+    kvstore does not report them. ``m``: the kvstore's metrics if already read."""
     if kv is None:
         return {k: 0 for k in NET_KEYS}
-    m = kv_metrics(kv)
+    m = kv_metrics(kv) if m is None else m
     aliases = {"bytes_received": ("bytes_received", "bytes_recv"),
                "bytes_sent": ("bytes_sent",), "time_blocked": ("time_blocked",)}
     return {k: next((m[a] for a in aliases[k] if a in m), None) for k in NET_KEYS}

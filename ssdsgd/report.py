@@ -120,14 +120,19 @@ def table(runs: list[dict]) -> str:
                      _fmt(r["final_accuracy"], ".4f"), _fmt(r["best_accuracy"], ".4f"),
                      _fmt(r["wall_time"], ".1f"), _fmt(r["samples_per_sec"], ".1f"),
                      _fmt_bytes(r["bytes"]), _fmt(r["time_blocked"], ".2f")])
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w)
-                       for i, (h, w) in enumerate(zip(head, widths)))]
-    lines.append("  ".join("-" * w for w in widths))
-    for row in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))))
-    return "\n".join(lines)
+    return text_table(head, rows)
+
+
+def text_table(head: list[str], rows: list[list]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned, a
+    rule of dashes under the header (also used by bench/)."""
+    rows = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(head)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 def plot(runs: list[dict], out_dir) -> list[Path]:

@@ -11,13 +11,18 @@ Each worker trains on its own disjoint shard of every epoch (ssdsgd.data.shard_i
 and all workers run the same number of steps per epoch. Rank 0 validates after every
 epoch on the whole validation set (top-1; top-5 for ImageNet) with its current weights
 (in the steps-delay stage: its local weights, at most k steps from the last global
-pull), writes checkpoints, and at the end ``RUN_DIR/summary.json``.
+pull), writes checkpoints (ssdsgd.checkpoint), and at the end ``RUN_DIR/summary.json``.
+
+The program in three parts over one :class:`Run`: ``set_up`` (join the job, data, model,
+Trainer, resume), ``run_epoch`` (one epoch, then validation and a due checkpoint) and
+``finish`` (the global model, last validation and checkpoint, the summary).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import inspect
-import json
 import logging
 import os
 import random
@@ -25,12 +30,19 @@ import sys
 import time
 from pathlib import Path
 
+import mxnet as mx
 import numpy as np
+from mxnet import autograd, gluon
 
-from ssdsgd.config import (Config, ConfigError, cluster_env, load_config, new_run_dir,
-                           resolve_warmup_steps, save_config, sync_env)
+from ssdsgd.checkpoint import (RunLength, check_unfinished, checkpoint_info, load_checkpoint,
+                               pull_global, run_length, save_checkpoint, save_states)
+from ssdsgd.config import (Config, ConfigError, check_worker_env, load_config, new_run_dir,
+                           resolve_warmup_steps, save_config)
 from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_epoch
-from ssdsgd.metrics import MetricsWriter, Speedometer, net_figures, kv_metrics, summarize
+from ssdsgd.kvstore.compression import parse_setting as parse_compression
+from ssdsgd.metrics import MetricsWriter, Speedometer, kv_metrics, net_figures, summarize
+from ssdsgd.models import build_model, initializer
+from ssdsgd.worker.schedule import Stage, plan
 
 log = logging.getLogger("ssdsgd.train")
 
@@ -40,7 +52,6 @@ log = logging.getLogger("ssdsgd.train")
 def build_lr_scheduler(config: Config, spe: int):
     """MXNet's own lr scheduler for optimizer.lr_schedule, in steps (= Trainer.step
     calls = server updates); None for a constant lr without warm-up."""
-    import mxnet as mx
     s = config.optimizer.lr_schedule
     lr = config.optimizer.lr
     warm = int(round(s.warmup_epochs * spe))
@@ -68,7 +79,6 @@ def build_lr_scheduler(config: Config, spe: int):
 
 def optimizer_params(config: Config, lr_scheduler) -> dict:
     """Keyword arguments for the optimizer; momentum only where the optimizer takes it."""
-    import mxnet as mx
     o = config.optimizer
     params = {"learning_rate": o.lr, "wd": o.wd}
     if lr_scheduler is not None:
@@ -95,37 +105,16 @@ def gradient_batch(config: Config, kv, num_workers: int) -> int:
 
 
 def seed_everything(seed: int) -> None:
-    import mxnet as mx
     random.seed(seed)
     np.random.seed(seed)
     mx.random.seed(seed)
-
-
-def _same(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return False
 
 
 def check_environment(config: Config, spe_cluster: int, start_step: int = 0) -> None:
     """In worker mode: the SSDSGD_* sync and cluster variables the launcher set must say
     what the config says, and SSDSGD_START_STEP the step this run starts at (that of the
     checkpoint it resumes from, else 0); missing ones are filled in."""
-    want = sync_env(config, spe_cluster)
-    c = cluster_env(config)
-    want["SSDSGD_NUM_WORKERS"] = c["SSDSGD_NUM_WORKERS"]
-    want["SSDSGD_NUM_SERVERS"] = c["SSDSGD_NUM_SERVERS"]
-    want["SSDSGD_START_STEP"] = str(start_step)
-    for key, value in want.items():
-        have = os.environ.get(key)
-        if have is None:
-            os.environ[key] = value
-        elif not _same(have, value):
-            raise ConfigError(f"{key}={have} in the environment, but the config gives "
-                              f"{value}; start workers with the launcher's sync_env(config)")
+    check_worker_env(config, os.environ, spe_cluster, start_step)
 
 
 def create_kvstore(config: Config, spe_cluster: int, start_step: int = 0):
@@ -139,25 +128,16 @@ def create_kvstore(config: Config, spe_cluster: int, start_step: int = 0):
         raise ConfigError(f"SSDSGD_ROLE={role}: ssdsgd.train runs only as a worker "
                           "(servers and the scheduler are started by the launcher)")
     check_environment(config, spe_cluster, start_step)
-    import mxnet as mx
-    import ssdsgd  # noqa: F401 - registers the 'ssd_sync' kvstore
-    try:
-        import ssdsgd.kvstore  # noqa: F401 - in case the package does not import it
-    except ImportError:
-        pass
-    kv = mx.kv.create("ssd_sync")
+    kv = mx.kv.create("ssd_sync")   # registered by ssdsgd/__init__, imported with this module
     return kv, int(kv.rank), int(kv.num_workers)
 
 
 def contexts(config: Config):
-    import mxnet as mx
     return [mx.gpu(i) for i in config.train.gpus] or [mx.cpu()]
 
 
 def evaluate(net, dataset, ctx, batch_size: int) -> dict:
     """Top-1 (and top-k for k = dataset.top_k > 1) accuracy on the validation set."""
-    import mxnet as mx
-    from mxnet import gluon
     k = dataset.top_k
     correct1 = correctk = total = 0
     for x, y in dataset.val_batches(batch_size):
@@ -174,351 +154,274 @@ def evaluate(net, dataset, ctx, batch_size: int) -> dict:
     return res
 
 
-def stage_of(config: Config, kv, step: int, warmup: int, m: dict) -> str:
-    if "stage" in m:
-        return str(m["stage"])
-    if kv is None:
-        return "local"
-    alg = config.sync.algorithm
-    if alg == "ssd":
-        return "warmup" if step < warmup else "delay"
-    return {"ssgd": "sync", "asgd": "async"}[alg]
-
-
-def save_states(run_dir: Path, trainer, epoch: int) -> str | None:
-    """Rank 0: the trainer's optimizer states (through the kvstore when it updates on the
-    servers) to RUN_DIR/checkpoints/epoch-NNNN.states; None if it cannot."""
-    ck = run_dir / "checkpoints"
-    ck.mkdir(parents=True, exist_ok=True)
-    states = ck / f"epoch-{epoch:04d}.states"
-    try:
-        trainer.save_states(str(states))
-    except Exception as exc:  # noqa: BLE001 - a kvstore may not support it
-        text = str(exc).strip()
-        log.warning("checkpoint: optimizer states not saved (%s)",
-                    text.splitlines()[-1] if text else type(exc).__name__)
-        return None
-    return states.name
-
-
-def trainable(trainer) -> list:
-    """(kvstore key, Parameter) of the parameters the kvstore updates (the Trainer's
-    keys are the parameters' indices; grad_req 'null' ones, such as BatchNorm's running
-    statistics, stay with each worker)."""
-    return [(i, p) for i, p in enumerate(trainer._params)  # noqa: SLF001
-            if p.grad_req != "null"]
-
-
-def pull_global(kv, trainer, into_params: bool = True) -> dict:
-    """The servers' (global) weights as of this worker's last step, through the
-    kvstore's ``pull`` (one exchange). With ``into_params`` they replace the parameters'
-    values on every device, as ``kv.close()`` does at the end of the steps-delay stage;
-    otherwise they are returned as {Parameter name: NDArray} and the parameters (in
-    ssd's steps-delay stage: this worker's local weights) are left alone."""
-    import mxnet as mx
-    pairs = trainable(trainer)
-    if into_params:
-        outs = [p.list_data() for _, p in pairs]
-    else:
-        outs = [[mx.nd.zeros(p.shape, dtype=p.dtype)] for _, p in pairs]
-    if pairs:
-        kv.pull([i for i, _ in pairs], out=outs)
-    return {p.name: o[0] for (_, p), o in zip(pairs, outs)}
-
-
-def save_checkpoint(run_dir: Path, net, states_name: str | None, epoch: int, step: int,
-                    seed: int, weights: dict | None = None) -> Path:
-    """Rank 0: parameters and the data position (the next epoch to run) in
-    RUN_DIR/checkpoints/; latest.json points at the newest checkpoint. ``weights``
-    ({Parameter name: NDArray}, from pull_global) replace the parameters' own values
-    in the file (net.save_parameters' format either way)."""
-    import mxnet as mx
-    ck = run_dir / "checkpoints"
-    ck.mkdir(parents=True, exist_ok=True)
-    params = ck / f"epoch-{epoch:04d}.params"
-    if weights:
-        arrays = {key: weights[p.name] if p.name in weights else p._reduce()  # noqa: SLF001
-                  for key, p in net._collect_params_with_prefix().items()}  # noqa: SLF001
-        mx.nd.save(str(params), arrays)
-    else:
-        net.save_parameters(str(params))
-    info = {"epoch": epoch, "next_epoch": epoch + 1, "step": step, "seed": seed,
-            "params": params.name, "states": states_name}
-    tmp = ck / "latest.json.tmp"
-    tmp.write_text(json.dumps(info, indent=2) + "\n")
-    os.replace(tmp, ck / "latest.json")
-    return params
-
-
-def checkpoint_info(run_dir) -> dict:
-    """RUN_DIR/checkpoints/latest.json, checked (DataError, one line, if unusable)."""
-    ck = Path(run_dir) / "checkpoints"
-    path = ck / "latest.json"
-    try:
-        info = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: no checkpoint to resume from (train.checkpoint_every "
-                        "was 0, or the run stopped before its first checkpoint)") from None
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: unreadable checkpoint record ({exc})") from None
-    need = {"next_epoch": int, "step": int, "params": str}
-    if not isinstance(info, dict) or any(not isinstance(info.get(k), t)
-                                         for k, t in need.items()):
-        raise DataError(f"{path}: expected next_epoch, step and params in the checkpoint "
-                        "record")
-    for key in ("params", "states"):
-        if info.get(key) and not (ck / info[key]).is_file():
-            raise DataError(f"{ck / info[key]}: missing checkpoint file named by {path}")
-    return info
-
-
-def _last_line(exc) -> str:
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else type(exc).__name__
-
-
-def load_checkpoint(run_dir: Path, net, trainer, ctx, grad_batch: int) -> dict:
-    """Load the latest checkpoint: parameters, optimizer states (through the kvstore,
-    to the servers, when they update) and the optimizer's update count, so that the lr
-    schedule continues. Returns latest.json's record."""
-    ck = run_dir / "checkpoints"
-    info = checkpoint_info(run_dir)
-    step = int(info["step"])
-    opt = trainer._optimizer  # noqa: SLF001 - the Trainer has no public accessor
-    # What the first Trainer.step would have set before the kvstore sends the optimizer
-    # to the servers (load_states creates the kvstore): the gradient scale and the
-    # update count.
-    opt.rescale_grad = trainer._scale / grad_batch  # noqa: SLF001
-    opt.begin_num_update = opt.num_update = step
-    try:
-        net.load_parameters(str(ck / info["params"]), ctx=ctx)
-    except Exception as exc:  # noqa: BLE001 - MXNetError carries a C++ traceback
-        raise DataError(f"{ck / info['params']}: cannot load parameters "
-                        f"({_last_line(exc)})") from None
-    if info.get("states"):
-        try:
-            trainer.load_states(str(ck / info["states"]))
-        except Exception as exc:  # noqa: BLE001
-            raise DataError(f"{ck / info['states']}: cannot restore optimizer states "
-                            f"({_last_line(exc)})") from None
-    opt = trainer._optimizer  # noqa: SLF001 - load_states may replace it
-    opt.begin_num_update = opt.num_update = step
-    return info
-
-
 # ----------------------------------------------------------------------------- training
 
-def total_steps(config: Config, num_workers: int | None = None) -> int:
-    """Steps every worker runs in the whole job: train.epochs x steps per epoch (for
-    ``num_workers``, default cluster.workers), capped by train.max_steps."""
-    n = config.cluster.workers if num_workers is None else num_workers
-    total = config.train.epochs * steps_per_epoch(config, n)
-    if config.train.max_steps is not None:
-        total = min(total, config.train.max_steps)
-    return total
+@dataclasses.dataclass
+class Run:
+    """One worker's training run: what set_up builds, and the position run_epoch
+    advances (``step`` = steps done, counted from the start of the job)."""
+    config: Config
+    run_dir: Path
+    kv: object                # the 'ssd_sync' kvstore; None by hand
+    rank: int
+    num_workers: int
+    dataset: object
+    length: RunLength
+    warmup: int               # T_w, in steps
+    ctx: list
+    net: object
+    trainer: object
+    grad_batch: int
+    lr_view: object           # a copy of the lr scheduler, only to report the lr
+    t_start: float            # when train() was called
+    writer: MetricsWriter | None = None
+    loader: Loader | None = None
+    start_epoch: int = 0
+    step: int = 0
+    samples: int = 0
+    vals: list = dataclasses.field(default_factory=list)
+    speed: Speedometer = dataclasses.field(default_factory=Speedometer)
+    loss_fn: object = dataclasses.field(default_factory=gluon.loss.SoftmaxCrossEntropyLoss)
+    t_train: float = 0.0      # when the first epoch started
 
 
 def train(config: Config, run_dir, resume: bool = False) -> dict:
-    """Train as configured; return rank 0's summary (other ranks: their end record)."""
-    import mxnet as mx
-    from mxnet import autograd, gluon
-    from ssdsgd.models import build_model, initializer
+    """Train as configured; return rank 0's summary (other ranks: their end record).
 
+    The loader, the metrics file and the kvstore are closed once, in that order, also on
+    an error: closing the kvstore leaves the job, so rank 0 does it after its summary."""
+    with contextlib.ExitStack() as closing:
+        run = set_up(config, Path(run_dir), resume, closing)
+        for epoch in range(run.start_epoch, run.length.last_epoch + 1):
+            run_epoch(run, epoch)
+        return finish(run)
+
+
+def set_up(config: Config, run_dir: Path, resume: bool, closing) -> Run:
+    """Join the job (worker mode), open the data, build the model and the Trainer,
+    load the checkpoint when resuming, open the metrics file and the loader; each thing
+    that must be closed is handed to ``closing``."""
     t_start = time.time()
-    run_dir = Path(run_dir)
-    seed = config.train.seed
-    seed_everything(seed)
-
-    n_train = count_train(config)
-    spe_cluster = steps_per_epoch(config, config.cluster.workers, n_train)
-    resume_info = checkpoint_info(run_dir) if resume else None
-    kv, rank, num_workers = create_kvstore(
-        config, spe_cluster, int(resume_info["step"]) if resume else 0)
-    if kv is not None and num_workers != config.cluster.workers:
-        log.warning("kvstore reports %d workers, config cluster.workers is %d",
-                    num_workers, config.cluster.workers)
-    writer = loader = None
-    try:
-        dataset = open_dataset(config)
-        spe = steps_per_epoch(config, num_workers, dataset.n_train)
-        warmup = resolve_warmup_steps(config, spe)
-        bs = config.data.batch_size
-        n_steps = config.train.epochs * spe
-        if config.train.max_steps is not None:
-            n_steps = min(n_steps, config.train.max_steps)
-        last_epoch = (n_steps - 1) // spe  # the epoch in which training ends
-
-        ctx = contexts(config)
-        net = build_model(config.model.name, dataset.num_classes)
-        net.initialize(initializer(config.model.name), ctx=ctx)
-        if config.model.hybridize:
-            net.hybridize(static_alloc=True, static_shape=True)
-        sched = build_lr_scheduler(config, spe)
-        # a second, identical scheduler only to report the lr (MXNet's are stateful, and
-        # with a kvstore the servers, not this process, run the real one)
-        lr_view = build_lr_scheduler(config, spe)
-
-        def lr_at(num_update):
-            return float(lr_view(num_update)) if lr_view is not None else config.optimizer.lr
-        store = kv if kv is not None else ("device" if len(ctx) > 1 else None)
-        trainer = gluon.Trainer(net.collect_params(), config.optimizer.name,
-                                optimizer_params(config, sched), kvstore=store)
-        loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-        grad_batch = gradient_batch(config, kv, num_workers)
-
-        start_epoch, step = 0, 0
-        if resume:
-            # materialize deferred shapes before loading
-            x0, _ = dataset.train_batch(np.arange(min(bs, dataset.n_train)),
-                                        np.random.default_rng(0))
-            net(mx.nd.array(x0[:1], ctx=ctx[0]))
-            info = load_checkpoint(run_dir, net, trainer, ctx, grad_batch)
-            start_epoch, step = int(info["next_epoch"]), int(info["step"])
-            log.info("resumed from %s at epoch %d, step %d", run_dir / "checkpoints",
-                     start_epoch, step)
-
-        writer = MetricsWriter(run_dir, rank)
-        writer.write("start", rank=rank, num_workers=num_workers, steps_per_epoch=spe,
-                     total_steps=n_steps, epochs=config.train.epochs, batch_size=bs,
-                     warmup_steps=warmup, algorithm=config.sync.algorithm,
-                     delay_steps=config.sync.delay_steps, model=config.model.name,
-                     dataset=config.data.dataset, kvstore=kv is not None,
-                     start_epoch=start_epoch, start_step=step)
-        log.info("rank %d/%d: %s on %s, %d samples, %d steps/epoch x %d epochs (%d steps), "
-                 "batch %d, warm-up %d steps, %s", rank, num_workers, config.model.name,
-                 config.data.dataset, dataset.n_train, spe, config.train.epochs,
-                 n_steps, bs, warmup, "kvstore ssd_sync" if kv is not None else
-                 "single process (no kvstore)")
-
-        loader = Loader(dataset, seed, config.data.loader_threads)
-        speed, epoch_speed = Speedometer(), Speedometer()
-        t_train = time.time()
-        samples = 0
-        vals: list[dict] = []
-
-        def validate(epoch):
-            res = evaluate(net, dataset, ctx, bs)
-            vals.append(res)
-            writer.write("val", epoch=epoch + 1, step=step, **res,
-                         elapsed=time.time() - t_train)
-            log.info("Epoch[%d] Validation %s time=%.1fs", epoch, " ".join(
-                f"{k}={v:.6f}" for k, v in res.items()), time.time() - t_train)
-
-        def checkpoint(epoch, states_name, weights=None):
-            path = save_checkpoint(run_dir, net, states_name, epoch, step, seed, weights)
-            writer.write("checkpoint", epoch=epoch + 1, step=step, path=str(path))
-
-        def wants_checkpoint(epoch):
-            every = config.train.checkpoint_every
-            return bool(every) and ((epoch + 1) % every == 0 or epoch == last_epoch)
-
-        for epoch in range(start_epoch, last_epoch + 1):
-            speed.reset()
-            epoch_speed.reset()
-            for batch, (x, y) in loader.epoch(epoch, rank, num_workers, bs):
-                xs = gluon.utils.split_and_load(mx.nd.array(x), ctx, even_split=False)
-                ys = gluon.utils.split_and_load(mx.nd.array(y), ctx, even_split=False)
-                with autograd.record():
-                    outs = [net(xi) for xi in xs]
-                    losses = [loss_fn(o, yi) for o, yi in zip(outs, ys)]
-                autograd.backward(losses)
-                trainer.step(grad_batch)
-                step += 1
-                samples += len(y)
-                loss_sum = sum(float(l.sum().asscalar()) for l in losses)
-                correct = sum(int((o.argmax(axis=1) == yi.astype(o.dtype)).sum().asscalar())
-                              for o, yi in zip(outs, ys))
-                speed.update(len(y), loss_sum, correct)
-                epoch_speed.update(len(y), loss_sum, correct)
-                if (batch + 1) % config.train.log_interval == 0 or step == n_steps:
-                    stats = speed.stats()
-                    m = kv_metrics(kv)
-                    writer.write("train", step=step, epoch=epoch, batch=batch + 1, **stats,
-                                 stage=stage_of(config, kv, step - 1, warmup, m),
-                                 lr=lr_at(step), **net_figures(kv),
-                                 elapsed=time.time() - t_train)
-                    if not np.isfinite(stats["loss"]):
-                        raise FloatingPointError(f"loss is {stats['loss']} at step {step} "
-                                                 "(diverged; lower optimizer.lr?)")
-                    log.info(Speedometer.line(epoch, batch + 1, stats))
-                    speed.reset()
-                if step >= n_steps:
-                    break
-            ep = epoch_speed.stats()
-            log.info("Epoch[%d] Train-accuracy=%.6f loss=%.4f Speed: %.1f samples/sec", epoch,
-                     ep["accuracy"], ep["loss"], ep["samples_per_sec"])
-            if rank == 0 and epoch < last_epoch:
-                validate(epoch)
-                if wants_checkpoint(epoch):
-                    # in the steps-delay stage rank 0's weights are its local ones: the
-                    # checkpoint holds the global model, pulled from the servers
-                    checkpoint(epoch, save_states(run_dir, trainer, epoch),
-                               pull_global(kv, trainer, into_params=False)
-                               if delay_stage(config, kv, step, warmup) else None)
-        loader.close()
-        # The end of training. In the steps-delay stage rank 0 first replaces its local
-        # weights by the global weights of the last step (what kv.close() does), so the
-        # last validation and checkpoint are of the global model. Rank 0 does everything
-        # (validation, checkpoint, summary) before it leaves the job: the scheduler ends
-        # the job when the last worker has closed its kvstore.
-        ran = start_epoch <= last_epoch
-        if rank == 0 and ran and delay_stage(config, kv, step, warmup):
-            pull_global(kv, trainer)
-        wall = time.time() - t_train
-        if rank == 0 and ran:
-            validate(last_epoch)
-            if wants_checkpoint(last_epoch):
-                checkpoint(last_epoch, save_states(run_dir, trainer, last_epoch))
-        end = writer.write("end", steps=step, samples=samples, wall_time=wall,
-                           samples_per_sec=samples / max(wall, 1e-9), **net_figures(kv),
-                           kv=kv_metrics(kv))
-        writer.close()
-        summary = end if rank != 0 else _summary(config, run_dir, kv, vals, step, spe,
-                                                 warmup, num_workers, wall, t_start)
-        if kv is not None and hasattr(kv, "close"):
-            kv.close()
-    finally:
-        if loader is not None:
-            loader.close()
-        if writer is not None:
-            writer.close()
-        if kv is not None and hasattr(kv, "close"):
-            kv.close()  # idempotent; on an error it still leaves the job
-
-    return summary
+    seed_everything(config.train.seed)
+    info = checkpoint_info(run_dir) if resume else None
+    spe_cluster = steps_per_epoch(config, config.cluster.workers, count_train(config))
+    kv, rank, num_workers = create_kvstore(config, spe_cluster, info["step"] if info else 0)
+    if kv is not None:
+        closing.callback(kv.close)
+        if num_workers != config.cluster.workers:
+            log.warning("kvstore reports %d workers, config cluster.workers is %d",
+                        num_workers, config.cluster.workers)
+    dataset = open_dataset(config)
+    length = run_length(config, num_workers, dataset.n_train)
+    if info:
+        check_unfinished(run_dir, info, length)
+    ctx = contexts(config)
+    net, trainer = build_trainer(config, kv, dataset, length, ctx)
+    run = Run(config, run_dir, kv, rank, num_workers, dataset, length,
+              resolve_warmup_steps(config, length.steps_per_epoch), ctx, net, trainer,
+              gradient_batch(config, kv, num_workers),
+              build_lr_scheduler(config, length.steps_per_epoch), t_start=t_start)
+    if info:
+        resume_from(run, info)
+    run.writer = MetricsWriter(run_dir, rank)
+    closing.callback(run.writer.close)
+    write_start(run)
+    run.loader = Loader(dataset, config.train.seed, config.data.loader_threads)
+    closing.callback(run.loader.close)
+    run.t_train = time.time()
+    return run
 
 
-def delay_stage(config: Config, kv, step: int, warmup: int) -> bool:
-    """Whether, after ``step`` steps, this worker's weights are its local ones (its last
-    step was in ssd's steps-delay stage) rather than the global model."""
-    if kv is None or config.sync.algorithm != "ssd":
-        return False
-    m = kv_metrics(kv)
+def build_trainer(config: Config, kv, dataset, length: RunLength, ctx):
+    """(net, gluon.Trainer): the initialized model and a stock Trainer over ``kv`` (by
+    hand: 'device' on several devices, else none)."""
+    net = build_model(config.model.name, dataset.num_classes)
+    net.initialize(initializer(config.model.name), ctx=ctx)
+    if config.model.hybridize:
+        net.hybridize(static_alloc=True, static_shape=True)
+    store = kv if kv is not None else ("device" if len(ctx) > 1 else None)
+    sched = build_lr_scheduler(config, length.steps_per_epoch)
+    # pushes are compressed on ssd_sync only (one process alone has nothing to push)
+    compression = parse_compression(config.sync.compression) if kv is not None else None
+    trainer = gluon.Trainer(net.collect_params(), config.optimizer.name,
+                            optimizer_params(config, sched), kvstore=store,
+                            compression_params=compression)
+    return net, trainer
+
+
+def resume_from(run: Run, info: dict) -> None:
+    """Load the checkpoint ``info`` and continue at its data position and step."""
+    # one forward pass materializes deferred shapes before the parameters are loaded
+    x0, _ = run.dataset.train_batch(
+        np.arange(min(run.config.data.batch_size, run.dataset.n_train)),
+        np.random.default_rng(0))
+    run.net(mx.nd.array(x0[:1], ctx=run.ctx[0]))
+    load_checkpoint(run.run_dir, info, run.net, run.trainer, run.ctx, run.grad_batch)
+    run.start_epoch, run.step = int(info["next_epoch"]), int(info["step"])
+    log.info("resumed from %s at epoch %d, step %d", run.run_dir / "checkpoints",
+             run.start_epoch, run.step)
+
+
+def write_start(run: Run) -> None:
+    """The ``start`` record (the progress monitor reads the run's length from it)."""
+    c, n = run.config, run.length
+    run.writer.write("start", rank=run.rank, num_workers=run.num_workers,
+                     steps_per_epoch=n.steps_per_epoch, total_steps=n.total_steps,
+                     epochs=c.train.epochs, batch_size=c.data.batch_size,
+                     warmup_steps=run.warmup, algorithm=c.sync.algorithm,
+                     delay_steps=c.sync.delay_steps, model=c.model.name,
+                     dataset=c.data.dataset, kvstore=run.kv is not None,
+                     start_epoch=run.start_epoch, start_step=run.step)
+    log.info("rank %d/%d: %s on %s, %d samples, %d steps/epoch x %d epochs (%d steps), "
+             "batch %d, warm-up %d steps, %s", run.rank, run.num_workers, c.model.name,
+             c.data.dataset, run.dataset.n_train, n.steps_per_epoch, c.train.epochs,
+             n.total_steps, c.data.batch_size, run.warmup,
+             "kvstore ssd_sync" if run.kv is not None else "single process (no kvstore)")
+
+
+def run_epoch(run: Run, epoch: int) -> None:
+    """This worker's shard of one epoch; then, on rank 0, validation and a due
+    checkpoint (but for the last epoch: finish() does those on the global model)."""
+    run.speed.reset()
+    whole = Speedometer()
+    c = run.config
+    for batch, (x, y) in run.loader.epoch(epoch, run.rank, run.num_workers,
+                                          c.data.batch_size):
+        figures = train_step(run, x, y)
+        run.speed.update(*figures)
+        whole.update(*figures)
+        if (batch + 1) % c.train.log_interval == 0 or run.step == run.length.total_steps:
+            log_interval(run, epoch, batch + 1)
+        if run.step >= run.length.total_steps:
+            break
+    ep = whole.stats()
+    log.info("Epoch[%d] Train-accuracy=%.6f loss=%.4f Speed: %.1f samples/sec", epoch,
+             ep["accuracy"], ep["loss"], ep["samples_per_sec"])
+    if run.rank == 0 and epoch < run.length.last_epoch:
+        validate(run, epoch)
+        if wants_checkpoint(run, epoch):
+            # in the steps-delay stage rank 0's weights are its local ones: the
+            # checkpoint holds the global model, pulled from the servers
+            weights = (pull_global(run.kv, run.trainer, into_params=False)
+                       if stage_of(run) == Stage.STEPS_DELAY else None)
+            checkpoint(run, epoch, weights)
+
+
+def train_step(run: Run, x, y) -> tuple[int, float, int]:
+    """One step: forward, backward, Trainer.step; (samples, loss sum, correct)."""
+    xs = gluon.utils.split_and_load(mx.nd.array(x), run.ctx, even_split=False)
+    ys = gluon.utils.split_and_load(mx.nd.array(y), run.ctx, even_split=False)
+    with autograd.record():
+        outs = [run.net(xi) for xi in xs]
+        losses = [run.loss_fn(o, yi) for o, yi in zip(outs, ys)]
+    autograd.backward(losses)
+    run.trainer.step(run.grad_batch)
+    run.step += 1
+    run.samples += len(y)
+    loss_sum = sum(float(l.sum().asscalar()) for l in losses)
+    correct = sum(int((o.argmax(axis=1) == yi.astype(o.dtype)).sum().asscalar())
+                  for o, yi in zip(outs, ys))
+    return len(y), loss_sum, correct
+
+
+def log_interval(run: Run, epoch: int, batch: int) -> None:
+    """The ``train`` record and the Speedometer line for the steps since the last one."""
+    stats = run.speed.stats()
+    m = kv_metrics(run.kv)
+    run.writer.write("train", step=run.step, epoch=epoch, batch=batch, **stats,
+                     stage=stage_of(run, m), lr=lr_at(run, run.step),
+                     **net_figures(run.kv, m), elapsed=time.time() - run.t_train)
+    if not np.isfinite(stats["loss"]):
+        raise FloatingPointError(f"loss is {stats['loss']} at step {run.step} "
+                                 "(diverged; lower optimizer.lr?)")
+    log.info(Speedometer.line(epoch, batch, stats))
+    run.speed.reset()
+
+
+def stage_of(run: Run, m: dict | None = None):
+    """The stage of this worker's last step: the kvstore's own (``m``, its metrics),
+    else the schedule's plan for that step; "local" only without a kvstore."""
+    if run.kv is None:
+        return "local"
+    m = kv_metrics(run.kv) if m is None else m
     if "stage" in m:
-        return m["stage"] == "steps_delay"
-    return step > warmup
+        return Stage(m["stage"])
+    s = run.config.sync
+    return plan(max(run.step - 1, 0), s.algorithm, run.warmup, s.delay_steps).stage
 
 
-def _summary(config, run_dir, kv, vals, step, spe, warmup, num_workers, wall,
-             t_start) -> dict:
+def lr_at(run: Run, num_update: int) -> float:
+    """The lr of update ``num_update``, from a second, identical scheduler: MXNet's are
+    stateful, and with a kvstore the servers, not this process, run the real one."""
+    if run.lr_view is None:
+        return run.config.optimizer.lr
+    return float(run.lr_view(num_update))
+
+
+def validate(run: Run, epoch: int) -> None:
+    """Rank 0: the validation figures after ``epoch``, recorded and logged."""
+    res = evaluate(run.net, run.dataset, run.ctx, run.config.data.batch_size)
+    run.vals.append(res)
+    elapsed = time.time() - run.t_train
+    run.writer.write("val", epoch=epoch + 1, step=run.step, **res, elapsed=elapsed)
+    log.info("Epoch[%d] Validation %s time=%.1fs", epoch,
+             " ".join(f"{k}={v:.6f}" for k, v in res.items()), elapsed)
+
+
+def wants_checkpoint(run: Run, epoch: int) -> bool:
+    """Every train.checkpoint_every epochs and after the last one; never when it is 0."""
+    every = run.config.train.checkpoint_every
+    return bool(every) and ((epoch + 1) % every == 0 or epoch == run.length.last_epoch)
+
+
+def checkpoint(run: Run, epoch: int, weights: dict | None = None) -> None:
+    """Rank 0: the optimizer states, the parameters (``weights`` instead of its own, if
+    given) and the data position after ``epoch``."""
+    states = save_states(run.run_dir, run.trainer, epoch)
+    path = save_checkpoint(run.run_dir, run.net, states, epoch, run.step,
+                           run.config.train.seed, weights)
+    run.writer.write("checkpoint", epoch=epoch + 1, step=run.step, path=str(path))
+
+
+def finish(run: Run) -> dict:
+    """The end of training: rank 0's last validation and checkpoint, every worker's end
+    record, rank 0's summary. In the steps-delay stage rank 0 first replaces its local
+    weights by the global weights of the last step (what kv.close() does), so that the
+    last validation and checkpoint are of the global model."""
+    last = run.length.last_epoch
+    if run.rank == 0 and stage_of(run) == Stage.STEPS_DELAY:
+        pull_global(run.kv, run.trainer)
+    wall = time.time() - run.t_train
+    if run.rank == 0:
+        validate(run, last)
+        if wants_checkpoint(run, last):
+            checkpoint(run, last)
+    end = run.writer.write("end", steps=run.step, samples=run.samples, wall_time=wall,
+                           samples_per_sec=run.samples / max(wall, 1e-9),
+                           **net_figures(run.kv), kv=kv_metrics(run.kv))
+    return end if run.rank != 0 else write_summary(run, wall)
+
+
+def write_summary(run: Run, wall: float) -> dict:
     """Rank 0: RUN_DIR/summary.json from its figures and every worker's end record."""
-    last = vals[-1] if vals else {}
+    c, kv, last = run.config, run.kv, run.vals[-1]      # finish() validated
     base = {
-        "name": config.name, "algorithm": config.sync.algorithm if kv is not None else "local",
-        "num_workers": num_workers, "num_servers": config.cluster.servers if kv else 0,
-        "model": config.model.name, "dataset": config.data.dataset,
-        "batch_size": config.data.batch_size, "epochs": round(step / spe, 3),
-        "steps": step, "steps_per_epoch": spe, "warmup_steps": warmup,
-        "delay_steps": config.sync.delay_steps,
+        "name": c.name, "algorithm": c.sync.algorithm if kv is not None else "local",
+        "num_workers": run.num_workers,
+        "num_servers": c.cluster.servers if kv is not None else 0,
+        "model": c.model.name, "dataset": c.data.dataset,
+        "batch_size": c.data.batch_size,
+        "epochs": round(run.step / run.length.steps_per_epoch, 3), "steps": run.step,
+        "steps_per_epoch": run.length.steps_per_epoch, "warmup_steps": run.warmup,
+        "delay_steps": c.sync.delay_steps,
         "final_accuracy": last.get("accuracy"),
-        "best_accuracy": max((v["accuracy"] for v in vals), default=None),
+        "best_accuracy": max(v["accuracy"] for v in run.vals),
         **({"final_top5": last["top5"]} if "top5" in last else {}),
-        "wall_time": wall, "total_time": time.time() - t_start,
+        "wall_time": wall, "total_time": time.time() - run.t_start,
     }
-    summary = summarize(run_dir, base, wait_for=num_workers)
-    log.info("done: test accuracy %s after %d steps, %.1f s; summary in %s",
-             f"{summary['final_accuracy']:.4f}" if summary["final_accuracy"] is not None
-             else "n/a", step, wall, run_dir / "summary.json")
+    summary = summarize(run.run_dir, base, wait_for=run.num_workers)
+    log.info("done: test accuracy %.4f after %d steps, %.1f s; summary in %s",
+             last["accuracy"], run.step, wall, run.run_dir / "summary.json")
     return summary
 
 
@@ -537,30 +440,33 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def open_run(args) -> tuple[Config, Path]:
+    """The config and the run directory the arguments name: a resumed run's own; by
+    hand a new one (or --run-dir) with the config written to it; in worker mode
+    --run-dir, whose config.yaml the launcher wrote."""
+    if args.resume:
+        run_dir = Path(args.resume)
+        return load_config(args.config or run_dir / "config.yaml", args.overrides), run_dir
+    if args.config is None:
+        raise ConfigError("CONFIG: the job's YAML file is required (or --resume RUN_DIR)")
+    config = load_config(args.config, args.overrides)
+    worker = bool(os.environ.get("SSDSGD_ROLE"))
+    if worker and not args.run_dir:
+        raise ConfigError("--run-dir: required when started by the launcher "
+                          "(all workers must share one run directory)")
+    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not worker:
+        save_config(config, run_dir / "config.yaml")
+    return config, run_dir
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
     try:
-        config_path = args.config
-        if args.resume:
-            run_dir = Path(args.resume)
-            if config_path is None:
-                config_path = run_dir / "config.yaml"
-        elif config_path is None:
-            raise ConfigError("CONFIG: the job's YAML file is required (or --resume RUN_DIR)")
-        config = load_config(config_path, args.overrides)
-        if not args.resume:
-            if args.run_dir:
-                run_dir = Path(args.run_dir)
-                run_dir.mkdir(parents=True, exist_ok=True)
-            elif os.environ.get("SSDSGD_ROLE"):
-                raise ConfigError("--run-dir: required when started by the launcher "
-                                  "(all workers must share one run directory)")
-            else:
-                run_dir = new_run_dir(config)
-        if not args.resume and not os.environ.get("SSDSGD_ROLE"):
-            save_config(config, run_dir / "config.yaml")  # the launcher writes its own
+        config, run_dir = open_run(args)
         log.info("run directory %s", run_dir)
         train(config, run_dir, resume=bool(args.resume))
     except (ConfigError, DataError, FloatingPointError) as exc:

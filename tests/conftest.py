@@ -1,12 +1,12 @@
 """Shared helpers for tests that start real processes (always cleaned up)."""
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from ssdsgd.testing import clean_env, run_dist, stop_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -16,11 +16,11 @@ sys.path.insert(0, str(SCRIPTS))
 
 def launch(n, s, script_args, env=None, timeout=180, script="ssd_worker.py"):
     """Run ``launch/dist.py -n N -s S -- python tests/scripts/SCRIPT ...``."""
-    cmd = [PY, str(ROOT / "launch" / "dist.py"), "-n", str(n), "-s", str(s)]
+    args = ["-n", n, "-s", s]
     for k, v in (env or {}).items():
-        cmd += ["--env", f"{k}={v}"]
-    cmd += ["--", PY, str(SCRIPTS / script)] + [str(a) for a in script_args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        args += ["--env", f"{k}={v}"]
+    args += ["--", PY, SCRIPTS / script, *script_args]
+    return run_dist(args, timeout=timeout)
 
 
 def load_npz(path):
@@ -41,13 +41,7 @@ class Procs:
         return p
 
     def close(self):
-        for p in self.items:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait(timeout=10)
+        stop_groups(self.items, grace=0)
 
 
 @pytest.fixture
@@ -58,8 +52,5 @@ def procs():
 
 
 def node_env(port, num_workers=1, num_servers=1, **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "SSDSGD_"))}
-    env.update({"SSDSGD_SCHEDULER_PORT": str(port), "SSDSGD_NUM_WORKERS": str(num_workers),
-                "SSDSGD_NUM_SERVERS": str(num_servers)})
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return clean_env(SSDSGD_SCHEDULER_PORT=port, SSDSGD_NUM_WORKERS=num_workers,
+                     SSDSGD_NUM_SERVERS=num_servers, **extra)

@@ -12,6 +12,8 @@ import pytest
 import tiny
 from conftest import PY, ROOT, SCRIPTS, launch, load_npz
 
+pytestmark = pytest.mark.system
+
 
 def _initial():
     return {f"p{i}": p.data().asnumpy() for i, p in enumerate(tiny.params(tiny.make_net()))}

@@ -121,9 +121,10 @@ BAD = [
     (dict(train={"gpus": [0, "x"]}), [], ["train.gpus[1]: expected an integer"]),
     (dict(train={"gpus": "0"}), [], ["train.gpus: expected a list of integers"]),
     (dict(train={"gpus": [0, 0]}), [], ["train.gpus: expected distinct"]),
-    (dict(cluster={"heartbeat_timeout": 0}), [], ["cluster.heartbeat_timeout: expected a number > 0"]),
-    (dict(cluster={"launcher": "ssh"}), [], ["cluster.launcher: expected one of local"]),
-    (dict(sync={"lr_local": -1}), [], ["sync.lr_local: expected a number >= 0.0"]),
+    (dict(cluster={"heartbeat_timeout": 0}), [], ["cluster.heartbeat_timeout: expected a number >= 0.1"]),
+    (dict(cluster={"launcher": "yarn"}), [],
+     ["cluster.launcher: expected one of local, ssh, mpi, slurm"]),
+    (dict(sync={"lr_local": -1}), [], ["sync.lr_local: expected a number > 0.0"]),
     (dict(data={"augmentation": 1}), [], ["data.augmentation: expected true or false"]),
     (dict(sync=[1, 2]), [], ["sync: expected a mapping"]),
     ({}, ["sync.delay_steps"], ["--set 'sync.delay_steps': expected KEY=VALUE"]),
@@ -177,6 +178,7 @@ def test_sync_env_matches_design_doc_names(tmp_path):
     assert "SSDSGD_LR_LOCAL" not in sync_env(parse_config(MINIMAL))
     cfg = parse_config(merged(cluster={"workers": 3, "servers": 2, "heartbeat_timeout": 5}))
     assert cluster_env(cfg) == {"SSDSGD_NUM_WORKERS": "3", "SSDSGD_NUM_SERVERS": "2",
+                                "SSDSGD_HEARTBEAT_INTERVAL": "1.0",
                                 "SSDSGD_HEARTBEAT_TIMEOUT": "5.0"}
 
 

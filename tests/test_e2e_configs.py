@@ -97,6 +97,7 @@ def check_job(p, run: Path, steps: int, stages: list[str], top5: bool = False) -
     return summary
 
 
+@pytest.mark.system
 def test_cifar10_resnet20_config(tmp_path):
     data = tmp_path / "cifar"
     make_cifar(data / "cifar-10-batches-bin", per_file=8, test=6)   # 40 train, 6 test
@@ -119,6 +120,7 @@ def test_cifar10_resnet20_config(tmp_path):
     assert all(first[k].shape == last[k].shape for k in first)
 
 
+@pytest.mark.system
 def test_imagenet_resnet50_config(tmp_path):
     data = tmp_path / "rec"
     ten = lambda i: i % 10                                   # noqa: E731
@@ -193,6 +195,7 @@ def screen(raw: str) -> list[str]:
     return lines
 
 
+@pytest.mark.system
 def test_digits_main_command_on_a_terminal(tmp_path):
     """The README's main command, shortened, at a terminal: it trains through scheduler,
     server and two workers under one progress bar (the processes' lines scroll above
@@ -344,6 +347,7 @@ def test_launcher_bad_config_and_data_one_line(kind, tmp_path, capsys, monkeypat
         assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
+@pytest.mark.system
 def test_launcher_script_config_error(tmp_path):
     """The same through the real script: one line on stderr, exit code 2, nothing started."""
     p = dist(["configs/digits.yaml", "--set", "sync.local_rule=glue"], timeout=60)
@@ -353,6 +357,7 @@ def test_launcher_script_config_error(tmp_path):
         "(configs/digits.yaml)"]
 
 
+@pytest.mark.system
 def test_bad_data_found_by_the_workers(tmp_path):
     """A corrupt record the launcher's check (which decodes record 0) cannot see: the
     worker that reads it exits with one line naming the file and record, the launcher

@@ -8,8 +8,6 @@
   by rank.  Skipped until launch/dist.py exists.
 """
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ssdsgd.testing import NativePSError, free_port, run_native  # noqa: E402
+from ssdsgd import testing  # noqa: E402
+from ssdsgd.launch.job import free_port  # noqa: E402
+from ssdsgd.testing import NativePSError, run_native  # noqa: E402
+
+pytestmark = pytest.mark.system
 
 TRAIN = REPO / 'tests' / 'scripts' / 'train_small.py'
 DIST = REPO / 'launch' / 'dist.py'
@@ -117,26 +119,15 @@ def test_native_dist_sync_workers_agree(native_runs, bn):
 # --- the oracle: ssd_sync (ssgd) == native dist_sync ----------------------------------
 
 def run_dist(num_servers, out, bn, timeout=120):
-    cmd = [sys.executable, str(DIST), '-n', str(NUM_WORKERS), '-s', str(num_servers),
-           '--env', 'SSDSGD_ALGORITHM=ssgd']
+    args = ['-n', NUM_WORKERS, '-s', num_servers, '--env', 'SSDSGD_ALGORITHM=ssgd']
     for k, v in JOB_ENV.items():
-        cmd += ['--env', f'{k}={v}']
-    cmd += ['--', *train_cmd('ssd_sync', out, bn)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith('DMLC_')}
-    env.update(JOB_ENV)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        args += ['--env', f'{k}={v}']
+    args += ['--', *train_cmd('ssd_sync', out, bn)]
     try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f'launch/dist.py timed out after {timeout} s:\n{output[-4000:]}')
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)   # anything the launcher left behind
-        except (ProcessLookupError, PermissionError):
-            pass
+        proc = testing.run_dist(args, env=JOB_ENV, timeout=timeout, merge_output=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f'launch/dist.py timed out after {timeout} s:\n{e.output[-4000:]}')
+    output = proc.stdout
     assert proc.returncode == 0, f'launch/dist.py exited {proc.returncode}:\n{output[-4000:]}'
 
 

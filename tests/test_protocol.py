@@ -58,13 +58,19 @@ def test_malformed_messages_are_rejected_with_the_reason(mutate, reason):
 def test_bad_key_table_values_are_rejected():
     frames = [bytes(f) for f in P.encode(_push())]
     table = np.frombuffer(frames[1], P.KEY_RECORD).copy()
-    for field, value, reason in [("dtype", 99, "unknown dtype"), ("count", -1, "negative"),
-                                 ("ntensors", 9, "more than 8 tensors"),
-                                 ("ntensors", 2, "claim the same bytes"),
-                                 ("boff", 1 << 20, "its tensors need bytes"),
-                                 ("frame", 5, "data frame 5 does not exist")]:
+    nbytes = int(table[0]["nbytes"])
+    for fields, reason in [({"dtype": 99}, "unknown dtype"), ({"count": -1}, "negative"),
+                           ({"ntensors": 9}, "more than 8 tensors"),
+                           # the record's byte length says 2 tensors as well
+                           ({"ntensors": 2, "nbytes": 2 * nbytes}, "claim the same bytes"),
+                           ({"ntensors": 2}, "the record says"),
+                           ({"nbytes": nbytes + 4}, "the record says"),
+                           ({"encoding": 9}, "unknown encoding"),
+                           ({"boff": 1 << 20}, "its tensors need bytes"),
+                           ({"frame": 5}, "data frame 5 does not exist")]:
         bad = table.copy()
-        bad[0][field] = value
+        for field, value in fields.items():
+            bad[0][field] = value
         with pytest.raises(P.ProtocolError, match=reason):
             P.decode([frames[0], bad.tobytes()] + frames[2:])
 
@@ -95,3 +101,36 @@ def test_unsendable_dtype_is_named():
 def test_meta_is_plain_json():
     frames = P.encode(P.Message(P.Kind.REGISTER, meta={"role": "worker", "port": 5}))
     assert json.loads(bytes(frames[2])) == {"role": "worker", "port": 5}
+
+
+def _compressed_push(encoding, payload, count, dtype=np.float32):
+    recs = P.make_records([(0, 3, 0, count, dtype, 1, encoding)])
+    return P.Message(P.Kind.PUSH, sender=0, step=3, records=recs, tensors=[[payload]])
+
+
+@pytest.mark.parametrize("encoding,count,nbytes", [("2bit", 17, 8), ("2bit", 16, 4),
+                                                   ("topk", 10, 0), ("topk", 10, 80)])
+def test_compressed_gradients_travel_as_bytes(encoding, count, nbytes):
+    payload = np.arange(nbytes, dtype=np.uint8)
+    msg = P.decode(P.encode(_compressed_push(encoding, payload, count)))
+    assert P.ENCODINGS[int(msg.records[0]["encoding"])] == encoding
+    assert int(msg.records[0]["count"]) == count
+    np.testing.assert_array_equal(msg.tensors[0][0], payload)
+
+
+@pytest.mark.parametrize("encoding,count,nbytes,dtype,reason", [
+    ("2bit", 17, 4, np.float32, "2bit data for 17 values is 8 bytes"),
+    ("topk", 10, 12, np.float32, "multiple of 8 bytes up to 80"),
+    ("topk", 10, 88, np.float32, "multiple of 8 bytes up to 80"),
+    ("2bit", 16, 4, np.float16, "one tensor of float32 values"),
+])
+def test_compressed_gradients_of_the_wrong_size_are_rejected(encoding, count, nbytes, dtype,
+                                                             reason):
+    frames = P.encode(_compressed_push(encoding, np.zeros(nbytes, np.uint8), count, dtype))
+    with pytest.raises(P.ProtocolError, match=reason):
+        P.decode(frames)
+
+
+def test_a_compressed_record_takes_one_byte_tensor():
+    with pytest.raises(P.ProtocolError, match="one uint8 tensor"):
+        P.encode(_compressed_push("2bit", np.zeros(1, np.float32), 16))

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import mxnet as mx
 import numpy as np
+import pytest
 
 from ssdsgd import report
 from test_e2e_configs import PY, ROOT, clean_env, dist, records, run_dir_of, sets
+
+pytestmark = pytest.mark.system
 
 EPOCHS = 4
 STEPS = 1437 // (2 * 16)        # digits, 2 workers x 16: 44 steps per epoch

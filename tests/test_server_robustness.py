@@ -16,6 +16,8 @@ from ssdsgd.kvstore.env import NodeEnv
 from ssdsgd.kvstore.sharding import Slice
 from ssdsgd.launch.job import free_port
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture
 def one_server(procs):

@@ -163,3 +163,74 @@ def test_bad_arguments():
         run(2, algorithm='asgd')
     with pytest.raises(ValueError, match='delay_steps'):
         run(2, delay_steps=0)
+
+
+# --- compression (docs/spec/compression.md) --------------------------------------------
+
+TWO_BIT = {'type': '2bit', 'threshold': 0.4}
+
+
+def two_bit_momentum_sgd(steps, num_workers, threshold):
+    """Independent loop: synchronous momentum SGD whose pushes go through MXNet's own 2bit
+    quantizer (one residual per worker and key), decoded and summed in rank order."""
+    from ssdsgd.kvstore.compression import Compression
+    from ssdsgd.testing.mxnet_compression import MXNet2Bit
+    spec = Compression.from_params({'type': '2bit', 'threshold': threshold})
+    quantizer, server = MXNet2Bit(spec.threshold), MXNet2Bit(spec.server_threshold)
+    w = {k: v.asnumpy() for k, v in init_weights().items()}
+    mom = {k: np.zeros_like(v) for k, v in w.items()}
+    residual = [{k: np.zeros(v.size, np.float32) for k, v in w.items()}
+                for _ in range(num_workers)]
+    for t in range(steps):
+        at = {k: mx.nd.array(v) for k, v in w.items()}
+        grads = [grad_fn(i, t, at) for i in range(num_workers)]
+        for k in w:
+            total = None
+            for i in range(num_workers):
+                packed, residual[i][k] = quantizer.quantize(grads[i][k].asnumpy(), residual[i][k])
+                value = server.dequantize(packed, w[k].size).reshape(w[k].shape)
+                total = value if total is None else total + value
+            mom[k] = MU * mom[k] - LR * (RESCALE * total + WD * w[k])
+            w[k] = w[k] + mom[k]
+    return w
+
+
+@pytest.mark.skipif(not __import__('ssdsgd.testing.mxnet_compression', fromlist=['x'])
+                    .available(), reason='libmxnet does not export GradientCompression')
+@pytest.mark.parametrize('kw', [dict(algorithm='ssgd'), dict(warmup_steps=20, delay_steps=2)])
+def test_ssgd_with_2bit_is_sgd_on_mxnets_quantized_pushes(kw):
+    res = run(10, compression=TWO_BIT, **kw)
+    expected = two_bit_momentum_sgd(10, 3, TWO_BIT['threshold'])
+    assert_close(expected, res.global_weights)
+    plain = run(10, **kw)
+    with pytest.raises(AssertionError):     # and compression did change the result
+        assert_close(plain.global_weights, res.global_weights)
+
+
+def test_local_rule_uses_the_uncompressed_gradient():
+    """k = 1, rule sgd: after step t a worker holds w_G(t-1) - lr*(N*r*g_i(t) + wd*w_G(t-1)),
+    g_i(t) taken at its weights after step t-1 -- its own gradient, not the pushed one."""
+    steps, n = 8, 3
+    kw = dict(delay_steps=1, local_rule='sgd', compression=TWO_BIT)
+    full, before = run(steps, n, **kw), run(steps - 1, n, **kw)
+    w_g = before.global_weights
+    for i in range(n):
+        g = grad_fn(i, steps - 1, before.worker_weights[i])
+        expected = {k: w_g[k] - LR * (n * RESCALE * g[k] + WD * w_g[k]) for k in w_g}
+        assert_close(expected, full.worker_weights[i])
+        # which discriminates: a pushed 2bit value is one of -t, 0, +t per element
+        t = np.float32(TWO_BIT['threshold'])
+        assert not np.isin(g[0].asnumpy(), [-t, 0, t]).any()
+
+
+def test_push_bytes_count_the_compressed_size():
+    plain = run(4, algorithm='ssgd')
+    packed = run(4, algorithm='ssgd', compression=TWO_BIT)
+    # 3 + 4 float32 elements per worker and step; 2bit sends one 4-byte word per key
+    assert plain.push_bytes == 4 * 3 * (3 + 4) * 4
+    assert packed.push_bytes == 4 * 3 * 2 * 4
+
+
+def test_bad_compression_params_are_refused():
+    with pytest.raises(ValueError, match='one of 2bit'):
+        run(2, compression={'type': '3bit'})

@@ -22,6 +22,8 @@ RULES = ["glu-estimate", "glu-exact", "sgd", "none"]
 KS = [1, 2, 5]
 NS = [1, 2, 3]
 SS = [1, 2]
+COMPRESSIONS = {"none": None, "2bit": {"type": "2bit", "threshold": 0.05},
+                "topk": {"type": "topk", "ratio": 0.1}}
 OPTIMIZERS = {
     "sgd": {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4},
     "nag": {"learning_rate": 0.05, "momentum": 0.9},
@@ -29,23 +31,25 @@ OPTIMIZERS = {
 }
 
 
+KNOBS = [RULES, KS, NS, SS, list(OPTIMIZERS), list(COMPRESSIONS)]
+
+
 def _valid(case):
-    rule, _, _, _, opt = case
+    rule, _, _, _, opt, _ = case
     return not (rule == "glu-estimate" and opt == "adam")   # estimate needs momentum
 
 
 def all_pairs():
     """A small set of cases covering every pair of knob values (greedy all-pairs)."""
-    knobs = [RULES, KS, NS, SS, list(OPTIMIZERS)]
-    candidates = [c for c in itertools.product(*knobs) if _valid(c)]
-    uncovered = {(i, a, j, b) for c in candidates for i, j in itertools.combinations(range(5), 2)
-                 for a, b in [(c[i], c[j])]}
+    candidates = [c for c in itertools.product(*KNOBS) if _valid(c)]
+    pairs = list(itertools.combinations(range(len(KNOBS)), 2))
+    uncovered = {(i, a, j, b) for c in candidates for i, j in pairs for a, b in [(c[i], c[j])]}
     cases = []
     while uncovered:
         best = max(candidates, key=lambda c: sum((i, c[i], j, c[j]) in uncovered
-                                                 for i, j in itertools.combinations(range(5), 2)))
+                                                 for i, j in pairs))
         cases.append(best)
-        uncovered -= {(i, best[i], j, best[j]) for i, j in itertools.combinations(range(5), 2)}
+        uncovered -= {(i, best[i], j, best[j]) for i, j in pairs}
     return cases
 
 
@@ -53,7 +57,7 @@ CASES = all_pairs()
 
 
 def test_the_cases_cover_every_value_and_every_pair():
-    for i, values in enumerate([RULES, KS, NS, SS, list(OPTIMIZERS)]):
+    for i, values in enumerate(KNOBS):
         assert {c[i] for c in CASES} == set(values)
     assert len(CASES) < 20
 
@@ -65,7 +69,7 @@ def _trainer_keys(net):
     return {i: order.index(p) for i, p in enumerate(trainer._params)}
 
 
-def _reference(rule, k, n, opt, warmup=WARMUP, algorithm="ssd"):
+def _reference(rule, k, n, opt, warmup=WARMUP, algorithm="ssd", compression="none"):
     net = tiny.make_net()
     keys = _trainer_keys(net)
     params = tiny.params(net)
@@ -83,13 +87,16 @@ def _reference(rule, k, n, opt, warmup=WARMUP, algorithm="ssd"):
     local_rule, _, glu_state = rule.partition("-")
     return keys, simulate(init, grad_fn, make_optimizer, n, STEPS, algorithm=algorithm,
                           warmup_steps=warmup, delay_steps=k, local_rule=local_rule,
-                          glu_state=glu_state or "estimate")
+                          glu_state=glu_state or "estimate",
+                          compression=COMPRESSIONS[compression])
 
 
-def _run(tmp_path, rule, k, n, s, opt, warmup=WARMUP, algorithm="ssd"):
+def _run(tmp_path, rule, k, n, s, opt, warmup=WARMUP, algorithm="ssd", compression="none"):
     local_rule, _, glu_state = rule.partition("-")
+    extra = (["--compression", json.dumps(COMPRESSIONS[compression])]
+             if COMPRESSIONS[compression] else [])
     res = launch(n, s, ["--out", tmp_path, "--steps", STEPS, "--optimizer", opt,
-                        "--opt-params", json.dumps(OPTIMIZERS[opt])],
+                        "--opt-params", json.dumps(OPTIMIZERS[opt])] + extra,
                  env={"SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": warmup,
                       "SSDSGD_DELAY_STEPS": k, "SSDSGD_LOCAL_RULE": local_rule,
                       "SSDSGD_GLU_STATE": glu_state or "estimate",
@@ -103,10 +110,12 @@ def _close(actual, expected, what):
     np.testing.assert_allclose(actual, expected, rtol=2e-4, atol=2e-5, err_msg=what)
 
 
-@pytest.mark.parametrize("rule,k,n,s,opt", CASES, ids=["-".join(map(str, c)) for c in CASES])
-def test_distributed_run_equals_the_simulation(tmp_path, rule, k, n, s, opt):
-    locals_, finals = _run(tmp_path, rule, k, n, s, opt)
-    keys, ref = _reference(rule, k, n, opt)
+@pytest.mark.system
+@pytest.mark.parametrize("rule,k,n,s,opt,compression", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_distributed_run_equals_the_simulation(tmp_path, rule, k, n, s, opt, compression):
+    locals_, finals = _run(tmp_path, rule, k, n, s, opt, compression=compression)
+    keys, ref = _reference(rule, k, n, opt, compression=compression)
     for r in range(n):
         for i, j in keys.items():
             _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
@@ -114,16 +123,29 @@ def test_distributed_run_equals_the_simulation(tmp_path, rule, k, n, s, opt):
             _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
                    f"worker {r} final global weights of key {i}")
     gap = max(np.abs(locals_[0][f"p{j}"] - finals[0][f"p{j}"]).max() for j in keys.values())
-    if rule == "glu-exact" and n == 1:
+    if rule == "glu-exact" and n == 1 and compression == "none":
         # one worker with the server's exact state: the local copy IS the global model
+        # (with compression the server gets the compressed gradient, the local copy not)
         assert gap < 1e-5, gap
     elif n > 1 and rule != "none":
         assert gap > 1e-6, "local weights should differ from the global ones between pulls"
 
 
+@pytest.mark.system
 def test_warmup_covering_the_whole_run_equals_ssgd_exactly(tmp_path):
     _, ssd = _run(tmp_path / "ssd", "glu-estimate", 2, 2, 1, "sgd", warmup=STEPS)
     _, ssgd = _run(tmp_path / "ssgd", "glu-estimate", 2, 2, 1, "sgd", algorithm="ssgd")
     for r in range(2):
         for name in ssd[r]:
             np.testing.assert_array_equal(ssd[r][name], ssgd[r][name])
+
+
+@pytest.mark.system
+def test_without_warmup_exact_glu_state_equals_the_simulation(tmp_path):
+    # the first reset's optimizer state must be as of the weights it resets to, not one
+    # step later (one worker completes each step with its own push)
+    locals_, finals = _run(tmp_path, "glu-exact", 2, 1, 1, "sgd", warmup=0)
+    keys, ref = _reference("glu-exact", 2, 1, "sgd", warmup=0)
+    for i, j in keys.items():
+        _close(locals_[0][f"p{j}"], ref.worker_weights[0][i].asnumpy(), f"local weights of key {i}")
+        _close(finals[0][f"p{j}"], ref.global_weights[i].asnumpy(), f"final weights of key {i}")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
+from ssdsgd.checkpoint import run_length
 from ssdsgd.config import ConfigError, parse_config
 from ssdsgd.metrics import read_records
 from ssdsgd.progress import ProgressMonitor
@@ -135,6 +136,7 @@ def test_cifar_pipeline_smoke(tmp_path, no_role):
     assert summary["final_accuracy"] is not None
 
 
+@pytest.mark.system
 def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     bad = digits_job(tmp_path, "bad", sync={"delay_steps": 0})
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SSDSGD_", "DMLC_"))}
@@ -196,10 +198,10 @@ def test_gradient_batch_and_optimizer_params():
 
 def test_total_steps():
     cfg = cfg_with(cluster={"workers": 2}, data={"batch_size": 32}, train={"epochs": 20})
-    assert T.total_steps(cfg) == 440
-    assert T.total_steps(cfg, num_workers=1) == 880
+    assert run_length(cfg).total_steps == 440
+    assert run_length(cfg, num_workers=1).total_steps == 880
     capped = cfg_with(data={"batch_size": 32}, train={"epochs": 20, "max_steps": 100})
-    assert T.total_steps(capped) == 100
+    assert run_length(capped).total_steps == 100
 
 
 def test_worker_mode_environment_checks(monkeypatch):

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench import common  # noqa: E402
 from bench.cluster import netns, plan, report  # noqa: E402
 from bench.cluster.plan import Workload  # noqa: E402
 
@@ -212,39 +213,28 @@ class Bench:
 
     def run(self, system, workload, rate, n, s, steps, warmup, extra_args=None, timeout=None,
             bound_s=None):
+        """One job, one row: skipped if it may not fit in memory, 'failed' with the
+        error's tail, or the summary of its workers' results."""
         from bench.cluster import runner
         self.job += 1
         tag = f'{self.job:03d}-{workload.model}-{int(rate)}-{system.key}-n{n}s{s}'
         out = self.raw / tag
         base = {'system': system.key, 'label': system.label, 'workload': workload.name,
                 'rate_bits': rate, 'workers': n, 'servers': s, 'k': system.k, 'steps': steps}
-        need = plan.memory_needed(system, workload, n, s)
-        avail = self.mem_available()
-        if avail and need > self.args.memory_fraction * avail:
-            msg = (f'skipped: worst case {need / 2**30:.1f} GiB in flight > '
-                   f'{self.args.memory_fraction:g} x {avail / 2**30:.1f} GiB available')
-            self.log(f'{system.label}: {msg}')
-            return dict(base, status=msg)
+        skipped = self.memory_skip(system, workload, n, s)
+        if skipped:
+            return dict(base, status=skipped)
         args = extra_args if extra_args is not None else worker_args(workload, steps, warmup)
         t0 = time.monotonic()
         try:
             job_notes = []
             results = runner.run_job_on(self.cluster, system, n, s, args, out, timeout, warmup,
                                         out.with_suffix('.log'), notes=job_notes)
-            for note in job_notes:
-                if note == runner.RACE_NOTE:
-                    self.race_rows.append(tag)
-                else:
-                    self.notes.append(f'{tag}: {note}')
+            self.take_notes(tag, job_notes)
         except runner.Interrupted as e:
             raise KeyboardInterrupt(str(e)) from None
         except RuntimeError as e:
-            text = str(e).strip().splitlines()
-            self.log(f'{system.label}: FAILED: {text[0] if text else e} '
-                     f'(log: {out.with_suffix(".log")})')
-            self.notes.append(f'{workload.name} @ {netns.rate_label(rate)}, {system.label}: '
-                              f'failed: {" | ".join(text[-6:])[:600]}')
-            return dict(base, status='failed', error='\n'.join(text[-30:]))
+            return self.failed(base, e, system, workload, rate, out)
         if workload.kind == 'digits':
             return dict(base, status='ok', results=results, job_s=time.monotonic() - t0)
         row = runner.summarize(results, system, workload, rate, n, s, bound_s)
@@ -253,6 +243,33 @@ class Bench:
             self.notes.append(f'{tag}: {row["leftover_pids"]} processes were left in the '
                               'namespaces after the job and were killed')
         return row
+
+    def memory_skip(self, system, workload, n, s):
+        """The reason to skip a row whose worst case does not fit in memory, else None."""
+        need = plan.memory_needed(system, workload, n, s)
+        avail = self.mem_available()
+        if avail and need > self.args.memory_fraction * avail:
+            msg = (f'skipped: worst case {need / 2**30:.1f} GiB in flight > '
+                   f'{self.args.memory_fraction:g} x {avail / 2**30:.1f} GiB available')
+            self.log(f'{system.label}: {msg}')
+            return msg
+        return None
+
+    def take_notes(self, tag, job_notes):
+        from bench.cluster import runner
+        for note in job_notes:
+            if note == runner.RACE_NOTE:
+                self.race_rows.append(tag)
+            else:
+                self.notes.append(f'{tag}: {note}')
+
+    def failed(self, base, error, system, workload, rate, out):
+        text = str(error).strip().splitlines()
+        self.log(f'{system.label}: FAILED: {text[0] if text else error} '
+                 f'(log: {out.with_suffix(".log")})')
+        self.notes.append(f'{workload.name} @ {netns.rate_label(rate)}, {system.label}: '
+                          f'failed: {" | ".join(text[-6:])[:600]}')
+        return dict(base, status='failed', error='\n'.join(text[-30:]))
 
 
 def timeout_for(pred, steps, warmup):
@@ -277,6 +294,8 @@ def fmt_row(r):
 
 
 def run_matrix(bench, args, workloads, log):
+    """One group per workload and rate: every system's row, with bounds and speedups;
+    yields the groups so far after every group."""
     groups = []
     wanted = set(_csv(args.systems)) if args.systems else None
     systems = plan.matrix_systems([int(k) for k in _csv(args.ks)])
@@ -291,17 +310,7 @@ def run_matrix(bench, args, workloads, log):
             log(f'--- {workload.describe()} @ {netns.rate_label(rate)}, {n} workers, '
                 f'{s} server(s)')
             if workload.kind == 'real':
-                # compute alone: every worker at once, no kvstore (the compute bound)
-                st = args.steps or 20
-                compute_row = bench.run(plan.COMPUTE_ONLY, workload, rate, n, s, st,
-                                        args.warmup, timeout=600)
-                if compute_row.get('status') == 'ok':
-                    workload.compute_s = compute_row['compute_per_step_s']
-                    workload.notes.append(f"compute alone: {compute_row['samples_per_s']:.1f} "
-                                          f"samples/s, {workload.compute_s:.3f} s/step")
-                log(fmt_row(compute_row))
-            if workload.kind == 'real':
-                g['rows'].append(compute_row)
+                g['rows'].append(compute_only_row(bench, args, workload, rate, n, s, log))
             b, by = plan.bound(workload, rate, n, s)
             g.update(bound_samples_per_s=b, bound_by=by, compute_s=workload.compute_s,
                      link_s=plan.link_time(workload.param_bytes, rate, n, s),
@@ -313,27 +322,45 @@ def run_matrix(bench, args, workloads, log):
                                 timeout=timeout_for(pred, steps, args.warmup), bound_s=b)
                 log(fmt_row(row))
                 g['rows'].append(row)
-            for r in g['rows']:
-                rb = b
-                if workload.kind == 'real' and r.get('compute_per_step_s'):
-                    # compute alone, as fast as it ran in this very row (the load from
-                    # other processes changes between rows)
-                    rb, _ = plan.bound(workload, rate, n, s, compute_s=r['compute_per_step_s'])
-                if not rb:
-                    continue
-                r['bound_samples_per_s'] = rb
-                if r.get('samples_per_s'):
-                    r['fraction_of_bound'] = r['samples_per_s'] / rb
-                if r.get('steady_samples_per_s'):
-                    r['steady_fraction_of_bound'] = r['steady_samples_per_s'] / rb
-            base = next((r for r in g['rows'] if r['system'] == 'native-sync'
-                         and r.get('samples_per_s')), None)
-            for r in g['rows']:
-                if base and r.get('samples_per_s'):
-                    r['speedup'] = r['samples_per_s'] / base['samples_per_s']
+            add_bounds_and_speedups(g, workload, rate, b)
             groups.append(g)
             yield groups
     return groups
+
+
+def compute_only_row(bench, args, workload, rate, n, s, log):
+    """Compute alone: every worker at once, no kvstore (the compute bound); sets the
+    workload's compute time from it."""
+    st = args.steps or 20
+    row = bench.run(plan.COMPUTE_ONLY, workload, rate, n, s, st, args.warmup, timeout=600)
+    if row.get('status') == 'ok':
+        workload.compute_s = row['compute_per_step_s']
+        workload.notes.append(f"compute alone: {row['samples_per_s']:.1f} "
+                              f"samples/s, {workload.compute_s:.3f} s/step")
+    log(fmt_row(row))
+    return row
+
+
+def add_bounds_and_speedups(g, workload, rate, b):
+    n, s = g['workers'], g['servers']
+    for r in g['rows']:
+        rb = b
+        if workload.kind == 'real' and r.get('compute_per_step_s'):
+            # compute alone, as fast as it ran in this very row (the load from
+            # other processes changes between rows)
+            rb, _ = plan.bound(workload, rate, n, s, compute_s=r['compute_per_step_s'])
+        if not rb:
+            continue
+        r['bound_samples_per_s'] = rb
+        if r.get('samples_per_s'):
+            r['fraction_of_bound'] = r['samples_per_s'] / rb
+        if r.get('steady_samples_per_s'):
+            r['steady_fraction_of_bound'] = r['steady_samples_per_s'] / rb
+    base = next((r for r in g['rows'] if r['system'] == 'native-sync'
+                 and r.get('samples_per_s')), None)
+    for r in g['rows']:
+        if base and r.get('samples_per_s'):
+            r['speedup'] = r['samples_per_s'] / base['samples_per_s']
 
 
 def run_scaling(bench, args, log):
@@ -384,25 +411,32 @@ def run_tta(bench, args, log):
         row = bench.run(system, w, rate, n, s, 0, args.tta_warmup, extra_args=wargs,
                         timeout=900)
         if row.get('status') == 'ok':
-            res = row.pop('results')
-            r0 = next(r for r in res if r.get('evals'))
-            curve = r0['evals']
-            hit = next((e for e in curve if e[2] >= args.tta_target), None)
-            wall = max(r['t_end'] for r in res) - min(r['t_start'] for r in res)
-            row.update(curve=curve, steps=r0['steps'], wall_s=wall,
-                       final_accuracy=curve[-1][2] if curve else None,
-                       best_accuracy=max(e[2] for e in curve) if curve else None,
-                       time_to_target_s=hit[1] if hit else None,
-                       steps_to_target=hit[0] if hit else None)
+            add_time_to_target(row, args.tta_target)
+            hit = row['steps_to_target'] is not None
             log(f"{system.label:<24} time to {args.tta_target:.0%}: "
                 f"{row['time_to_target_s'] if hit else 'not reached'} s "
-                f"(step {hit[0] if hit else '-'}), final {row['final_accuracy']:.4f}, "
-                f"{wall:.1f} s")
+                f"(step {row['steps_to_target'] if hit else '-'}), "
+                f"final {row['final_accuracy']:.4f}, {row['wall_s']:.1f} s")
         else:
             log(f'{system.label:<24} {row.get("status")}')
         tta['rows'].append(row)
         yield tta
     return tta
+
+
+def add_time_to_target(row, target):
+    """From rank 0's accuracy curve: the first step and time at ``target``, the final and
+    best accuracy, the job's wall time."""
+    res = row.pop('results')
+    r0 = next(r for r in res if r.get('evals'))
+    curve = r0['evals']
+    hit = next((e for e in curve if e[2] >= target), None)
+    wall = max(r['t_end'] for r in res) - min(r['t_start'] for r in res)
+    row.update(curve=curve, steps=r0['steps'], wall_s=wall,
+               final_accuracy=curve[-1][2] if curve else None,
+               best_accuracy=max(e[2] for e in curve) if curve else None,
+               time_to_target_s=hit[1] if hit else None,
+               steps_to_target=hit[0] if hit else None)
 
 
 def comm_bound_checks(matrix, args):
@@ -439,26 +473,17 @@ def comm_bound_checks(matrix, args):
 
 
 # ---- main ------------------------------------------------------------------------------
+def log(text):
+    print(f'[bench.cluster] {text}', flush=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
     started = time.monotonic()
-
-    def log(text):
-        print(f'[bench.cluster] {text}', flush=True)
-    try:
-        netns.check_available()
-    except netns.NetnsUnavailable as e:
-        print(f'bench.cluster: cannot build the emulated cluster: {e}. Nothing was run.',
-              flush=True)
-        return 0
-    if args.latency_ms > 0 and not netns.netem_available():
-        print('bench.cluster: --latency-ms needs the netem qdisc, which this kernel does not '
-              'have (CONFIG_NET_SCH_NETEM); run without it.', file=sys.stderr)
-        return 2
-
-    def on_term(signum, _frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-    old_term = signal.signal(signal.SIGTERM, on_term)
+    code = preflight(args)
+    if code is not None:
+        return code
+    old_term = signal.signal(signal.SIGTERM, _term_as_interrupt)
     netns.clean_stale(log)
     only = set(_csv(args.only))
     raw = Path(args.raw) if args.raw else Path(tempfile.mkdtemp(prefix='bench-cluster-'))
@@ -469,36 +494,65 @@ def main(argv=None):
     if 'matrix' in only:
         workloads = [parse_workload(spec, _csv(args.rates), args, raw)
                      for spec in _csv(args.workloads)]
+    src_start = report.source_hash()
+    results = new_results(args, argv, workloads)
+    bench, interrupted = run_experiments(args, only, raw, workloads, results, old_term)
+    finish_results(results, bench, interrupted, started, src_start)
+    save_raw(raw, results)
+    print_summary(results)
+    if not args.no_write:
+        write_outputs(results, Path(args.out))
+    if interrupted:
+        return 130
+    return 1 if any_failed(results) else 0
+
+
+def preflight(args):
+    """None when the cluster can be built here, else the exit code (0: no root, said so)."""
+    try:
+        netns.check_available()
+    except netns.NetnsUnavailable as e:
+        print(f'bench.cluster: cannot build the emulated cluster: {e}. Nothing was run.',
+              flush=True)
+        return 0
+    if args.latency_ms > 0 and not netns.netem_available():
+        print('bench.cluster: --latency-ms needs the netem qdisc, which this kernel does not '
+              'have (CONFIG_NET_SCH_NETEM); run without it.', file=sys.stderr)
+        return 2
+    return None
+
+
+def hosts_needed(args, only):
     max_n = max([args.workers]
                 + ([int(x) for x in _csv(args.scaling_workers)] if 'scaling' in only else [])
                 + ([args.tta_workers] if 'tta' in only else []))
-    hosts = 1 + args.servers + max_n
-    src_start = report.source_hash()
-    results = {'meta': {'command': 'python -m bench.cluster ' + ' '.join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-        'machine': report.machine_info(), 'settings': settings(args, workloads)},
-        'matrix': [], 'scaling': {}, 'tta': {}, 'checks': []}
-    bench = None
-    cluster = None
+    return 1 + args.servers + max_n
+
+
+def new_results(args, argv, workloads):
+    command = 'python -m bench.cluster ' + ' '.join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    return {'meta': {'command': command, 'machine': common.machine_info(),
+                     'settings': settings(args, workloads)},
+            'matrix': [], 'scaling': {}, 'tta': {}, 'checks': []}
+
+
+def _term_as_interrupt(signum, _frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def run_experiments(args, only, raw, workloads, results, old_term):
+    """Build the cluster, run the experiments in ``only`` (saving raw results after every
+    row), tear it down and put ``old_term`` back as the SIGTERM handler; returns (Bench
+    or None, whether it was interrupted)."""
+    bench = cluster = None
     interrupted = False
     try:
-        cluster = netns.Cluster(hosts, log=log, mtu=args.mtu)
+        cluster = netns.Cluster(hosts_needed(args, only), log=log, mtu=args.mtu)
         bench = Bench(args, cluster, raw, log)
         cluster.shape(1e9)
         results['meta']['shaping'] = shaping_text(cluster, args)
-        if 'matrix' in only:
-            for groups in run_matrix(bench, args, workloads, log):
-                results['matrix'] = groups
-                save_raw(raw, results)
-            results['checks'] = comm_bound_checks(results['matrix'], args)
-        if 'scaling' in only:
-            for sc in run_scaling(bench, args, log):
-                results['scaling'] = sc
-                save_raw(raw, results)
-        if 'tta' in only:
-            for tta in run_tta(bench, args, log):
-                results['tta'] = tta
-                save_raw(raw, results)
+        run_parts(bench, args, only, raw, workloads, results)
     except KeyboardInterrupt as e:
         interrupted = True
         log(f'interrupted ({e or "Ctrl-C"}): tearing the cluster down; partial results kept')
@@ -509,6 +563,27 @@ def main(argv=None):
                 f'{netns.PREFIX}{os.getpid()}-')]
             log('cluster removed' if not left else f'namespaces left: {left}')
         signal.signal(signal.SIGTERM, old_term)
+    return bench, interrupted
+
+
+def run_parts(bench, args, only, raw, workloads, results):
+    if 'matrix' in only:
+        for groups in run_matrix(bench, args, workloads, log):
+            results['matrix'] = groups
+            save_raw(raw, results)
+        results['checks'] = comm_bound_checks(results['matrix'], args)
+    if 'scaling' in only:
+        for sc in run_scaling(bench, args, log):
+            results['scaling'] = sc
+            save_raw(raw, results)
+    if 'tta' in only:
+        for tta in run_tta(bench, args, log):
+            results['tta'] = tta
+            save_raw(raw, results)
+
+
+def finish_results(results, bench, interrupted, started, src_start):
+    """Elapsed time, the source hash, and the notes (a source change mid-run included)."""
     results['meta']['elapsed_s'] = time.monotonic() - started
     src_end = report.source_hash()
     results['meta']['machine']['ssdsgd_sources'] = src_start
@@ -518,22 +593,22 @@ def main(argv=None):
                            'code; rerun for a consistent table')
     results['meta']['notes'] = (bench.all_notes() if bench else []) + \
         (['the run was interrupted; the tables are partial'] if interrupted else [])
-    save_raw(raw, results)
-    print_summary(results)
-    if not args.no_write:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        images = report.plots(results, out)
-        (out / 'cluster.json').write_text(json.dumps(strip_for_json(results), indent=1))
-        (out / 'cluster.md').write_text(report.markdown(results, images))
-        log(f'wrote {out / "cluster.md"}, {out / "cluster.json"} and '
-            f'{", ".join(p.name for p in images)}')
-    if interrupted:
-        return 130
-    failed = any(r.get('status') == 'failed' for g in results['matrix'] for r in g['rows'])
-    failed |= any(r.get('status') == 'failed' for r in results.get('scaling', {}).get('rows', []))
-    failed |= any(r.get('status') == 'failed' for r in results.get('tta', {}).get('rows', []))
-    return 1 if failed else 0
+
+
+def write_outputs(results, out):
+    out.mkdir(parents=True, exist_ok=True)
+    images = report.plots(results, out)
+    (out / 'cluster.json').write_text(json.dumps(strip_for_json(results), indent=1))
+    (out / 'cluster.md').write_text(report.markdown(results, images))
+    log(f'wrote {out / "cluster.md"}, {out / "cluster.json"} and '
+        f'{", ".join(p.name for p in images)}')
+
+
+def any_failed(results):
+    rows = [r for g in results['matrix'] for r in g['rows']]
+    rows += results.get('scaling', {}).get('rows', [])
+    rows += results.get('tta', {}).get('rows', [])
+    return any(r.get('status') == 'failed' for r in rows)
 
 
 def settings(args, workloads):

@@ -1,8 +1,8 @@
 """Start a job's roles on the hosts of an emulated cluster.
 
-* ssdsgd: :class:`NetnsLauncher`, the interface of ``ssdsgd.launch.local.LocalLauncher``
-  (``scheduler_host``, ``node_env``, ``start``, ``stop``), so ``run_job(...,
-  launcher=NetnsLauncher(cluster, layout))`` runs every role in its own namespace.
+* ssdsgd: :class:`NetnsLauncher`, a ``ssdsgd.launch.local.LocalLauncher`` that prefixes
+  every command with ``ip netns exec HOST``, so ``run_job(...,
+  launcher=NetnsLauncher(layout))`` runs every role in its own namespace.
 * MXNet's ps-lite: :meth:`Layout.native_node` for ``run_native_nodes(node=...)``.
 
 A :class:`Layout` says which host each role gets: host 0 the scheduler, hosts 1..S the
@@ -10,10 +10,7 @@ servers, hosts S+1..S+N the workers.
 """
 from __future__ import annotations
 
-import signal
-import subprocess
-
-from ssdsgd.launch.local import LocalProcess
+from ssdsgd.launch.local import LocalLauncher
 
 
 class Layout:
@@ -45,8 +42,8 @@ class Layout:
         return self.cluster.prefix(h), self.cluster.addresses[h]
 
 
-class NetnsLauncher:
-    """ssdsgd's launcher interface; every role runs in its host's namespace."""
+class NetnsLauncher(LocalLauncher):
+    """ssdsgd's local launcher, with every role in its host's namespace."""
     name = 'netns'
 
     def __init__(self, layout):
@@ -57,11 +54,5 @@ class NetnsLauncher:
         return {'SSDSGD_NODE_HOST': self.layout.address(role, rank)}
 
     def start(self, role, rank, cmd, env):
-        h = self.layout.host(role, rank)
-        popen = subprocess.Popen(self.layout.cluster.prefix(h) + list(cmd), env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        return LocalProcess(role, rank, popen)
-
-    def stop(self, proc, sig=signal.SIGTERM):
-        proc.signal(sig)
+        prefix = self.layout.cluster.prefix(self.layout.host(role, rank))
+        return super().start(role, rank, prefix + list(cmd), env)

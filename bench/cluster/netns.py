@@ -65,18 +65,20 @@ def namespace_pids(ns):
     return [int(p) for p in r.stdout.split() if p.isdigit()]
 
 
-def _kill_inside(ns):
+def kill_inside(ns):
     """SIGKILL every process inside ``ns`` (all of them were started by a run of this
-    harness: the namespace exists only for it)."""
-    for pid in namespace_pids(ns):
+    harness: the namespace exists only for it); returns their pids."""
+    pids = namespace_pids(ns)
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    return pids
 
 
 def _delete(ns):
-    _kill_inside(ns)
+    kill_inside(ns)
     for _ in range(20):
         if _ip('netns', 'del', ns, check=False).returncode == 0 or ns not in list_namespaces():
             return True
@@ -216,7 +218,7 @@ class Cluster:
             return
         self._closed = True
         for ns in self._made:          # kill what runs inside first: a namespace with a
-            _kill_inside(ns)           # process in it outlives `ip netns del`
+            kill_inside(ns)           # process in it outlives `ip netns del`
         left = [ns for ns in reversed(self._made) if not _delete(ns)]
         self._made = []
         if left:

@@ -1,54 +1,13 @@
 """Tables (plain text and markdown) and PNG plots of the emulated-cluster results."""
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from ssdsgd.report import text_table
 
 from .netns import rate_label
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def machine_info():
-    info = {'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'), 'python': sys.version.split()[0],
-            'kernel': platform.release(), 'cpus': os.cpu_count()}
-    try:
-        with open('/proc/cpuinfo') as f:
-            names = [line.split(':', 1)[1].strip() for line in f if line.startswith('model name')]
-        info['cpu'] = names[0] if names else platform.processor()
-    except OSError:
-        info['cpu'] = platform.processor()
-    try:
-        with open('/proc/meminfo') as f:
-            kb = int(next(line for line in f if line.startswith('MemTotal')).split()[1])
-        info['memory_gib'] = round(kb / 2**20, 1)
-    except (OSError, StopIteration):
-        pass
-    try:
-        info['loadavg_start'] = tuple(round(x, 2) for x in os.getloadavg())
-    except OSError:
-        pass
-    for mod in ('mxnet', 'gluoncv', 'zmq', 'numpy'):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            pass
-    # BENCH_GIT_COMMIT names the commit of a source export (git archive) run outside a clone
-    info['git'] = os.environ.get('BENCH_GIT_COMMIT', '')
-    try:
-        if not info['git']:
-            info['git'] = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=REPO,
-                                         capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no',
-                                'ssdsgd'], cwd=REPO, capture_output=True, text=True).stdout
-        info['ssdsgd_dirty'] = bool(dirty.strip())
-    except OSError:
-        pass
-    return info
 
 
 def source_hash():
@@ -104,17 +63,6 @@ def group_title(g):
             f"{_f(g.get('bound_samples_per_s'), '.1f')} samples/s ({g.get('bound_by', '-')} "
             f"bound: compute {_f(g.get('compute_s'), '.3f')} s/step, link "
             f"{_f(g.get('link_s'), '.3f')} s/step)")
-
-
-def text_table(headers, rows):
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
-              for i, h in enumerate(headers)]
-    lines = ['  '.join(str(h).rjust(w) if i else str(h).ljust(w)
-                       for i, (h, w) in enumerate(zip(headers, widths)))]
-    for r in rows:
-        lines.append('  '.join(str(c).rjust(w) if i else str(c).ljust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))))
-    return '\n'.join(lines)
 
 
 def md_table(headers, rows):
@@ -194,6 +142,7 @@ def checks_text(checks):
 
 # ---- plots ----------------------------------------------------------------------------
 def plots(results, outdir):
+    """The PNG plots of whatever parts ``results`` has; returns their paths."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -201,69 +150,78 @@ def plots(results, outdir):
     made = []
     groups = [g for g in results.get('matrix', []) if g['rows']]
     if groups:
-        fig, axes = plt.subplots(len(groups), 1, figsize=(9, 2.6 * len(groups)), squeeze=False)
-        for ax, g in zip(axes[:, 0], groups):
-            rows = [r for r in g['rows'] if r.get('samples_per_s')]
-            labels = [r['label'].replace('ssd_sync ', '').replace('native ', 'native\n')
-                      for r in rows]
-            vals = [r.get('speedup') or 0 for r in rows]
-            frac = [r.get('fraction_of_bound') or 0 for r in rows]
-            x = range(len(rows))
-            ax.bar([i - 0.2 for i in x], vals, 0.4, label='speedup vs native dist_sync')
-            ax.bar([i + 0.2 for i in x], frac, 0.4, label='fraction of the bound')
-            ax.axhline(1.0, color='gray', lw=0.8, ls='--')
-            ax.set_xticks(list(x))
-            ax.set_xticklabels(labels, fontsize=7)
-            ax.set_title(f"{g['workload']} @ {rate_label(g['rate_bits'])}, "
-                         f"{g['workers']}w/{g['servers']}s", fontsize=9)
-            ax.tick_params(axis='y', labelsize=8)
-        axes[0, 0].legend(fontsize=7, loc='upper left')
-        fig.tight_layout()
-        path = outdir / 'cluster_matrix.png'
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        made.append(_save(plt, _matrix_plot(plt, groups), outdir / 'cluster_matrix.png'))
     sc = results.get('scaling') or {}
     if sc.get('rows'):
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for key in dict.fromkeys(r['system'] for r in sc['rows']):
-            pts = [(r['workers'], r['efficiency']) for r in sc['rows']
-                   if r['system'] == key and r.get('efficiency') is not None]
-            if pts:
-                label = next(r['label'] for r in sc['rows'] if r['system'] == key)
-                ax.plot(*zip(*pts), marker='o', label=label)
-        ax.set_xlabel('workers N')
-        ax.set_ylabel('efficiency (vs N x one worker, no comm.)')
-        ax.set_ylim(0, 1.1)
-        ax.set_xticks(sorted({r['workers'] for r in sc['rows']}))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        ax.set_title(f"{sc['workload']} @ {rate_label(sc['rate_bits'])}", fontsize=9)
-        fig.tight_layout()
-        path = outdir / 'cluster_scaling.png'
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        made.append(_save(plt, _scaling_plot(plt, sc), outdir / 'cluster_scaling.png'))
     tta = results.get('tta') or {}
     if tta.get('rows'):
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for r in tta['rows']:
-            if r.get('curve'):
-                t, acc = zip(*[(e[1], e[2]) for e in r['curve']])
-                ax.plot(t, acc, label=r['label'])
-        ax.axhline(tta['target'], color='gray', lw=0.8, ls='--')
-        ax.set_xlabel('wall-clock seconds')
-        ax.set_ylabel('test accuracy (rank 0)')
-        ax.set_ylim(0.5, 1.0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        ax.set_title(f"digits @ {rate_label(tta['rate_bits'])}", fontsize=9)
-        fig.tight_layout()
-        path = outdir / 'cluster_tta.png'
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        made.append(_save(plt, _tta_plot(plt, tta), outdir / 'cluster_tta.png'))
     return made
+
+
+def _save(plt, fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _matrix_plot(plt, groups):
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9, 2.6 * len(groups)), squeeze=False)
+    for ax, g in zip(axes[:, 0], groups):
+        rows = [r for r in g['rows'] if r.get('samples_per_s')]
+        labels = [r['label'].replace('ssd_sync ', '').replace('native ', 'native\n')
+                  for r in rows]
+        vals = [r.get('speedup') or 0 for r in rows]
+        frac = [r.get('fraction_of_bound') or 0 for r in rows]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], vals, 0.4, label='speedup vs native dist_sync')
+        ax.bar([i + 0.2 for i in x], frac, 0.4, label='fraction of the bound')
+        ax.axhline(1.0, color='gray', lw=0.8, ls='--')
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_title(f"{g['workload']} @ {rate_label(g['rate_bits'])}, "
+                     f"{g['workers']}w/{g['servers']}s", fontsize=9)
+        ax.tick_params(axis='y', labelsize=8)
+    axes[0, 0].legend(fontsize=7, loc='upper left')
+    return fig
+
+
+def _scaling_plot(plt, sc):
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for key in dict.fromkeys(r['system'] for r in sc['rows']):
+        pts = [(r['workers'], r['efficiency']) for r in sc['rows']
+               if r['system'] == key and r.get('efficiency') is not None]
+        if pts:
+            label = next(r['label'] for r in sc['rows'] if r['system'] == key)
+            ax.plot(*zip(*pts), marker='o', label=label)
+    ax.set_xlabel('workers N')
+    ax.set_ylabel('efficiency (vs N x one worker, no comm.)')
+    ax.set_ylim(0, 1.1)
+    ax.set_xticks(sorted({r['workers'] for r in sc['rows']}))
+    _finish_axes(ax, f"{sc['workload']} @ {rate_label(sc['rate_bits'])}")
+    return fig
+
+
+def _tta_plot(plt, tta):
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for r in tta['rows']:
+        if r.get('curve'):
+            t, acc = zip(*[(e[1], e[2]) for e in r['curve']])
+            ax.plot(t, acc, label=r['label'])
+    ax.axhline(tta['target'], color='gray', lw=0.8, ls='--')
+    ax.set_xlabel('wall-clock seconds')
+    ax.set_ylabel('test accuracy (rank 0)')
+    ax.set_ylim(0.5, 1.0)
+    _finish_axes(ax, f"digits @ {rate_label(tta['rate_bits'])}")
+    return fig
+
+
+def _finish_axes(ax, title):
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
 
 
 # ---- the markdown file ----------------------------------------------------------------

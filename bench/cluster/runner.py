@@ -1,21 +1,18 @@
 """Run one row (one job) on the emulated cluster and summarize its workers' results."""
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.common import REPO, load_results
 from ssdsgd.launch.job import run_job
-from ssdsgd.testing.native_ps import NativePSError, run_native_nodes
+from ssdsgd.testing import NativePSError, clean_env, run_native_nodes, stop_groups
 
 from . import netns
 from .launchers import Layout, NetnsLauncher
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / 'bench' / 'cluster_worker.py'
 #: for every process of every job: one OpenMP thread (2 cores host every role)
 JOB_ENV = {'OMP_NUM_THREADS': '1', 'MXNET_CPU_WORKER_NTHREADS': '1',
@@ -31,13 +28,6 @@ def worker_cmd(kvstore, out, args):
         [str(a) for a in args]
 
 
-def load_results(out, num_workers):
-    found = sorted(Path(out).glob('result-rank*.json'))
-    if len(found) != num_workers:
-        raise RuntimeError(f'expected {num_workers} result files in {out}, found {len(found)}')
-    return [json.loads(f.read_text()) for f in found]
-
-
 def _tail(path, n=2500):
     try:
         return Path(path).read_text(errors='replace')[-n:]
@@ -47,15 +37,7 @@ def _tail(path, n=2500):
 
 def _leftovers(cluster):
     """Kill processes a job left inside the namespaces (there should be none)."""
-    found = []
-    for ns in cluster.names:
-        for pid in netns.namespace_pids(ns):
-            found.append(pid)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    return found
+    return [pid for ns in cluster.names for pid in netns.kill_inside(ns)]
 
 
 RACE_NOTE = ('ssdsgd launcher: "the scheduler exited before the workers finished; stopping '
@@ -83,64 +65,11 @@ def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, wa
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if system.kind == 'native':
-        try:
-            workers = run_native_nodes(
-                worker_cmd(system.mode, out, args), num_workers, num_servers, mode=system.mode,
-                env=JOB_ENV, timeout=timeout, cwd=REPO,
-                root_uri=layout.address('scheduler', 0), node=layout.native_node)
-        except NativePSError as e:
-            Path(log_path).write_text(str(e))
-            raise RuntimeError(f'native {system.mode} failed: {str(e)[-2500:]}') from None
-        with open(log_path, 'w') as f:
-            for w in workers:
-                f.write(f'--- worker {w.index} (exit {w.returncode})\n{w.stdout}\n{w.stderr}\n')
+        _run_native(system, layout, args, out, timeout, log_path)
     elif system.kind == 'ssd':
-        env = dict(JOB_ENV, SSDSGD_ALGORITHM=system.mode, SSDSGD_WARMUP_STEPS=str(warmup),
-                   SSDSGD_DELAY_STEPS=str(max(system.k, 1)))
-        with open(log_path, 'w') as f:
-            def log(text):
-                f.write(f'[launcher] {text}\n')
-                f.flush()
-            code = _run_job_with_timeout(
-                num_workers, num_servers, worker_cmd('ssd_sync', out, args), env,
-                NetnsLauncher(layout), f, log, timeout)
-        if code in (130, 143):
-            raise Interrupted('SIGINT' if code == 130 else 'SIGTERM')
-        if code == 1 and _launcher_exit_race(log_path, out, num_workers):
-            code = 0       # every worker finished and wrote its result; see the note
-            notes.append(RACE_NOTE)
-        if code != 0:
-            raise RuntimeError(f'ssd_sync ({system.mode}) job exited {code}:\n'
-                               f'{_tail(log_path)}')
+        _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes)
     elif system.kind == 'none':
-        procs = []
-        with open(log_path, 'w') as f:
-            try:
-                for i, h in enumerate(layout.worker_hosts()):
-                    env = dict(os.environ, **JOB_ENV, BENCH_WORKER_INDEX=str(i),
-                               BENCH_NUM_WORKERS=str(num_workers),
-                               BENCH_BARRIER_DIR=str(out / 'barrier'))
-                    env = {k: v for k, v in env.items()
-                           if not k.startswith(('DMLC_', 'SSDSGD_'))}
-                    procs.append(cluster.popen(h, worker_cmd('none', out, args), env=env,
-                                               stdout=f, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL))
-                deadline = time.monotonic() + timeout
-                while any(p.poll() is None for p in procs):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f'compute-only workers timed out after {timeout:g} s')
-                    time.sleep(0.1)
-            finally:
-                for p in procs:
-                    if p.poll() is None:
-                        try:
-                            os.killpg(p.pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                    p.wait()
-        bad = [p.returncode for p in procs if p.returncode != 0]
-        if bad:
-            raise RuntimeError(f'compute-only worker exited {bad[0]}:\n{_tail(log_path)}')
+        _run_compute_only(layout, args, out, timeout, log_path)
     else:
         raise ValueError(system.kind)
     left = _leftovers(cluster)
@@ -148,6 +77,66 @@ def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, wa
     for r in results:
         r['leftover_pids'] = len(left)
     return results
+
+
+def _run_native(system, layout, args, out, timeout, log_path):
+    """MXNet's ps-lite, every node on its host; the workers' output goes to the log."""
+    try:
+        workers = run_native_nodes(
+            worker_cmd(system.mode, out, args), layout.num_workers, layout.num_servers,
+            mode=system.mode, env=JOB_ENV, timeout=timeout, cwd=REPO,
+            root_uri=layout.address('scheduler', 0), node=layout.native_node)
+    except NativePSError as e:
+        Path(log_path).write_text(str(e))
+        raise RuntimeError(f'native {system.mode} failed: {str(e)[-2500:]}') from None
+    with open(log_path, 'w') as f:
+        for w in workers:
+            f.write(f'--- worker {w.index} (exit {w.returncode})\n{w.stdout}\n{w.stderr}\n')
+
+
+def _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes):
+    """ssdsgd's run_job with the netns launcher; the launcher's exit race is a note."""
+    env = dict(JOB_ENV, SSDSGD_ALGORITHM=system.mode, SSDSGD_WARMUP_STEPS=str(warmup),
+               SSDSGD_DELAY_STEPS=str(max(system.k, 1)))
+    with open(log_path, 'w') as f:
+        def log(text):
+            f.write(f'[launcher] {text}\n')
+            f.flush()
+        code = _run_job_with_timeout(
+            layout.num_workers, layout.num_servers, worker_cmd('ssd_sync', out, args), env,
+            NetnsLauncher(layout), f, log, timeout)
+    if code in (130, 143):
+        raise Interrupted('SIGINT' if code == 130 else 'SIGTERM')
+    if code == 1 and _launcher_exit_race(log_path, out, layout.num_workers):
+        code = 0       # every worker finished and wrote its result; see the note
+        notes.append(RACE_NOTE)
+    if code != 0:
+        raise RuntimeError(f'ssd_sync ({system.mode}) job exited {code}:\n'
+                           f'{_tail(log_path)}')
+
+
+def _run_compute_only(layout, args, out, timeout, log_path):
+    """The workers alone, no kvstore, lined up by a file barrier in ``out``."""
+    procs = []
+    with open(log_path, 'w') as f:
+        try:
+            for i, h in enumerate(layout.worker_hosts()):
+                env = clean_env(**JOB_ENV, BENCH_WORKER_INDEX=i,
+                                BENCH_NUM_WORKERS=layout.num_workers,
+                                BENCH_BARRIER_DIR=out / 'barrier')
+                procs.append(layout.cluster.popen(h, worker_cmd('none', out, args), env=env,
+                                                  stdout=f, stderr=subprocess.STDOUT,
+                                                  stdin=subprocess.DEVNULL))
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f'compute-only workers timed out after {timeout:g} s')
+                time.sleep(0.1)
+        finally:
+            stop_groups(procs, grace=0)
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f'compute-only worker exited {bad[0]}:\n{_tail(log_path)}')
 
 
 class JobTimeout(RuntimeError):

@@ -17,9 +17,10 @@ MXNet 1.9.1 state conventions (checked against the ops, see tests/test_glu_rules
 import mxnet as mx
 
 from ..kvstore.optimizer_spec import flatten_state  # noqa: F401  (how state travels)
+from ..settings import BY_NAME
 
-RULES = ('glu', 'sgd', 'none')
-GLU_STATES = ('estimate', 'exact')
+RULES = BY_NAME['local_rule'].choices
+GLU_STATES = BY_NAME['glu_state'].choices
 
 
 def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_local=None):
@@ -29,6 +30,11 @@ def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_
         raise ValueError(f"local_rule must be one of {', '.join(RULES)}; got {name!r}")
     if glu_state not in GLU_STATES:
         raise ValueError(f"glu_state must be one of {', '.join(GLU_STATES)}; got {glu_state!r}")
+    if lr_local is not None:    # the bounds the config and the environment reader apply
+        try:
+            BY_NAME['lr_local'].check(lr_local)
+        except ValueError as e:
+            raise ValueError(f"lr_local: {e}, got {lr_local!r}") from None
     if name == 'none':
         return NoneRule()
     if name == 'sgd':

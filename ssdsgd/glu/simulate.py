@@ -2,19 +2,24 @@
 
 The distributed system must equal this step for step, so it is a literal transcription of
 the spec's server and worker steps, with nothing shared with ssdsgd/worker except the
-local rules. Within one step t the order is: every worker computes its gradient (step 1)
-and pushes it (step 2); the server applies step t; then every worker does steps 3-5.
-A pull "as of step t" is answered by a snapshot taken right after the server applied t.
+local rules and the push codec. Within one step t the order is: every worker computes its
+gradient (step 1) and pushes it (step 2); the server applies step t; then every worker
+does steps 3-5. A pull "as of step t" is answered by a snapshot taken right after the
+server applied t. With compression (docs/spec/compression.md) a push carries the
+worker's compressed gradient, which the server decodes before the rank-order sum, while
+the local rule still gets the worker's own uncompressed gradient.
 
     python -m ssdsgd.glu.simulate --workers 4 --k 2,5,10 --rules glu,sgd,none
 trains a small MLP on scikit-learn's digits and prints test accuracy per (rule, k).
 """
 import argparse
+import json
 import time
 from dataclasses import dataclass, replace
 
 import mxnet as mx
 
+from ..kvstore.compression import Compression
 from .rules import flatten_state, make_local_rule
 
 
@@ -22,6 +27,7 @@ from .rules import flatten_state, make_local_rule
 class SimResult:
     global_weights: dict   # {key: NDArray}, w_G(steps - 1)
     worker_weights: list   # [{key: NDArray}] per worker, after the last local update
+    push_bytes: int = 0    # gradient bytes all workers pushed (compressed size if any)
 
 
 @dataclass
@@ -67,10 +73,35 @@ class Server:
                          num_update=self.steps_applied)
 
 
+class Pusher:
+    """One worker's pushes: its gradients as the servers decode them (the identity
+    without compression), with the worker's own error-feedback residuals."""
+
+    def __init__(self, compression):
+        self.spec = compression
+        self.residuals = compression.residuals() if compression is not None else None
+        self.bytes = 0
+
+    def __call__(self, grads):
+        if self.spec is None:
+            self.bytes += sum(g.size * g.dtype(0).itemsize for g in grads.values())
+            return grads
+        out = {}
+        for key, g in grads.items():
+            (payload,) = self.residuals.encode(key, g.asnumpy().reshape(-1))
+            self.bytes += payload.nbytes
+            out[key] = mx.nd.array(self.spec.decode(payload, g.size).reshape(g.shape),
+                                   dtype=g.dtype)
+        return out
+
+
 def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorithm='ssd',
              warmup_steps=0, delay_steps=1, local_rule='glu', glu_state='estimate',
-             lr_local=None):
-    """Run the spec for `steps` global steps; grad_fn(worker, step, weights) -> raw grads."""
+             lr_local=None, compression=None):
+    """Run the spec for `steps` global steps; grad_fn(worker, step, weights) -> raw grads.
+    compression: None, kv.set_gradient_compression's dict, or a Compression."""
+    if compression is not None and not hasattr(compression, 'residuals'):
+        compression = Compression.from_params(compression)
     if algorithm not in ('ssd', 'ssgd'):
         raise ValueError(f"algorithm must be ssd or ssgd in the simulator; got {algorithm!r}")
     if delay_steps < 1:
@@ -78,6 +109,7 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
     k, T_w = delay_steps, (steps if algorithm == 'ssgd' else warmup_steps)
     N = num_workers
     server = Server(init_weights, make_optimizer)
+    pushers = [Pusher(compression) for _ in range(N)]
     workers = [{key: w.copy() for key, w in init_weights.items()} for _ in range(N)]
     # ssgd never updates locally, so it needs (and validates) no local rule.
     rules = [make_local_rule(local_rule, make_optimizer, N, glu_state, lr_local)
@@ -95,8 +127,8 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
     for t in range(steps):
         # 1. every worker computes g_i(t) at its local weights; 2. pushes it.
         grads = [grad_fn(i, t, workers[i]) for i in range(N)]
-        # Server: wait for all N, sum in rank order, apply Opt once.
-        server.apply_step(grads)
+        # Server: decode, wait for all N, sum in rank order, apply Opt once.
+        server.apply_step([push(g) for push, g in zip(pushers, grads)])
 
         if t < T_w:
             # Warm-up: plain synchronous SGD, wait for w_G(t).
@@ -129,7 +161,8 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
                     reply_t = server.pull(with_state)
                 pending[i] = reply_t
 
-    return SimResult(global_weights=server.weights, worker_weights=workers)
+    return SimResult(global_weights=server.weights, worker_weights=workers,
+                     push_bytes=sum(p.bytes for p in pushers))
 
 
 # ---------------------------------------------------------------------------------------
@@ -206,6 +239,8 @@ def main(argv=None):
     ap.add_argument('--batch', type=int, default=16, help='per-worker batch size')
     ap.add_argument('--hidden', type=int, default=64)
     ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--compression', type=json.loads, default=None,
+                    help='push compression for every row, e.g. \'{"type": "2bit", "threshold": 0.5}\'')
     args = ap.parse_args(argv)
     init, grad_fn, accuracy = _experiment(args)
 
@@ -217,14 +252,15 @@ def main(argv=None):
 
     def run(**kw):
         res = simulate(init, grad_fn, make_optimizer, args.workers, args.steps,
-                       warmup_steps=args.warmup, **kw)
+                       warmup_steps=args.warmup, compression=args.compression, **kw)
         return accuracy(res.global_weights)
 
     start = time.time()
     ks = [int(k) for k in args.k.split(',')]
     print(f"digits MLP, N={args.workers}, {args.optimizer} lr={args.lr} "
           f"momentum={args.momentum} wd={args.wd}, batch {args.batch}/worker, "
-          f"{args.steps} steps, warm-up {args.warmup}; test accuracy of w_G")
+          f"{args.steps} steps, warm-up {args.warmup}, compression {args.compression}; "
+          f"test accuracy of w_G")
     rows = [(rule, state) for rule in args.rules.split(',')
             for state in (args.glu_states.split(',') if rule == 'glu' else ['estimate'])]
     print(f"{'rule':<14}" + ''.join(f"{'k=' + str(k):>8}" for k in ks))

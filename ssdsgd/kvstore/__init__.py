@@ -1,1 +1,1 @@
-"""The KVStore: wire protocol, scheduler, servers, the worker's client and the adapter MXNet sees."""
+"""The transport: wire protocol, scheduler, servers and the worker's client (nothing above it)."""

@@ -1,15 +1,29 @@
-"""The worker's side of the wire: one I/O thread that owns every socket.
+"""The worker's side of the wire: a KVWorker-like API (ps-lite's) over one I/O thread.
+
+What the layers above see (``Gather``: the replies of one request, to be waited for):
+
+    init(keys, values)                  place keys on the servers; rank 0's values win -> Gather
+    push(step, grads, pull=, state=)    a step's gradients; with ``pull`` the reply is w_G
+                                        as of this step (and the optimizer state) -> Gather
+    pull(keys, latest=, state=)         w_G as of this worker's last push (or the latest) -> Gather
+    set_optimizer(spec), get_state(), set_state(states, spec)    every server -> Gather
+    set_compression(spec)               every later push compressed (and every server told)
+    barrier(), close(error)
+
+The client numbers each key's pushes (the per-key step a server aggregates by), splits
+every request over the servers by the key placement (slices of big keys included), and
+``Gather.wait`` puts the replies back together: nothing above builds a message. With
+compression (docs/spec/compression.md) it keeps this worker's residual per key and sends
+each push's slices in their compressed form.
 
 ZeroMQ sockets belong to one thread, and SSD-SGD needs pushes and pulls in flight while
 the main thread computes, so all socket work happens on a background thread: the main
-thread hands it encoded messages and gets ``Future``s back. The same thread keeps the
+thread hands it encoded messages and gets futures back. The same thread keeps the
 heartbeats going while the main thread computes, and turns a scheduler ABORT (a dead peer)
 or a silent scheduler into an exception on every waiting future, so nothing waits forever.
-
-``exchange`` splits per-key arrays over the servers by the key placement (slices of big
-keys included), one message per server, and ``Gather.wait`` puts the replies back together.
 """
 import concurrent.futures
+import dataclasses
 import itertools
 import queue
 import sys
@@ -20,6 +34,7 @@ import numpy as np
 import zmq
 
 from . import protocol as P
+from .compression import CompressionError
 from .scheduler import JobAborted, SchedulerLink
 from .sharding import Placement
 
@@ -35,38 +50,66 @@ class KeyReply:
         self.value, self.state, self.version, self.lr = value, state, version, lr
 
 
+@dataclasses.dataclass
+class _Key:
+    dtype: np.dtype
+    pushes: int = 0     # the per-key step of the next push
+
+
 class Gather:
-    """The replies of one request sent to several servers, reassembled per key."""
+    """The replies of one request sent to several servers, reassembled per key.
+
+    ``wait()`` returns {key: KeyReply}; afterwards ``meta`` holds the replies' meta
+    (e.g. the servers' optimizer description in a GET_STATE reply)."""
 
     def __init__(self, client, futures, sizes, dtypes):
         self.client, self.futures, self.sizes, self.dtypes = client, futures, sizes, dtypes
-
-    def done(self):
-        return all(f.done() for f in self.futures)
+        self.meta = {}
 
     def wait(self):
         out, waited = {}, time.perf_counter()
         for fut in self.futures:
             msg = self.client.wait(fut)
+            for name, value in (msg.meta or {}).items():
+                if value is not None:
+                    self.meta.setdefault(name, value)
             lr = msg.meta.get("lr") if msg.meta else None
             for rec, arrays in zip(msg.records, msg.tensors):
-                key = int(rec["key"])
-                off, n = int(rec["offset"]), int(rec["count"])
-                kr = out.get(key)
-                if kr is None and n == self.sizes[key]:     # one piece: keep the received buffer
-                    out[key] = KeyReply(arrays[0], list(arrays[1:]), int(rec["step"]), lr)
-                    continue
-                if kr is None:
-                    size, dt = self.sizes[key], self.dtypes[key]
-                    kr = out[key] = KeyReply(np.empty(size, dt),
-                                             [np.empty(size, dt) for _ in arrays[1:]],
-                                             int(rec["step"]), lr)
-                kr.value[off:off + n] = arrays[0]
-                for dst, src in zip(kr.state, arrays[1:]):
-                    dst[off:off + n] = src
-                kr.version = min(kr.version, int(rec["step"]))
+                self._place(out, rec, arrays, lr)
         self.client.stats["time_blocked"] += time.perf_counter() - waited
         return out
+
+    def _place(self, out, rec, arrays, lr):
+        key, off, n = int(rec["key"]), int(rec["offset"]), int(rec["count"])
+        if key not in self.sizes:
+            raise ServerError(f"a server replied with key {key}, which this worker never "
+                              "initialized")
+        kr = out.get(key)
+        if kr is None and n == self.sizes[key]:     # one piece: keep the received buffer
+            out[key] = KeyReply(arrays[0], list(arrays[1:]), int(rec["step"]), lr)
+            return
+        if kr is None:
+            size, dt = self.sizes[key], self.dtypes[key]
+            kr = out[key] = KeyReply(np.empty(size, dt), [np.empty(size, dt) for _ in arrays[1:]],
+                                     int(rec["step"]), lr)
+        kr.value[off:off + n] = arrays[0]
+        for dst, src in zip(kr.state, arrays[1:]):
+            dst[off:off + n] = src
+        kr.version = min(kr.version, int(rec["step"]))
+
+
+def _tensors(arrays):
+    """An entry's tensors: None (none, e.g. a pull), one flat array, or a list of them."""
+    if arrays is None:
+        return []
+    return list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
+
+
+@dataclasses.dataclass
+class Coded:
+    """An entry's compressed gradient: one payload per slice of the key's placement."""
+    encoding: str
+    payloads: list
 
 
 class WorkerClient:
@@ -76,7 +119,9 @@ class WorkerClient:
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
                       "messages_received": 0, "time_blocked": 0.0}
         self._commands = queue.SimpleQueue()
-        self._futures = {}
+        self._futures = {}       # request id -> Future of a server's reply
+        self._control = {}       # scheduler reply kind (BARRIER, ACK) -> Future
+        self._keys = {}          # key -> _Key
         self._req = itertools.count(1)
         self._lock = threading.Lock()
         self._failure = None
@@ -87,8 +132,6 @@ class WorkerClient:
         self._wake_in.bind(addr)
         self._wake_out = self.ctx.socket(zmq.PAIR)
         self._wake_out.connect(addr)
-        self._barrier = None
-        self._finished = None
         self.topology = None
         self._thread = threading.Thread(target=self._run, name="ssdsgd-io", daemon=True)
         self._thread.start()
@@ -99,8 +142,179 @@ class WorkerClient:
         self.num_workers = self.topology["num_workers"]
         self.num_servers = self.topology["num_servers"]
         self.placement = Placement(self.num_servers, env.bigarray_bound)
+        self.compression = None   # pushes are compressed with it (set_compression)
+        self._residuals = None    # this worker's error feedback, one residual per key
 
-    # ---- main-thread API -------------------------------------------------------------
+    # ---- the API -----------------------------------------------------------------------
+    def init(self, keys, values=None):
+        """keys: (key, size, dtype) in the same order on every worker (it decides the
+        placement); values: their flat initial values (only rank 0's are taken) or None.
+        The reply is the values every worker starts from."""
+        for key, size, dtype in keys:
+            self.placement.place(key, size, np.dtype(dtype).itemsize)
+            self._keys.setdefault(key, _Key(np.dtype(dtype)))
+        values = [None] * len(keys) if values is None else values
+        return self.exchange(P.Kind.INIT, [(key, 0, value, dtype) for (key, _, dtype), value
+                                           in zip(keys, values)])
+
+    def push(self, step, grads, *, pull=False, state=False):
+        """grads: (key, flat gradient) of one step of this worker. With ``pull`` the reply
+        (a Gather; else None) holds the weights once the step is applied, with ``state``
+        also the optimizer state, lr and update count. With compression each key is coded
+        with this worker's residual (so the arrays may be reused as soon as this returns)."""
+        keys = [self._key(key) for key, _ in grads]
+        flags = (P.Flag.PULL if pull else P.Flag.NONE) | (P.Flag.STATE if state else P.Flag.NONE)
+        entries = [(key, k.pushes, flat, flat.dtype) for (key, flat), k in zip(grads, keys)]
+        if self._residuals is not None:
+            entries = [(key, n, Coded(self.compression.type, self._residuals.encode(
+                key, flat, [(sl.offset, sl.count) for sl in self.placement[key]])), dtype)
+                for key, n, flat, dtype in entries]
+        gather = self.exchange(P.Kind.PUSH, entries, step=step, flags=flags, reply=pull)
+        for k in keys:
+            k.pushes += 1
+        return gather
+
+    def pull(self, keys, *, latest=False, state=False):
+        """The weights of ``keys`` as of this worker's last push of each (or the latest)."""
+        entries = []
+        for key in keys:
+            k = self._key(key)
+            entries.append((key, -1 if latest else k.pushes - 1, None, k.dtype))
+        return self.exchange(P.Kind.PULL, entries, flags=P.Flag.STATE if state else P.Flag.NONE)
+
+    def set_optimizer(self, spec):
+        """Every server rebuilds the optimizer from its description (optimizer_spec)."""
+        return self._every_server(P.Kind.SET_OPTIMIZER, meta={"optimizer": spec})
+
+    def set_compression(self, spec):
+        """Compress every later push with ``spec`` (a Compression) and tell every server
+        (each worker does; the servers check that they agree). Once only: MXNet cannot
+        change or unset it either."""
+        if self.compression is not None:
+            if spec != self.compression:
+                raise CompressionError(f"compression is already {self.compression.params()}; "
+                                       f"it cannot be changed to {spec.params()}")
+            return
+        self._every_server(P.Kind.SET_COMPRESSION, meta={"compression": spec.params()}).wait()
+        self.compression, self._residuals = spec, spec.residuals()
+
+    def get_state(self):
+        """Every key's weights and optimizer state (``Gather.meta['optimizer']``: the
+        servers' optimizer description)."""
+        return self._every_server(P.Kind.GET_STATE)
+
+    def set_state(self, states, spec):
+        """states: key -> flat optimizer state arrays (none for a key without state); every
+        server takes its slices and the optimizer ``spec``."""
+        entries = []
+        for key in self.placement.slices:
+            arrays = states.get(key, [])
+            entries.append((key, 0, arrays, arrays[0].dtype if arrays else self._keys[key].dtype))
+        return self._every_server(P.Kind.SET_STATE, entries, meta={"optimizer": spec})
+
+    def barrier(self):
+        """Wait until every worker has reached the barrier."""
+        if self._failure is not None:
+            raise self._failure
+        self._scheduler_call(P.Kind.BARRIER, {"group": "worker"}, P.Kind.BARRIER)
+
+    def close(self, error=None):
+        """Tell the scheduler this worker is done (or failed, with ``error``), flush what is
+        queued, stop the thread."""
+        if self._thread.is_alive() and self._failure is None:
+            try:
+                self._scheduler_call(P.Kind.FINISH, {"error": error} if error else None,
+                                     P.Kind.ACK)
+            except JobAborted:
+                pass
+        self._stopping = True
+        with self._lock:
+            try:
+                self._wake_out.send(b"", flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._thread.join(timeout=self.env.heartbeat_timeout + 5)
+        self._wake_out.close(0)
+
+    def wait(self, fut):
+        """The future's result. Never waits on a future nobody will resolve: if the I/O
+        thread has failed or ended (a race with a request made just then), raise why."""
+        while True:
+            try:
+                return fut.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                if self._failure is not None:
+                    raise self._failure from None
+                if not self._thread.is_alive():
+                    raise JobAborted("the worker's I/O thread has stopped; the job is over") \
+                        from None
+
+    # ---- requests to the servers --------------------------------------------------------
+    def _key(self, key):
+        k = self._keys.get(key)
+        if k is None:
+            raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
+        return k
+
+    def exchange(self, kind, entries, *, step=0, flags=0, meta=None, reply=True):
+        """The one request every call above is made of (tests also use it to send what a
+        correct worker never would): send each server the slices it owns of every key, one
+        message per server, or, when a server's part exceeds ``SSDSGD_CHUNK_BYTES``,
+        consecutive messages of about that size, so the server applies and answers the
+        first keys while the rest are still arriving (both directions of its link busy, as
+        ps-lite's per-key messages achieve, with far fewer messages).
+
+        entries: (key, per-key step, tensors (see ``_tensors``) or a ``Coded`` gradient,
+        dtype); every key must be placed already."""
+        messages = self._split(entries, self.env.chunk_bytes)
+        sizes = {key: sum(sl.count for sl in self.placement[key]) for key, _, _, _ in entries}
+        dtypes = {key: np.dtype(dtype) for key, _, _, dtype in entries}
+        futures = self._send(kind, messages, step=step, flags=flags, meta=meta, reply=reply)
+        return Gather(self, futures, sizes, dtypes) if reply else None
+
+    def _every_server(self, kind, entries=(), meta=None):
+        """One message to every server, keys or not (each must act on ``meta``), unchunked."""
+        messages = self._split(entries, None)
+        for server in range(self.num_servers):
+            messages.setdefault(server, [[[], [], 0]])
+        futures = self._send(kind, messages, meta=meta)
+        sizes = {key: sum(sl.count for sl in slices) for key, slices in self.placement.slices.items()}
+        dtypes = {key: k.dtype for key, k in self._keys.items()}
+        return Gather(self, futures, sizes, dtypes)
+
+    def _split(self, entries, chunk_bytes):
+        """{server: [[records, tensors, bytes], ...]}: each server's slices of the entries,
+        cut into messages of about ``chunk_bytes`` (None: one message per server)."""
+        per_server = {}
+        for key, kstep, arrays, dtype in entries:
+            coded = arrays if isinstance(arrays, Coded) else None
+            arrays, itemsize = ([] if coded else _tensors(arrays)), np.dtype(dtype).itemsize
+            for i, sl in enumerate(self.placement[key]):
+                chunks = per_server.setdefault(sl.server, [[[], [], 0]])
+                nbytes = coded.payloads[i].nbytes if coded else sl.count * itemsize
+                if chunk_bytes and chunks[-1][0] and chunks[-1][2] + nbytes > chunk_bytes:
+                    chunks.append([[], [], 0])
+                recs, tens, _ = chunk = chunks[-1]
+                chunk[2] += nbytes
+                if coded:
+                    recs.append((key, kstep, sl.offset, sl.count, dtype, 1, coded.encoding))
+                    tens.append([coded.payloads[i]])
+                    continue
+                recs.append((key, kstep, sl.offset, sl.count, dtype, len(arrays)))
+                tens.append([a[sl.offset:sl.offset + sl.count] for a in arrays])
+        return per_server
+
+    def _send(self, kind, messages, *, step=0, flags=0, meta=None, reply=True):
+        futures = []
+        for server in sorted(messages):
+            for recs, tens, _ in messages[server]:
+                msg = P.Message(kind, flags=flags, step=step, records=P.make_records(recs),
+                                tensors=tens, meta=meta)
+                fut = self._submit(server, msg, reply)
+                if fut is not None:
+                    futures.append(fut)
+        return futures
+
     def _submit(self, target, msg, want_reply):
         if self._failure is not None:
             raise self._failure
@@ -117,66 +331,10 @@ class WorkerClient:
             self._wake_out.send(b"")
         return fut
 
-    def wait(self, fut):
-        """The future's result. Never waits on a future nobody will resolve: if the I/O
-        thread has failed or ended (a race with a request made just then), raise why."""
-        while True:
-            try:
-                return fut.result(timeout=1.0)
-            except concurrent.futures.TimeoutError:
-                if self._failure is not None:
-                    raise self._failure from None
-                if not self._thread.is_alive():
-                    raise JobAborted("the worker's I/O thread has stopped; the job is over") \
-                        from None
-
-    def request(self, server, msg):
-        return self._submit(server, msg, True)
-
-    def post(self, server, msg):
-        self._submit(server, msg, False)
-
-    def exchange(self, kind, entries, *, step=0, flags=0, meta=None, reply=True):
-        """Send each server the slices it owns of every key: one message per server, or,
-        when a server's part of the step exceeds ``SSDSGD_CHUNK_BYTES``, consecutive
-        messages of about that size, so the server applies and answers the first keys
-        while the rest are still arriving (both directions of its link busy, as ps-lite's
-        per-key messages achieve, with far fewer messages).
-
-        entries: (key, per-key step, flat array or None for "no tensor" (a pull), dtype);
-        every key must be placed already."""
-        per_server = {}
-        sizes, dtypes = {}, {}
-        for key, kstep, array, dtype in entries:
-            size = sum(sl.count for sl in self.placement[key])
-            sizes[key], dtypes[key] = size, np.dtype(dtype)
-            for sl in self.placement[key]:
-                chunks = per_server.setdefault(sl.server, [[[], [], 0]])
-                nbytes = sl.count * dtypes[key].itemsize
-                if chunks[-1][0] and chunks[-1][2] + nbytes > self.env.chunk_bytes:
-                    chunks.append([[], [], 0])
-                recs, tens, _ = chunk = chunks[-1]
-                chunk[2] += nbytes
-                if array is None:
-                    recs.append((key, kstep, sl.offset, sl.count, dtype, 0))
-                    tens.append([])
-                else:
-                    recs.append((key, kstep, sl.offset, sl.count, dtype, 1))
-                    tens.append([array[sl.offset:sl.offset + sl.count]])
-        futures = []
-        for server in sorted(per_server):
-            for recs, tens, _ in per_server[server]:
-                msg = P.Message(kind, flags=flags, step=step, records=P.make_records(recs),
-                                tensors=tens, meta=meta)
-                fut = self._submit(server, msg, reply)
-                if fut is not None:
-                    futures.append(fut)
-        return Gather(self, futures, sizes, dtypes) if reply else None
-
-    def _scheduler_call(self, kind, meta, attr):
+    def _scheduler_call(self, kind, meta, reply_kind):
         fut = concurrent.futures.Future()
-        setattr(self, attr, fut)
         with self._lock:
+            self._control[reply_kind] = fut
             self._commands.put(("scheduler", P.control(kind, meta)))
             self._wake_out.send(b"")
         waited = time.perf_counter()
@@ -185,99 +343,18 @@ class WorkerClient:
         finally:
             self.stats["time_blocked"] += time.perf_counter() - waited
 
-    def barrier(self):
-        """Wait until every worker has reached the barrier."""
-        if self._failure is not None:
-            raise self._failure
-        self._scheduler_call(P.Kind.BARRIER, {"group": "worker"}, "_barrier")
-
-    def close(self, error=None):
-        """Tell the scheduler this worker is done (or failed, with ``error``), flush what is
-        queued, stop the thread."""
-        if self._thread.is_alive() and self._failure is None:
-            try:
-                self._scheduler_call(P.Kind.FINISH, {"error": error} if error else None,
-                                     "_finished")
-            except JobAborted:
-                pass
-        self._stopping = True
-        with self._lock:
-            try:
-                self._wake_out.send(b"", flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        self._thread.join(timeout=self.env.heartbeat_timeout + 5)
-        self._wake_out.close(0)
-
     # ---- the I/O thread ---------------------------------------------------------------
-    def _fail(self, exc):
-        self._failure = exc
-        with self._lock:
-            futures, self._futures = list(self._futures.values()), {}
-        for fut in futures + [self._barrier, self._finished]:
-            if fut is not None and not fut.done():
-                fut.set_exception(exc)
-
     def _run(self):
-        sockets = []
-        link = None
         try:
-            link = SchedulerLink(self.ctx, self.env, "worker")
-            self.topology = link.register()
-            for host, port in self.topology["servers"]:
-                s = self.ctx.socket(zmq.DEALER)
-                s.setsockopt(zmq.SNDHWM, 0)
-                s.setsockopt(zmq.RCVHWM, 0)
-                s.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
-                link.secure(s)     # this worker's connection id and the job's keys
-                s.connect(f"tcp://{host}:{port}")
-                sockets.append(s)
+            link, sockets = self._connect()
         except Exception as e:   # registration failed: report it to the constructor
             self._failure = e if isinstance(e, JobAborted) else JobAborted(str(e))
-            self._ready.set()
-            for s in sockets + ([link.sock] if link else []):
-                s.close(0)
             self._wake_in.close(0)
             return
-        self._ready.set()
-        poller = zmq.Poller()
-        poller.register(self._wake_in, zmq.POLLIN)
-        poller.register(link.sock, zmq.POLLIN)
-        for s in sockets:
-            poller.register(s, zmq.POLLIN)
-        index = {s: i for i, s in enumerate(sockets)}
-        wait_ms = max(1, int(self.env.heartbeat_interval * 1000 / 2))
+        finally:
+            self._ready.set()
         try:
-            while True:
-                events = dict(poller.poll(wait_ms))
-                if self._wake_in in events:
-                    while self._wake_in.poll(0):
-                        self._wake_in.recv()
-                while True:
-                    try:
-                        target, frames = self._commands.get_nowait()
-                    except queue.Empty:
-                        break
-                    sock = link.sock if target == "scheduler" else sockets[target]
-                    sock.send_multipart(frames, copy=False)
-                    self.stats["messages_sent"] += 1
-                    self.stats["bytes_sent"] += sum(len(f) if isinstance(f, bytes) else f.nbytes
-                                                    for f in frames)
-                if link.sock in events:
-                    msg = link.receive()
-                    if msg.kind == P.Kind.BARRIER and self._barrier is not None:
-                        self._barrier.set_result(msg)
-                    elif msg.kind == P.Kind.ACK and self._finished is not None:
-                        self._finished.set_result(msg)
-                        link.sock.close(0)  # done with the scheduler: no more heartbeats
-                        link = None
-                        break
-                for s in sockets:
-                    if s in events:
-                        self._receive(s, index[s])
-                link.tick()
-                if self._stopping:
-                    break
+            self._serve(link, sockets)
         except JobAborted as e:
             print(f"ssdsgd worker {self.rank_or_unknown}: {e}", file=sys.stderr, flush=True)
             self._fail(e)
@@ -286,13 +363,73 @@ class WorkerClient:
         finally:
             for s in sockets:
                 s.close()   # LINGER flushes queued pushes (bounded by the heartbeat timeout)
-            if link is not None:
-                link.sock.close(0)
+            link.sock.close(0)
             self._wake_in.close(0)
 
-    @property
-    def rank_or_unknown(self):
-        return self.topology["rank"] if self.topology else "?"
+    def _connect(self):
+        """Register with the scheduler and open a DEALER to every server."""
+        link = SchedulerLink(self.ctx, self.env, "worker")
+        sockets = []
+        try:
+            self.topology = link.register()
+            for host, port in self.topology["servers"]:
+                s = self.ctx.socket(zmq.DEALER)
+                sockets.append(s)
+                s.setsockopt(zmq.SNDHWM, 0)
+                s.setsockopt(zmq.RCVHWM, 0)
+                s.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
+                link.secure(s)     # this worker's connection id and the job's keys
+                s.connect(f"tcp://{host}:{port}")
+        except Exception:
+            for s in sockets + [link.sock]:
+                s.close(0)
+            raise
+        return link, sockets
+
+    def _serve(self, link, sockets):
+        """Poll until ``close``: send what the main thread queued, hand replies to their
+        futures, keep the heartbeats going."""
+        poller = zmq.Poller()
+        for s in [self._wake_in, link.sock] + sockets:
+            poller.register(s, zmq.POLLIN)
+        wait_ms = max(1, int(self.env.heartbeat_interval * 1000 / 2))
+        while True:
+            events = dict(poller.poll(wait_ms))
+            if self._wake_in in events:
+                while self._wake_in.poll(0):
+                    self._wake_in.recv()
+            self._send_queued(link, sockets)
+            if link.sock in events and self._on_scheduler(link):
+                return      # the scheduler acknowledged FINISH: no more heartbeats
+            for server, s in enumerate(sockets):
+                if s in events:
+                    self._receive(s, server)
+            link.tick()
+            if self._stopping:
+                return
+
+    def _send_queued(self, link, sockets):
+        while True:
+            try:
+                target, frames = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            sock = link.sock if target == "scheduler" else sockets[target]
+            sock.send_multipart(frames, copy=False)
+            self.stats["messages_sent"] += 1
+            self.stats["bytes_sent"] += sum(len(f) if isinstance(f, bytes) else f.nbytes
+                                            for f in frames)
+
+    def _on_scheduler(self, link):
+        """A scheduler message: resolve the barrier or finish it answers. True after the
+        acknowledgement of FINISH."""
+        msg = link.receive()
+        with self._lock:
+            fut = self._control.pop(msg.kind, None)
+        if fut is None:
+            return False
+        fut.set_result(msg)
+        return msg.kind == P.Kind.ACK
 
     def _receive(self, sock, server):
         while True:
@@ -317,3 +454,21 @@ class WorkerClient:
                 fut.set_exception(ServerError(f"server {server}: {msg.meta.get('error')}"))
             else:
                 fut.set_result(msg)
+
+    def _fail(self, exc):
+        self._failure = exc
+        with self._lock:
+            futures = list(self._futures.values()) + list(self._control.values())
+            self._futures, self._control = {}, {}
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(exc)
+
+    @property
+    def failure(self):
+        """Why the I/O thread stopped (a JobAborted), or None while it serves."""
+        return self._failure
+
+    @property
+    def rank_or_unknown(self):
+        return self.topology["rank"] if self.topology else "?"

@@ -7,8 +7,12 @@ A message is a ZeroMQ multipart message:
 * header: a fixed little-endian struct (magic, version, kind, flags, sender, step, request
   id, number of key records, number of tensor frames);
 * key table: ``nkeys`` fixed-size records (key, per-key step, element offset, element
-  count, dtype code, number of tensors for the key, and where they are: data frame index
-  and byte offset; a key's tensors -- value first, then optimizer state -- lie back to back);
+  count, dtype code, number of tensors for the key, and where they are: data frame index,
+  byte offset and byte length; a key's tensors -- value first, then optimizer state -- lie
+  back to back). A record's ``encoding`` (``ENCODINGS``) says how its tensor is coded: 0 is
+  raw (``count`` values of ``dtype`` per tensor); otherwise the record carries one
+  compressed gradient of ``count`` float32 values (docs/spec/compression.md), whose byte
+  length the decoder checks against the encoding's rule;
 * meta: UTF-8 JSON of *scalars only* (addresses, hyper-parameters, error text), empty when
   unused; arrays never travel as JSON;
 * data frames: raw bytes. A key of 64 KiB or more gets a frame of its own, sent and
@@ -31,11 +35,14 @@ import struct
 import numpy as np
 
 MAGIC = b"SSDG"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sBBHiqIII")
 KEY_RECORD = np.dtype([("key", "<i8"), ("step", "<i8"), ("offset", "<i8"), ("count", "<i8"),
-                       ("dtype", "u1"), ("ntensors", "u1"), ("pad", "<u2"), ("frame", "<u4"),
-                       ("boff", "<u8")])
+                       ("dtype", "u1"), ("ntensors", "u1"), ("encoding", "u1"), ("pad", "u1"),
+                       ("frame", "<u4"), ("boff", "<u8"), ("nbytes", "<u8")])
+# Record encodings: 0 raw, else a compression type of ssdsgd.kvstore.compression.
+ENCODINGS = {1: "2bit", 2: "topk"}
+ENCODING_CODES = {v: k for k, v in ENCODINGS.items()}
 PACK_BELOW = 64 * 1024
 MAX_META_BYTES = 1 << 20
 MAX_META_DEPTH = 8       # nesting of JSON objects/lists (an optimizer description needs 5)
@@ -58,6 +65,7 @@ class Kind(enum.IntEnum):
     PULL = 13         # worker -> server: weights as of a step (or latest); reply: values
     GET_STATE = 14    # worker -> server: optimizer state of all keys; reply: values+state
     SET_STATE = 15    # worker -> server: optimizer state of keys; reply: ACK
+    SET_COMPRESSION = 16  # worker -> server: {compression: {type, ...}}; reply: ACK
     REPLY = 20        # server -> worker: values (and state) for a request id
     ACK = 21
     ERROR = 22        # {error}: the request was rejected; the server keeps serving
@@ -112,12 +120,25 @@ class Message:
 
 
 def make_records(entries):
-    """entries: iterable of (key, step, offset, count, dtype, ntensors)."""
+    """entries: iterable of (key, step, offset, count, dtype, ntensors[, encoding]);
+    ``encoding`` is a compression type ('2bit', ...) for a compressed gradient."""
     entries = list(entries)
     rec = np.zeros(len(entries), KEY_RECORD)
-    for i, (key, step, offset, count, dtype, ntensors) in enumerate(entries):
-        rec[i] = (key, step, offset, count, dtype_code(dtype), ntensors, 0, 0, 0)
+    for i, (key, step, offset, count, dtype, ntensors, *encoding) in enumerate(entries):
+        code = ENCODING_CODES[encoding[0]] if encoding and encoding[0] else 0
+        rec[i] = (key, step, offset, count, dtype_code(dtype), ntensors, code, 0, 0, 0, 0)
     return rec
+
+
+def _payload_rule(encoding, count, nbytes):
+    """None if ``nbytes`` is a valid length for ``count`` values coded as ``encoding``,
+    else what is wrong."""
+    if encoding == "2bit":
+        want = 4 * (-(-count // 16))
+        return None if nbytes == want else f"2bit data for {count} values is {want} bytes"
+    if nbytes % 8 or nbytes > 8 * count:     # topk: (uint32, float32) pairs, <= count
+        return f"topk data for {count} values is a multiple of 8 bytes up to {8 * count}"
+    return None
 
 
 def encode(msg):
@@ -134,11 +155,16 @@ def encode(msg):
         views = []
         for a in arrays:
             a = np.ascontiguousarray(a)
-            if a.size != rec["count"] or DTYPE_CODES.get(a.dtype.newbyteorder("<")) != rec["dtype"]:
+            if rec["encoding"]:
+                if a.dtype != np.uint8 or len(arrays) != 1:
+                    raise ProtocolError(f"key {rec['key']}: a compressed gradient is one "
+                                        f"uint8 tensor")
+            elif a.size != rec["count"] or DTYPE_CODES.get(a.dtype.newbyteorder("<")) != rec["dtype"]:
                 raise ProtocolError(f"key {rec['key']}: tensor {a.dtype}[{a.size}] does not "
                                     f"match its record")
             views.append(a.reshape(-1).view(np.uint8))
         nbytes = sum(v.size for v in views)
+        records[i]["nbytes"] = nbytes
         if not views:
             records[i]["frame"], records[i]["boff"] = 0, 0
         elif nbytes >= PACK_BELOW:
@@ -220,6 +246,9 @@ def _key_table(frames, nkeys, nframes):
     bad = [c for c in np.unique(records["dtype"]) if int(c) not in DTYPES]
     if bad:
         raise ProtocolError(f"unknown dtype code {int(bad[0])}")
+    bad = [c for c in np.unique(records["encoding"]) if c and int(c) not in ENCODINGS]
+    if bad:
+        raise ProtocolError(f"unknown encoding code {int(bad[0])}")
     return records
 
 
@@ -236,15 +265,28 @@ def _tensors(records, buffers, max_bytes):
             continue
         dt = DTYPES[int(rec["dtype"])]
         count, frame, boff = int(rec["count"]), int(rec["frame"]), int(rec["boff"])
+        key, nbytes, encoding = int(rec["key"]), int(rec["nbytes"]), ENCODINGS.get(int(rec["encoding"]))
         if frame >= len(buffers):
-            raise ProtocolError(f"key {int(rec['key'])}: data frame {frame} does not exist "
+            raise ProtocolError(f"key {key}: data frame {frame} does not exist "
                                 f"({len(buffers)} frames)")
+        if encoding is None and nbytes != n * count * dt.itemsize:
+            raise ProtocolError(f"key {key}: {n} tensors of {count} {dt} are "
+                                f"{n * count * dt.itemsize} bytes, the record says {nbytes}")
+        if encoding is not None:
+            wrong = (f"a compressed gradient is one tensor of float32 values, the record has "
+                     f"{n} of {dt}") if n != 1 or dt != np.float32 else \
+                _payload_rule(encoding, count, nbytes)
+            if wrong:
+                raise ProtocolError(f"key {key}: {wrong}")
         buf = buffers[frame]
-        need = boff + n * count * dt.itemsize
+        need = boff + nbytes
         if need > len(buf):
-            raise ProtocolError(f"key {int(rec['key'])}: its tensors need bytes up to {need} "
+            raise ProtocolError(f"key {key}: its tensors need bytes up to {need} "
                                 f"of data frame {frame}, which has {len(buf)}")
-        spans.append((frame, boff, need, int(rec["key"])))
+        spans.append((frame, boff, need, key))
+        if encoding is not None:
+            tensors.append([np.frombuffer(buf, np.uint8, nbytes, boff)])
+            continue
         tensors.append([np.frombuffer(buf, dt, count, boff + j * count * dt.itemsize)
                         for j in range(n)])
     spans.sort()
@@ -342,6 +384,7 @@ META = {
     Kind.ABORT: {"reason": (_STR, False)},
     Kind.SET_OPTIMIZER: {"optimizer": (_OBJ, True)},
     Kind.SET_STATE: {"optimizer": (_OBJ, False)},
+    Kind.SET_COMPRESSION: {"compression": (_OBJ, True)},
     Kind.REPLY: {"lr": ((_optional(is_number), "a finite number or null"), False),
                  "optimizer": ((_optional(_OBJ[0]), "a JSON object or null"), False)},
     Kind.ERROR: {"error": (_STR, True)},

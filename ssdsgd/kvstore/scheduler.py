@@ -111,6 +111,7 @@ class Scheduler:
                 self.nodes[i]["rank"] = r if r in taken else next(free)
         by_rank = lambda role: sorted((n for n in self.nodes.values() if n["role"] == role),
                                       key=lambda n: n["rank"])
+        self._check_reachable(by_rank("server"))
         addresses = [[n["host"], n["port"]] for n in by_rank("server")]
         workers = [n["routing_id"] for n in by_rank("worker")]
         now = time.monotonic()
@@ -121,6 +122,17 @@ class Scheduler:
                 "num_servers": self.env.num_servers, "servers": addresses, "workers": workers})
         self.started = True
         self.log(f"all {len(self.nodes)} nodes registered; job started")
+
+    def _check_reachable(self, servers, timeout=5.0):
+        """Abort naming a server whose advertised address cannot be reached (the workers
+        would wait on it forever): a TCP connect to each, from the scheduler's host."""
+        for n in servers:
+            try:
+                socket.create_connection((n["host"], n["port"]), timeout=timeout).close()
+            except (OSError, TypeError, ValueError) as e:
+                self._abort(f"{node_name(n)} advertised {n['host']}:{n['port']}, which the "
+                            f"scheduler cannot reach ({getattr(e, 'strerror', None) or e}); "
+                            "set its address with --interface or SSDSGD_NODE_HOST")
 
     def _abort(self, reason):
         for ident in self.nodes:

@@ -23,6 +23,7 @@ import numpy as np
 import zmq
 
 from . import hostcopy
+from .compression import Compression, CompressionError
 from . import protocol as P
 from .env import NodeEnv
 from .optimizer_spec import OptimizerSpecError, build, describe, flatten_state, unflatten_state
@@ -106,6 +107,7 @@ class Server:
         self.model_bytes = 0
         self.optimizer = None
         self.updater = None
+        self.compression = None   # the job's push compression (SET_COMPRESSION), if any
         self.pending_inits = []
         self._snapshots = {}   # (key, version) -> weights copied for replies, per message
         self.retired = []      # (old weight NDArray, trackers of replies still sending it)
@@ -307,13 +309,45 @@ class Server:
         self.optimizer = optimizer
         self.updater = mx.optimizer.get_updater(optimizer)
 
+    def on_set_compression(self, ident, msg):
+        """Every worker sends the job's compression; they must agree (as they do when the
+        same script calls kv.set_gradient_compression on each)."""
+        try:
+            spec = Compression.from_params(msg.meta["compression"])
+        except CompressionError as e:
+            raise RequestError(f"SET_COMPRESSION: {e}") from None
+        if spec is None:
+            raise RequestError("SET_COMPRESSION without a compression")
+        if self.compression is not None and spec != self.compression:
+            raise RequestError(f"worker {msg.sender} sets compression {spec.params()}, but the "
+                               f"job compresses with {self.compression.params()}")
+        self.compression = spec
+        self._send(ident, P.Message(P.Kind.ACK, sender=self.rank, req=msg.req))
+
+    def _gradient(self, rec, arrays, shard):
+        """A push's gradient of ``shard``: as sent, or decoded from its compressed form."""
+        code = int(rec["encoding"])
+        if not code:
+            return arrays[0]
+        encoding = P.ENCODINGS[code]
+        if shard.dtype != np.float32:
+            raise RequestError(f"key {shard.key}: a compressed push for a {shard.dtype} key "
+                               f"(compression needs float32)")
+        if self.compression is None or encoding != self.compression.type:
+            raise RequestError(f"key {shard.key}: a {encoding} push, but the job's compression "
+                               f"is {self.compression.type if self.compression else 'none'}")
+        try:
+            return self.compression.decode(arrays[0], shard.count)
+        except CompressionError as e:
+            raise RequestError(f"key {shard.key}: {e}") from None
+
     def _check_push(self, msg):
         """Every record of a push, before anything changes: (shard, step, gradient)."""
         if len(np.unique(msg.records["key"])) != len(msg.records):
             raise RequestError("a push names a key twice")
         shards = []
         for rec, arrays in zip(msg.records, msg.tensors):
-            shard = self._shard_for(rec, with_values=True)
+            shard = self._shard_for(rec, with_values=not rec["encoding"])
             step = int(rec["step"])
             if len(arrays) != 1:
                 raise RequestError(f"key {shard.key}: a push carries one gradient per key")
@@ -329,7 +363,7 @@ class Server:
                 if msg.sender in shard.pending.get(step, ()):
                     raise RequestError(f"key {shard.key}: worker {msg.sender} pushed step {step} "
                                        "twice; the job's gradients cannot be trusted any more")
-            shards.append((shard, step, arrays[0]))
+            shards.append((shard, step, self._gradient(rec, arrays, shard)))
         return shards
 
     def on_push(self, ident, msg):
@@ -453,7 +487,7 @@ class Server:
 
     HANDLERS = {P.Kind.INIT: on_init, P.Kind.SET_OPTIMIZER: on_set_optimizer,
                 P.Kind.PUSH: on_push, P.Kind.PULL: on_pull, P.Kind.GET_STATE: on_get_state,
-                P.Kind.SET_STATE: on_set_state}
+                P.Kind.SET_STATE: on_set_state, P.Kind.SET_COMPRESSION: on_set_compression}
 
     # ---- loop ----------------------------------------------------------------------
     def handle(self, frames):

@@ -14,8 +14,10 @@ import os
 import sys
 import time
 
+from ..settings import SettingError, check_launch_env, to_env
 from .job import run_job
-from .local import LAUNCHERS
+from .launchers import make_launcher
+from .remote import LaunchError, add_arguments, options_from
 
 
 def _command_form(argv):
@@ -26,12 +28,10 @@ def _command_form(argv):
     p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--num-workers", type=int, required=True)
     p.add_argument("-s", "--num-servers", type=int, default=1)
-    p.add_argument("--launcher", default="local", choices=sorted(LAUNCHERS))
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process, e.g. SSDSGD_ALGORITHM=ssgd")
-    p.add_argument("--secure", action="store_true", help="encrypt and authenticate every "
-                   "connection with ZeroMQ CURVE (docs/reliability.md)")
+    add_arguments(p)
     args = p.parse_args(opts)
     if not cmd:
         p.error("no command after --")
@@ -43,14 +43,18 @@ def _command_form(argv):
         if not sep or not key:
             p.error(f"--env {item!r}: expected KEY=VALUE")
         extra[key] = value
+    try:    # before anything starts: no --env for what the launcher sets, no bad values
+        check_launch_env(extra, to_env(num_workers=args.num_workers, scheduler_port=args.port
+                                       or None, num_servers=args.num_servers), os.environ)
+        runner = make_launcher(options_from(args, extra), args.num_workers, args.num_servers)
+    except (SettingError, LaunchError) as e:
+        print(f"launch/dist.py: error: {e}", file=sys.stderr)
+        return 2
     return run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
-                   launcher=args.launcher, secure=args.secure)
+                   launcher=runner)
 
 
-def _config_form(argv):
-    from ..config import ConfigError, cluster_env, load_config, new_run_dir, save_config, sync_env
-    from ..data import DataError, validate_data
-    from ..train import checkpoint_info, total_steps
+def _config_parser():
     p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="the job's YAML file (see configs/); omitted "
                    "with --resume (RUN_DIR/config.yaml is used)")
@@ -59,51 +63,81 @@ def _config_form(argv):
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last "
                    "checkpoint (--set overrides are written to RUN_DIR/config.yaml)")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
-    p.add_argument("--secure", action="store_true", help="encrypt and authenticate every "
-                   "connection with ZeroMQ CURVE (docs/reliability.md)")
+    add_arguments(p, default_launcher=None)
+    return p
+
+
+def _prepare(args):
+    """Check everything that can be checked before a process starts: the config, the
+    data, with --resume a checkpoint with steps left to run, and the launcher's hosts.
+    Returns (config, run_dir, length, environment for every process, launcher); raises
+    ConfigError, DataError, SettingError or LaunchError."""
+    from ..checkpoint import check_unfinished, checkpoint_info, run_length
+    from ..config import job_env, load_config, new_run_dir, save_config
+    from ..data import validate_data
+    info = None
+    if args.resume:
+        run_dir = args.resume
+        config = load_config(os.path.join(run_dir, "config.yaml"), args.overrides)
+        info = checkpoint_info(run_dir)
+    else:
+        config = load_config(args.config, args.overrides)
+    validate_data(config)       # bad data fails here, before any process starts
+    length = run_length(config)
+    if info:
+        check_unfinished(run_dir, info, length)   # a finished run keeps its result
+    # the stage machine of a resumed run continues the warm-up / steps-delay schedule
+    env = job_env(config, start_step=info["step"] if info else 0)
+    check_launch_env({}, env, os.environ)
+    args.launcher = args.launcher or config.cluster.launcher
+    runner = make_launcher(options_from(args), config.cluster.workers, config.cluster.servers,
+                           config.cluster.hosts)
+    if not args.resume:
+        run_dir = str(new_run_dir(config))
+    if args.launcher != "local":        # the same path on every host
+        run_dir = os.path.abspath(run_dir)
+    if not args.resume or args.overrides:   # the workers read the run's config file
+        save_config(config, os.path.join(run_dir, "config.yaml"))
+    return config, run_dir, length, env, runner
+
+
+def _report(run_dir, seconds):
+    """The finished job's accuracy line and plots (ssdsgd.report.finished_run)."""
+    from ..report import ReportError, finished_run
+    try:
+        lines = finished_run(run_dir)
+    except (ReportError, ImportError, OSError, ValueError) as e:
+        lines = [f"no result to report ({e})"]
+    lines[0] += f"; job {seconds:.1f} s"
+    for line in lines:
+        print(f"[launcher] {line}", flush=True)
+
+
+def _config_form(argv):
+    from ..config import ConfigError
+    from ..data import DataError
+    from ..progress import ProgressMonitor
+    p = _config_parser()
     args = p.parse_args(argv)
     if not args.config and not args.resume:
         p.error("give a CONFIG.yaml (or --resume RUN_DIR)")
     try:
-        if args.resume:
-            config = load_config(os.path.join(args.resume, "config.yaml"), args.overrides)
-            run_dir = args.resume
-            resume_step = checkpoint_info(run_dir)["step"]   # something to resume from
-        else:
-            config = load_config(args.config, args.overrides)
-        validate_data(config)       # bad data fails here, before any process starts
-        if not args.resume:
-            run_dir = str(new_run_dir(config))
-        if not args.resume or args.overrides:   # the workers read the run's config file
-            save_config(config, os.path.join(run_dir, "config.yaml"))
-        env = dict(cluster_env(config))
-        env.update(sync_env(config))
-        if args.resume:     # the stage machine continues the warm-up / steps-delay schedule
-            env["SSDSGD_START_STEP"] = str(resume_step)
-    except (ConfigError, DataError) as e:
+        config, run_dir, length, env, runner = _prepare(args)
+    except (ConfigError, DataError, SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),
            "--run-dir", run_dir]
     if args.resume:
         cmd += ["--resume", run_dir]
-    from ..progress import ProgressMonitor
-    progress = ProgressMonitor(run_dir, total_steps(config), tty=sys.stderr.isatty())
+    progress = ProgressMonitor(run_dir, length.total_steps, tty=sys.stderr.isatty())
     print(f"[launcher] run directory: {run_dir}", flush=True)
     t0 = time.monotonic()
     code = run_job(config.cluster.workers, config.cluster.servers, cmd, env,
-                   port=args.port or None, launcher=config.cluster.launcher, progress=progress,
-                   stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr),
-                   secure=args.secure)
+                   port=args.port or None, launcher=runner, progress=progress,
+                   stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr))
     if code == 0:
-        from ..report import ReportError, finished_run
-        try:
-            lines = finished_run(run_dir)
-        except (ReportError, ImportError, OSError, ValueError) as e:
-            lines = [f"no result to report ({e})"]
-        lines[0] += f"; job {time.monotonic() - t0:.1f} s"
-        for line in lines:
-            print(f"[launcher] {line}", flush=True)
+        _report(run_dir, time.monotonic() - t0)
     return code
 
 

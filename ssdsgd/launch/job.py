@@ -4,6 +4,7 @@ The job succeeds when every worker exits 0 (the scheduler and servers then shut 
 their own). Any process that fails, or Ctrl-C, stops every process the launcher started,
 with a message naming the process that failed: no orphans, no hang.
 """
+import contextlib
 import os
 import signal
 import socket
@@ -11,13 +12,16 @@ import sys
 import threading
 import time
 
-from ..kvstore.security import ENV_VAR as SECRET_ENV, KeyFile
+from ..kvstore.security import KeyFile
+from ..settings import to_env
 from .local import LAUNCHERS
 
 GRACE_SECONDS = 5.0
 
 
 def free_port(host="127.0.0.1"):
+    """A TCP port free on ``host`` now (the OS's pick). The one copy: the launcher, the
+    tests and bench import it from here."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -44,93 +48,124 @@ def _describe_exit(code):
 
 def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0.1"):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
-    env.update({"SSDSGD_SCHEDULER_HOST": scheduler_host, "SSDSGD_SCHEDULER_PORT": str(port),
-                "SSDSGD_NUM_WORKERS": str(num_workers), "SSDSGD_NUM_SERVERS": str(num_servers),
-                "PYTHONUNBUFFERED": "1"})
+    env.update(to_env(scheduler_host=scheduler_host, scheduler_port=port,
+                      num_workers=num_workers, num_servers=num_servers), PYTHONUNBUFFERED="1")
     env.update(extra or {})
     return env
 
 
 def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, launcher="local",
-            progress=None, log=None, stdout=None, stderr=None, secure=False):
-    """Start the job and wait for it; returns the exit code for the launcher's process."""
+            progress=None, log=None, stdout=None, stderr=None):
+    """Start the job and wait for it; returns the exit code for the launcher's process.
+
+    ``launcher``: a name in LAUNCHERS or an instance with the LocalLauncher interface.
+    Whatever ends the job, every process it started is stopped before this returns."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     log = log or (lambda text: print(f"[launcher] {text}", file=stderr, flush=True))
-    if isinstance(launcher, str):
-        if launcher not in LAUNCHERS:
-            log(f"unknown launcher {launcher!r}; available: {', '.join(LAUNCHERS)}")
-            return 2
-        runner = LAUNCHERS[launcher]()
-    else:
-        runner = launcher          # an instance with the LocalLauncher interface
-    port = port or free_port()
-    env = base_env(num_workers, num_servers, port, extra_env, runner.scheduler_host)
-    keys = KeyFile(secure)    # only this job's processes may join it (kvstore/security.py)
-    if SECRET_ENV not in (extra_env or {}):
-        env.update(keys.env)
-    py = sys.executable
-    plan = [("scheduler", 0, [py, "-m", "ssdsgd.node"])]
-    plan += [("server", r, [py, "-m", "ssdsgd.node"]) for r in range(num_servers)]
-    plan += [("worker", r, list(worker_cmd)) for r in range(num_workers)]
-    procs, pumps, lock = [], [], threading.Lock()
-    interrupted = []
-
-    def on_signal(signum, _frame):
-        interrupted.append(signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
-    try:
-        for role, rank, cmd in plan:
-            penv = dict(env, SSDSGD_ROLE=role, SSDSGD_RANK=str(rank), **runner.node_env(role, rank))
-            try:
-                proc = runner.start(role, rank, cmd, penv)
-            except OSError as e:
-                log(f"cannot start {role} {rank} ({' '.join(cmd)}): {e}")
-                code = 2
-                return code
-            procs.append(proc)
-            for stream, sink in ((proc.popen.stdout, stdout), (proc.popen.stderr, stderr)):
-                t = threading.Thread(target=_pump, args=(stream, f"[{proc.name}] ", sink, lock),
-                                     daemon=True)
-                t.start()
-                pumps.append(t)
-        workers = [p for p in procs if p.role == "worker"]
-        others = [p for p in procs if p.role != "worker"]
-        done_at = None
-        while True:
-            if interrupted:
-                log(f"{signal.Signals(interrupted[0]).name}: stopping every process")
-                code = 130 if interrupted[0] == signal.SIGINT else 143
-                return code
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed:
-                failed.sort(key=lambda p: p.role != "worker")   # usually the root cause
-                log(", ".join(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}"
-                              for p in failed) + "; stopping the job")
-                code = 1
-                return code
-            if all(p.poll() == 0 for p in workers):
-                if done_at is None:
-                    done_at = time.monotonic()
-                if all(p.poll() is not None for p in others):
-                    return 0
-                if time.monotonic() - done_at > GRACE_SECONDS + 10:
-                    late = [p.name for p in others if p.poll() is None]
-                    log(f"workers finished but {', '.join(late)} did not exit; stopping them")
-                    return 0
+    runner = _runner(launcher, log)
+    if runner is None:
+        return 2
+    env = base_env(num_workers, num_servers, port or free_port(), extra_env,
+                   runner.scheduler_host)
+    # Only this job's processes may join it: fresh keys (CURVE with ``runner.secure``),
+    # a 0600 file whose path every process gets (kvstore/security.py).
+    keys = KeyFile(getattr(runner, "secure", False))
+    env.update(keys.env)
+    procs, pumps = [], []
+    with _signals_recorded() as interrupted:
+        try:
+            if not _start_plan(runner, job_plan(num_workers, num_servers, worker_cmd), env,
+                               procs, pumps, (stdout, stderr), log):
+                return 2
+            return _watch(procs, interrupted, progress, log)
+        finally:
+            _stop_all(runner, procs)
+            keys.remove()
+            for t in pumps:
+                t.join(timeout=2)
             if progress is not None:
-                progress.poll()
-            time.sleep(0.1)
+                progress.close()
+
+
+def _runner(launcher, log):
+    if not isinstance(launcher, str):
+        return launcher
+    if launcher not in LAUNCHERS:
+        log(f"unknown launcher {launcher!r}; available: {', '.join(LAUNCHERS)}")
+        return None
+    return LAUNCHERS[launcher]()
+
+
+def job_plan(num_workers, num_servers, worker_cmd):
+    """(role, rank, command) of every process, in start order: the scheduler, the
+    servers, the workers."""
+    node = [sys.executable, "-m", "ssdsgd.node"]
+    return ([("scheduler", 0, node)] + [("server", r, node) for r in range(num_servers)]
+            + [("worker", r, list(worker_cmd)) for r in range(num_workers)])
+
+
+@contextlib.contextmanager
+def _signals_recorded():
+    """SIGINT/SIGTERM are recorded (for _watch to stop the job) instead of raising in
+    the middle of a start or a stop; the previous handlers are restored at the end."""
+    received = []
+    old = {s: signal.signal(s, lambda signum, _frame: received.append(signum))
+           for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
     finally:
-        _stop_all(runner, procs)
-        keys.remove()
-        for t in pumps:
-            t.join(timeout=2)
-        if progress is not None:
-            progress.close()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _start_plan(runner, plan, env, procs, pumps, sinks, log):
+    """Start every process of ``plan`` (appended to ``procs`` as it starts) and a thread
+    per output stream that prefixes its lines; False if one cannot be started."""
+    lock = threading.Lock()
+    for role, rank, cmd in plan:
+        penv = dict(env, **to_env(role=role, rank=rank), **runner.node_env(role, rank))
+        try:
+            proc = runner.start(role, rank, cmd, penv)
+        except OSError as e:
+            log(f"cannot start {role} {rank} ({' '.join(cmd)}): {e}")
+            return False
+        procs.append(proc)
+        for stream, sink in zip((proc.popen.stdout, proc.popen.stderr), sinks):
+            t = threading.Thread(target=_pump, args=(stream, f"[{proc.name}] ", sink, lock),
+                                 daemon=True)
+            t.start()
+            pumps.append(t)
+    return True
+
+
+def _watch(procs, interrupted, progress, log):
+    """Poll until a signal arrives (130/143), a process fails (1), or every worker has
+    exited 0 and the scheduler and servers have followed (0; after a grace period they
+    are stopped)."""
+    workers = [p for p in procs if p.role == "worker"]
+    others = [p for p in procs if p.role != "worker"]
+    done_at = None
+    while True:
+        if interrupted:
+            log(f"{signal.Signals(interrupted[0]).name}: stopping every process")
+            return 130 if interrupted[0] == signal.SIGINT else 143
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        if failed:
+            failed.sort(key=lambda p: p.role != "worker")   # usually the root cause
+            log(", ".join(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}"
+                          for p in failed) + "; stopping the job")
+            return 1
+        if all(p.poll() == 0 for p in workers):
+            done_at = done_at or time.monotonic()
+            late = [p.name for p in others if p.poll() is None]
+            if not late:
+                return 0
+            if time.monotonic() - done_at > GRACE_SECONDS + 10:
+                log(f"workers finished but {', '.join(late)} did not exit; stopping them")
+                return 0
+        if progress is not None:
+            progress.poll()
+        time.sleep(0.1)
 
 
 def _stop_all(runner, procs):

@@ -11,15 +11,17 @@ It is the reference ssdsgd is compared against (tests/test_native_ps.py, bench/)
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
-__all__ = ['CompletedWorker', 'NativePSError', 'free_port', 'run_native', 'run_native_nodes']
+from ssdsgd.launch.job import free_port
+
+from .procs import clean_env, stop_groups
+
+__all__ = ['CompletedWorker', 'NativePSError', 'run_native', 'run_native_nodes']
 
 #: Variables run_native owns; ``env`` may not override them.
 OWNED_VARS = ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT',
@@ -29,21 +31,13 @@ MODES = ('dist_sync', 'dist_async', 'dist_device_sync', 'dist_sync_device',
          'dist_device_async', 'dist_async_device')
 #: The placeholder in ``cmd`` that run_native replaces with ``mode``.
 MODE_PLACEHOLDER = '{mode}'
+#: A scheduler or server: ps-lite takes over at ``import mxnet`` (DMLC_ROLE says which).
+_NODE_ARGS = [sys.executable, '-c', 'import mxnet']
 
 _POLL_S = 0.05
 _NODE_EXIT_GRACE_S = 10.0   # how long scheduler/servers get to exit after the workers
 _TERM_GRACE_S = 2.0         # SIGTERM -> SIGKILL
 _TAIL_CHARS = 3000
-
-
-def free_port(host: str = '127.0.0.1') -> int:
-    """Return a TCP port that was free a moment ago (bind port 0, read it, close).
-
-    Another process can take it before the caller binds it; that race is accepted.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -98,44 +92,15 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def _kill_group(proc: _Proc, sig: int) -> None:
-    # Every process is the leader of its own session/group (start_new_session=True),
-    # so the group id is its pid; this reaches any children it spawned too.
-    try:
-        os.killpg(proc.popen.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _stop_all(procs: list[_Proc]) -> None:
     """SIGTERM every group still running, then SIGKILL whatever is left; reap all.
 
     Each group gets its final SIGKILL once only, so a later call cannot hit a reused pid.
     """
     procs = [p for p in procs if not p.cleaned]
-    running = [p for p in procs if p.popen.poll() is None]
-    for p in running:
-        _kill_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + _TERM_GRACE_S
-    while running and time.monotonic() < deadline:
-        running = [p for p in running if p.popen.poll() is None]
-        time.sleep(_POLL_S)
+    stop_groups([p.popen for p in procs], grace=_TERM_GRACE_S)
     for p in procs:
-        # Also the groups of processes that already exited: a child may linger.
-        _kill_group(p, signal.SIGKILL)
         p.cleaned = True
-    for p in procs:
-        try:
-            p.popen.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _base_env() -> dict[str, str]:
-    # Never inherit a role from the caller's environment (pytest may itself run inside
-    # a ps-lite job) nor ssdsgd's own variables.
-    return {k: v for k, v in os.environ.items()
-            if not (k.startswith('DMLC_') or k.startswith('SSDSGD_'))}
 
 
 def run_native_nodes(cmd: list[str], num_workers: int, num_servers: int = 1,
@@ -182,21 +147,42 @@ def run_native(cmd: list[str], num_workers: int, num_servers: int = 1,
                 root_uri='127.0.0.1', node=None)
 
 
+
 def _run(cmd, num_workers, num_servers, mode, env, timeout, cwd, *, check, root_uri, node):
+    worker_args = _validate(cmd, num_workers, num_servers, mode, env)
+    job = _Job(_job_env(env, root_uri, num_servers, num_workers), node, cwd, mode)
+    try:
+        job.start('scheduler', 0, _NODE_ARGS)
+        for i in range(num_servers):
+            job.start('server', i, _NODE_ARGS)
+        for i in range(num_workers):
+            job.start('worker', i, worker_args)
+        failed = job.wait_for_workers(timeout)
+        if failed:
+            return job.failed(failed, check)
+        return job.finished(check)
+    finally:
+        job.close()
+
+
+def _validate(cmd, num_workers, num_servers, mode, env) -> list[str]:
+    """The worker's arguments with ``{mode}`` filled in; ValueError on bad arguments."""
     if num_workers < 1 or num_servers < 1:
         raise ValueError('num_workers and num_servers must be >= 1')
     if mode not in MODES:
         raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-    env = dict(env or {})
-    clash = sorted(set(env) & set(OWNED_VARS))
+    clash = sorted(set(env or {}) & set(OWNED_VARS))
     if clash:
         raise ValueError(f'run_native sets {clash} itself; do not pass them in env')
     worker_args = [str(a).replace(MODE_PLACEHOLDER, mode) for a in cmd]
     if not worker_args:
         raise ValueError('cmd is empty')
-    node_args = [sys.executable, '-c', 'import mxnet']
+    return worker_args
 
-    common = _base_env()
+
+def _job_env(env, root_uri, num_servers, num_workers) -> dict[str, str]:
+    """What every process of the job gets (DMLC_ROLE is added per process)."""
+    common = clean_env()
     common.update({
         'DMLC_PS_ROOT_URI': root_uri,
         'DMLC_PS_ROOT_PORT': str(free_port()),
@@ -204,82 +190,101 @@ def _run(cmd, num_workers, num_servers, mode, env, timeout, cwd, *, check, root_
         'DMLC_NUM_WORKER': str(num_workers),
         'DMLC_NODE_HOST': '127.0.0.1',
     })
-    common.update(env)
+    common.update(env or {})
+    return common
 
-    logdir = tempfile.TemporaryDirectory(prefix='native_ps-')
-    procs: list[_Proc] = []
 
-    def start(role: str, index: int, args: list[str]) -> _Proc:
+class _Job:
+    """The processes of one native job, their logs, and how the job ends."""
+
+    def __init__(self, env: dict[str, str], node, cwd, mode: str):
+        self.env, self.node, self.cwd, self.mode = env, node, cwd, mode
+        self.logdir = tempfile.TemporaryDirectory(prefix='native_ps-')
+        self.procs: list[_Proc] = []
+
+    @property
+    def workers(self) -> list[_Proc]:
+        return [p for p in self.procs if p.role == 'worker']
+
+    @property
+    def nodes(self) -> list[_Proc]:
+        return [p for p in self.procs if p.role != 'worker']
+
+    def start(self, role: str, index: int, args: list[str]) -> _Proc:
         name = role if role == 'scheduler' else f'{role} {index}'
         tag = name.replace(' ', '')
-        out_path = os.path.join(logdir.name, f'{tag}.out')
-        err_path = os.path.join(logdir.name, f'{tag}.err')
-        penv = dict(common, DMLC_ROLE=role)
+        out_path = os.path.join(self.logdir.name, f'{tag}.out')
+        err_path = os.path.join(self.logdir.name, f'{tag}.err')
+        penv = dict(self.env, DMLC_ROLE=role)
         prefix = []
-        if node is not None:
-            prefix, host = node(role, index)
+        if self.node is not None:
+            prefix, host = self.node(role, index)
             penv['DMLC_NODE_HOST'] = host
         with open(out_path, 'wb') as out, open(err_path, 'wb') as err:
-            popen = subprocess.Popen(list(prefix) + list(args), env=penv, cwd=cwd,
+            popen = subprocess.Popen(list(prefix) + list(args), env=penv, cwd=self.cwd,
                                      stdin=subprocess.DEVNULL,
                                      stdout=out, stderr=err, start_new_session=True)
         proc = _Proc(name, role, index, args, popen, out_path, err_path)
-        procs.append(proc)
+        self.procs.append(proc)
         return proc
 
-    def collect(workers: list[_Proc]) -> list[CompletedWorker]:
+    def collect(self) -> list[CompletedWorker]:
         done = []
-        for w in workers:
+        for w in self.workers:
             out, err = w.read()
             done.append(CompletedWorker(w.index, w.args, w.popen.returncode, out, err))
         return done
 
-    try:
-        start('scheduler', 0, node_args)
-        for i in range(num_servers):
-            start('server', i, node_args)
-        workers = [start('worker', i, worker_args) for i in range(num_workers)]
-        nodes = [p for p in procs if p.role != 'worker']
-
+    def wait_for_workers(self, timeout: float) -> list[_Proc]:
+        """Wait until every worker exited 0 (returns []) or a process failed (returns the
+        failed ones in the order they were noticed); NativePSError after ``timeout``."""
         deadline = time.monotonic() + timeout
         exited: list[_Proc] = []          # in the order this loop noticed them
         while True:
-            exited += [p for p in procs if p not in exited and p.popen.poll() is not None]
+            exited += [p for p in self.procs
+                       if p not in exited and p.popen.poll() is not None]
             # Scheduler and servers may leave (with 0) as soon as ps-lite finalizes,
             # slightly before the workers' interpreters exit; only a code != 0 fails.
             failed = [p for p in exited if p.popen.returncode != 0]
-            if failed or all(w in exited for w in workers):
-                break
+            if failed or all(w in exited for w in self.workers):
+                return failed
             if time.monotonic() > deadline:
-                running = [p.name for p in procs if p.popen.poll() is None]
-                _stop_all(procs)
-                raise NativePSError(
-                    f'native {mode} job timed out after {timeout:g} s; still running: '
-                    f'{", ".join(running)}\n' + '\n'.join(p.describe() for p in workers),
-                    collect(workers))
+                self._time_out(timeout)
             time.sleep(_POLL_S)
 
-        if failed:
-            # The others would wait for the failed one forever (barriers): stop them.
-            _stop_all(procs)
-            if not check and all(p.role == 'worker' for p in failed):
-                return collect(workers)
-            first, others = failed[0], [p.name for p in failed[1:]]
-            also = f' (also failed: {", ".join(others)})' if others else ''
-            raise NativePSError(f'native {mode} job: {first.name} failed{also}: '
-                                f'{first.describe()}', collect(workers))
+    def _time_out(self, timeout: float):
+        running = [p.name for p in self.procs if p.popen.poll() is None]
+        _stop_all(self.procs)
+        raise NativePSError(
+            f'native {self.mode} job timed out after {timeout:g} s; still running: '
+            f'{", ".join(running)}\n' + '\n'.join(p.describe() for p in self.workers),
+            self.collect())
 
-        # All workers exited 0; the scheduler and servers leave on their own.
+    def failed(self, failed: list[_Proc], check: bool) -> list[CompletedWorker]:
+        """A process failed: the others would wait for it forever (barriers), so stop
+        them; raise, unless ``check`` is off and only workers failed."""
+        _stop_all(self.procs)
+        if not check and all(p.role == 'worker' for p in failed):
+            return self.collect()
+        first, others = failed[0], [p.name for p in failed[1:]]
+        also = f' (also failed: {", ".join(others)})' if others else ''
+        raise NativePSError(f'native {self.mode} job: {first.name} failed{also}: '
+                            f'{first.describe()}', self.collect())
+
+    def finished(self, check: bool) -> list[CompletedWorker]:
+        """All workers exited 0; the scheduler and servers leave on their own (given
+        _NODE_EXIT_GRACE_S), and one that exits non-zero fails the job under ``check``."""
         node_deadline = time.monotonic() + _NODE_EXIT_GRACE_S
-        while (any(p.popen.poll() is None for p in nodes)
+        while (any(p.popen.poll() is None for p in self.nodes)
                and time.monotonic() < node_deadline):
             time.sleep(_POLL_S)
-        bad_nodes = [p for p in nodes if p.popen.poll() not in (None, 0)]
-        _stop_all(procs)
+        bad_nodes = [p for p in self.nodes if p.popen.poll() not in (None, 0)]
+        _stop_all(self.procs)
         if bad_nodes and check:
-            raise NativePSError(f'native {mode} job: {bad_nodes[0].name} failed: '
-                                f'{bad_nodes[0].describe()}', collect(workers))
-        return collect(workers)
-    finally:
-        _stop_all(procs)
-        logdir.cleanup()
+            raise NativePSError(f'native {self.mode} job: {bad_nodes[0].name} failed: '
+                                f'{bad_nodes[0].describe()}', self.collect())
+        return self.collect()
+
+    def close(self) -> None:
+        _stop_all(self.procs)
+        self.logdir.cleanup()

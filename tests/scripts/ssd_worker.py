@@ -26,6 +26,7 @@ p.add_argument("--save-at", type=int, default=-1, help="save params and trainer 
 p.add_argument("--load", default=None, help="directory with params/states to resume from")
 p.add_argument("--custom-optimizer", action="store_true")
 p.add_argument("--stop-at", type=int, default=-1, help="rank 1 SIGSTOPs itself at this step")
+p.add_argument("--compression", default=None, help="JSON: the Trainer's compression_params")
 args = p.parse_args()
 
 # Under launch/dist.py the scheduler grants each worker the rank the launcher asked for.
@@ -41,7 +42,9 @@ if args.custom_optimizer:
         pass
     opt, opt_params = HomeMadeSGD(learning_rate=0.1), None
 kv = mx.kv.create("ssd_sync") if args.kv_instance else "ssd_sync"
-trainer = gluon.Trainer(net.collect_params(), opt, opt_params, kvstore=kv)
+trainer = gluon.Trainer(net.collect_params(), opt, opt_params, kvstore=kv,
+                        compression_params=json.loads(args.compression) if args.compression
+                        else None)
 if args.load:
     net.load_parameters(os.path.join(args.load, "params.bin"))
     trainer.load_states(os.path.join(args.load, f"states-rank{rank}.bin"))

@@ -1,0 +1,179 @@
+"""Checkpoints of a run: where it stands, saving, loading, and the global pull before a save.
+
+``RUN_DIR/checkpoints/`` holds ``epoch-NNNN.params`` (``net.save_parameters``' format),
+``epoch-NNNN.states`` (``trainer.save_states``: through the kvstore, the servers'
+optimizer state when they update) and ``latest.json``, the record of the newest one:
+epoch, next_epoch (the data position: checkpoints are taken at epoch ends), step, seed,
+params, states. Rank 0 writes them; every worker of a resumed run loads them.
+
+The launcher imports this module (``run_length``, ``checkpoint_info``) without the training
+program; MXNet is imported only by the functions that save or load arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+from ssdsgd.data import DataError, steps_per_epoch
+
+log = logging.getLogger("ssdsgd.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLength:
+    """How long a run is: every worker runs ``total_steps`` steps, ``steps_per_epoch`` of
+    them per epoch (train.epochs x steps per epoch, capped by train.max_steps)."""
+    steps_per_epoch: int
+    total_steps: int
+
+    @property
+    def last_epoch(self) -> int:
+        """The epoch in which training ends."""
+        return (self.total_steps - 1) // self.steps_per_epoch
+
+
+def run_length(config, num_workers: int | None = None,
+               n_train: int | None = None) -> RunLength:
+    """The run's length for ``num_workers`` (default cluster.workers) and ``n_train``
+    training samples (default: counted from the data files)."""
+    n = config.cluster.workers if num_workers is None else num_workers
+    spe = steps_per_epoch(config, n, n_train)
+    total = config.train.epochs * spe
+    if config.train.max_steps is not None:
+        total = min(total, config.train.max_steps)
+    return RunLength(spe, total)
+
+
+def checkpoint_info(run_dir) -> dict:
+    """RUN_DIR/checkpoints/latest.json, checked (DataError, one line, if unusable)."""
+    ck = Path(run_dir) / "checkpoints"
+    path = ck / "latest.json"
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: no checkpoint to resume from (train.checkpoint_every "
+                        "was 0, or the run stopped before its first checkpoint)") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: unreadable checkpoint record ({exc})") from None
+    need = {"next_epoch": int, "step": int, "params": str}
+    if not isinstance(info, dict) or any(not isinstance(info.get(k), t)
+                                         for k, t in need.items()):
+        raise DataError(f"{path}: expected next_epoch, step and params in the checkpoint "
+                        "record")
+    for key in ("params", "states"):
+        if info.get(key) and not (ck / info[key]).is_file():
+            raise DataError(f"{ck / info[key]}: missing checkpoint file named by {path}")
+    return info
+
+
+def check_unfinished(run_dir, info: dict, length: RunLength) -> None:
+    """Refuse (DataError) to resume a run whose checkpoint ``info`` has no step left of
+    ``length``: it would train nothing and overwrite the run's summary.json with an
+    empty result. A larger train.epochs or max_steps makes it a run with steps left."""
+    if info["step"] >= length.total_steps or info["next_epoch"] > length.last_epoch:
+        raise DataError(f"{run_dir}: the run is finished ({info['step']} of "
+                        f"{length.total_steps} steps done); nothing to resume (--set "
+                        "train.epochs=N with a larger N continues it)")
+
+
+# ----------------------------------------------------------------------------- saving
+
+def save_states(run_dir: Path, trainer, epoch: int) -> str | None:
+    """Rank 0: the trainer's optimizer states (through the kvstore when it updates on the
+    servers) to RUN_DIR/checkpoints/epoch-NNNN.states; None if it cannot."""
+    ck = run_dir / "checkpoints"
+    ck.mkdir(parents=True, exist_ok=True)
+    states = ck / f"epoch-{epoch:04d}.states"
+    try:
+        trainer.save_states(str(states))
+    except Exception as exc:  # noqa: BLE001 - a kvstore may not support it
+        log.warning("checkpoint: optimizer states not saved (%s)", _last_line(exc))
+        return None
+    return states.name
+
+
+def trainable(trainer) -> list:
+    """(kvstore key, Parameter) of the parameters the kvstore updates (the Trainer's
+    keys are the parameters' indices; grad_req 'null' ones, such as BatchNorm's running
+    statistics, stay with each worker)."""
+    return [(i, p) for i, p in enumerate(trainer._params)  # noqa: SLF001
+            if p.grad_req != "null"]
+
+
+def pull_global(kv, trainer, into_params: bool = True) -> dict:
+    """The servers' (global) weights as of this worker's last step, through the
+    kvstore's ``pull`` (one exchange). With ``into_params`` they replace the parameters'
+    values on every device, as ``kv.close()`` does at the end of the steps-delay stage;
+    otherwise they are returned as {Parameter name: NDArray} and the parameters (in
+    ssd's steps-delay stage: this worker's local weights) are left alone."""
+    import mxnet as mx
+    pairs = trainable(trainer)
+    if into_params:
+        outs = [p.list_data() for _, p in pairs]
+    else:
+        outs = [[mx.nd.zeros(p.shape, dtype=p.dtype)] for _, p in pairs]
+    if pairs:
+        kv.pull([i for i, _ in pairs], out=outs)
+    return {p.name: o[0] for (_, p), o in zip(pairs, outs)}
+
+
+def save_checkpoint(run_dir: Path, net, states_name: str | None, epoch: int, step: int,
+                    seed: int, weights: dict | None = None) -> Path:
+    """Rank 0: parameters and the data position (the next epoch to run) in
+    RUN_DIR/checkpoints/; latest.json points at the newest checkpoint. ``weights``
+    ({Parameter name: NDArray}, from pull_global) replace the parameters' own values
+    in the file (net.save_parameters' format either way)."""
+    import mxnet as mx
+    ck = run_dir / "checkpoints"
+    ck.mkdir(parents=True, exist_ok=True)
+    params = ck / f"epoch-{epoch:04d}.params"
+    if weights:
+        arrays = {key: weights[p.name] if p.name in weights else p._reduce()  # noqa: SLF001
+                  for key, p in net._collect_params_with_prefix().items()}  # noqa: SLF001
+        mx.nd.save(str(params), arrays)
+    else:
+        net.save_parameters(str(params))
+    info = {"epoch": epoch, "next_epoch": epoch + 1, "step": step, "seed": seed,
+            "params": params.name, "states": states_name}
+    tmp = ck / "latest.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, ck / "latest.json")
+    return params
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _last_line(exc) -> str:
+    """The last non-empty line of an error (MXNetError carries a C++ traceback)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def load_checkpoint(run_dir: Path, info: dict, net, trainer, ctx, grad_batch: int) -> None:
+    """Load the checkpoint ``info`` (from checkpoint_info): parameters, optimizer states
+    (through the kvstore, to the servers, when they update) and the optimizer's update
+    count, so that the lr schedule continues."""
+    ck = run_dir / "checkpoints"
+    step = int(info["step"])
+    opt = trainer._optimizer  # noqa: SLF001 - the Trainer has no public accessor
+    # What the first Trainer.step would have set before the kvstore sends the optimizer
+    # to the servers (load_states creates the kvstore): the gradient scale and the
+    # update count.
+    opt.rescale_grad = trainer._scale / grad_batch  # noqa: SLF001
+    opt.begin_num_update = opt.num_update = step
+    try:
+        net.load_parameters(str(ck / info["params"]), ctx=ctx)
+    except Exception as exc:  # noqa: BLE001 - MXNetError carries a C++ traceback
+        raise DataError(f"{ck / info['params']}: cannot load parameters "
+                        f"({_last_line(exc)})") from None
+    if info.get("states"):
+        try:
+            trainer.load_states(str(ck / info["states"]))
+        except Exception as exc:  # noqa: BLE001
+            raise DataError(f"{ck / info['states']}: cannot restore optimizer states "
+                            f"({_last_line(exc)})") from None
+    opt = trainer._optimizer  # noqa: SLF001 - load_states may replace it
+    opt.begin_num_update = opt.num_update = step

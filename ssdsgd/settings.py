@@ -1,0 +1,350 @@
+"""Every setting of a job, defined once: the sync knobs and each process's SSDSGD_* variable.
+
+One row per setting: its name (the attribute of ``NodeEnv``), its config key (``path``,
+e.g. ``sync.delay_steps``; None: environment only), its variable (``env``; None: config
+only), type, choices, default, bounds and doc. The config validator (``ssdsgd.config``),
+the environment reader (``ssdsgd.kvstore.env.NodeEnv``), the launchers and the local rules
+all read this table, so a value one of them accepts the others accept too; the settings
+table in ``docs/training.md`` is generated from it (``markdown()``; a test compares).
+
+Adding a setting is one row in SETTINGS (and a cross-field rule in CROSS_CHECKS if it
+constrains another): the config key, the NodeEnv attribute, the variable the launcher
+writes and the documentation follow. This module imports nothing from ssdsgd: the
+transport (low) and the config (high) both read it.
+
+    values = read_env(os.environ)                     # {"delay_steps": 5, ...}
+    to_env(num_workers=2, start_step=40)              # {"SSDSGD_NUM_WORKERS": "2", ...}
+    BY_NAME["delay_steps"].check(0)                   # SettingError: expected an integer >= 1
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+PREFIX = "SSDSGD_"
+
+
+class SettingError(ValueError):
+    """A value outside what its setting allows. The message is one line."""
+
+
+class _Required:
+    def __repr__(self):
+        return "required"
+
+
+REQUIRED = _Required()      # the default of a setting that has none
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: type                          # int, float, str or bool
+    default: Any
+    doc: str
+    env: Optional[str] = None           # the SSDSGD_* variable; None: config only
+    path: Optional[str] = None          # the config key; None: environment only
+    choices: tuple = ()
+    min: Optional[float] = None         # inclusive
+    max: Optional[float] = None         # inclusive
+    above: Optional[float] = None       # exclusive lower bound
+    optional: bool = False              # None (unset) is allowed
+    launcher: Optional[str] = None      # set by the launcher: the option that decides it
+    validate: Optional[Callable[[Any], Optional[str]]] = None  # a str's form: error or None
+
+    def expects(self) -> str:
+        """What the setting accepts, as the end of "expected ..."."""
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        what = {int: "an integer", float: "a number", str: "a non-empty string",
+                bool: "true or false"}[self.type]
+        bounds = " and ".join(f"{op} {bound!r}" for op, bound in (
+            (">=", self.min), (">", self.above), ("<=", self.max)) if bound is not None)
+        return f"{what} {bounds}" if bounds else what
+
+    def check(self, value):
+        """``value`` as the setting's type if it is allowed, else SettingError. Floats may
+        be given as strings (PyYAML reads 1e-4 as one); ints must be ints."""
+        if value is None and self.optional:
+            return None
+        wrong = SettingError(f"expected {self.expects()}")
+        if self.choices:
+            if isinstance(value, bool) or value not in self.choices:
+                raise wrong
+            return value
+        if self.type in (str, bool):
+            if not isinstance(value, self.type) or value == "":
+                raise wrong
+            error = self.validate(value) if self.validate else None
+            if error:
+                raise SettingError(error)
+            return value
+        if isinstance(value, bool):
+            raise wrong
+        if self.type is float and isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise wrong from None
+        if not isinstance(value, (int, float) if self.type is float else int):
+            raise wrong
+        if self.type is float:
+            value = float(value)
+            if not math.isfinite(value):
+                raise SettingError("expected a finite number")
+        if ((self.min is not None and value < self.min)
+                or (self.above is not None and value <= self.above)
+                or (self.max is not None and value > self.max)):
+            raise wrong
+        return value
+
+    def parse(self, text: str):
+        """The value of an environment variable. An integer may be written as an integral
+        number (``500.0``: what a launcher that writes floats produces); a boolean as
+        1/0, true/false or yes/no."""
+        if self.type is bool:
+            words = {"1": True, "true": True, "yes": True, "0": False, "false": False,
+                     "no": False}
+            if text.strip().lower() not in words:
+                raise SettingError(f"expected {self.expects()} (or 1 or 0)")
+            return words[text.strip().lower()]
+        if self.type is int:
+            try:
+                value = int(text)
+            except ValueError:
+                try:
+                    number = float(text)
+                except ValueError:
+                    raise SettingError(f"expected {self.expects()}") from None
+                if not number.is_integer():
+                    raise SettingError(f"expected {self.expects()}") from None
+                value = int(number)
+            return self.check(value)
+        return self.check(text)
+
+    def format(self, value) -> str:
+        """The environment text of ``value`` (parse(format(v)) == v)."""
+        if self.type is float:
+            return repr(float(value))
+        if self.type is bool:
+            return "1" if value else "0"
+        return str(value)
+
+    @property
+    def section(self) -> Optional[str]:
+        return self.path.split(".")[0] if self.path else None
+
+    @property
+    def key(self) -> Optional[str]:
+        return self.path.split(".")[-1] if self.path else None
+
+
+def _compression(text: str) -> Optional[str]:
+    """sync.compression's form (ssdsgd.kvstore.compression.parse_setting reads it; a test
+    checks that the two agree): none, 2bit[:threshold] or topk[:ratio]."""
+    kind, sep, arg = text.partition(":")
+    if (kind == "none" and not sep) or (kind in ("2bit", "topk") and not sep):
+        return None
+    if kind not in ("2bit", "topk"):
+        return f"expected none, 2bit[:threshold] or topk[:ratio], got {text!r}"
+    try:
+        value = float(arg)
+    except ValueError:
+        return f"expected a number after '{kind}:', got {text!r}"
+    if kind == "topk" and not 0 < value <= 1:
+        return f"expected a topk ratio in (0, 1], got {text!r}"
+    if kind == "2bit" and not 5e-7 <= value < 3.4e38:
+        return (f"expected a 2bit threshold >= 5e-7 (MXNet's servers round it to 6 decimals) "
+                f"and below 3.4e38, got {text!r}")
+    return None
+
+
+SETTINGS = (
+    # --- who is who: set by the launcher for every process
+    Setting("role", str, "worker", "this process's part in the job", env="SSDSGD_ROLE",
+            choices=("scheduler", "server", "worker"), launcher="for each process"),
+    Setting("scheduler_host", str, "127.0.0.1", "where the scheduler listens",
+            env="SSDSGD_SCHEDULER_HOST", launcher="its host"),
+    Setting("scheduler_port", int, REQUIRED, "the scheduler's TCP port",
+            env="SSDSGD_SCHEDULER_PORT", min=1, max=65535, launcher="--port"),
+    Setting("rank", int, -1, "rank a worker or server asks for (-1: assigned in registration "
+            "order; the local launcher sets it so log prefixes match)", env="SSDSGD_RANK",
+            min=-1, launcher="for each process"),
+    Setting("node_host", str, "127.0.0.1", "address a server binds and advertises",
+            env="SSDSGD_NODE_HOST", launcher="for each process"),
+    # --- the cluster
+    Setting("num_workers", int, 1, "number of worker processes N", env="SSDSGD_NUM_WORKERS",
+            path="cluster.workers", min=1, launcher="-n"),
+    Setting("num_servers", int, 1, "number of server processes S", env="SSDSGD_NUM_SERVERS",
+            path="cluster.servers", min=1, launcher="-s"),
+    Setting("launcher", str, "local", "how the processes are started (docs/launch.md); "
+            "launch/dist.py --launcher overrides it", path="cluster.launcher",
+            choices=("local", "ssh", "mpi", "slurm")),
+    Setting("hosts", str, None, "hosts of the ssh and mpi launchers, Horovod's host[:slots] "
+            "list, e.g. node1:2,node2:2 (or -H/--hostfile, --hosts)", path="cluster.hosts",
+            optional=True),
+    Setting("interface", str, None, "network interface whose address each process "
+            "advertises (multi-host launchers); unset: the route to the scheduler",
+            env="SSDSGD_INTERFACE", optional=True, launcher="--interface"),
+    Setting("heartbeat_interval", float, 1.0, "seconds between a node's heartbeats",
+            env="SSDSGD_HEARTBEAT_INTERVAL", path="cluster.heartbeat_interval",
+            min=0.01, max=3600.0),
+    Setting("heartbeat_timeout", float, 30.0, "seconds without a heartbeat before a node is "
+            "presumed dead (at least twice the interval)", env="SSDSGD_HEARTBEAT_TIMEOUT",
+            path="cluster.heartbeat_timeout", min=0.1, max=86400.0),
+    # --- the synchronization (docs/spec)
+    Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync) or asgd (like "
+            "dist_async)", env="SSDSGD_ALGORITHM", path="sync.algorithm",
+            choices=("ssd", "ssgd", "asgd")),
+    Setting("warmup_steps", int, 500, "T_w: synchronous warm-up steps",
+            env="SSDSGD_WARMUP_STEPS", path="sync.warmup_steps", min=0),
+    Setting("warmup_epochs", float, None, "if set, overrides warmup_steps: round(epochs x steps "
+            "per epoch)", path="sync.warmup_epochs", min=0.0, optional=True),
+    Setting("delay_steps", int, 5, "k: pull period in steps", env="SSDSGD_DELAY_STEPS",
+            path="sync.delay_steps", min=1),
+    Setting("local_rule", str, "glu", "the worker's local update between pulls (docs/glu.md)",
+            env="SSDSGD_LOCAL_RULE", path="sync.local_rule", choices=("glu", "sgd", "none")),
+    Setting("glu_state", str, "estimate", "glu's optimizer state at a reset: estimated from "
+            "the last two pulls (needs sgd/nag with momentum > 0) or the servers' exact "
+            "state", env="SSDSGD_GLU_STATE", path="sync.glu_state",
+            choices=("estimate", "exact")),
+    Setting("lr_local", float, None, "the local rule's lr; unset: the servers' lr",
+            env="SSDSGD_LR_LOCAL", path="sync.lr_local", above=0.0, max=10.0, optional=True),
+    Setting("compression", str, "none", "push compression, the Trainer's compression_params "
+            "(docs/spec/compression.md): none, 2bit[:threshold] (MXNet's; default 0.5) or "
+            "topk[:ratio] (default 0.1)", path="sync.compression", validate=_compression),
+    # --- the transport
+    Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
+            "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),
+    Setting("max_message_bytes", int, 1 << 34, "a server rejects messages carrying more "
+            "data bytes", env="SSDSGD_MAX_MESSAGE_BYTES", min=1, max=1 << 62),
+    Setting("chunk_bytes", int, 4 << 20, "a server's part of a step is sent in messages of "
+            "about this size (pipelining)", env="SSDSGD_CHUNK_BYTES", min=1),
+    Setting("start_step", int, 0, "the worker's first global step (a resumed job continues "
+            "the stage schedule; the launcher sets it from the checkpoint)",
+            env="SSDSGD_START_STEP", min=0),
+    Setting("secret_file", str, None, "the job's keys, a 0600 file the launcher makes for "
+            "each job; only processes holding it can connect (unset: anyone can; "
+            "docs/reliability.md)", env="SSDSGD_SECRET_FILE", optional=True,
+            launcher="a fresh file per job, CURVE keys with --secure"),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+BY_ENV = {s.env: s for s in SETTINGS if s.env}
+BY_PATH = {s.path: s for s in SETTINGS if s.path}
+
+
+def _heartbeats(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """A node sends a heartbeat every interval and looks every half interval, so a live
+    node can be silent for 1.5 intervals: a shorter timeout declares it dead."""
+    interval, timeout = values.get("heartbeat_interval"), values.get("heartbeat_timeout")
+    if interval is not None and timeout is not None and timeout < 2 * interval:
+        return (f"{label('heartbeat_timeout')}: expected at least twice "
+                f"{label('heartbeat_interval')} ({interval:g} s), got {timeout:g} (a live "
+                "node can be silent for 1.5 intervals)")
+    return None
+
+
+# Rules over several settings: f(values by name, label) -> one-line error or None, where
+# label(name) is how the caller names a setting (its config key or its variable).
+CROSS_CHECKS = (_heartbeats,)
+
+
+def cross_check(values: Mapping, label: Callable[[str], str]) -> None:
+    for rule in CROSS_CHECKS:
+        error = rule(values, label)
+        if error:
+            raise SettingError(error)
+
+
+def read_env(env: Mapping[str, str], *, partial: bool = False) -> dict:
+    """Every variable's value by setting name (defaults for unset or empty ones), checked
+    against its row and the cross-field rules. ``partial``: a missing required variable is
+    left out instead of an error (a launcher checking before it has chosen a port)."""
+    values = {}
+    for s in BY_ENV.values():
+        raw = env.get(s.env)
+        if raw is None or raw == "":
+            if s.default is REQUIRED:
+                if partial:
+                    continue
+                raise SettingError(f"{s.env} is not set; it is required ({s.doc})")
+            values[s.name] = s.default
+            continue
+        try:
+            values[s.name] = s.parse(raw)
+        except SettingError as e:
+            raise SettingError(f"{s.env}={raw!r}: {e}") from None
+    cross_check(values, lambda name: BY_NAME[name].env)
+    return values
+
+
+def to_env(**values) -> dict[str, str]:
+    """The variables for settings given by name (checked; None values left out): the one
+    way SSDSGD_* variables are written."""
+    env = {}
+    for name, value in values.items():
+        s = BY_NAME[name]
+        if value is None:
+            continue
+        if s.env is None:
+            raise SettingError(f"{name} has no environment variable (config key {s.path})")
+        try:
+            value = s.check(value)
+        except SettingError as e:
+            raise SettingError(f"{s.env}={value!r}: {e}") from None
+        env[s.env] = s.format(value)
+    return env
+
+
+def check_launch_env(extra: Mapping[str, str], owned: Mapping[str, str],
+                     inherited: Optional[Mapping[str, str]] = None) -> None:
+    """Before a launcher starts anything: ``extra`` (the user's ``--env``) may not name an
+    unknown SSDSGD_* variable nor change one the launcher sets (``owned``, its own values),
+    and what every process will read (inherited < extra < owned) must be valid."""
+    for key, raw in extra.items():
+        s = BY_ENV.get(key)
+        if s is None and key.startswith(PREFIX):
+            close = difflib.get_close_matches(key, list(BY_ENV), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise SettingError(f"--env {key}={raw}: unknown setting ({hint}see "
+                               "docs/training.md)")
+        if s is None or s.launcher is None:
+            continue
+        if key not in owned:
+            raise SettingError(f"--env {key}={raw}: the launcher sets {key} ({s.launcher}); "
+                               "remove it")
+        try:
+            same = s.parse(raw) == s.parse(owned[key])
+        except SettingError as e:
+            raise SettingError(f"--env {key}={raw!r}: {e}") from None
+        if not same:
+            raise SettingError(f"--env {key}={raw}: conflicts with {s.launcher} {owned[key]} "
+                               f"(the launcher sets {key}; use {s.launcher})")
+    merged = {k: v for k, v in (inherited or {}).items()
+              if k in BY_ENV and not BY_ENV[k].launcher}
+    merged.update(extra)
+    merged.update(owned)
+    read_env(merged, partial=True)
+
+
+def markdown() -> str:
+    """The settings table of docs/training.md."""
+    def cell(text):
+        return str(text).replace("|", "\\|")
+
+    def default(s):
+        if s.default is None or s.default is REQUIRED:
+            return "unset" if s.default is None else "required"
+        if s.type is int and s.default >= 1024 and s.default & (s.default - 1) == 0:
+            return f"2^{s.default.bit_length() - 1}"
+        return f"`{s.default}`"
+    lines = ["| config key | variable | default | allowed | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        allowed = s.expects().removeprefix("an ").removeprefix("a ")
+        meaning = s.doc + (f"; set by the launcher ({s.launcher})" if s.launcher else "")
+        lines.append("| " + " | ".join(cell(c) for c in (
+            f"`{s.path}`" if s.path else "-", f"`{s.env}`" if s.env else "-", default(s),
+            allowed, meaning)) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,174 @@
+"""``ssd_sync``: the KVStore MXNet sees. A thin adapter, like Horovod's MXNet binding.
+
+It turns MXNet's calling conventions (a key or a list of keys; an NDArray or one per
+device; ``out`` or not) into calls of the worker's stage machine (``ssdsgd/worker``), and
+MXNet's optimizer objects and state files into what the worker client sends. It holds no
+algorithm and no wire details. How the stock ``gluon.Trainer`` is brought to use it, and
+the one node every store of a process shares, are in ``ssdsgd/integration.py``.
+"""
+import contextlib
+
+import mxnet as mx
+from mxnet.kvstore import KVStoreBase
+
+from .integration import NAME, PROCESS
+from .kvstore.compression import Compression, CompressionError
+from .kvstore.optimizer_spec import build, describe, flatten_state, unflatten_state
+
+
+def _as_list(x):
+    return x if isinstance(x, (list, tuple)) else [x]
+
+
+def _entries(key, value, out):
+    keys = _as_list(key)
+    if len(keys) == 1:
+        values = [_as_list(value)]
+        outs = [None if out is None else _as_list(out)]
+    else:
+        values = [_as_list(v) for v in value]
+        outs = [None] * len(keys) if out is None else [_as_list(o) for o in out]
+    for k in keys:
+        if not isinstance(k, int):
+            raise TypeError(f"ssd_sync keys are integers (the Trainer's parameter indices); "
+                            f"got {k!r}")
+    return list(zip(keys, values, outs))
+
+
+@KVStoreBase.register      # as NAME: MXNet registers a store by its lower-cased class name
+class SSD_Sync(KVStoreBase):
+    """A distributed KVStore running SSD-SGD (or SSGD / ASGD) on ssdsgd's servers.
+
+    Created by ``mx.kv.create('ssd_sync')`` or ``gluon.Trainer(..., kvstore='ssd_sync')``
+    in a process started by ``launch/dist.py`` (configuration from SSDSGD_* variables)."""
+
+    def __init__(self):
+        self._node = PROCESS.connect()
+        self._env, self._client, self._machine = (self._node.env, self._node.client,
+                                                  self._node.machine)
+        self._updater = None     # Trainer.load_states reads _updater.optimizer
+        self._batch = None       # the pushpulls of the Trainer step being collected
+
+    # ---- identity ----------------------------------------------------------------
+    @property
+    def type(self):
+        return NAME
+
+    @property
+    def rank(self):
+        return self._client.rank
+
+    @property
+    def num_workers(self):
+        return self._client.num_workers
+
+    @property
+    def algorithm(self):
+        return self._env.algorithm
+
+    def is_capable(self, capability):
+        return capability == KVStoreBase.OPTIMIZER
+
+    def set_gradient_compression(self, compression_params):
+        """MXNet's interface (the Trainer calls it with ``compression_params``): every later
+        push is compressed, with a residual per key on this worker; pulls are not
+        (docs/spec/compression.md)."""
+        spec = Compression.from_params(compression_params)
+        if spec is None:
+            raise CompressionError("set_gradient_compression needs a dict with a 'type', "
+                                   "e.g. {'type': '2bit', 'threshold': 0.5}")
+        self._client.set_compression(spec)
+
+    # ---- data --------------------------------------------------------------------
+    def init(self, key, value):
+        self.broadcast(key, value, out=None)
+
+    def broadcast(self, key, value, out, priority=0):
+        self._machine.init_keys([(k, values[0], outs or [])
+                                 for k, values, outs in _entries(key, value, out)])
+
+    def pushpull(self, key, value, out=None, priority=0):
+        entries = _entries(key, value, out)
+        if self._batch is not None:
+            self._batch.extend(entries)
+        else:
+            self._machine.step(entries)
+
+    def push(self, key, value, priority=0):
+        if self._env.algorithm == "ssd":
+            raise NotImplementedError("with algorithm ssd use pushpull (as the Trainer does): "
+                                      "a separate push and pull cannot follow the step schedule")
+        self._machine.push(_entries(key, value, None))
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        self._machine.pull([(k, _as_list(o)) for k, o, _ in _entries(key, out, None)])
+
+    @contextlib.contextmanager
+    def step_batch(self):
+        """Collect the pushpulls of one training step into one step of the stage machine
+        (one exchange per server); not run if the step raised."""
+        self._batch = []
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+        if batch:
+            self._machine.step(batch)
+
+    # ---- optimizer ---------------------------------------------------------------
+    def set_optimizer(self, optimizer):
+        spec = describe(optimizer)      # a clear error for an optimizer it cannot send
+        self._updater = mx.optimizer.get_updater(optimizer)
+        self._machine.set_optimizer(spec)
+        if self.rank == 0:
+            self._client.set_optimizer(spec).wait()
+        self._client.barrier()   # no worker pushes before every server has the optimizer
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """Gather the servers' optimizer state into a file in MXNet's own format."""
+        if self._updater is None:
+            raise RuntimeError("set_optimizer must be called before save_optimizer_states")
+        request = self._client.get_state()
+        replies = request.wait()
+        spec = request.meta.get("optimizer")
+        optimizer = build(spec) if spec else self._updater.optimizer
+        optimizer.param_dict = self._updater.optimizer.param_dict
+        updater = mx.optimizer.get_updater(optimizer)
+        for key, reply in replies.items():
+            shape = self._machine.shape(key)
+            template = optimizer.create_state_multi_precision(key, mx.nd.zeros(shape))
+            arrays = [mx.nd.array(a.reshape(shape)) for a in reply.state]
+            updater.states[key] = unflatten_state(template, arrays)
+            updater.states_synced[key] = True
+        with open(fname, "wb") as f:
+            f.write(updater.get_states(dump_optimizer=dump_optimizer))
+
+    def load_optimizer_states(self, fname):
+        """Read a file written by save_optimizer_states (or MXNet) and send it to the servers."""
+        if self._updater is None:
+            raise RuntimeError("set_optimizer must be called before load_optimizer_states")
+        updater = mx.optimizer.get_updater(self._updater.optimizer)
+        with open(fname, "rb") as f:
+            updater.set_states(f.read())     # a local file the user chose, as MXNet does
+        self._updater = updater
+        spec = describe(updater.optimizer)
+        self._machine.set_optimizer(spec)
+        if self.rank == 0:
+            states = {key: [s.asnumpy().reshape(-1) for s in flatten_state(state)]
+                      for key, state in updater.states.items()}
+            self._client.set_state(states, spec).wait()
+        self._client.barrier()
+
+    # ---- lifecycle and metrics ----------------------------------------------------
+    def barrier(self):
+        self._client.barrier()
+
+    _barrier = barrier
+
+    def metrics(self):
+        """Counters for the user: steps per stage, pushes, pulls, bytes, time blocked."""
+        return self._machine.metrics()
+
+    def close(self):
+        """Finish the steps-delay stage on the global weights and leave the job cleanly."""
+        self._node.close()

@@ -1,0 +1,214 @@
+"""Host lists, placement and the other pure parts of the multi-host launchers, in process."""
+import os
+import signal
+import sys
+
+import pytest
+
+from ssdsgd.launch import addresses, rank_entry, remote
+from ssdsgd.launch.hosts import (Host, HostError, describe, oversubscribed, parse_hostfile,
+                                 parse_hosts, place, read_hostfile, slot_order)
+
+
+def test_hostfile_takes_dmlc_and_horovod_lines():
+    text = """
+# dmlc-tracker style
+node1
+node2:2222
+# Horovod / OpenMPI style
+node3 slots=4
+10.0.0.4:22 slots=2 max_slots=8   # both at once; max_slots is OpenMPI's and ignored
+"""
+    assert parse_hostfile(text) == [Host("node1"), Host("node2", 1, 2222), Host("node3", 4),
+                                    Host("10.0.0.4", 2, 22)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "hostfile: no hosts"),
+    ("# only a comment\n\n", "hostfile: no hosts"),
+    ("node1 slots=0", "hostfile:1: slots must be an integer >= 1, got '0'"),
+    ("node1 slots=two", "hostfile:1: slots must be an integer >= 1, got 'two'"),
+    ("a\nnode1:ssh", "hostfile:2: the ssh port (host:port) must be an integer >= 1"),
+    ("node1:70000", "hostfile:1: ssh port 70000 is not a TCP port"),
+    ("node1 cpus=2", "hostfile:1: unknown key 'cpus' (expected slots=N)"),
+    ("node1 4", "hostfile:1: expected 'host[:port]' or 'host slots=N', got 'node1 4'"),
+    ("no/de", "hostfile:1: 'no/de' is not a host name or IPv4 address"),
+    ("-oProxyCommand=x", "is not a host name"),
+    ("node1\nnode1 slots=2", "hostfile: host node1 is listed twice (give it slots=N)"),
+])
+def test_hostfile_errors_are_one_line_naming_the_line(text, message):
+    with pytest.raises(HostError) as e:
+        parse_hostfile(text)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_hostfile_read_names_the_file(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("a slots=2\nb\n")
+    assert read_hostfile(f) == [Host("a", 2), Host("b")]
+    with pytest.raises(HostError, match=r"hostfile .*missing: cannot read it \(No such file"):
+        read_hostfile(tmp_path / "missing")
+    f.write_text("a\nb slots=x\n")
+    with pytest.raises(HostError, match=rf"^{f}:2: slots must be"):
+        read_hostfile(f)
+
+
+def test_host_list_is_horovods_host_colon_slots():
+    assert parse_hosts("h1:2,h2:2") == [Host("h1", 2), Host("h2", 2)]
+    assert parse_hosts(["h1", "h2:3"], "cluster.hosts") == [Host("h1"), Host("h2", 3)]
+    with pytest.raises(HostError, match=r"^--hosts: slots of h2 must be an integer >= 1"):
+        parse_hosts("h1:2,h2:0")
+    with pytest.raises(HostError, match=r"^cluster.hosts: empty host name"):
+        parse_hosts(["h1", ""], "cluster.hosts")
+
+
+def test_slots_are_taken_round_robin_over_the_hosts():
+    hosts = [Host("a", 2), Host("b", 1), Host("c", 3)]
+    assert [h.name for h in slot_order(hosts)] == ["a", "b", "c", "a", "c", "c"]
+
+
+def where(plan):
+    return [(s.label, s.host) for s in plan]
+
+
+def test_placement_scheduler_here_then_servers_then_workers():
+    hosts = [Host("a"), Host("b"), Host("c")]
+    assert where(place(hosts, 2, 1)) == [("scheduler", ""), ("server 0", "a"),
+                                         ("worker 0", "b"), ("worker 1", "c")]
+    # two slots each: servers spread over the hosts first, then the workers
+    hosts = [Host("a", 2), Host("b", 2)]
+    assert where(place(hosts, 2, 2)) == [("scheduler", ""), ("server 0", "a"),
+                                         ("server 1", "b"), ("worker 0", "a"),
+                                         ("worker 1", "b")]
+    # more processes than slots: round and round again (and it is said)
+    hosts = [Host("a"), Host("b", 1, 2222)]
+    plan = place(hosts, 4, 1, scheduler="b")
+    assert where(plan) == [("scheduler", "b"), ("server 0", "a"), ("worker 0", "b"),
+                           ("worker 1", "a"), ("worker 2", "b"), ("worker 3", "a")]
+    assert plan[0].port == 2222 and plan[2].port == 2222 and plan[1].port is None
+    assert oversubscribed(hosts, 4, 1) == 3 and oversubscribed(hosts, 1, 1) == 1
+    with pytest.raises(HostError):
+        place(hosts, 0, 1)
+
+
+def test_placement_is_printed_one_line_per_host():
+    plan = place([Host("a", 2), Host("b")], 3, 1)     # 4 processes on 3 slots: a, b, a, a
+    assert describe(plan, "10.1.1.1") == ["10.1.1.1 (the launcher's host): scheduler",
+                                          "a: server 0, worker 1, worker 2", "b: worker 0"]
+
+
+def test_the_environment_that_travels():
+    env = {"SSDSGD_NUM_WORKERS": "2", "MXNET_ENGINE_TYPE": "NaiveEngine", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": "/code", "LD_LIBRARY_PATH": "/lib", "HOME": "/root", "MINE": "1",
+           "TERM": "xterm"}
+    out = remote.forwarded(env, extra_keys=("MINE",))
+    assert set(out) == {"SSDSGD_NUM_WORKERS", "MXNET_ENGINE_TYPE", "OMP_NUM_THREADS",
+                        "PYTHONPATH", "LD_LIBRARY_PATH", "MINE"} | (
+        {"HOME"} if remote.os.environ.get("HOME") != "/root" else set()) | (
+        {"TERM"} if remote.os.environ.get("TERM") != "xterm" else set())
+    cmd = [sys.executable, "-m", "ssdsgd.node"]
+    assert remote.replace_python(cmd, "/opt/py/bin/python") == ["/opt/py/bin/python", "-m",
+                                                                "ssdsgd.node"]
+    assert remote.replace_python(cmd, None) == cmd
+
+
+def test_addresses_of_this_host():
+    assert addresses.interface_address("lo") == "127.0.0.1"
+    with pytest.raises(addresses.AddressError, match=r"interface 'nosuch0': .*interfaces here: "
+                       r".*\blo\b"):
+        addresses.interface_address("nosuch0")
+    assert addresses.route_source("127.0.0.1") == "127.0.0.1"
+    assert addresses.advertised("localhost") == "127.0.0.1"
+    assert addresses.is_local("127.0.0.1") and addresses.is_local("localhost")
+    assert not addresses.is_local("192.0.2.1")        # TEST-NET-1: never this host's
+    assert addresses.wait_reachable("127.0.0.1", 9, timeout=0.3, refused_timeout=0.5)
+
+
+def test_rank_entry_picks_its_process_and_checks_a_train_command(tmp_path, monkeypatch):
+    spec = {"procs": [["scheduler", 0, ["x"]], ["server", 0, ["y"]],
+                      ["worker", 1, ["z"], "node7"]]}
+    assert rank_entry.choose(spec, 2) == (2, "worker", 1, ["z"])
+    assert rank_entry.here() == "node7"
+    with pytest.raises(rank_entry.EntryError, match="rank 3 is outside the job's 3 processes"):
+        rank_entry.choose(spec, 3)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("SSDSGD_LAUNCH_SPEC", '{"procs": []}')
+    assert rank_entry.read_spec(["--rank-from", "OMPI_COMM_WORLD_RANK"], None) == (
+        {"procs": []}, 1)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "")
+    with pytest.raises(rank_entry.EntryError, match="OMPI_COMM_WORLD_RANK: the variable is ''"):
+        rank_entry.read_spec(["--rank-from", "OMPI_COMM_WORLD_RANK"], None)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"data: {{path: {tmp_path / 'nodata'}}}\n")
+    cmd = ["py", "-m", "ssdsgd.train", str(run / "config.yaml"), "--run-dir", str(run)]
+    with pytest.raises(rank_entry.EntryError, match=rf"^host node7: data.path {tmp_path}/nodata "
+                       "does not exist on this host"):
+        rank_entry.check_train_command(cmd)
+    (tmp_path / "nodata").mkdir()
+    rank_entry.check_train_command(cmd)
+    with pytest.raises(rank_entry.EntryError, match=r"^host node7 does not see the run "
+                       rf"directory {tmp_path}/other; it must be on a filesystem every host"):
+        rank_entry.check_train_command(cmd[:-1] + [str(tmp_path / "other")])
+    rank_entry.check_train_command(["python", "my_train.py"])      # not ours: no check
+    rank_entry.HOST["label"] = None
+
+
+def test_the_remote_exit_code_of_a_signal_is_the_signal():
+    class P:
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+    from ssdsgd.launch.ssh import RemoteProcess
+    assert RemoteProcess("worker", 0, P(128 + signal.SIGKILL)).poll() == -signal.SIGKILL
+    assert RemoteProcess("worker", 0, P(2)).poll() == 2
+    assert RemoteProcess("worker", 0, P(255)).poll() == 255
+
+
+def test_slurm_tasks_per_node_and_no_allocation():
+    from ssdsgd.launch.slurm import allocation_hosts, expand_counts
+    assert expand_counts("2(x3),1") == [2, 2, 2, 1]
+    assert expand_counts("4") == [4] and expand_counts("") == []
+    with pytest.raises(remote.LaunchError, match=r"SLURM_TASKS_PER_NODE='2\(3\)': expected"):
+        expand_counts("2(3)")
+    with pytest.raises(remote.LaunchError, match="--launcher slurm runs inside an allocation"):
+        allocation_hosts({})
+
+
+def test_where_the_hosts_come_from():
+    from ssdsgd.launch.launchers import make_launcher
+    assert remote.host_list(remote.Options(), "a:2,b") == [Host("a", 2), Host("b")]
+    assert remote.host_list(remote.Options(hosts="c:3"), "a:2") == [Host("c", 3)]
+    assert remote.host_list(remote.Options()) is None
+    with pytest.raises(remote.LaunchError, match="either -H/--hostfile or --hosts, not both"):
+        remote.host_list(remote.Options(hostfile="f", hosts="a"))
+    with pytest.raises(remote.LaunchError, match="^cluster.hosts: hosts need --launcher ssh"):
+        make_launcher(remote.Options(), 2, 1, "a:2,b")
+    with pytest.raises(remote.LaunchError, match="^--launcher ssh needs hosts"):
+        make_launcher(remote.Options(launcher="ssh"), 2, 1)
+    with pytest.raises(remote.LaunchError, match=r"^cluster.hosts: slots of b must be"):
+        make_launcher(remote.Options(launcher="ssh"), 2, 1, "a,b:0")
+
+
+@pytest.mark.system
+def test_a_secret_file_reaches_the_process_as_a_0600_file_of_its_host(tmp_path):
+    """rank_entry writes the spec's secret files again (mode 0600), gives the process
+    their path, and removes them when it ends."""
+    check = ("import os, stat, sys; p = os.environ['SSDSGD_SECRET_FILE']; "
+             "print(p); assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, oct(os.stat(p).st_mode); "
+             "assert open(p).read() == 'the keys'; assert p not in ' '.join(sys.argv)")
+    out = tmp_path / "out"
+    spec = {"procs": [["scheduler", 0, ["sh", "-c", f"{sys.executable} -c \"{check}\" > {out}"]]],
+            "env": {"SSDSGD_SCHEDULER_HOST": "127.0.0.1"}, "files": {"SSDSGD_SECRET_FILE":
+                                                                    "the keys"}}
+    with pytest.raises(remote.LaunchError, match=r"SSDSGD_SECRET_FILE=.*/k: cannot read it"):
+        remote.split_secrets({"SSDSGD_SECRET_FILE": str(tmp_path / "k")})
+    (tmp_path / "k").write_text("the keys")
+    assert remote.split_secrets({"SSDSGD_SECRET_FILE": str(tmp_path / "k"), "A": "1"}) == (
+        {"A": "1"}, {"SSDSGD_SECRET_FILE": "the keys"})
+    assert rank_entry.run(spec, 0, None) == 0
+    path = out.read_text().strip()
+    assert path.startswith(("/dev/shm/ssdsgd-secret-", "/tmp/ssdsgd-secret-"))
+    assert not os.path.exists(path)

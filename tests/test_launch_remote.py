@@ -1,0 +1,323 @@
+"""``launch/dist.py --launcher ssh`` and ``--launcher mpi`` on three emulated hosts (network
+namespaces, each with a real sshd; mpirun reaches them with the same ssh): the digits job
+with 1 server and 2 workers, the scheduler on the launcher's host (host 0).
+
+* ssgd: the final weights equal those of the same job run by the local launcher;
+* ssd: the job finishes with its accuracy, the remote lines prefixed with role, rank, host;
+* faults: a remote worker killed, the launcher SIGKILLed, a host unreachable before start,
+  addresses the others cannot reach, a data path missing on one host: each ends as
+  docs/launch.md says, and no process of the job is left in any namespace.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from emulated_hosts import EmulatedHosts, copy_repo, unavailable
+from test_e2e_configs import PY, ROOT, clean_env, dist, run_dir_of, sets
+from test_resume import params
+
+pytestmark = pytest.mark.system
+REASON = unavailable()
+if REASON:
+    pytest.skip(f"emulated hosts unavailable: {REASON}", allow_module_level=True)
+needs_mpirun = pytest.mark.skipif(not shutil.which("mpirun"),
+                                  reason="mpirun is not installed (Debian: openmpi-bin)")
+LAUNCHERS = ["ssh", pytest.param("mpi", marks=needs_mpirun)]
+
+EPOCHS = 2
+SSGD = dict(sync__algorithm="ssgd", train__epochs=EPOCHS, train__checkpoint_every=1)
+LEFT_S = 30           # no process of the job may be left on any host after this
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hosts")
+    data = d / "data"
+    (data / "digits").mkdir(parents=True)
+    h = EmulatedHosts(3, d / "ssh", hide={2: [data]})   # host 2 lacks data/digits
+    h.data = data / "digits"
+    h.file = h.hostfile([f"{a} slots=1" for a in h.addresses])
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def local_ssgd(tmp_path_factory):
+    """The reference: the same ssgd job run by the local launcher."""
+    root = tmp_path_factory.mktemp("local")
+    p = dist(["configs/digits.yaml", *sets(**SSGD, output__dir=root)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run_dir_of(root)
+
+
+def launcher_env(h):
+    return dict(clean_env(), SSDSGD_SSH_COMMAND=h.ssh_command, PYTHONPATH=str(ROOT))
+
+
+def start(h, args, log, env=None):
+    """``launch/dist.py ARGS`` on host 0 (the launcher's host), output to ``log``."""
+    return h.popen(0, [PY, "launch/dist.py", *map(str, args)], cwd=ROOT,
+                   env=env or launcher_env(h), stdout=log, stderr=subprocess.STDOUT)
+
+
+def run(h, args, tmp_path, timeout=240, env=None):
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as f:
+        p = start(h, args, f, env)
+        try:
+            p.wait(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return p.returncode, log.read_text()
+
+
+def job(h, sync, tmp_path, *more, launcher="ssh", hostfile=None):
+    return ["configs/digits.yaml", *sets(**sync, output__dir=tmp_path / "runs"),
+            "--launcher", launcher, "-H", hostfile or h.file, *more]
+
+
+def assert_nothing_left(h):
+    left = h.wait_no_job(LEFT_S)
+    assert left == {}, f"left on the hosts {LEFT_S} s after the end: {left}"
+
+
+def wait_for(log, text, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {text!r} in time: {log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def remote_pid(h, host, what):
+    """The pid of the process on emulated host ``host`` whose command line has ``what``."""
+    for pid in h.job_pids().get(h.names[host], []):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if what in cmd and "rank_entry" not in cmd:
+            return pid
+    raise AssertionError(f"no {what!r} on host {host}: {h.job_pids()}")
+
+
+# ---- the job across hosts -------------------------------------------------------------
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_ssgd_across_hosts_equals_the_local_job(hosts, local_ssgd, tmp_path, launcher):
+    """(ssh with --sync-dir: the code is rsynced to a directory of its own and run there.)"""
+    sync = ["--sync-dir", tmp_path / "synced"] if launcher == "ssh" else []
+    code, out = run(hosts, job(hosts, SSGD, tmp_path, *sync, launcher=launcher), tmp_path)
+    assert code == 0, out[-4000:]
+    assert "Traceback" not in out
+    if sync:    # the hosts ran `cd synced && python ssdsgd/launch/rank_entry.py`: relative
+        assert f"copying {ROOT} to {tmp_path / 'synced'} on 3 hosts" in out
+        assert (tmp_path / "synced" / "ssdsgd" / "launch" / "rank_entry.py").exists()
+        assert not (tmp_path / "synced" / "runs").exists()
+    b = run_dir_of(tmp_path / "runs")
+    last = f"epoch-{EPOCHS - 1:04d}.params"
+    pa, pb = params(local_ssgd / "checkpoints" / last), params(b / "checkpoints" / last)
+    assert pa.keys() == pb.keys() and len(pa) == 6
+    for key in pa:
+        np.testing.assert_allclose(pb[key], pa[key], rtol=0, atol=1e-6, err_msg=key)
+    # the placement was printed first: scheduler here, server and workers round-robin
+    x, y, z = hosts.addresses
+    assert re.findall(r"^\[launcher\]   (\S+): (.*)$", out, re.M) == [
+        (x, "scheduler, server 0"), (y, "worker 0"), (z, "worker 1")], out[:2000]
+    assert out.index("placement") < out.index("[worker 0 on")
+
+
+def readme_blocks():
+    """The code blocks of the README's "Several machines" section."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Several machines\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```\n(.*?)^```$", section, re.S | re.M)
+
+
+def readme_script(launcher):
+    ssh, mpi = readme_blocks()[:2]
+    if launcher == "ssh":
+        return ssh
+    return ssh[:ssh.index("python launch/dist.py")] + mpi     # after writing hosts.txt
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_readme_commands_as_written(hosts, tmp_path, launcher):
+    """The README's commands pasted into a shell on host 0, in a copy of the repository:
+    the demo job (ssd) finishes with its accuracy across the three hosts."""
+    repo = copy_repo(tmp_path / "repo")
+    env = {k: v for k, v in launcher_env(hosts).items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{os.path.dirname(PY)}:{env.get('PATH', '/usr/bin:/bin')}"
+    r = hosts.run(0, ["bash", "-e", "-c", readme_script(launcher)], cwd=repo, env=env,
+                  timeout=400, capture_output=False, stdout=subprocess.PIPE,
+                  stderr=subprocess.STDOUT)
+    out = r.stdout
+    assert r.returncode == 0, out[-4000:]
+    assert "Traceback" not in out
+    run_dir = run_dir_of(repo / "runs")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["algorithm"] == "ssd" and summary["workers_reporting"] == 2
+    assert summary["final_accuracy"] > 0.9 and summary["steps"] == 440
+    x, y, z = hosts.addresses
+    assert re.findall(r"^\[launcher\]   (\S+): (.*)$", out, re.M) == [
+        (x, "scheduler, server 0"), (y, "worker 0"), (z, "worker 1")], out[:2000]
+    for prefix in (f"[scheduler on {x}] ", f"[worker 0 on {y}] ", f"[worker 1 on {z}] "):
+        assert any(line.startswith(prefix) for line in out.splitlines()), prefix
+    assert re.search(rf"^\[worker 0 on {re.escape(y)}\] .*Epoch\[19\] Validation accuracy",
+                     out, re.M)
+    # the same progress line and final lines as a local job
+    assert re.search(r"^progress: step 440/440 \(100%\)", out, re.M)
+    tail = out.strip().splitlines()[-3:]
+    assert tail[0].startswith(f"[launcher] test accuracy {summary['final_accuracy']:.4f}")
+    assert tail[2] == f"[launcher] plot: {run_dir / 'plots' / 'accuracy_vs_epoch.png'}"
+    assert_nothing_left(hosts)
+
+
+# ---- faults -----------------------------------------------------------------------------
+LONG = dict(sync__algorithm="ssgd", train__epochs=1000)
+
+
+def test_a_killed_remote_worker_ends_the_job_everywhere(hosts, tmp_path):
+    """Over ssh. (Under mpi the same test passed in development: mpirun ends the job and the
+    launcher names the rank; left out to keep these tests within their time.)"""
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as f:
+        p = start(hosts, job(hosts, LONG, tmp_path), f)
+    try:
+        wait_for(log, "job started", p)
+        os.kill(remote_pid(hosts, 2, "ssdsgd.train"), signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    out = log.read_text()
+    assert p.returncode == 1, out[-3000:]
+    z = hosts.addresses[2]
+    assert re.search(rf"\[launcher\] worker 1 on {re.escape(z)} \(pid \d+\) was killed by "
+                     r"SIGKILL.*; stopping the job", out), out[-3000:]
+    assert_nothing_left(hosts)
+
+
+@pytest.mark.parametrize("launcher, sig", [
+    ("ssh", signal.SIGKILL), ("ssh", signal.SIGTERM),
+    pytest.param("mpi", signal.SIGKILL, marks=needs_mpirun)])
+def test_a_killed_launcher_leaves_nothing_on_any_host(hosts, tmp_path, launcher, sig):
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as f:
+        p = start(hosts, job(hosts, LONG, tmp_path, launcher=launcher), f)
+    try:
+        wait_for(log, "job started", p)
+        assert set(hosts.job_pids()) == set(hosts.names)    # a process on every host
+        p.send_signal(sig)
+        p.wait(timeout=LEFT_S)
+        t0 = time.monotonic()
+        assert_nothing_left(hosts)
+        assert time.monotonic() - t0 < LEFT_S
+        if sig == signal.SIGTERM:
+            assert p.returncode == 143
+            assert "[launcher] SIGTERM: stopping every process" in log.read_text()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_an_unreachable_host_fails_before_anything_starts(hosts, tmp_path):
+    dev = f"h{hosts.cluster.pid}-2"
+    hosts.run(2, ["ip", "link", "set", dev, "down"], check=True)
+    try:
+        t0 = time.monotonic()
+        code, out = run(hosts, job(hosts, SSGD, tmp_path, "--start-timeout", "5"),
+                        tmp_path, timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        hosts.run(2, ["ip", "link", "set", dev, "up"], check=True)
+    z = hosts.addresses[2]
+    assert code == 2, out[-3000:]
+    line, = [ln for ln in out.splitlines() if ln.startswith("launch/dist.py: error:")]
+    assert f"cannot reach host {z} over ssh" in line, out
+    assert took < 40
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+    assert hosts.job_pids() == {}
+
+
+def test_a_loopback_scheduler_address_is_refused_before_start(hosts, tmp_path):
+    code, out = run(hosts, job(hosts, SSGD, tmp_path, "--interface", "lo"), tmp_path,
+                    timeout=120)
+    x, y, z = hosts.addresses
+    assert code == 2, out[-3000:]
+    assert out.strip().splitlines()[-1] == (
+        f"launch/dist.py: error: the scheduler's address 127.0.0.1 is this host's loopback "
+        f"(--interface lo), which {y}, {z} cannot reach; choose --interface or "
+        "--scheduler-host")
+    assert hosts.job_pids() == {}
+
+
+def test_a_scheduler_address_the_hosts_cannot_reach_fails_within_the_start_timeout(
+        hosts, tmp_path):
+    """The scheduler listens on an address of host 0 that answers nobody (no ARP reply):
+    the other hosts' processes give up after --start-timeout, naming host and address."""
+    hidden = "198.18.0.50"
+    hosts.run(0, ["ip", "addr", "add", f"{hidden}/32", "dev", "lo"], check=True)
+    hosts.run(0, ["sysctl", "-qw", "net.ipv4.conf.all.arp_ignore=1"], check=True)
+    try:
+        t0 = time.monotonic()
+        code, out = run(hosts, job(hosts, SSGD, tmp_path, "--scheduler-host", hidden,
+                                       "--start-timeout", "4"), tmp_path, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        hosts.run(0, ["sysctl", "-qw", "net.ipv4.conf.all.arp_ignore=0"])
+        hosts.run(0, ["ip", "addr", "del", f"{hidden}/32", "dev", "lo"])
+    assert code == 1, out[-3000:]
+    assert took < 90
+    failed = re.findall(rf"\[worker (\d) on (\S+)\] ssdsgd: worker \d: host (\S+) \((\S+)\) "
+                        rf"cannot reach the scheduler at {re.escape(hidden)}:\d+ within 4 s", out)
+    assert failed and all(h1 == h2 == a and a in hosts.addresses[1:]
+                          for _, h1, h2, a in failed), out[-3000:]
+    assert re.search(r"\[launcher\] (worker \d on 198\.18\.0\.1[12] \(pid \d+\) exited with "
+                     r"code 2(, )?)+; stopping the job", out), out[-3000:]
+    assert_nothing_left(hosts)
+
+
+def test_a_server_address_the_others_cannot_reach_ends_the_job(hosts, tmp_path):
+    """Server 0 (first slot: host 1) advertises an address only host 1 has: the scheduler
+    cannot reach it and aborts the job naming it, before any worker waits on it."""
+    x, y, z = hosts.addresses
+    hidden = "198.18.2.11"
+    order = hosts.hostfile([y, z, x], "reordered.txt")
+    hosts.run(1, ["ip", "addr", "add", f"{hidden}/32", "dev", "lo"], check=True)
+    try:
+        code, out = run(hosts, job(hosts, SSGD, tmp_path, hostfile=order), tmp_path,
+                        timeout=180, env=dict(launcher_env(hosts), SSDSGD_NODE_HOST=hidden))
+    finally:
+        hosts.run(1, ["ip", "addr", "del", f"{hidden}/32", "dev", "lo"])
+    assert code == 1, out[-3000:]
+    assert f"[launcher]   {y}: server 0" in out
+    assert re.search(rf"aborting the job: server 0 \(pid \d+ on \S+\) advertised "
+                     rf"{re.escape(hidden)}:\d+, which the scheduler cannot reach", out), out[-3000:]
+    assert_nothing_left(hosts)
+
+
+def test_a_data_path_missing_on_one_host_is_one_line_naming_it(hosts, tmp_path):
+    code, out = run(hosts, job(hosts, SSGD, tmp_path, "--set", f"data.path={hosts.data}"),
+                    tmp_path, timeout=120)
+    assert code == 1, out[-3000:]
+    z = hosts.addresses[2]
+    errors = [ln for ln in out.splitlines() if "does not exist" in ln]
+    assert errors == [f"[worker 1 on {z}] ssdsgd: worker 1: host {z}: data.path {hosts.data} "
+                      "does not exist on this host (every worker reads its data from the same "
+                      "path on its own host)"], out[-3000:]
+    assert f"[launcher] worker 1 on {z} (pid" in out and "exited with code 2" in out
+    assert "Traceback" not in out
+    assert_nothing_left(hosts)

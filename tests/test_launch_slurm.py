@@ -1,0 +1,70 @@
+"""``launch/dist.py --launcher slurm`` under a real single-machine Slurm (slurmctld and
+slurmd started here): the README's demo job submitted with ``sbatch``; inside the
+allocation the launcher starts scheduler, server and workers with one ``srun``, each task
+taking its role from SLURM_PROCID, and the job ends like a local one."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from emulated_hosts import copy_repo
+from slurm_cluster import SlurmCluster, unavailable
+from test_e2e_configs import ROOT, clean_env, run_dir_of
+
+pytestmark = pytest.mark.system
+REASON = unavailable()
+if REASON:
+    pytest.skip(f"test Slurm unavailable: {REASON}", allow_module_level=True)
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def readme_slurm_block():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Several machines\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```\n(.*?)^```$", section, re.S | re.M)[2]
+
+
+def test_readme_sbatch_command_as_written(slurm, tmp_path):
+    """The README's Slurm commands pasted into a shell (in a copy of the repository): the
+    demo job runs as one batch job, its processes started by srun inside it."""
+    repo = copy_repo(tmp_path / "repo")
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env.get('PATH', '/usr/bin:/bin')}"
+    r = slurm.run(["bash", "-e", "-c", readme_slurm_block()], cwd=repo, env=env, timeout=400,
+                  capture_output=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = r.stdout
+    assert r.returncode == 0, f"{out[-4000:]}\n{slurm.logs()}"
+    assert "Traceback" not in out
+    node = slurm.node
+    assert f"[launcher]   {node}: scheduler, server 0, worker 0, worker 1" in out
+    assert "SLURM_PROCID 0: the scheduler" in out
+    for prefix in (f"[scheduler on {node}] ", f"[worker 0 on {node}] ",
+                   f"[worker 1 on {node}] "):
+        assert any(line.startswith(prefix) for line in out.splitlines()), prefix
+    run = run_dir_of(repo / "runs")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers_reporting"] == 2 and summary["final_accuracy"] > 0.9
+    assert re.search(r"^\[launcher\] test accuracy \d\.\d{4} \(20 epochs, 440 steps", out,
+                     re.M)
+    assert slurm.run(["squeue", "-h"]).stdout.strip() == ""
+
+
+def test_outside_an_allocation_it_says_how_to_get_one(slurm, tmp_path):
+    env = {k: v for k, v in clean_env().items() if not k.startswith("SLURM_")}
+    r = slurm.run([sys.executable, "launch/dist.py", "-n", "2", "-s", "1", "--launcher",
+                   "slurm", "--", sys.executable, "-c", "pass"], cwd=ROOT,
+                  env=dict(env, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "launch/dist.py: error: --launcher slurm runs inside an allocation: e.g. sbatch -N 3 "
+        "job.sh or salloc -N 3, then launch/dist.py ... --launcher slurm")

@@ -1,0 +1,55 @@
+"""The import graph of docs/design.md, checked on the source (no imports are run).
+
+training program -> adapter (store.py, integration.py) -> stage machine (worker/) and local
+rules (glu/) -> worker client (kvstore/client.py) -> protocol; server and scheduler ->
+protocol. Nothing below imports from above, and only the client and the nodes speak the
+protocol. settings.py (the one settings table) is a leaf every layer may read."""
+from pathlib import Path
+
+from test_packaging import _imports as _absolute_imports
+
+PKG = Path(__file__).resolve().parents[1] / "ssdsgd"
+
+
+def _imports(path):
+    """The ssdsgd modules and packages ``path`` imports, relative to the package."""
+    names = (n.removeprefix("ssdsgd.") for n in _absolute_imports(path)
+             if n.startswith("ssdsgd."))
+    return {n for n in names if (PKG / (n.replace(".", "/") + ".py")).exists()
+            or (PKG / n.replace(".", "/")).is_dir()}
+
+
+def _module(path):
+    return ".".join(path.relative_to(PKG).with_suffix("").parts)
+
+
+def _graph(folder):
+    return {_module(p): _imports(p) for p in (PKG / folder).glob("*.py")}
+
+
+def test_the_settings_table_is_a_leaf():
+    assert _imports(PKG / "settings.py") == set()
+
+
+def test_the_transport_imports_nothing_from_above():
+    for module, deps in _graph("kvstore").items():
+        assert all(d.startswith(("kvstore", "settings")) for d in deps), (module, deps)
+    graph = _graph("kvstore")
+    assert "kvstore.server" not in graph["kvstore.client"]
+    for node in ("kvstore.server", "kvstore.scheduler"):
+        assert "kvstore.client" not in graph[node], node
+
+
+def test_the_stage_machine_and_the_local_rules_stay_below_the_adapter():
+    for folder, allowed in (("worker", ("worker", "glu", "kvstore", "settings")),
+                            ("glu", ("glu", "kvstore", "settings"))):
+        for module, deps in _graph(folder).items():
+            assert all(d.startswith(allowed) for d in deps), (module, deps)
+    assert "kvstore.protocol" not in _graph("worker")["worker.machine"], \
+        "the stage machine must use the client's API, not build messages"
+
+
+def test_the_adapter_holds_no_wire_details():
+    deps = _imports(PKG / "store.py")
+    assert "kvstore.protocol" not in deps and "kvstore.sharding" not in deps, deps
+    assert not any(d.startswith("train") or d.startswith("launch") for d in deps), deps
