@@ -162,6 +162,11 @@ def push(client, key, step, value, reply=True):
     return g
 
 
+def pull(client, key, step):
+    """A PULL of ``key`` as of ``step``: the future of its one reply."""
+    return client.exchange(P.Kind.PULL, [(key, step, None, F32)]).futures[0]
+
+
 def first_future(gather, timeout=20):
     return gather.futures[0].result(timeout=timeout)
 
@@ -204,10 +209,9 @@ def test_optimizer_with_a_bad_hyperparameter_is_refused_before_the_ack(job_facto
                            ({"nonsense": 1}, "sgd has no parameter 'nonsense'"),
                            ({"learning_rate": 1e308}, "fails a trial update")):
         spec = dict(good, params=dict(good["params"], **params))
-        fut = client.request(0, P.Message(P.Kind.SET_OPTIMIZER, meta={"optimizer": spec}))
         with pytest.raises(ServerError, match=re.escape(reason)):
-            client.wait(fut)
-    client.wait(client.request(0, P.Message(P.Kind.SET_OPTIMIZER, meta={"optimizer": good})))
+            client.set_optimizer(spec).wait()
+    client.set_optimizer(good).wait()
     init_keys([client], {0: 4})
     value = push(client, 0, 0, np.ones(4)).wait()[0].value      # 0 - 0.5 * 1
     np.testing.assert_allclose(value, np.full(4, -0.5))
@@ -301,9 +305,8 @@ def test_a_connection_acts_only_as_the_worker_it_registered(job_factory):
         reply = ask(insider, frames_of(kind, meta, sender=1, records=records, tensors=tensors))
         assert reply.kind == P.Kind.ERROR, reply
         assert "not one of the job's workers" in reply.meta["error"]
-    fut = c1.request(0, P.Message(P.Kind.SET_OPTIMIZER, meta={"optimizer": {"name": "sgd"}}))
     with pytest.raises(ServerError, match="only worker 0 may send SET_OPTIMIZER"):
-        c1.wait(fut)
+        c1.set_optimizer({"name": "sgd"}).wait()
     c0.rank = 1       # worker 0's connection claims to be worker 1
     with pytest.raises(ServerError, match="worker 0's connection sent a message as worker 1"):
         first_future(push(c0, 0, 0, np.ones(4)))
@@ -313,12 +316,11 @@ def test_a_connection_acts_only_as_the_worker_it_registered(job_factory):
     gathers[1].wait()
     # worker 0 may change the optimizer between steps, never within one
     pending = push(c0, 0, 1, np.ones(4))
-    fut = c0.request(0, P.Message(P.Kind.SET_OPTIMIZER, meta={"optimizer": {"name": "sgd"}}))
     with pytest.raises(ServerError, match="while step 1 of key 0 is being aggregated"):
-        c0.wait(fut)
+        c0.set_optimizer({"name": "sgd"}).wait()
     push(c1, 0, 1, np.ones(4)).wait()
     pending.wait()
-    c0.wait(c0.request(0, P.Message(P.Kind.SET_OPTIMIZER, meta={"optimizer": {"name": "sgd"}})))
+    c0.set_optimizer({"name": "sgd"}).wait()
     c1.placement.place(9, 4)
     with pytest.raises(ServerError, match="only worker 0 may send the initial values of key"):
         c1.exchange(P.Kind.INIT, [(9, 0, np.ones(4, F32), F32)]).wait()
@@ -425,14 +427,12 @@ def test_pulls_of_steps_not_pushed_are_refused_and_waiting_pulls_are_bounded(job
     job = job_factory(workers=2)
     c0, c1 = job.clients
     init_keys(job.clients, {0: 4})
-    futures = [c0.request(0, P.Message(P.Kind.PULL, records=P.make_records(
-        [(0, 10_000 + i, 0, 4, F32, 0)]), tensors=[[]])) for i in range(2000)]
+    futures = [pull(c0, 0, 10_000 + i) for i in range(2000)]
     for f in futures:
         with pytest.raises(ServerError, match="which it has not pushed"):
             f.result(timeout=30)
     push(c0, 0, 0, np.ones(4), reply=False)     # step 0 pushed: pulls of it may wait
-    waiting = [c0.request(0, P.Message(P.Kind.PULL, records=P.make_records(
-        [(0, 0, 0, 4, F32, 0)]), tensors=[[]])) for i in range(400)]
+    waiting = [pull(c0, 0, 0) for i in range(400)]
     refused = 0
     for f in waiting[-200:]:
         with pytest.raises(ServerError, match="already waiting"):
