@@ -2,7 +2,7 @@
 
     python bench/transport.py [--reps 5] [--big-mb 100] [--small-keys 160]
                               [--small-steps 50] [--workers 2] [--servers 1]
-                              [--only native|ssd] [--json FILE]
+                              [--only native|ssd|secure] [--no-secure] [--json FILE]
 
 Runs bench/transport_worker.py as every worker of two local jobs, one after the other:
 native dist_sync (ps-lite, started by ssdsgd.testing.run_native) and ssd_sync (started
@@ -16,7 +16,9 @@ by launch/dist.py), and prints one table:
 
 Figures are medians over the timed repetitions, then averaged over the workers.
 The ratio column is ssd_sync / native; it reads "better" above 1 for GB/s and below 1
-for ms/step.  If launch/dist.py does not exist yet, the ssd_sync part is skipped.
+for ms/step. The "secure" columns run ssd_sync once more with ``launch/dist.py --secure``
+(ZeroMQ CURVE: every connection authenticated and encrypted) and give secure / ssd_sync,
+the cost of encryption.  If launch/dist.py does not exist yet, the ssd_sync part is skipped.
 """
 import argparse
 import json
@@ -48,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument('--small-steps', type=int, default=50, help='timed trainer.step calls')
     p.add_argument('--workers', type=int, default=2)
     p.add_argument('--servers', type=int, default=1)
-    p.add_argument('--only', choices=['native', 'ssd'], help='run one side only')
+    p.add_argument('--only', choices=['native', 'ssd', 'secure'], help='run one side only')
+    p.add_argument('--no-secure', action='store_true', help='skip the --secure (CURVE) run')
     p.add_argument('--timeout', type=float, default=900, help='seconds per job')
     p.add_argument('--json', help='also write the raw per-worker results here')
     return p.parse_args(argv)
@@ -66,8 +69,9 @@ def run_native_side(args, out):
     return load_results(out, args.workers)
 
 
-def run_ssd_side(args, out):
+def run_ssd_side(args, out, secure=False):
     dist_args = ['-n', args.workers, '-s', args.servers, '--env', 'SSDSGD_ALGORITHM=ssgd']
+    dist_args += ['--secure'] if secure else []
     for k, v in JOB_ENV.items():
         dist_args += ['--env', f'{k}={v}']
     dist_args += ['--', *worker_cmd('ssd_sync', out, args)]
@@ -95,7 +99,7 @@ def fmt(x, spec):
     return '-' if x is None else format(x, spec)
 
 
-def print_table(args, native, ssd, notes):
+def print_table(args, native, ssd, notes, secure=None):
     size = f'{args.big_mb:g} MB'
     rows = [
         (f'big: pushpull {size}, GB/s/worker (higher better)', 'big_gbps', '.3f'),
@@ -105,13 +109,17 @@ def print_table(args, native, ssd, notes):
             f'small steps {args.small_steps}; medians, mean over workers')
     print(head)
     w0 = max(len(r[0]) for r in rows)
-    print(f'{"":{w0}}  {"native":>10}  {"ssd_sync":>10}  {"ssd/native":>10}')
+    print(f'{"":{w0}}  {"native":>10}  {"ssd_sync":>10}  {"ssd/native":>10}'
+          f'  {"secure":>10}  {"secure/ssd":>10}')
     for label, key, spec in rows:
         a = native[key] if native else None
         b = ssd[key] if ssd else None
+        c = secure[key] if secure else None
         ratio = b / a if a and b is not None else None
-        print(f'{label:{w0}}  {fmt(a, spec):>10}  {fmt(b, spec):>10}  {fmt(ratio, ".2f"):>10}')
-    for side, s in (('native', native), ('ssd_sync', ssd)):
+        cost = c / b if b and c is not None else None
+        print(f'{label:{w0}}  {fmt(a, spec):>10}  {fmt(b, spec):>10}  {fmt(ratio, ".2f"):>10}'
+              f'  {fmt(c, spec):>10}  {fmt(cost, ".2f"):>10}')
+    for side, s in (('native', native), ('ssd_sync', ssd), ('secure', secure)):
         if s:
             per = ', '.join(f'{g:.3f}' for g in s['big_gbps_workers'])
             per_ms = ', '.join(f'{m:.2f}' for m in s['small_ms_workers'])
@@ -133,10 +141,14 @@ def main(argv=None):
                 notes.append('ssd_sync part skipped: launch/dist.py does not exist yet')
             else:
                 run_side('ssd', run_ssd_side, args, Path(tmp), raw, figures, notes)
-    print_table(args, figures.get('native'), figures.get('ssd'), notes)
+        if args.only in (None, 'secure') and not args.no_secure and DIST.exists():
+            run_side('secure', lambda a, out: run_ssd_side(a, out, secure=True), args,
+                     Path(tmp), raw, figures, notes)
+    print_table(args, figures.get('native'), figures.get('ssd'), notes, figures.get('secure'))
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=1))
-    failed = any(n.startswith(('native part failed', 'ssd_sync part failed')) for n in notes)
+    failed = any(n.startswith(('native part failed', 'ssd_sync part failed', 'secure part failed'))
+                 for n in notes)
     return 1 if failed else 0
 
 
@@ -147,7 +159,7 @@ def run_side(side, run, args, tmp, raw, figures, notes):
         raw[side] = run(args, tmp / side)
         figures[side] = summarize(raw[side])
     except (NativePSError, RuntimeError) as e:
-        notes.append(f'{"native" if side == "native" else "ssd_sync"} part failed: {e}')
+        notes.append(f'{ {"ssd": "ssd_sync"}.get(side, side)} part failed: {e}')
 
 
 if __name__ == '__main__':

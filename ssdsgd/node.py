@@ -5,6 +5,7 @@ import sys
 
 from .kvstore.env import EnvError, NodeEnv
 from .kvstore.scheduler import JobAborted, Scheduler
+from .kvstore.security import SecurityError
 from .kvstore.server import Server
 
 ROLES = {"scheduler": Scheduler, "server": Server}
@@ -18,7 +19,7 @@ def main():
         return 2
     try:
         node = ROLES[role](NodeEnv.from_environ())
-    except (EnvError, JobAborted) as e:
+    except (EnvError, JobAborted, SecurityError) as e:
         print(f"ssdsgd {role}: {e}", file=sys.stderr)
         return 2
     try:

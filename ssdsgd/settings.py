@@ -226,6 +226,10 @@ SETTINGS = (
     Setting("start_step", int, 0, "the worker's first global step (a resumed job continues "
             "the stage schedule; the launcher sets it from the checkpoint)",
             env="SSDSGD_START_STEP", min=0),
+    Setting("secret_file", str, None, "the job's keys, a 0600 file the launcher makes for "
+            "each job; only processes holding it can connect (unset: anyone can; "
+            "docs/reliability.md)", env="SSDSGD_SECRET_FILE", optional=True,
+            launcher="a fresh file per job, CURVE keys with --secure"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 BY_ENV = {s.env: s for s in SETTINGS if s.env}

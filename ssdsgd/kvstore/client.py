@@ -323,6 +323,7 @@ class WorkerClient:
             msg.req = next(self._req)
             msg.sender = self.rank
             frames = P.encode(msg)
+            P.check_size(frames, self.env.max_message_bytes)   # else the server drops it unread
             if want_reply:
                 fut = concurrent.futures.Future()
                 self._futures[msg.req] = fut
@@ -377,6 +378,7 @@ class WorkerClient:
                 s.setsockopt(zmq.SNDHWM, 0)
                 s.setsockopt(zmq.RCVHWM, 0)
                 s.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
+                link.secure(s)     # this worker's connection id and the job's keys
                 s.connect(f"tcp://{host}:{port}")
         except Exception:
             for s in sockets + [link.sock]:
@@ -444,6 +446,9 @@ class WorkerClient:
             with self._lock:
                 fut = self._futures.pop(msg.req, None)
             if fut is None:
+                if msg.kind == P.Kind.ERROR:   # refused a message that wanted no reply
+                    raise JobAborted(f"server {server} refused a message of this worker: "
+                                     f"{msg.meta.get('error')}")
                 continue
             if msg.kind == P.Kind.ERROR:
                 fut.set_exception(ServerError(f"server {server}: {msg.meta.get('error')}"))

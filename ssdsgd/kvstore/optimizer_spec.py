@@ -11,6 +11,7 @@ import inspect
 import math
 
 import mxnet as mx
+import numpy as np
 
 # Constructor arguments that are not hyper-parameters, or that are sent separately.
 _SKIP = {"self", "param_idx2name", "sym", "param_dict", "lr_scheduler", "kwargs", "args"}
@@ -102,10 +103,117 @@ def describe(opt):
             "index_update_count": {str(k): int(v) for k, v in opt._index_update_count.items()}}
 
 
-def build(spec):
-    """Rebuild an optimizer from ``describe``'s output with MXNet's own classes."""
+SCHEDULERS = ("FactorScheduler", "MultiFactorScheduler", "PolyScheduler", "CosineScheduler")
+_SPEC_FIELDS = {"name", "params", "lr_scheduler", "lr_mult", "wd_mult", "num_update",
+                "index_update_count"}
+
+
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_NO_DEFAULT = inspect.Parameter.empty
+
+
+def _fits(value, default):
+    """(does ``value`` have the type the constructor's default says, what that type is);
+    no default: a number or a list of numbers (schedulers' ``step``, ``max_update``)."""
+    if isinstance(default, bool):
+        return isinstance(value, bool), "true or false"
+    if isinstance(default, (int, float)):
+        return _number(value), "a finite number"
+    if isinstance(default, str):
+        return isinstance(value, str) and len(value) <= 64, "a short string"
+    if default is None:
+        return value is None or _number(value), "a finite number or null"
+    return (_number(value) or (isinstance(value, list) and 0 < len(value) <= 1024
+                               and all(_number(x) for x in value)),
+            "a finite number or a list of them")
+
+
+def _check_params(cls, params, where):
+    if not isinstance(params, dict):
+        raise OptimizerSpecError(f"{where}: params must be an object, got {params!r:.60}")
+    defaults = {}
+    for klass in cls.__mro__:
+        if klass is object:
+            break
+        try:
+            sig = inspect.signature(klass.__init__)
+        except (TypeError, ValueError):
+            continue
+        for p in sig.parameters.values():
+            if p.name not in _SKIP and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                defaults.setdefault(p.name, p.default)
+    for name, value in params.items():
+        if name not in defaults:
+            raise OptimizerSpecError(f"{where} has no parameter {name!r:.60} (it takes "
+                                     f"{', '.join(sorted(defaults))})")
+        ok, want = _fits(value, defaults[name])
+        if not ok:
+            raise OptimizerSpecError(f"{where}: {name} = {value!r:.60} is not {want}")
+
+
+def _check_spec(spec):
+    """The description's structure and every hyper-parameter's type, against the
+    constructor of the optimizer (and scheduler) it names."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise OptimizerSpecError(f"an optimizer description is an object with a name, got "
+                                 f"{spec!r:.60}")
+    unknown = set(spec) - _SPEC_FIELDS
+    if unknown:
+        raise OptimizerSpecError(f"unknown field {sorted(unknown)[0]!r:.60} in the optimizer "
+                                 f"description")
+    cls = mx.optimizer.Optimizer.opt_registry.get(spec["name"].lower())
+    if cls is None or not cls.__module__.startswith("mxnet."):
+        raise OptimizerSpecError(f"{spec['name']!r:.60} is not one of MXNet's optimizers")
+    _check_params(cls, spec.get("params", {}), spec["name"])
+    sched = spec.get("lr_scheduler")
+    if sched is not None:
+        if not isinstance(sched, dict) or sched.get("class") not in SCHEDULERS:
+            raise OptimizerSpecError(f"lr_scheduler must name one of {', '.join(SCHEDULERS)}, "
+                                     f"got {sched!r:.60}")
+        _check_params(getattr(mx.lr_scheduler, sched["class"]), sched.get("params", {}),
+                      sched["class"])
+    for field in ("lr_mult", "wd_mult", "index_update_count"):
+        table = spec.get(field, {})
+        if not isinstance(table, dict) or not all(
+                k.isdigit() and len(k) < 10 and _number(v) for k, v in table.items()):
+            raise OptimizerSpecError(f"{field} must map key numbers to numbers, got "
+                                     f"{table!r:.60}")
+    if not (_number(spec.get("num_update", 0)) and spec.get("num_update", 0) >= 0):
+        raise OptimizerSpecError(f"num_update must be a count, got {spec['num_update']!r:.60}")
+
+
+def _dry_run(opt):
+    """One update of a small array: what MXNet checks only when it first updates a key
+    (a server must refuse a description before acknowledging it, not at the next step)."""
+    weight, grad = mx.nd.ones((2, 2)), mx.nd.array([[0.5, -0.5], [1.0, -1.0]])
+    updater = mx.optimizer.get_updater(opt)
+    updater(0, grad, weight)
+    if not np.isfinite(weight.asnumpy()).all():
+        raise ValueError("one update of a unit array gives non-finite weights")
+
+
+def build(spec, check=True):
+    """Rebuild an optimizer from ``describe``'s output with MXNet's own classes; a
+    description from the network is checked first (types, then one trial update)."""
+    if check:
+        _check_spec(spec)
+        try:
+            _dry_run(_create(spec))
+        except OptimizerSpecError:
+            raise
+        except Exception as e:     # noqa: BLE001 - MXNet raises anything for a bad value
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            raise OptimizerSpecError(f"optimizer {spec['name']!r:.40} fails a trial update: "
+                                     f"{lines[-1][:200]}") from None
+    return _create(spec)
+
+
+def _create(spec):
     try:
-        params = dict(spec["params"])
+        params = dict(spec.get("params", {}))
         sched = spec.get("lr_scheduler")
         if sched:
             cls = getattr(mx.lr_scheduler, sched["class"])
@@ -117,7 +225,7 @@ def build(spec):
                                         spec.get("index_update_count", {}).items()})
         opt.num_update = int(spec.get("num_update", opt.num_update))
     except (KeyError, TypeError, ValueError, AttributeError, AssertionError) as e:
-        raise OptimizerSpecError(f"cannot build optimizer from {spec!r}: {e}") from None
+        raise OptimizerSpecError(f"cannot build optimizer from {spec!r:.200}: {e}") from None
     return opt
 
 

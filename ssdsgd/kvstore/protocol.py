@@ -20,11 +20,16 @@ A message is a ZeroMQ multipart message:
   about as much to send as 40 KB (a step of 160 small parameters would otherwise spend
   more time in per-frame overhead than on the wire).
 
-Nothing is unpickled. ``decode`` validates every field and raises ``ProtocolError`` with
-the reason, so a server can reject a bad message and keep serving.
+Nothing is unpickled. ``decode`` validates every field of the format (header, key table,
+JSON of bounded depth, data frames) and ``receive`` -- what nodes call -- also the type of
+every meta field of the message's kind (``META``); both raise ``ProtocolError`` with the
+reason (and the request id, once the header was read), so a node can reject a bad
+message, answer the request it belongs to, and keep serving.
 """
 import enum
 import json
+import math
+import re
 import struct
 
 import numpy as np
@@ -40,14 +45,15 @@ ENCODINGS = {1: "2bit", 2: "topk"}
 ENCODING_CODES = {v: k for k, v in ENCODINGS.items()}
 PACK_BELOW = 64 * 1024
 MAX_META_BYTES = 1 << 20
-MAX_KEYS = 1 << 20
+MAX_META_DEPTH = 8       # nesting of JSON objects/lists (an optimizer description needs 5)
+MAX_KEYS = 1 << 16        # key records per message (a model has a few hundred arrays)
 MAX_TENSORS_PER_KEY = 8
 
 
 class Kind(enum.IntEnum):
     """Message kinds. Scheduler control first, then worker <-> server data."""
-    REGISTER = 1      # node -> scheduler: {role, rank, host, port, pid}
-    TOPOLOGY = 2      # scheduler -> node: {rank, num_workers, num_servers, servers}
+    REGISTER = 1      # node -> scheduler: {role, rank, host, port, pid, routing_id}
+    TOPOLOGY = 2      # scheduler -> node: {rank, num_workers, num_servers, servers, workers}
     BARRIER = 3       # node -> scheduler, and the release back
     HEARTBEAT = 4     # node -> scheduler, and the echo back
     FINISH = 5        # worker -> scheduler: done, stop watching me
@@ -77,7 +83,12 @@ DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 
 class ProtocolError(ValueError):
-    """A message that does not follow this module's format."""
+    """A message that does not follow this module's format. ``req`` is the request id
+    from its header (0 when the header itself was unreadable), so the reply can name it."""
+
+    def __init__(self, text, req=0):
+        super().__init__(text)
+        self.req = req
 
 
 def dtype_code(dtype):
@@ -186,7 +197,8 @@ def _buffer(frame):
 
 def decode(frames, *, max_bytes=None):
     """Validate and decode a list of frames (bytes or zmq.Frame). Tensors are views of
-    the received frames (no copy); copy before mutating."""
+    the received frames (no copy); copy before mutating. Every error is a
+    ``ProtocolError`` carrying the request id once the header has been read."""
     if len(frames) < 3:
         raise ProtocolError(f"a message has at least 3 frames, got {len(frames)}")
     head = bytes(_buffer(frames[0]))
@@ -198,11 +210,23 @@ def decode(frames, *, max_bytes=None):
     if version != VERSION:
         raise ProtocolError(f"protocol version {version}, this node speaks {VERSION}")
     try:
-        kind = Kind(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown message kind {kind}") from None
-    if flags & ~int(Flag.PULL | Flag.STATE):
-        raise ProtocolError(f"unknown flag bits {flags:#x}")
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise ProtocolError(f"unknown message kind {kind}") from None
+        if flags & ~int(Flag.PULL | Flag.STATE):
+            raise ProtocolError(f"unknown flag bits {flags:#x}")
+        records = _key_table(frames, nkeys, nframes)
+        meta = _meta(bytes(_buffer(frames[2])))
+        tensors = _tensors(records, [_buffer(f) for f in frames[3:]], max_bytes)
+    except ProtocolError as e:
+        e.req = req
+        raise
+    return Message(kind, flags=flags, sender=sender, step=step, req=req, records=records,
+                   meta=meta, tensors=tensors)
+
+
+def _key_table(frames, nkeys, nframes):
     if nkeys > MAX_KEYS:
         raise ProtocolError(f"{nkeys} keys exceeds the limit {MAX_KEYS}")
     if len(frames) != 3 + nframes:
@@ -212,33 +236,27 @@ def decode(frames, *, max_bytes=None):
     if len(table) != nkeys * KEY_RECORD.itemsize:
         raise ProtocolError(f"key table is {len(table)} bytes, {nkeys} records need "
                             f"{nkeys * KEY_RECORD.itemsize}")
-    records = np.frombuffer(table, KEY_RECORD).copy() if nkeys else np.zeros(0, KEY_RECORD)
-    meta_raw = bytes(_buffer(frames[2]))
-    if len(meta_raw) > MAX_META_BYTES:
-        raise ProtocolError(f"meta of {len(meta_raw)} bytes exceeds {MAX_META_BYTES}")
-    meta = {}
-    if meta_raw:
-        try:
-            meta = json.loads(meta_raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ProtocolError(f"meta is not UTF-8 JSON: {e}") from None
-        if not isinstance(meta, dict):
-            raise ProtocolError("meta must be a JSON object")
-    if nkeys:
-        if (records["key"] < 0).any() or (records["offset"] < 0).any() or (records["count"] < 0).any():
-            raise ProtocolError("negative key, offset or count in the key table")
-        if (records["ntensors"] > MAX_TENSORS_PER_KEY).any():
-            raise ProtocolError(f"more than {MAX_TENSORS_PER_KEY} tensors for one key")
-        bad = [c for c in np.unique(records["dtype"]) if int(c) not in DTYPES]
-        if bad:
-            raise ProtocolError(f"unknown dtype code {int(bad[0])}")
-        bad = [c for c in np.unique(records["encoding"]) if c and int(c) not in ENCODINGS]
-        if bad:
-            raise ProtocolError(f"unknown encoding code {int(bad[0])}")
-    buffers = [_buffer(f) for f in frames[3:]]
+    if not nkeys:
+        return np.zeros(0, KEY_RECORD)
+    records = np.frombuffer(table, KEY_RECORD).copy()
+    if (records["key"] < 0).any() or (records["offset"] < 0).any() or (records["count"] < 0).any():
+        raise ProtocolError("negative key, offset or count in the key table")
+    if (records["ntensors"] > MAX_TENSORS_PER_KEY).any():
+        raise ProtocolError(f"more than {MAX_TENSORS_PER_KEY} tensors for one key")
+    bad = [c for c in np.unique(records["dtype"]) if int(c) not in DTYPES]
+    if bad:
+        raise ProtocolError(f"unknown dtype code {int(bad[0])}")
+    bad = [c for c in np.unique(records["encoding"]) if c and int(c) not in ENCODINGS]
+    if bad:
+        raise ProtocolError(f"unknown encoding code {int(bad[0])}")
+    return records
+
+
+def _tensors(records, buffers, max_bytes):
     total = sum(len(b) for b in buffers)
     if max_bytes is not None and total > max_bytes:
-        raise ProtocolError(f"message carries {total} data bytes, limit is {max_bytes}")
+        raise ProtocolError(f"message carries {total} data bytes, limit is {max_bytes}"
+                            + (" (SSDSGD_MAX_MESSAGE_BYTES)" if max_bytes else ""))
     tensors, spans = [], []
     for rec in records:
         n = int(rec["ntensors"])
@@ -248,9 +266,9 @@ def decode(frames, *, max_bytes=None):
         dt = DTYPES[int(rec["dtype"])]
         count, frame, boff = int(rec["count"]), int(rec["frame"]), int(rec["boff"])
         key, nbytes, encoding = int(rec["key"]), int(rec["nbytes"]), ENCODINGS.get(int(rec["encoding"]))
-        if frame >= nframes:
+        if frame >= len(buffers):
             raise ProtocolError(f"key {key}: data frame {frame} does not exist "
-                                f"({nframes} frames)")
+                                f"({len(buffers)} frames)")
         if encoding is None and nbytes != n * count * dt.itemsize:
             raise ProtocolError(f"key {key}: {n} tensors of {count} {dt} are "
                                 f"{n * count * dt.itemsize} bytes, the record says {nbytes}")
@@ -275,8 +293,156 @@ def decode(frames, *, max_bytes=None):
     for (f1, _, end1, k1), (f2, start2, _, k2) in zip(spans, spans[1:]):
         if f1 == f2 and start2 < end1:
             raise ProtocolError(f"keys {k1} and {k2} claim the same bytes of data frame {f1}")
-    return Message(kind, flags=flags, sender=sender, step=step, req=req, records=records,
-                   meta=meta, tensors=tensors)
+    return tensors
+
+
+# ---- meta: JSON of a bounded depth, every field of a kind type-checked ------------------
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_OPENERS, _CLOSERS = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+
+
+def json_depth(raw):
+    """How deep the objects and lists of JSON text ``raw`` nest, found without parsing it
+    (a parser recurses once per level: 4 KB of brackets exhaust Python's stack)."""
+    b = np.frombuffer(_JSON_STRING.sub(b'""', raw), np.uint8)
+    level = np.cumsum(np.isin(b, _OPENERS).astype(np.int64) - np.isin(b, _CLOSERS))
+    return int(level.max(initial=0))
+
+
+def _meta(raw):
+    if len(raw) > MAX_META_BYTES:
+        raise ProtocolError(f"meta of {len(raw)} bytes exceeds {MAX_META_BYTES}")
+    meta = {}
+    if raw:
+        depth = json_depth(raw)
+        if depth > MAX_META_DEPTH:
+            raise ProtocolError(f"meta JSON nests {depth} levels deep, the limit is "
+                                f"{MAX_META_DEPTH}")
+        try:
+            meta = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise ProtocolError(f"meta is not UTF-8 JSON: {e}") from None
+        if not isinstance(meta, dict):
+            raise ProtocolError("meta must be a JSON object")
+    return meta
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v):
+    """A finite int or float (not a bool, not NaN or infinite)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int_in(lo, hi):
+    return lambda v: _is_int(v) and lo <= v <= hi
+
+
+def _text(limit=None):
+    return lambda v: isinstance(v, str) and (limit is None or len(v) <= limit)
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+def _address(v):
+    return (isinstance(v, list) and len(v) == 2 and _text(255)(v[0])
+            and _int_in(1, 65535)(v[1]))
+
+
+_HEX_ID = re.compile(r"[0-9a-f]{8,64}\Z")
+MAX_RANK = 1 << 20
+_RANK = (_int_in(-1, MAX_RANK), "an integer from -1 to 2^20")
+_COUNT = (_int_in(1, MAX_RANK), "an integer from 1 to 2^20")
+_ID = (lambda v: isinstance(v, str) and bool(_HEX_ID.match(v)), "8 to 64 lowercase hex digits")
+_STR = (_text(), "a string")
+_OBJ = (lambda v: isinstance(v, dict), "a JSON object")
+_ROLE = (lambda v: v in ("server", "worker") if isinstance(v, str) else False,
+         "'server' or 'worker'")
+_GROUP = (lambda v: v in ("worker", "server", "all") if isinstance(v, str) else False,
+          "'worker', 'server' or 'all'")
+
+# kind -> {field: ((check, what it must be), required)}; kinds not listed carry no meta.
+META = {
+    Kind.REGISTER: {"role": (_ROLE, True), "rank": (_RANK, False),
+                    "host": ((_optional(_text(255)), "a host name or null"), False),
+                    "port": ((_optional(_int_in(0, 65535)), "a TCP port or null"), False),
+                    "pid": ((_int_in(0, 1 << 32), "a process id"), False),
+                    "hostname": ((_text(255), "a host name"), False),
+                    "routing_id": (_ID, False)},
+    Kind.TOPOLOGY: {"rank": (_RANK, True), "num_workers": (_COUNT, True),
+                    "num_servers": (_COUNT, True),
+                    "servers": ((lambda v: isinstance(v, list) and all(map(_address, v)),
+                                 "a list of [host, port]"), True),
+                    "workers": ((lambda v: isinstance(v, list) and all(_ID[0](x) for x in v),
+                                 "a list of connection ids"), False)},
+    Kind.BARRIER: {"group": (_GROUP, False)},
+    Kind.FINISH: {"error": (_STR, False)},
+    Kind.ABORT: {"reason": (_STR, False)},
+    Kind.SET_OPTIMIZER: {"optimizer": (_OBJ, True)},
+    Kind.SET_STATE: {"optimizer": (_OBJ, False)},
+    Kind.SET_COMPRESSION: {"compression": (_OBJ, True)},
+    Kind.REPLY: {"lr": ((_optional(is_number), "a finite number or null"), False),
+                 "optimizer": ((_optional(_OBJ[0]), "a JSON object or null"), False)},
+    Kind.ERROR: {"error": (_STR, True)},
+}
+
+
+def _short(value, limit=60):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_meta(kind, meta):
+    """Every meta field of ``kind`` is one it may carry, of the type it must have."""
+    fields = META.get(kind, {})
+    for name in meta:
+        if name not in fields:
+            expected = f"expected {', '.join(fields)}" if fields else "it carries none"
+            raise ProtocolError(f"{kind.name}: unexpected meta field {_short(name)} ({expected})")
+    for name, ((check, what), required) in fields.items():
+        if name not in meta:
+            if required:
+                raise ProtocolError(f"{kind.name}: meta field {name!r} is missing")
+        elif not check(meta[name]):
+            raise ProtocolError(f"{kind.name}: meta field {name!r} must be {what}, got "
+                                f"{_short(meta[name])}")
+
+
+def check_size(frames, max_bytes):
+    """Before sending: the message fits the receiver's limit (the same
+    SSDSGD_MAX_MESSAGE_BYTES as ours), so it is not dropped unanswered by the transport."""
+    data = sum(memoryview(f).nbytes for f in frames[3:])
+    if data > max_bytes:
+        raise ProtocolError(f"a message of {data} data bytes exceeds "
+                            f"SSDSGD_MAX_MESSAGE_BYTES={max_bytes}; raise the limit (or lower "
+                            f"SSDSGD_CHUNK_BYTES / SSDSGD_BIGARRAY_BOUND)")
+    for f in frames[:3]:
+        if memoryview(f).nbytes > frame_limit(max_bytes):
+            raise ProtocolError(f"a message's header frame of {memoryview(f).nbytes} bytes "
+                                f"exceeds the limit {frame_limit(max_bytes)}")
+
+
+def frame_limit(max_bytes):
+    """The largest single frame a node accepts (ZeroMQ's MAXMSGSIZE: a bigger frame is
+    refused without being buffered): a data frame up to the limit, a meta of up to
+    MAX_META_BYTES or a key table of up to MAX_KEYS records."""
+    return max(max_bytes, MAX_META_BYTES, MAX_KEYS * KEY_RECORD.itemsize) + 4096
+
+
+def receive(frames, *, max_bytes=None):
+    """What a node does with a message from a peer: ``decode`` it and check that every meta
+    field is one its kind carries, of the right type (``check_meta``), before any use."""
+    msg = decode(frames, max_bytes=max_bytes)
+    try:
+        check_meta(msg.kind, msg.meta)
+    except ProtocolError as e:
+        e.req = msg.req
+        raise
+    return msg
 
 
 def control(kind, meta=None, **kw):

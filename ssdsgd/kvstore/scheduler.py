@@ -15,20 +15,36 @@ import sys
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
 from .env import NodeEnv
+from .security import Guard
+
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class JobAborted(RuntimeError):
     """The job cannot go on (a peer died, the scheduler is gone, a bad configuration)."""
 
 
-def bind_router(ctx, host, port, what):
-    """A ROUTER socket bound to host:port (port 0: a free one); a clear error if taken."""
+def bind_router(ctx, host, port, what, guard=None, sndhwm=1000, rcvhwm=1000, maxmsgsize=-1):
+    """A ROUTER socket bound to host:port (port 0: a free one); a clear error if taken.
+
+    Every option is set before ``bind``: ZeroMQ applies a listening socket's options to
+    the connections it accepts later, never to those already accepted (the high-water
+    marks bound what one peer can queue; MAXMSGSIZE refuses a bigger frame without
+    buffering it; the guard decides who may connect at all)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, sndhwm)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
+    if guard is not None:
+        guard.server(ctx, sock)
     try:
         if port:
             sock.bind(f"tcp://{host}:{port}")
@@ -45,22 +61,41 @@ def node_name(info):
     return f"{info['role']} {info['rank']} (pid {info.get('pid', '?')} on {info.get('hostname', '?')})"
 
 
+class Rejections:
+    """Log lines for rejected messages: the first few of each peer (a node of the job by
+    its name, strangers together), then one in a thousand -- a flood of bad messages must
+    not become a flood of log lines."""
+
+    def __init__(self, log):
+        self.log, self.counts = log, {}
+
+    def __call__(self, text, who=None):
+        n = self.counts[who] = self.counts.get(who, 0) + 1
+        if n <= 10 or n % 1000 == 0:
+            source = who or "a peer that is not a node of this job"
+            self.log(f"rejected a message from {source} ({n} so far): {text}")
+
+
 class Scheduler:
     def __init__(self, env: NodeEnv, log=None):
         self.env = env
         self.log = log or (lambda text: print(f"ssdsgd scheduler: {text}", file=sys.stderr, flush=True))
         self.ctx = zmq.Context.instance()
+        self.guard = Guard.from_env(env, self.log)
         self.sock, self.port = bind_router(self.ctx, env.scheduler_host, env.scheduler_port,
-                                           "the scheduler")
-        self.nodes = {}           # identity -> info dict
+                                           "the scheduler", self.guard,
+                                           maxmsgsize=P.frame_limit(0))
+        self.log(f"listening on {env.scheduler_host}:{self.port}; {self.guard.describe()}")
+        self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = {}        # group -> set of identities waiting
         self.started = False
+        self.rejected = Rejections(self.log)
 
-    def _send(self, ident, kind, meta=None):
+    def _send(self, ident, kind, meta=None, req=0):
         try:
-            self.sock.send_multipart([ident] + P.control(kind, meta), flags=zmq.NOBLOCK)
+            self.sock.send_multipart([ident] + P.control(kind, meta, req=req), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
-            pass  # the peer is gone; heartbeats will tell
+            pass  # the peer is gone or does not read; heartbeats will tell
 
     def _members(self, role=None):
         return [i for i, n in self.nodes.items() if role is None or n["role"] == role]
@@ -74,16 +109,17 @@ class Scheduler:
             for i in idents:
                 r = self.nodes[i]["asked_rank"]
                 self.nodes[i]["rank"] = r if r in taken else next(free)
-        servers = sorted((n for n in self.nodes.values() if n["role"] == "server"),
-                         key=lambda n: n["rank"])
-        self._check_reachable(servers)
-        addresses = [[n["host"], n["port"]] for n in servers]
+        by_rank = lambda role: sorted((n for n in self.nodes.values() if n["role"] == role),
+                                      key=lambda n: n["rank"])
+        self._check_reachable(by_rank("server"))
+        addresses = [[n["host"], n["port"]] for n in by_rank("server")]
+        workers = [n["routing_id"] for n in by_rank("worker")]
         now = time.monotonic()
         for ident, n in self.nodes.items():
             n["last_seen"] = now
             self._send(ident, P.Kind.TOPOLOGY, {
                 "rank": n["rank"], "num_workers": self.env.num_workers,
-                "num_servers": self.env.num_servers, "servers": addresses})
+                "num_servers": self.env.num_servers, "servers": addresses, "workers": workers})
         self.started = True
         self.log(f"all {len(self.nodes)} nodes registered; job started")
 
@@ -104,25 +140,37 @@ class Scheduler:
         time.sleep(0.2)  # let the ABORTs leave before the context is torn down
         raise JobAborted(f"aborting the job: {reason}")
 
+    def _register(self, ident, meta):
+        """REGISTER: the connection becomes the node (the guard has already checked, at
+        the handshake, that the process holds the job's keys)."""
+        role = meta["role"]
+        full = {"server": self.env.num_servers, "worker": self.env.num_workers}
+        if ident in self.nodes:
+            raise P.ProtocolError(f"this connection already registered as "
+                                  f"{self.nodes[ident]['role']}")
+        if role == "server" and not (meta.get("host") and meta.get("port")):
+            raise P.ProtocolError("a server registers the host and port it listens on")
+        if role == "worker" and not meta.get("routing_id"):
+            raise P.ProtocolError("a worker registers the id of its connections to the servers")
+        if role == "worker" and any(n.get("routing_id") == meta["routing_id"]
+                                    for n in self.nodes.values()):
+            raise P.ProtocolError("another worker registered the same connection id")
+        if self.started or len(self._members(role)) >= full[role]:
+            raise P.ProtocolError(f"the job already has its {full[role]} {role}s "
+                                  f"(SSDSGD_NUM_{role.upper()}S={full[role]})")
+        self.nodes[ident] = {"role": role, "asked_rank": meta.get("rank", -1),
+                             "host": meta.get("host"), "port": meta.get("port"),
+                             "pid": meta.get("pid"), "hostname": meta.get("hostname"),
+                             "routing_id": meta.get("routing_id"),
+                             "rank": -1, "last_seen": time.monotonic(), "finished": False}
+        if (len(self._members("server")) == self.env.num_servers
+                and len(self._members("worker")) == self.env.num_workers):
+            self._assign_ranks()
+
     def _handle(self, ident, msg):
         node = self.nodes.get(ident)
         if msg.kind == P.Kind.REGISTER:
-            role = msg.meta.get("role")
-            full = {"server": self.env.num_servers, "worker": self.env.num_workers}
-            if role not in full:
-                raise P.ProtocolError(f"REGISTER with unknown role {role!r}")
-            if self.started or len(self._members(role)) >= full[role]:
-                self._send(ident, P.Kind.ERROR, {
-                    "error": f"the job already has its {full[role]} {role}s "
-                             f"(SSDSGD_NUM_{role.upper()}S={full[role]})"})
-                return
-            self.nodes[ident] = {"role": role, "asked_rank": int(msg.meta.get("rank", -1)),
-                                 "host": msg.meta.get("host"), "port": msg.meta.get("port"),
-                                 "pid": msg.meta.get("pid"), "hostname": msg.meta.get("hostname"),
-                                 "rank": -1, "last_seen": time.monotonic(), "finished": False}
-            if (len(self._members("server")) == self.env.num_servers
-                    and len(self._members("worker")) == self.env.num_workers):
-                self._assign_ranks()
+            self._register(ident, msg.meta)
             return
         if node is None:
             raise P.ProtocolError(f"{msg.kind.name} from a node that never registered")
@@ -132,6 +180,8 @@ class Scheduler:
         elif msg.kind == P.Kind.BARRIER:
             group = msg.meta.get("group", "worker")
             members = [i for i in self._members() if group == "all" or self.nodes[i]["role"] == group]
+            if ident not in members:
+                raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
             waiting = self.barriers.setdefault(group, set())
             waiting.add(ident)
             if waiting >= set(members):
@@ -139,12 +189,32 @@ class Scheduler:
                     self._send(i, P.Kind.BARRIER, {"group": group})
                 waiting.clear()
         elif msg.kind == P.Kind.FINISH:
-            if msg.meta.get("error"):   # everyone (the failed worker too) hears it first
+            if msg.meta.get("error"):   # everyone (the failed node too) hears it first
                 self._abort(f"{node_name(node)} failed: {msg.meta['error']}")
             self._send(ident, P.Kind.ACK)
             node["finished"] = True
         else:
             raise P.ProtocolError(f"unexpected {msg.kind.name} at the scheduler")
+
+    def _serve_one(self):
+        """Read and handle one message; nothing a peer sends stops the scheduler (only a
+        decision to abort the job does)."""
+        frames = self.sock.recv_multipart(copy=False)
+        ident, frames = frames[0].bytes, frames[1:]
+        req = 0
+        try:
+            msg = P.receive(frames, max_bytes=0)
+            req = msg.req
+            self._handle(ident, msg)
+        except JobAborted:
+            raise
+        except P.ProtocolError as e:
+            node = self.nodes.get(ident)
+            self.rejected(str(e), node and f"{node['role']} {node['rank']}")
+            self._send(ident, P.Kind.ERROR, {"error": str(e)}, req=e.req or req)
+        except Exception as e:    # noqa: BLE001 - a bug must not take the job down
+            self.log(f"internal error on a message (the job goes on): {e!r}")
+            self._send(ident, P.Kind.ERROR, {"error": f"internal error: {e!r}"}, req=req)
 
     def run(self):
         """Serve until every worker finished (return 0) or a node died (JobAborted)."""
@@ -155,13 +225,10 @@ class Scheduler:
         poller.register(self.sock, zmq.POLLIN)
         while True:
             if poller.poll(int(env.heartbeat_interval * 500)):
-                frames = self.sock.recv_multipart(copy=False)
-                ident, frames = frames[0].bytes, frames[1:]
-                try:
-                    self._handle(ident, P.decode(frames, max_bytes=0))
-                except P.ProtocolError as e:
-                    self.log(f"rejected a message: {e}")
-                    self._send(ident, P.Kind.ERROR, {"error": str(e)})
+                for _ in range(64):     # a burst, then the liveness checks below
+                    self._serve_one()
+                    if not self.sock.poll(0):
+                        break
             now = time.monotonic()
             if not self.started:
                 if now > connect_deadline:
@@ -185,39 +252,80 @@ class Scheduler:
 
     def close(self):
         self.sock.close(0)
+        self.guard.close()
 
 
 class SchedulerLink:
     """A node's DEALER to the scheduler: register, heartbeats, barriers, finish.
 
+    It also gives the node its identity towards the servers: ``routing_id``, registered
+    with the scheduler, which tells the servers which connection is which worker;
+    ``secure(sock)`` prepares a socket to a server with it and the job's keys.
+
     Not thread-safe: it belongs to the one thread that polls it (the server's loop, the
     worker's I/O thread)."""
 
-    def __init__(self, ctx, env: NodeEnv, role, host=None, port=None):
+    def __init__(self, ctx, env: NodeEnv, role, host=None, port=None, guard=None):
         self.env = env
         self.role = role
+        self.guard = guard or Guard.from_env(env, lambda text: print(
+            f"ssdsgd {role}: {text}", file=sys.stderr, flush=True))
+        self.routing_id = b"\x01" + os.urandom(15)   # a leading 0 byte is ZeroMQ's own ids
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        self.guard.client(self.sock)
         self.sock.connect(f"tcp://{env.scheduler_host}:{env.scheduler_port}")
         self.host, self.port = host, port
         self.last_sent = 0.0
         self.last_heard = time.monotonic()
         self.topology = None
 
+    def secure(self, sock):
+        """Before connecting ``sock`` to a server: this node's id and the job's keys."""
+        sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
+        self.guard.client(sock)
+
     def send(self, kind, meta=None):
-        self.sock.send_multipart(P.control(kind, meta))
+        """Never blocks: if the scheduler stopped reading, ``tick`` will say so."""
+        try:
+            self.sock.send_multipart(P.control(kind, meta), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         self.last_sent = time.monotonic()
 
     def register(self):
         """Block until the scheduler sends the topology; returns it (a dict)."""
-        self.send(P.Kind.REGISTER, {"role": self.role, "rank": self.env.rank, "host": self.host,
-                                    "port": self.port, "pid": os.getpid(),
-                                    "hostname": socket.gethostname()})
+        meta = {"role": self.role, "rank": self.env.rank, "pid": os.getpid(),
+                "hostname": socket.gethostname()[:255]}
+        if self.role == "server":
+            meta.update(host=self.host, port=self.port)
+        else:
+            meta["routing_id"] = self.routing_id.hex()
+        self.send(P.Kind.REGISTER, meta)
         deadline = time.monotonic() + max(60.0, 4 * self.env.heartbeat_timeout) + 10
         where = f"{self.env.scheduler_host}:{self.env.scheduler_port}"
+        monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        try:
+            return self._await_topology(deadline, where, monitor)
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(0)
+
+    def _await_topology(self, deadline, where, monitor):
         while time.monotonic() < deadline:
+            if monitor.poll(0):
+                event = recv_monitor_message(monitor)["event"]
+                raise JobAborted(
+                    f"the scheduler at {where} refused this {self.role}'s connection "
+                    f"({zmq.Event(event).name}): it does not hold this job's keys "
+                    f"(SSDSGD_SECRET_FILE={self.env.secret_file or 'unset'}, mode "
+                    f"{self.guard.mode})")
             if self.sock.poll(200):
-                msg = P.decode(self.sock.recv_multipart(), max_bytes=0)
+                try:
+                    msg = P.receive(self.sock.recv_multipart(), max_bytes=0)
+                except P.ProtocolError as e:
+                    raise JobAborted(f"the scheduler at {where} sent a malformed message: "
+                                     f"{e}") from None
                 if msg.kind == P.Kind.TOPOLOGY:
                     self.topology = msg.meta
                     self.last_heard = time.monotonic()
@@ -225,8 +333,9 @@ class SchedulerLink:
                 if msg.kind in (P.Kind.ERROR, P.Kind.ABORT):
                     raise JobAborted(f"the scheduler at {where} refused this {self.role}: "
                                      f"{msg.meta.get('error') or msg.meta.get('reason')}")
-        raise JobAborted(f"no topology from the scheduler at {where} in time; is it running and are all "
-                         f"{self.env.num_workers} workers and {self.env.num_servers} servers started?")
+        raise JobAborted(f"no topology from the scheduler at {where} in time; is it running "
+                         f"and are all {self.env.num_workers} workers and "
+                         f"{self.env.num_servers} servers started?")
 
     def tick(self):
         """Send a heartbeat when due; raise JobAborted when the scheduler went silent."""
@@ -240,10 +349,16 @@ class SchedulerLink:
 
     def receive(self):
         """Handle one waiting scheduler message; returns it (the caller acts on SHUTDOWN,
-        BARRIER, ACK); raises JobAborted on ABORT."""
-        msg = P.decode(self.sock.recv_multipart(), max_bytes=0)
+        BARRIER, ACK); raises JobAborted on ABORT, or when the scheduler refused what
+        this node sent (nothing a node of the job sends should be refused)."""
+        try:
+            msg = P.receive(self.sock.recv_multipart(), max_bytes=0)
+        except P.ProtocolError as e:
+            raise JobAborted(f"the scheduler sent a malformed message: {e}") from None
         self.last_heard = time.monotonic()
         if msg.kind == P.Kind.ABORT:
             raise JobAborted(f"the job was aborted: {msg.meta.get('reason')}")
+        if msg.kind == P.Kind.ERROR:
+            raise JobAborted(f"the scheduler refused a message of this {self.role}: "
+                             f"{msg.meta.get('error')}")
         return msg
-

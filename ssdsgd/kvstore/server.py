@@ -9,7 +9,12 @@ applied, so it is exactly w_G(t) however far other workers have run ahead.
 ``asgd``: every push is applied on arrival (``dist_async``'s semantics).
 
 One thread, one ROUTER socket: a malformed or inconsistent message is answered with an
-ERROR naming the problem and the server keeps serving.
+ERROR naming the problem (and its request id) and the server keeps serving. Only the job's
+workers are served, each on the connection it registered (the scheduler says which
+connection id is which rank), and only as that rank. The loop never blocks on one peer:
+replies are sent without waiting, and what one worker can make the server hold is bounded
+by the model's size and the staleness the algorithm allows (``Limits``). A worker that
+stops reading its replies fails the job, saying so.
 """
 import sys
 
@@ -18,18 +23,42 @@ import numpy as np
 import zmq
 
 from . import hostcopy
-from . import protocol as P
 from .compression import Compression, CompressionError
+from . import protocol as P
 from .env import NodeEnv
 from .optimizer_spec import OptimizerSpecError, build, describe, flatten_state, unflatten_state
-from .scheduler import JobAborted, SchedulerLink, bind_router
+from .scheduler import JobAborted, Rejections, SchedulerLink, bind_router
+from .security import Guard
 
-MAX_STEPS_AHEAD = 1024   # pending steps per key beyond the applied one (memory bound)
 AGGREGATE_KEYS = 45      # keys per multi-tensor optimizer call (MXNet's kernels take <= 45)
+SNDHWM = 10_000          # replies queued for one peer before it counts as not reading
+RCVHWM = 1_000           # messages read ahead from one peer (then TCP pushes back)
+PENDING_INITS = 4_096    # INIT messages one worker may have waiting for rank 0's values
 
 
 class RequestError(ValueError):
     """A well-formed message the server cannot accept (unknown key, stale step, ...)."""
+
+
+class Fatal(JobAborted):
+    """The job cannot go on (a worker stopped reading); the server tells the scheduler."""
+
+
+def steps_ahead_bound(env):
+    """How many steps past the last applied one a worker may push: in the steps-delay
+    stage a worker runs at most k steps ahead of the slowest (it waits for every pull one
+    step after requesting it, spec step 3); otherwise every step waits for its reply. One
+    more for slack. This bounds the gradients a server holds to (bound x N x model)."""
+    return (env.delay_steps if env.algorithm == "ssd" else 1) + 2
+
+
+class Peer:
+    """A worker's connection: its rank, its requests waiting for a step, its replies that
+    ZeroMQ has not finished sending, its INITs waiting for rank 0's values."""
+    __slots__ = ("rank", "open", "inflight", "inits")
+
+    def __init__(self, rank):
+        self.rank, self.open, self.inflight, self.inits = rank, 0, [], 0
 
 
 class KeyShard:
@@ -52,12 +81,15 @@ class KeyShard:
 
 class Reply:
     """A reply being assembled: values snapshotted per key as their step is applied."""
-    __slots__ = ("ident", "req", "records", "parts", "missing", "with_state", "lr", "tracker")
+    __slots__ = ("ident", "req", "records", "parts", "missing", "with_state", "lr", "tracker",
+                 "peer")
 
-    def __init__(self, ident, req, n, with_state):
+    def __init__(self, ident, req, n, with_state, peer):
         self.ident, self.req, self.with_state = ident, req, with_state
         self.records, self.parts, self.missing, self.lr = [None] * n, [None] * n, n, None
         self.tracker = None       # set once sent: ZeroMQ is done with the buffers when done
+        self.peer = peer
+        peer.open += 1
 
 
 class Server:
@@ -66,40 +98,80 @@ class Server:
         self.log = log or (lambda text: print(f"ssdsgd server: {text}", file=sys.stderr, flush=True))
         self.sync = env.algorithm != "asgd"
         self.ctx = zmq.Context.instance()
-        self.sock, self.port = bind_router(self.ctx, env.node_host, 0, "a server")
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, env.max_message_bytes)
-        self.link = SchedulerLink(self.ctx, env, "server", env.node_host, self.port)
+        self.guard = Guard.from_env(env, lambda text: self.log(text))
+        self.sock, self.port = bind_router(self.ctx, env.node_host, 0, "a server", self.guard,
+                                           sndhwm=SNDHWM, rcvhwm=RCVHWM,
+                                           maxmsgsize=P.frame_limit(env.max_message_bytes))
+        self.link = SchedulerLink(self.ctx, env, "server", env.node_host, self.port, self.guard)
         self.shards = {}
+        self.model_bytes = 0
         self.optimizer = None
         self.updater = None
         self.compression = None   # the job's push compression (SET_COMPRESSION), if any
         self.pending_inits = []
         self._snapshots = {}   # (key, version) -> weights copied for replies, per message
+        self.retired = []      # (old weight NDArray, trackers of replies still sending it)
         self.rank = -1
         self.num_workers = env.num_workers
+        self.peers = {}        # connection id -> Peer, from the scheduler's topology
+        self.steps_ahead = steps_ahead_bound(env)
+        self.unread = 0        # replies dropped because a stranger's queue was full
+        self.rejected = Rejections(lambda text: self.log(text))
+        self.log(f"listening on {env.node_host}:{self.port}; {self.guard.describe()}")
 
     # ---- replies -------------------------------------------------------------------
     def _send(self, ident, msg):
+        """Send without ever waiting: a worker whose queue is full does not read (the job
+        cannot go on without it: Fatal); a stranger's reply is dropped."""
+        peer = self.peers.get(ident)
         try:
-            return self.sock.send_multipart([ident] + P.encode(msg), copy=False, track=True)
-        except zmq.ZMQError as e:
-            self.log(f"could not reply to a worker that left: {e.strerror}")
+            tracker = self.sock.send_multipart([ident] + P.encode(msg), copy=False, track=True,
+                                               flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if peer is not None:
+                raise Fatal(f"worker {peer.rank} does not read its replies ({SNDHWM} queued); "
+                            "stopping the job") from None
+            self.unread += 1
+            if self.unread in (1, 10) or self.unread % 10_000 == 0:
+                self.log(f"dropped {self.unread} replies so far to peers that do not read them "
+                         f"({SNDHWM} queued; not nodes of this job)")
             return None
+        except zmq.ZMQError as e:
+            self.log(f"could not reply to {'worker %d' % peer.rank if peer else 'a peer'} "
+                     f"(it left?): {e.strerror}")
+            return None
+        if peer is not None:
+            peer.inflight = [t for t in peer.inflight if not t.done]
+            peer.inflight.append(tracker)
+            if len(peer.inflight) > self._reply_bound():
+                raise Fatal(f"worker {peer.rank} does not read its replies ("
+                            f"{len(peer.inflight)} unsent); stopping the job")
+        return tracker
+
+    def _reply_bound(self):
+        """Replies a worker can legitimately have outstanding: every chunk of the steps it
+        may be ahead, plus a margin."""
+        chunks = 1 + self.model_bytes // max(1, self.env.chunk_bytes)
+        return (self.steps_ahead + 2) * (chunks + 1) + 64
 
     def _reclaim(self, shard):
-        """Before ``shard.weight`` changes: replies still holding a view of it either take a
-        copy (not sent yet) or are waited for (ZeroMQ still reading the buffer)."""
+        """Before ``shard.weight`` changes: replies holding a view of it take a copy (not
+        sent yet); if ZeroMQ is still sending one, the shard moves to a fresh copy and the
+        old buffer is kept until the send is done -- the loop never waits on a peer."""
+        busy = []
         for reply, i in shard.lent:
             if reply.tracker is None:
                 reply.parts[i][0] = np.array(reply.parts[i][0])
             elif not reply.tracker.done:
-                reply.tracker.wait()
+                busy.append(reply.tracker)
         shard.lent.clear()
+        if busy:
+            self.retired.append((shard.weight, busy))
+            shard.weight = shard.weight.copy()
 
-    def _error(self, ident, req, text):
-        self.log(f"rejected a request: {text}")
+    def _reject(self, ident, req, text):
+        peer = self.peers.get(ident)
+        self.rejected(text, peer and f"worker {peer.rank}")
         self._send(ident, P.Message(P.Kind.ERROR, sender=self.rank, req=req, meta={"error": text}))
 
     def _state_arrays(self, shard):
@@ -134,12 +206,20 @@ class Server:
         if self.optimizer is not None:
             reply.lr = float(self.optimizer.learning_rate)
         if reply.missing == 0:
+            reply.peer.open -= 1
             reply.tracker = self._send(reply.ident, P.Message(
                 P.Kind.REPLY, sender=self.rank, req=reply.req,
                 records=P.make_records(reply.records), tensors=reply.parts,
                 meta={"lr": reply.lr} if reply.lr is not None else None))
             if reply.tracker is None:          # not sent: nothing reads the views any more
                 reply.tracker = zmq.MessageTracker()
+
+    def _new_reply(self, ident, msg, n, with_state):
+        peer = self.peers[ident]
+        if peer.open >= self._reply_bound():
+            raise RequestError(f"{peer.open} requests of worker {peer.rank} are already "
+                               f"waiting; a worker has at most {self._reply_bound()}")
+        return Reply(ident, msg.req, n, with_state, peer)
 
     # ---- validation ----------------------------------------------------------------
     def _shard_for(self, rec, *, with_values):
@@ -155,46 +235,70 @@ class Server:
                                f"holds {shard.dtype}")
         return shard
 
-    def _check_sender(self, msg):
-        if not 0 <= msg.sender < self.num_workers:
-            raise RequestError(f"sender rank {msg.sender} is not a worker of this job "
-                               f"(0..{self.num_workers - 1})")
+    def _only_rank0(self, msg, what):
+        if msg.sender != 0:
+            raise RequestError(f"only worker 0 may send {what} (this is worker {msg.sender})")
 
     # ---- handlers ------------------------------------------------------------------
     def on_init(self, ident, msg):
-        self._check_sender(msg)
+        """Each key is declared once, by worker 0's values (the model it declares); the
+        other workers' INITs wait for them, holding no tensors."""
+        new = {}
         for rec, arrays in zip(msg.records, msg.tensors):
             key = int(rec["key"])
-            if key in self.shards or not arrays:
+            if key in self.shards or key in new or not arrays:
                 continue
-            if msg.sender != 0:
-                raise RequestError(f"key {key}: only rank 0's initial values are taken")
+            self._only_rank0(msg, f"the initial values of key {key}")
             if len(arrays) != 1:
                 raise RequestError(f"key {key}: INIT carries one tensor per key")
-            self.shards[key] = KeyShard(key, int(rec["offset"]), arrays[0])
-        self.pending_inits.append((ident, msg))
+            new[key] = (int(rec["offset"]), arrays[0])
+        peer = self.peers[ident]
+        if peer.inits >= PENDING_INITS:
+            raise RequestError(f"worker {peer.rank} has {peer.inits} INITs waiting already")
+        for key, (offset, values) in new.items():
+            self.shards[key] = KeyShard(key, offset, values)
+            self.model_bytes += values.nbytes
+        # Waiting INITs keep their key table only, never the tensors of the message.
+        self.pending_inits.append((ident, P.Message(P.Kind.INIT, sender=msg.sender,
+                                                    req=msg.req, records=msg.records)))
+        peer.inits += 1
         still = []
         for ident_i, msg_i in self.pending_inits:
-            if all(int(r["key"]) in self.shards for r in msg_i.records):
-                self._reply_now(ident_i, msg_i, with_state=False)
-            else:
+            if not all(int(r["key"]) in self.shards for r in msg_i.records):
                 still.append((ident_i, msg_i))
+                continue
+            self.peers[ident_i].inits -= 1
+            try:
+                self._reply_now(ident_i, msg_i, with_state=False)
+            except RequestError as e:     # that worker's request, not this one's
+                self._reject(ident_i, msg_i.req, str(e))
         self.pending_inits = still
 
     def _reply_now(self, ident, msg, with_state):
         shards = [self._shard_for(rec, with_values=False) for rec in msg.records]
-        reply = Reply(ident, msg.req, len(shards), with_state)
+        reply = self._new_reply(ident, msg, len(shards), with_state)
         if not shards:
+            reply.peer.open -= 1
             self._send(ident, P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req))
         for i, shard in enumerate(shards):
             self._snapshot(reply, i, shard)
 
+    def _between_steps(self, what):
+        """Changing the optimizer while a step is half aggregated would apply two
+        optimizers within one step."""
+        for shard in self.shards.values():
+            if shard.pending:
+                raise RequestError(f"{what} while step {min(shard.pending)} of key "
+                                   f"{shard.key} is being aggregated; set it between steps")
+
     def on_set_optimizer(self, ident, msg):
+        self._only_rank0(msg, "SET_OPTIMIZER")
+        self._between_steps("SET_OPTIMIZER")
         try:
-            self.optimizer = build(msg.meta["optimizer"])
-        except (KeyError, OptimizerSpecError) as e:
+            optimizer = build(msg.meta["optimizer"])
+        except OptimizerSpecError as e:
             raise RequestError(f"SET_OPTIMIZER: {e}") from None
-        self._use_optimizer(self.optimizer)
+        self._use_optimizer(optimizer)
         self._send(ident, P.Message(P.Kind.ACK, sender=self.rank, req=msg.req))
 
     def _use_optimizer(self, optimizer):
@@ -208,9 +312,8 @@ class Server:
     def on_set_compression(self, ident, msg):
         """Every worker sends the job's compression; they must agree (as they do when the
         same script calls kv.set_gradient_compression on each)."""
-        self._check_sender(msg)
         try:
-            spec = Compression.from_params(msg.meta.get("compression"))
+            spec = Compression.from_params(msg.meta["compression"])
         except CompressionError as e:
             raise RequestError(f"SET_COMPRESSION: {e}") from None
         if spec is None:
@@ -238,11 +341,11 @@ class Server:
         except CompressionError as e:
             raise RequestError(f"key {shard.key}: {e}") from None
 
-    def on_push(self, ident, msg):
-        self._check_sender(msg)
-        shards = []
+    def _check_push(self, msg):
+        """Every record of a push, before anything changes: (shard, step, gradient)."""
         if len(np.unique(msg.records["key"])) != len(msg.records):
             raise RequestError("a push names a key twice")
+        shards = []
         for rec, arrays in zip(msg.records, msg.tensors):
             shard = self._shard_for(rec, with_values=not rec["encoding"])
             step = int(rec["step"])
@@ -252,15 +355,22 @@ class Server:
                 if step < shard.version:
                     raise RequestError(f"key {shard.key}: push for step {step} from worker "
                                        f"{msg.sender}, but step {shard.version - 1} is already applied")
-                if step - shard.version >= MAX_STEPS_AHEAD:
-                    raise RequestError(f"key {shard.key}: worker {msg.sender} pushed step {step}, "
-                                       f"{MAX_STEPS_AHEAD}+ steps ahead of the slowest worker")
+                if step - shard.version >= self.steps_ahead:
+                    raise RequestError(
+                        f"key {shard.key}: worker {msg.sender} pushed step {step}, "
+                        f"{step - shard.version} steps ahead of the slowest worker; the "
+                        f"{self.env.algorithm} schedule allows {self.steps_ahead - 1}")
                 if msg.sender in shard.pending.get(step, ()):
-                    raise RequestError(f"key {shard.key}: worker {msg.sender} pushed step {step} twice")
+                    raise RequestError(f"key {shard.key}: worker {msg.sender} pushed step {step} "
+                                       "twice; the job's gradients cannot be trusted any more")
             shards.append((shard, step, self._gradient(rec, arrays, shard)))
+        return shards
+
+    def on_push(self, ident, msg):
+        shards = self._check_push(msg)
         reply = None
         if msg.flags & P.Flag.PULL:
-            reply = Reply(ident, msg.req, len(shards), bool(msg.flags & P.Flag.STATE))
+            reply = self._new_reply(ident, msg, len(shards), bool(msg.flags & P.Flag.STATE))
         ready = []
         for i, (shard, step, grad) in enumerate(shards):
             if not self.sync:
@@ -320,8 +430,15 @@ class Server:
 
     def on_pull(self, ident, msg):
         shards = [self._shard_for(rec, with_values=False) for rec in msg.records]
-        reply = Reply(ident, msg.req, len(shards), bool(msg.flags & P.Flag.STATE))
+        for rec, shard in zip(msg.records, shards):
+            step = int(rec["step"])
+            if self.sync and step >= shard.version and msg.sender not in shard.pending.get(step, ()):
+                raise RequestError(f"key {shard.key}: worker {msg.sender} pulls step {step}, "
+                                   f"which it has not pushed (step {shard.version - 1} is the "
+                                   "last applied)")
+        reply = self._new_reply(ident, msg, len(shards), bool(msg.flags & P.Flag.STATE))
         if not shards:
+            reply.peer.open -= 1
             self._send(ident, P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req))
         for i, (rec, shard) in enumerate(zip(msg.records, shards)):
             step = int(rec["step"])
@@ -340,23 +457,32 @@ class Server:
                                     records=records, tensors=arrays, meta=meta))
 
     def on_set_state(self, ident, msg):
+        self._only_rank0(msg, "SET_STATE")
+        self._between_steps("SET_STATE")
+        optimizer, updater = self.optimizer, self.updater
         if "optimizer" in msg.meta:
             try:
-                self._use_optimizer(build(msg.meta["optimizer"]))
+                optimizer = build(msg.meta["optimizer"])
             except OptimizerSpecError as e:
                 raise RequestError(f"SET_STATE: {e}") from None
-        if self.updater is None:
+            updater = mx.optimizer.get_updater(optimizer)
+        if updater is None:
             raise RequestError("SET_STATE before any optimizer was set")
+        states = {}
         for rec, arrays in zip(msg.records, msg.tensors):
             shard = self._shard_for(rec, with_values=True)
-            template = self.optimizer.create_state_multi_precision(shard.key, shard.weight)
+            template = optimizer.create_state_multi_precision(shard.key, shard.weight)
             want = len(flatten_state(template))
             if len(arrays) != want:
                 raise RequestError(f"key {shard.key}: {len(arrays)} state arrays, the "
                                    f"optimizer keeps {want}")
-            self.updater.states[shard.key] = unflatten_state(
+            states[shard.key] = unflatten_state(
                 template, [mx.nd.array(a, dtype=a.dtype) for a in arrays])
-            self.updater.states_synced[shard.key] = True
+        if optimizer is not self.optimizer:
+            self._use_optimizer(optimizer)
+        for key, state in states.items():
+            self.updater.states[key] = state
+            self.updater.states_synced[key] = True
         self._send(ident, P.Message(P.Kind.ACK, sender=self.rank, req=msg.req))
 
     HANDLERS = {P.Kind.INIT: on_init, P.Kind.SET_OPTIMIZER: on_set_optimizer,
@@ -365,42 +491,64 @@ class Server:
 
     # ---- loop ----------------------------------------------------------------------
     def handle(self, frames):
-        ident, msg = frames[0].bytes, None
+        """One message. Nothing in it can stop the server: a bad one gets an ERROR with
+        its request id (the worker fails, naming it); only Fatal ends the loop."""
+        ident, req, kind = frames[0].bytes, 0, "a message"
         try:
             msg = P.decode(frames[1:], max_bytes=self.env.max_message_bytes)
+            req, kind = msg.req, msg.kind.name
             handler = self.HANDLERS.get(msg.kind)
             if handler is None:
                 raise RequestError(f"a server does not handle {msg.kind.name}")
+            P.check_meta(msg.kind, msg.meta)
+            peer = self.peers.get(ident)
+            if peer is None:
+                raise RequestError("this connection is not one of the job's workers")
+            if msg.sender != peer.rank:
+                raise RequestError(f"worker {peer.rank}'s connection sent a message as "
+                                   f"worker {msg.sender}")
             handler(self, ident, msg)
-            self._snapshots.clear()
         except (P.ProtocolError, RequestError) as e:
-            self._error(ident, msg.req if msg is not None else 0, str(e))
+            self._reject(ident, getattr(e, "req", 0) or req, str(e))
+        except JobAborted:
+            raise
+        except Exception as e:    # noqa: BLE001 - a bug must not take the node down
+            self.log(f"internal error on {kind}: {e!r}")
+            self._reject(ident, req, f"internal error on {kind}: {e!r}")
+        finally:
+            self._snapshots.clear()
 
     def run(self):
         topo = self.link.register()
         self.rank = topo["rank"]
+        self.peers = {bytes.fromhex(h): Peer(r) for r, h in enumerate(topo.get("workers", []))}
         self.log = (lambda text, r=self.rank: print(f"ssdsgd server {r}: {text}",
                                                      file=sys.stderr, flush=True))
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.link.sock, zmq.POLLIN)
         wait_ms = max(1, int(self.env.heartbeat_interval * 1000 / 2))
-        while True:
-            events = dict(poller.poll(wait_ms))
-            if self.link.sock in events:
-                msg = self.link.receive()
-                if msg.kind == P.Kind.SHUTDOWN:
-                    return 0
-            if self.sock in events:
-                for _ in range(64):   # drain a burst, but keep heartbeats going
-                    try:
-                        frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self.handle(frames)
-            self.link.tick()
+        try:
+            while True:
+                events = dict(poller.poll(wait_ms))
+                if self.link.sock in events:
+                    msg = self.link.receive()
+                    if msg.kind == P.Kind.SHUTDOWN:
+                        return 0
+                if self.sock in events:
+                    for _ in range(64):   # drain a burst, but keep heartbeats going
+                        try:
+                            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self.handle(frames)
+                self.retired = [(w, ts) for w, ts in self.retired if not all(t.done for t in ts)]
+                self.link.tick()
+        except Fatal as e:   # the scheduler aborts the job, naming this server and why
+            self.link.send(P.Kind.FINISH, {"error": str(e)})
+            raise
 
     def close(self):
         self.sock.close(0)
         self.link.sock.close(0)
-
+        self.guard.close()

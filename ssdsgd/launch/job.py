@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from ..kvstore.security import KeyFile
 from ..settings import to_env
 from .local import LAUNCHERS
 
@@ -66,6 +67,10 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
         return 2
     env = base_env(num_workers, num_servers, port or free_port(), extra_env,
                    runner.scheduler_host)
+    # Only this job's processes may join it: fresh keys (CURVE with ``runner.secure``),
+    # a 0600 file whose path every process gets (kvstore/security.py).
+    keys = KeyFile(getattr(runner, "secure", False))
+    env.update(keys.env)
     procs, pumps = [], []
     with _signals_recorded() as interrupted:
         try:
@@ -75,6 +80,7 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
             return _watch(procs, interrupted, progress, log)
         finally:
             _stop_all(runner, procs)
+            keys.remove()
             for t in pumps:
                 t.join(timeout=2)
             if progress is not None:

@@ -26,7 +26,9 @@ def make_launcher(opts, num_workers, num_servers, config_hosts=(), log=_log):
         if hosts:
             given = "-H/--hostfile, --hosts" if opts.hostfile or opts.hosts else "cluster.hosts"
             raise LaunchError(f"{given}: hosts need --launcher ssh or mpi")
-        return LocalLauncher()
+        runner = LocalLauncher()
+        runner.secure = opts.secure
+        return runner
     if name == "ssh":
         from .ssh import SSHLauncher
         runner = SSHLauncher(hosts, num_workers, num_servers, opts)
@@ -39,10 +41,14 @@ def make_launcher(opts, num_workers, num_servers, config_hosts=(), log=_log):
     else:
         raise LaunchError(f"unknown launcher {name!r}; available: {', '.join(NAMES)}")
     runner.prepare(log)
-    # SECURE-BY-DEFAULT (issue 9; to wire when the hardening's CURVE is on main): a job
-    # whose runner has ``secure_default`` (ssh, mpi, slurm) runs with CURVE unless
-    # --insecure: the caller makes the job's keys (kvstore/security.py, a 0600 file) and
-    # puts the file's path in SSDSGD_SECRET_FILE of the job's environment; the remote
-    # launchers already carry that file's text to every host and write it there 0600
+    # SECURE-BY-DEFAULT (issue 9): a job whose runner has ``secure_default`` (ssh, mpi,
+    # slurm) runs with CURVE unless --insecure: run_job makes the job's keys
+    # (kvstore/security.py, a 0600 file) and puts the file's path in SSDSGD_SECRET_FILE;
+    # the remote launchers carry that file's text to every host and write it there 0600
     # (remote.split_secrets, rank_entry.write_secrets), never on a command line.
+    runner.secure = opts.secure or (getattr(runner, "secure_default", False)
+                                    and not opts.insecure)
+    if not runner.secure:
+        log("--insecure: connections are authenticated by the job's key file but not "
+            "encrypted; anyone on the network between the hosts can read them")
     return runner

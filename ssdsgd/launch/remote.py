@@ -42,6 +42,8 @@ class Options:
     start_timeout: float = DEFAULT_START_TIMEOUT
     mpi_args: str = ""
     srun_args: str = ""
+    secure: bool = False          # --secure: ZeroMQ CURVE (kvstore/security.py)
+    insecure: bool = False        # --insecure: no CURVE where it is the default
     env_keys: tuple = ()          # the --env names: they travel to every host
 
 
@@ -75,6 +77,13 @@ def add_arguments(p, launchers=("local", "ssh", "mpi", "slurm"), default_launche
                    "job fails naming it (default: %(default)g)")
     g.add_argument("--mpi-args", default="", metavar="ARGS", help="extra mpirun arguments")
     g.add_argument("--srun-args", default="", metavar="ARGS", help="extra srun arguments")
+    security = g.add_mutually_exclusive_group()
+    security.add_argument("--secure", action="store_true", help="encrypt and authenticate "
+                          "every connection with ZeroMQ CURVE (the default of ssh, mpi and "
+                          "slurm; docs/reliability.md)")
+    security.add_argument("--insecure", action="store_true", help="no encryption with ssh, "
+                          "mpi or slurm (connections are still authenticated by the job's "
+                          "key file)")
     return g
 
 

@@ -1,0 +1,116 @@
+"""Who may talk to a job (issue 9's security, issue 12's defect 1): the job's key file,
+and ZeroMQ CURVE with ``--secure``. A process without the job's keys, or with wrong ones,
+cannot register or push, and the job ends with the weights of an undisturbed run."""
+import os
+import stat
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import load_npz
+from livejob import LiveJob, answers, dealer, job_keys, undisturbed_weights
+from ssdsgd.kvstore import protocol as P
+from ssdsgd.kvstore.security import Guard, JobKeys, KeyFile, SecurityError
+
+F32 = np.float32
+
+
+# ---- the key file (in process) ----------------------------------------------------------
+def test_key_file_is_private_and_round_trips(tmp_path):
+    kf = KeyFile(secure=True)
+    try:
+        assert stat.S_IMODE(os.stat(kf.path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(kf.dir).st_mode) == 0o700
+        keys = JobKeys.load(kf.path)
+        assert keys.mode == "curve" and len(keys.secret) == 32
+        assert set(keys.curve) == {"server_public", "server_secret", "client_public",
+                                   "client_secret"}
+    finally:
+        kf.remove()
+    assert not os.path.exists(kf.dir)
+    assert JobKeys.generate(secure=False).mode == "plain"
+
+
+def test_bad_key_files_are_one_line_errors(tmp_path):
+    path = tmp_path / "keys.json"
+    with pytest.raises(SecurityError, match="cannot open the job's keys"):
+        JobKeys.load(str(path))
+    JobKeys.generate(False).write(str(path))
+    os.chmod(path, 0o644)
+    with pytest.raises(SecurityError, match="has mode 0644; .* owner only"):
+        JobKeys.load(str(path))
+    os.chmod(path, 0o600)
+    path.write_text('{"secret": "zz"}')
+    with pytest.raises(SecurityError, match="not a job key file"):
+        JobKeys.load(str(path))
+    with pytest.raises(FileExistsError):         # a launcher never reuses a file
+        JobKeys.generate(False).write(str(path))
+
+
+# ---- a running job, attacked --------------------------------------------------------------
+STEPS = 300
+JOB_ENV = {"SSDSGD_ALGORITHM": "ssgd"}
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    return undisturbed_weights(tmp_path_factory, STEPS, JOB_ENV)
+
+
+def _attackers(secure, job_keys):
+    """(name, configure) for processes without the job's keys, or with wrong ones."""
+    other = JobKeys.generate(secure=True) if secure else JobKeys.generate(secure=False)
+    attackers = [("no keys", None), ("another job's keys", Guard(other, print).client)]
+    if secure:           # the job's server key is public: a client key of its own is not enough
+        public, secret = zmq.curve_keypair()
+
+        def own_client_key(sock):
+            sock.curve_serverkey = job_keys.curve["server_public"].encode()
+            sock.curve_publickey, sock.curve_secretkey = public, secret
+        attackers.append(("its own CURVE key", own_client_key))
+    return attackers
+
+
+def _attack(address, configure, frames, results, name):
+    sock = dealer(address, configure)
+    try:
+        results[name] = answers(sock, frames, timeout=3.0)
+    finally:
+        sock.close(0)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "curve"])
+def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secure):
+    job = LiveJob(tmp_path, steps=STEPS, env=JOB_ENV, secure=secure)
+    try:
+        scheduler, server = job.address("scheduler"), job.address("server 0")
+        keyfile = next(line for line in job.lines if "listening" in line)
+        assert ("encrypted (CURVE)" if secure else "not encrypted") in keyfile
+        register = P.control(P.Kind.REGISTER, {"role": "worker", "rank": 1,
+                                               "routing_id": os.urandom(16).hex()})
+        push = P.encode(P.Message(P.Kind.PUSH, flags=P.Flag.PULL, sender=1, req=3,
+                                  records=P.make_records([(0, 50, 0, 4, F32, 1)]),
+                                  tensors=[[np.full(4, 1e6, F32)]]))
+        # "its own CURVE key" knows the job's server key (public, as if published): the
+        # test reads it from the job's file
+        results, threads = {}, []
+        for name, configure in _attackers(secure, job_keys(job) if secure else None):
+            for where, address, frames in (("scheduler", scheduler, register),
+                                           ("server", server, push)):
+                t = threading.Thread(target=_attack, args=(address, configure, frames, results,
+                                                           f"{name} -> {where}"))
+                t.start()
+                threads.append(t)
+        for t in threads:
+            t.join(30)
+        assert len(results) == len(threads) and all(r is None for r in results.values()), results
+        assert job.wait() == 0, job.text[-3000:]
+    finally:
+        job.kill()
+    assert "refused a connection" in job.text     # the ZAP handler said whom it refused
+    final = load_npz(tmp_path / "final-rank0.npz")
+    for k in undisturbed:
+        np.testing.assert_array_equal(final[k], undisturbed[k])
