@@ -283,9 +283,9 @@ def _cross_check(cfg: Config) -> None:
         raise ConfigError(f"optimizer.lr_schedule.warmup_epochs: expected < train.epochs "
                           f"({cfg.train.epochs}), got {sched.warmup_epochs}")
     s = cfg.sync
-    if (s.algorithm == "ssd" and s.local_rule == "glu" and s.glu_state == "estimate"
+    if (s.algorithm == "ssd" and s.local_rule == "glu" and s.glu_state in ("estimate", "corrected")
             and (name not in ("sgd", "nag") or cfg.optimizer.momentum <= 0)):
-        raise ConfigError("sync.glu_state: 'estimate' needs optimizer sgd or nag with "
+        raise ConfigError(f"sync.glu_state: {s.glu_state!r} needs optimizer sgd or nag with "
                           f"momentum > 0 (got {name}, momentum {cfg.optimizer.momentum}); "
                           "use 'exact'")
     if cfg.train.gpus and len(set(cfg.train.gpus)) != len(cfg.train.gpus):

@@ -206,10 +206,11 @@ SETTINGS = (
             path="sync.delay_steps", min=1),
     Setting("local_rule", str, "glu", "the worker's local update between pulls (docs/glu.md)",
             env="SSDSGD_LOCAL_RULE", path="sync.local_rule", choices=("glu", "sgd", "none")),
-    Setting("glu_state", str, "estimate", "glu's optimizer state at a reset: estimated from "
-            "the last two pulls, the servers' exact state, or the worker's own momentum "
-            "corrected by the gap to the pulled weights (estimate and corrected need sgd/nag "
-            "with momentum > 0; docs/glu.md)", env="SSDSGD_GLU_STATE", path="sync.glu_state",
+    Setting("glu_state", str, "exact", "glu's optimizer state at a reset: the servers' exact "
+            "state (default: keeps SSGD's per-step progress, any optimizer, costs pull bytes "
+            "only), estimated from the last two pulls, or the worker's own momentum corrected "
+            "by the gap to the pulled weights (no extra bytes; estimate and corrected need "
+            "sgd/nag with momentum > 0; measured in docs/glu.md)", env="SSDSGD_GLU_STATE", path="sync.glu_state",
             choices=("estimate", "exact", "corrected")),
     Setting("lr_local", float, None, "the local rule's lr; unset: the servers' lr",
             env="SSDSGD_LR_LOCAL", path="sync.lr_local", above=0.0, max=10.0, optional=True),

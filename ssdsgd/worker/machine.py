@@ -172,14 +172,17 @@ class StageMachine:
         replies, self.pending = self.pending.wait(), None
         for key, reply in replies.items():
             self.keys[key].remember(reply, self.t - 1)
+        # 'corrected' seeds from w_i as it was before the reset overwrites it.
+        local = {key: self.keys[key].outs[0].copy() for key in replies} \
+            if self.rule.needs_local_weight else {}
         hostcopy.write((out, reply.value) for key, reply in replies.items()
                        for out in self.keys[key].outs)
         for key in replies:
-            self._reset(key, self.keys[key])
+            self._reset(key, self.keys[key], local.get(key))
 
-    def _reset(self, key, record):
+    def _reset(self, key, record, local_weight=None):
         """Spec step 3 (the caller has set w_i <- w_G): re-seed the local rule from the
-        global model."""
+        global model; ``local_weight`` is w_i from before the reset ('corrected')."""
         shape, ctx = record.outs[0].shape, record.outs[0].context
         now = record.value.reshape(shape)
         state = None
@@ -191,7 +194,7 @@ class StageMachine:
                         prev_global_weight=mx.nd.array(prev.reshape(now.shape), ctx=ctx,
                                                        dtype=now.dtype),
                         steps_between=max(between, 1), state=state, lr=record.lr,
-                        num_update=record.version)
+                        num_update=record.version, local_weight=local_weight)
         record.seeded = True
 
     def _fetch_state(self, entries):
