@@ -284,3 +284,39 @@ def test_corrected_needs_the_local_weights_after_its_first_reset():
     rule.update(KEY, w, nd(G))
     with pytest.raises(ValueError, match='local_weight'):
         rule.reset(KEY, nd(W0), prev_global_weight=nd(W0), steps_between=3, lr=0.1)
+
+
+@pytest.mark.parametrize("name,make,state", [
+    ('glu', sgd(momentum=0.9, wd=1e-4), 'exact'),
+    ('glu', sgd(momentum=0.9, wd=1e-4, clip_gradient=0.05), 'corrected'),
+    ('glu', lambda: mx.optimizer.NAG(momentum=0.9, rescale_grad=RESCALE), 'exact'),
+    ('glu', lambda: mx.optimizer.Adam(rescale_grad=RESCALE), 'exact'),
+    ('sgd', sgd(momentum=0.9), 'exact'),
+])
+def test_update_many_equals_one_update_per_key_bit_for_bit(name, make, state):
+    """The worker updates all keys of a step with one call (multi-tensor kernels); the
+    simulator updates key by key. They must give the same bits, keys with different lrs
+    (two resets) and lr_mults included."""
+    rng = np.random.default_rng(0)
+    shapes = [(16, 3, 3, 3), (16,), (KEY + 60,), (64, 64), (10,)] * 12   # 60 keys
+    init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    results = []
+    for many in (False, True):
+        rule = make_local_rule(name, make, N, state)
+        ws = [nd(w) for w in init]
+        for key, w in enumerate(ws):
+            st = [nd(np.full(w.shape, 0.01, np.float32)) for _ in
+                  flatten_state(make().create_state_multi_precision(key, w))]
+            rule.reset(key, w.copy(), prev_global_weight=w.copy(), steps_between=1,
+                       state=st, lr=0.1 if key % 3 else 0.05, num_update=2)
+        for step_grads in grads:
+            gs = [nd(g) for g in step_grads]
+            if many:
+                rule.update_many(list(range(len(ws))), ws, gs)
+            else:
+                for key, (w, g) in enumerate(zip(ws, gs)):
+                    rule.update(key, w, g)
+        results.append([w.asnumpy() for w in ws])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)

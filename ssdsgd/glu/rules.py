@@ -20,13 +20,16 @@ MXNet 1.9.1 state conventions (checked against the ops, see tests/test_glu_rules
 import mxnet as mx
 import numpy as np
 
-from ..kvstore.optimizer_spec import flatten_state  # noqa: F401  (how state travels)
+from ..kvstore.optimizer_spec import flatten_state, unflatten_state  # noqa: F401
 from ..settings import BY_NAME
 
 RULES = BY_NAME['local_rule'].choices
 GLU_STATES = BY_NAME['glu_state'].choices
 # glu_state values that derive the momentum from weights (no optimizer state on the wire).
 ESTIMATED_STATES = ('estimate', 'corrected')
+# Keys per multi-tensor update call of the local copy (MXNet's SGD default is 4, set by
+# MXNET_OPTIMIZER_AGGREGATION_SIZE; its multi_sgd kernels take up to 60).
+AGGREGATE = 45
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,17 +101,30 @@ def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_
     return GLURule(make_optimizer(), num_workers, glu_state, lr_local)
 
 
+def _same_layout(template, arrays):
+    """The arrays can stand in for the template's state arrays (shape, dtype, device)."""
+    slots = flatten_state(template) if template is not None else None
+    return slots is not None and arrays is not None and len(slots) == len(arrays) and all(
+        (a.shape, a.dtype, a.context) == (s.shape, s.dtype, s.context)
+        for a, s in zip(arrays, slots))
+
+
 class LocalRule:
     """Interface the worker stage machine calls (see make_local_rule)."""
     needs_state = False          # pulls must carry the server's optimizer state
     needs_local_weight = False   # reset() needs the worker's weights from before the reset
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
-              state=None, lr=None, num_update=None, local_weight=None):
+              state=None, lr=None, num_update=None, local_weight=None, own_state=False):
         """Re-seed the rule for `key` from a pull reply (spec step 3)."""
 
     def update(self, key, weight, grad):
         """Apply d_i(t) to `weight` in place; `grad` is the raw (unrescaled) gradient."""
+
+    def update_many(self, keys, weights, grads):
+        """``update`` for several keys at once (the same result, fewer MXNet calls)."""
+        for key, weight, grad in zip(keys, weights, grads):
+            self.update(key, weight, grad)
 
 
 class NoneRule(LocalRule):
@@ -123,21 +139,37 @@ class _UpdaterRule(LocalRule):
         opt.rescale_grad = opt.rescale_grad * num_workers
         self._default_lr = opt.learning_rate  # only if a reset never reports an lr
         opt.lr_scheduler = None  # lr is the server's, held constant until the next reset
+        if opt.aggregate_num > 0:   # optimizers with a multi-tensor kernel: fewer calls
+            opt.aggregate_num = AGGREGATE
         self.opt = opt
         self.updater = mx.optimizer.get_updater(opt)
         self.lr_local = lr_local
         self._lr = {}
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
-              state=None, lr=None, num_update=None, local_weight=None):
+              state=None, lr=None, num_update=None, local_weight=None, own_state=False):
         self._lr[key] = self.lr_local if self.lr_local is not None else lr
 
-    def update(self, key, weight, grad):
+    def _key_lr(self, key):
         lr = self._lr.get(key)
         if lr is None:
             lr = self.lr_local if self.lr_local is not None else self._default_lr
-        self.opt.lr = lr
+        return lr
+
+    def update(self, key, weight, grad):
+        self.opt.lr = self._key_lr(key)
         self.updater(key, grad, weight)
+
+    def update_many(self, keys, weights, grads):
+        """One Updater call per lr: MXNet's SGD then runs ``multi_sgd_mom_update`` on up to
+        ``AGGREGATE`` keys per operator call instead of one call per key, bit for bit the
+        same weights (tests/test_glu_rules.py); other optimizers loop inside the Updater."""
+        by_lr = {}
+        for key, weight, grad in zip(keys, weights, grads):
+            by_lr.setdefault(self._key_lr(key), []).append((key, grad, weight))
+        for lr, items in by_lr.items():
+            self.opt.lr = lr
+            self.updater(*map(list, zip(*items)))
 
 
 class SGDRule(_UpdaterRule):
@@ -169,18 +201,21 @@ class GLURule(_UpdaterRule):
         self.nesterov = isinstance(opt, mx.optimizer.NAG)
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
-              state=None, lr=None, num_update=None, local_weight=None):
+              state=None, lr=None, num_update=None, local_weight=None, own_state=False):
+        """``own_state``: the ``state`` arrays are the caller's fresh copies, kept as the
+        rule's state without another copy (the worker makes new ones at every reset; the
+        simulator shares one reply among its workers, so it leaves this False)."""
         super().reset(key, global_weight, lr=lr)
         previous = self.updater.states.get(key)
-        local = self.opt.create_state_multi_precision(key, global_weight)
-        slots = flatten_state(local)
-        if self.glu_state == 'exact':
-            if state is None or len(state) != len(slots):
-                raise ValueError(f"key {key}: exact glu_state needs the server's {len(slots)} "
-                                 f"state arrays, got {None if state is None else len(state)}")
-            for slot, value in zip(slots, state):
+        if self.glu_state == 'exact' and own_state and _same_layout(previous, state):
+            local = unflatten_state(previous, self._check_state(key, previous, state))
+        elif self.glu_state == 'exact':
+            local = self.opt.create_state_multi_precision(key, global_weight)
+            for slot, value in zip(flatten_state(local), self._check_state(key, local, state)):
                 slot[:] = value
         else:
+            local = self.opt.create_state_multi_precision(key, global_weight)
+            slots = flatten_state(local)
             if prev_global_weight is None or not steps_between:
                 raise ValueError(f"key {key}: {self.glu_state} glu_state needs "
                                  f"prev_global_weight and steps_between > 0 (pass the weight "
@@ -199,6 +234,14 @@ class GLURule(_UpdaterRule):
             self.opt._set_current_context(global_weight.context.device_id)
             for counts in self.opt._all_index_update_counts.values():
                 counts[key] = num_update
+
+    @staticmethod
+    def _check_state(key, template, state):
+        count = len(flatten_state(template))
+        if state is None or len(state) != count:
+            raise ValueError(f"key {key}: exact glu_state needs the server's {count} "
+                             f"state arrays, got {None if state is None else len(state)}")
+        return state
 
     def _estimate(self, key, now, prev, steps, previous_state, local_weight, dtype):
         """The momentum to seed, per glu_state, computed in the state's dtype. The first

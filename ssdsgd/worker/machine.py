@@ -157,12 +157,17 @@ class StageMachine:
         """Spec steps 3-5 after the push (which carried the pull request of step 5)."""
         if self.pending is not None:
             self._reset_to_pulled()
+        unseeded = []
         for key, _, outs in entries:
-            record = self.keys[key]
-            record.outs = outs
-            if not record.seeded:      # first steps-delay step: w_i = w_G(T_w - 1)
-                self._reset(key, record)
-            self.rule.update(key, outs[0], grads[key])
+            self.keys[key].outs = outs
+            if not self.keys[key].seeded:   # first steps-delay step: w_i = w_G(T_w - 1)
+                unseeded.append(key)
+        if unseeded:
+            self._reset(unseeded)
+        self.rule.update_many([key for key, _, _ in entries],
+                              [outs[0] for _, _, outs in entries],
+                              [grads[key] for key, _, _ in entries])
+        for _, _, outs in entries:
             for out in outs[1:]:
                 outs[0].copyto(out)
         self.pending = reply           # None unless this step requested w_G(t)
@@ -172,30 +177,48 @@ class StageMachine:
         replies, self.pending = self.pending.wait(), None
         for key, reply in replies.items():
             self.keys[key].remember(reply, self.t - 1)
-        # 'corrected' seeds from w_i as it was before the reset overwrites it.
+        # 'corrected' seeds from w_i as it was before the reset overwrites it (the copies
+        # are engine operations: the write below waits for them before it overwrites).
         local = {key: self.keys[key].outs[0].copy() for key in replies} \
             if self.rule.needs_local_weight else {}
-        hostcopy.write((out, reply.value) for key, reply in replies.items()
-                       for out in self.keys[key].outs)
-        for key in replies:
-            self._reset(key, self.keys[key], local.get(key))
+        self._reset(list(replies), local, write_weights=True)
 
-    def _reset(self, key, record, local_weight=None):
-        """Spec step 3 (the caller has set w_i <- w_G): re-seed the local rule from the
-        global model; ``local_weight`` is w_i from before the reset ('corrected')."""
-        shape, ctx = record.outs[0].shape, record.outs[0].context
-        now = record.value.reshape(shape)
-        state = None
-        if self.rule.needs_state:
-            state = [mx.nd.array(s.reshape(shape), ctx=ctx, dtype=s.dtype) for s in record.state]
+    def _reset(self, keys, local_weights=None, write_weights=False):
+        """Spec step 3 for ``keys``: (with ``write_weights``) w_i <- w_G, then re-seed the
+        local rule from the global model; ``local_weights``: key -> w_i from before the
+        reset ('corrected'). Every host-to-NDArray copy of the step (weights, global
+        snapshots, state) is one ``hostcopy.write``: one engine synchronisation for all
+        keys, not one per array (``mx.nd.array`` waits on the engine for each)."""
+        copies, seeds = [], []
+        for key in keys:
+            record = self.keys[key]
+            if write_weights:
+                copies += [(out, record.value) for out in record.outs]
+            seeds.append(self._seed_arrays(record, copies))
+        hostcopy.write(copies)
+        for key, (now, prev, state) in zip(keys, seeds):
+            record = self.keys[key]
+            between = record.pulled_at - record.prev_pulled_at
+            self.rule.reset(key, now, prev_global_weight=prev, steps_between=max(between, 1),
+                            state=state, lr=record.lr, num_update=record.version,
+                            local_weight=(local_weights or {}).get(key), own_state=True)
+            record.seeded = True
+
+    def _seed_arrays(self, record, copies):
+        """Empty NDArrays for a reset's w_G(t_p), w_G(t_q) and state, their host values
+        appended to ``copies``. The previous snapshot only where a rule reads it."""
+        out = record.outs[0]
+
+        def nd(value):
+            a = mx.nd.empty(out.shape, ctx=out.context, dtype=value.dtype)
+            copies.append((a, value))
+            return a
+
+        now = nd(record.value)
+        state = [nd(s) for s in record.state] if self.rule.needs_state else None
         between = record.pulled_at - record.prev_pulled_at
-        prev = record.prev_value if between > 0 else record.value
-        self.rule.reset(key, mx.nd.array(now, ctx=ctx, dtype=now.dtype),
-                        prev_global_weight=mx.nd.array(prev.reshape(now.shape), ctx=ctx,
-                                                       dtype=now.dtype),
-                        steps_between=max(between, 1), state=state, lr=record.lr,
-                        num_update=record.version, local_weight=local_weight)
-        record.seeded = True
+        prev = nd(record.prev_value) if between > 0 and not self.rule.needs_state else now
+        return now, prev, state
 
     def _fetch_state(self, entries):
         """The servers' optimizer state, lr and update count for keys that enter the
