@@ -104,9 +104,10 @@ def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_
 def _same_layout(template, arrays):
     """The arrays can stand in for the template's state arrays (shape, dtype, device)."""
     slots = flatten_state(template) if template is not None else None
-    return slots is not None and arrays is not None and len(slots) == len(arrays) and all(
-        (a.shape, a.dtype, a.context) == (s.shape, s.dtype, s.context)
-        for a, s in zip(arrays, slots))
+    if slots is None or arrays is None or len(slots) != len(arrays):
+        return False
+    return all((a.shape, a.dtype) == (s.shape, s.dtype) for a, s in zip(arrays, slots)) and \
+        (not slots or arrays[0].context == slots[0].context)   # one state lives on one device
 
 
 class LocalRule:

@@ -207,10 +207,10 @@ class StageMachine:
     def _seed_arrays(self, record, copies):
         """Empty NDArrays for a reset's w_G(t_p), w_G(t_q) and state, their host values
         appended to ``copies``. The previous snapshot only where a rule reads it."""
-        out = record.outs[0]
+        shape, ctx = record.outs[0].shape, record.outs[0].context   # ctypes calls: once
 
         def nd(value):
-            a = mx.nd.empty(out.shape, ctx=out.context, dtype=value.dtype)
+            a = mx.nd.empty(shape, ctx=ctx, dtype=value.dtype)
             copies.append((a, value))
             return a
 
