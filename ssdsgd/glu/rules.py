@@ -16,7 +16,7 @@ MXNet 1.9.1 state conventions (checked against the ops, see tests/test_glu_rules
 """
 import mxnet as mx
 
-from ..kvstore.optimizer_spec import flatten_state  # noqa: F401  (how state travels)
+from ..kvstore.optimizer_spec import flatten_state, unflatten_state
 from ..settings import BY_NAME
 
 RULES = BY_NAME['local_rule'].choices
@@ -53,6 +53,15 @@ class LocalRule:
     def update(self, key, weight, grad):
         """Apply d_i(t) to `weight` in place; `grad` is the raw (unrescaled) gradient."""
 
+    def state_dict(self, arrays):
+        """The rule's own state for a worker checkpoint: arrays go into ``arrays``
+        (names prefixed ``r``), the rest is returned (JSON-able)."""
+        return {}
+
+    def load_state_dict(self, arrays, meta, weights):
+        """Restore ``state_dict``; ``weights``: key -> an NDArray of the key's shape and
+        device (the template of the optimizer's state)."""
+
 
 class NoneRule(LocalRule):
     """d = 0: the worker computes on the last pulled weights (k-step-stale SGD)."""
@@ -81,6 +90,39 @@ class _UpdaterRule(LocalRule):
             lr = self.lr_local if self.lr_local is not None else self._default_lr
         self.opt.lr = lr
         self.updater(key, grad, weight)
+
+    def state_dict(self, arrays):
+        """The lr of each key, the local optimizer's state per key and its update counts
+        (what a count-driven rule such as Adam continues from)."""
+        states = {}
+        for key, state in self.updater.states.items():
+            flat = flatten_state(state)
+            states[str(key)] = len(flat)
+            for j, a in enumerate(flat):
+                arrays[f"r{key}.{j}"] = a.asnumpy()
+        counts = {str(dev): {str(k): int(v) for k, v in c.items()}
+                  for dev, c in self.opt._all_index_update_counts.items()}  # noqa: SLF001
+        return {"lr": {str(k): v for k, v in self._lr.items()}, "states": states,
+                "counts": counts, "num_update": int(self.opt.num_update)}
+
+    def load_state_dict(self, arrays, meta, weights):
+        self._lr = {int(k): v for k, v in meta["lr"].items()}
+        for skey, n in meta["states"].items():
+            key = int(skey)
+            w = weights[key]
+            template = self.opt.create_state_multi_precision(key, w)
+            if len(flatten_state(template)) != n:
+                raise ValueError(f"key {key}: the saved local state has {n} arrays, the "
+                                 f"optimizer's has {len(flatten_state(template))}")
+            self.updater.states[key] = unflatten_state(template, [
+                mx.nd.array(arrays[f"r{key}.{j}"], ctx=w.context, dtype=arrays[f"r{key}.{j}"].dtype)
+                for j in range(n)])
+            self.updater.states_synced[key] = True
+        for dev, c in meta["counts"].items():
+            held = self.opt._all_index_update_counts.setdefault(int(dev), {})  # noqa: SLF001
+            held.clear()          # in place: _index_update_count is one of these dicts
+            held.update({int(k): v for k, v in c.items()})
+        self.opt.num_update = int(meta["num_update"])
 
 
 class SGDRule(_UpdaterRule):

@@ -88,6 +88,7 @@ class Scheduler:
         self.log(f"listening on {env.scheduler_host}:{self.port}; {self.guard.describe()}")
         self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = {}        # group -> set of identities waiting
+        self.barrier_values = {}  # group -> the largest value sent to the waiting barrier
         self.started = False
         self.rejected = Rejections(self.log)
 
@@ -184,10 +185,13 @@ class Scheduler:
                 raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
             waiting = self.barriers.setdefault(group, set())
             waiting.add(ident)
+            value = max(self.barrier_values.get(group, 0), msg.meta.get("value", 0))
+            self.barrier_values[group] = value
             if waiting >= set(members):
-                for i in waiting:
-                    self._send(i, P.Kind.BARRIER, {"group": group})
+                for i in waiting:     # every member hears the largest value any sent
+                    self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
                 waiting.clear()
+                self.barrier_values.pop(group)
         elif msg.kind == P.Kind.FINISH:
             if msg.meta.get("error"):   # everyone (the failed node too) hears it first
                 self._abort(f"{node_name(node)} failed: {msg.meta['error']}")
