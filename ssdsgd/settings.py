@@ -244,6 +244,11 @@ SETTINGS = (
     Setting("max_restarts", int, 0, "times the launcher restarts a job from its last "
             "checkpoint when a process dies (launch/dist.py --max-restarts overrides it; 0: "
             "the job fails)", path="cluster.max_restarts", min=0, max=1000),
+    Setting("on_worker_failure", str, "abort", "when a worker dies: abort the job, restart "
+            "it from the last checkpoint (cluster.max_restarts times, 3 if that is 0) or "
+            "continue without it (not rank 0; docs/reliability.md)",
+            env="SSDSGD_ON_WORKER_FAILURE", path="cluster.on_worker_failure",
+            choices=("abort", "restart", "continue")),
     # --- the synchronization (docs/spec)
     Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync) or asgd (like "
             "dist_async)", env="SSDSGD_ALGORITHM", path="sync.algorithm",

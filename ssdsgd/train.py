@@ -442,8 +442,9 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int) -> None:
         record_checkpoint(run.run_dir, dict(
             epoch=next_epoch - 1 if next_batch == 0 else next_epoch, next_epoch=next_epoch,
             next_batch=next_batch, step=run.step, seed=run.config.train.seed,
-            params=params.name, states=states,
-            workers=run.num_workers if run.kv is not None else 0))
+            params=params.name, states=states,   # after a worker left: the global model
+            workers=run.num_workers if run.kv is not None and not kv_metrics(
+                run.kv).get("left") else 0))
         run.writer.write("checkpoint", epoch=next_epoch, batch=next_batch, step=run.step,
                          path=str(params))
     run.t_checkpoint = time.time()
@@ -480,6 +481,7 @@ def finish(run: Run) -> dict:
 def write_summary(run: Run, wall: float) -> dict:
     """Rank 0: RUN_DIR/summary.json from its figures and every worker's end record."""
     c, kv, last = run.config, run.kv, run.vals[-1]      # finish() validated
+    left = kv_metrics(kv).get("left", [])                # cluster.on_worker_failure
     base = {
         "name": c.name, "algorithm": c.sync.algorithm if kv is not None else "local",
         "num_workers": run.num_workers,
@@ -495,7 +497,9 @@ def write_summary(run: Run, wall: float) -> dict:
         "wall_time": wall, "total_time": time.time() - run.t_start,
         "debug_slowdown": run.slowdown.describe(),
     }
-    summary = summarize(run.run_dir, base, wait_for=run.num_workers)
+    base["workers_left"] = [{"rank": w["rank"], "from_step": w["from_step"],
+                             "time": w["time"] - run.t_train} for w in left]
+    summary = summarize(run.run_dir, base, wait_for=run.num_workers - len(left))
     log.info("done: test accuracy %.4f after %d steps, %.1f s; summary in %s",
              last["accuracy"], run.step, wall, run.run_dir / "summary.json")
     return summary

@@ -6,6 +6,7 @@ the same command with --resume finishes with the uninterrupted weights."""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -150,3 +151,38 @@ def test_a_killed_launcher_leaves_nothing_and_resume_ends_as_if_uninterrupted(
     resumed = dist([*args, "--resume", run], timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same(run, reference)
+
+
+@pytest.mark.parametrize("algorithm", ["ssd", "ssgd"])
+def test_with_continue_a_killed_worker_leaves_and_the_job_finishes(tmp_path, algorithm):
+    """cluster.on_worker_failure: continue: worker 1 SIGKILLed mid-run; the scheduler
+    removes it (heartbeat timeout 1 s here), every server aggregates rank 0 alone from the
+    step it names, the job finishes all its steps with one worker, and summary.json says
+    who left and from which step."""
+    root = tmp_path / "runs"
+    step = random.Random(f"continue-{algorithm}").randint(STEPS + 2, 2 * STEPS - 8)
+    proc, log = start(["configs/digits.yaml", *JOBS[algorithm], *sets(
+        output__dir=root, cluster__on_worker_failure="continue",
+        cluster__heartbeat_interval=0.2, cluster__heartbeat_timeout=1.0)], root)
+    try:
+        run = wait_for_step(proc, root, step)
+        victim, = [c for c in children(proc.pid) if role_of(c) == ("worker", 1)]
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.seek(0)
+        out = log.read()
+        log.close()
+    assert re.search(r"worker 1 \(pid \d+\) was killed by SIGKILL; the job continues "
+                     "without it", out), out[-3000:]
+    assert "worker 1 left the job" in out
+    summary = json.loads((run / "summary.json").read_text())
+    left, = summary["workers_left"]
+    assert left["rank"] == 1 and step <= left["from_step"] <= 2 * STEPS
+    assert summary["steps"] == EPOCHS * STEPS and summary["workers_reporting"] == 1
+    assert summary["final_accuracy"] > 0.8
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == EPOCHS * STEPS

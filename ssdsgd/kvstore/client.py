@@ -143,6 +143,7 @@ class WorkerClient:
         self.num_servers = self.topology["num_servers"]
         self.placement = Placement(self.num_servers, env.bigarray_bound)
         self.compression = None   # pushes are compressed with it (set_compression)
+        self.left = []            # workers that left the job (cluster.on_worker_failure)
         self._residuals = None    # this worker's error feedback, one residual per key
 
     # ---- the API -----------------------------------------------------------------------
@@ -439,6 +440,10 @@ class WorkerClient:
         """A scheduler message: resolve the barrier or finish it answers. True after the
         acknowledgement of FINISH."""
         msg = link.receive()
+        if msg.kind == P.Kind.MEMBERSHIP and "from_step" in msg.meta:
+            self.left.append({"rank": msg.meta["removed"], "from_step": msg.meta["from_step"],
+                              "time": time.time()})
+            return False
         with self._lock:
             fut = self._control.pop(msg.kind, None)
         if fut is None:

@@ -20,6 +20,10 @@ from .launchers import make_launcher
 from .remote import LaunchError, add_arguments, options_from
 
 
+# cluster.on_worker_failure: restart with cluster.max_restarts 0 restarts this many times
+DEFAULT_RESTARTS = 3
+
+
 def _command_form(argv):
     if "--" not in argv:
         raise SystemExit("launch/dist.py: give a CONFIG.yaml, or -n N -s S -- COMMAND ...")
@@ -160,6 +164,8 @@ def _config_form(argv):
         return 2
     restarts = (config.cluster.max_restarts if args.max_restarts is None
                 else args.max_restarts)
+    if config.cluster.on_worker_failure == "restart" and not restarts:
+        restarts = DEFAULT_RESTARTS
     print(f"[launcher] run directory: {run_dir}", flush=True)
     t0, resume, code = time.monotonic(), bool(args.resume), 1
     for attempt in range(restarts + 1):
@@ -192,7 +198,8 @@ def _run_training(config, run_dir, length, env, runner, port, resume, failures):
     return run_job(config.cluster.workers, config.cluster.servers, cmd, env,
                    port=port or None, launcher=runner, progress=progress,
                    stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr),
-                   failures=failures)
+                   failures=failures,
+                   continue_without_workers=config.cluster.on_worker_failure == "continue")
 
 
 def _restart_from_checkpoint(config, run_dir, length):

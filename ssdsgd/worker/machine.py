@@ -297,6 +297,7 @@ class StageMachine:
         stats["stage"] = plan(max(self.t - 1, 0), self.env.algorithm, self.env.warmup_steps,
                               self.env.delay_steps).stage
         stats["last_step_blocked"] = self.last_step_blocked
+        stats["left"] = list(self.client.left)
         return stats
 
 
