@@ -128,7 +128,10 @@ class TrainConfig:
     max_steps: Optional[int] = _f(None, min=1, doc="stop after this many steps in total")
     seed: int = _f(0, min=0)
     log_interval: int = _f(20, min=1, doc="steps between log lines / metrics records")
-    checkpoint_every: int = _f(0, min=0, doc="epochs between checkpoints (0: never)")
+    checkpoint_every: int = _f(1, min=0, doc="epochs between checkpoints (0: never)")
+    checkpoint_every_s: Optional[float] = field(default=S.BY_NAME["checkpoint_every_s"].default,
+                                                metadata={"setting": S.BY_NAME["checkpoint_every_s"],
+                                                          "doc": S.BY_NAME["checkpoint_every_s"].doc})
     gpus: list[int] = _f(factory=list, doc="GPU ids; empty: CPU")
 
 

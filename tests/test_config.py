@@ -184,7 +184,8 @@ def test_sync_env_matches_design_doc_names(tmp_path):
     cfg = parse_config(merged(cluster={"workers": 3, "servers": 2, "heartbeat_timeout": 5}))
     assert cluster_env(cfg) == {"SSDSGD_NUM_WORKERS": "3", "SSDSGD_NUM_SERVERS": "2",
                                 "SSDSGD_HEARTBEAT_INTERVAL": "1.0",
-                                "SSDSGD_HEARTBEAT_TIMEOUT": "5.0"}
+                                "SSDSGD_HEARTBEAT_TIMEOUT": "5.0",
+                                "SSDSGD_ON_WORKER_FAILURE": "abort"}
 
 
 def test_warmup_epochs_converted_with_steps_per_epoch():

@@ -20,7 +20,7 @@ MXNet 1.9.1 state conventions (checked against the ops, see tests/test_glu_rules
 import mxnet as mx
 import numpy as np
 
-from ..kvstore.optimizer_spec import flatten_state, unflatten_state  # noqa: F401
+from ..kvstore.optimizer_spec import flatten_state, unflatten_state
 from ..settings import BY_NAME
 
 RULES = BY_NAME['local_rule'].choices
@@ -127,6 +127,15 @@ class LocalRule:
         for key, weight, grad in zip(keys, weights, grads):
             self.update(key, weight, grad)
 
+    def state_dict(self, arrays):
+        """The rule's own state for a worker checkpoint: arrays go into ``arrays``
+        (names prefixed ``r``), the rest is returned (JSON-able)."""
+        return {}
+
+    def load_state_dict(self, arrays, meta, weights):
+        """Restore ``state_dict``; ``weights``: key -> an NDArray of the key's shape and
+        device (the template of the optimizer's state)."""
+
 
 class NoneRule(LocalRule):
     """d = 0: the worker computes on the last pulled weights (k-step-stale SGD)."""
@@ -171,6 +180,39 @@ class _UpdaterRule(LocalRule):
         for lr, items in by_lr.items():
             self.opt.lr = lr
             self.updater(*map(list, zip(*items)))
+
+    def state_dict(self, arrays):
+        """The lr of each key, the local optimizer's state per key and its update counts
+        (what a count-driven rule such as Adam continues from)."""
+        states = {}
+        for key, state in self.updater.states.items():
+            flat = flatten_state(state)
+            states[str(key)] = len(flat)
+            for j, a in enumerate(flat):
+                arrays[f"r{key}.{j}"] = a.asnumpy()
+        counts = {str(dev): {str(k): int(v) for k, v in c.items()}
+                  for dev, c in self.opt._all_index_update_counts.items()}  # noqa: SLF001
+        return {"lr": {str(k): v for k, v in self._lr.items()}, "states": states,
+                "counts": counts, "num_update": int(self.opt.num_update)}
+
+    def load_state_dict(self, arrays, meta, weights):
+        self._lr = {int(k): v for k, v in meta["lr"].items()}
+        for skey, n in meta["states"].items():
+            key = int(skey)
+            w = weights[key]
+            template = self.opt.create_state_multi_precision(key, w)
+            if len(flatten_state(template)) != n:
+                raise ValueError(f"key {key}: the saved local state has {n} arrays, the "
+                                 f"optimizer's has {len(flatten_state(template))}")
+            self.updater.states[key] = unflatten_state(template, [
+                mx.nd.array(arrays[f"r{key}.{j}"], ctx=w.context, dtype=arrays[f"r{key}.{j}"].dtype)
+                for j in range(n)])
+            self.updater.states_synced[key] = True
+        for dev, c in meta["counts"].items():
+            held = self.opt._all_index_update_counts.setdefault(int(dev), {})  # noqa: SLF001
+            held.clear()          # in place: _index_update_count is one of these dicts
+            held.update({int(k): v for k, v in c.items()})
+        self.opt.num_update = int(meta["num_update"])
 
 
 class SGDRule(_UpdaterRule):

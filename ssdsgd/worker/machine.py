@@ -25,6 +25,7 @@ import numpy as np
 
 from ..glu.rules import make_local_rule
 from ..kvstore import hostcopy
+from ..kvstore.client import KeyReply
 from ..kvstore.optimizer_spec import build
 from .schedule import Stage, plan
 
@@ -41,6 +42,7 @@ class KeyRecord:
     """Everything the machine keeps about one key."""
     shape: tuple
     outs: list | None = None     # the arrays that hold w_i (set in the steps-delay stage)
+    params: list | None = None   # the parameter arrays kv.init wrote (where w_i lives)
     seeded: bool = False         # the local rule has been reset from w_G at least once
     # The global weights of the last two resets (estimate mode needs both) and the steps
     # they are as of; with the newest, the server's optimizer state, lr and update count.
@@ -94,8 +96,9 @@ class StageMachine:
             if self.client.rank == 0 else None
         replies = self.client.init([(key, value.size, value.dtype) for key, value, _ in entries],
                                    values).wait()
-        for key, _, _ in entries:
+        for key, _, outs in entries:
             self.keys[key].remember(replies[key], self.t - 1)   # w_G before the first step
+            self.keys[key].params = list(outs) or self.keys[key].params
         hostcopy.write((out, replies[key].value) for key, _, outs in entries for out in outs)
 
     # ---- one training step ---------------------------------------------------------
@@ -257,6 +260,62 @@ class StageMachine:
         if local and any(r.seeded for r in self.keys.values()):
             self.pull(local)
 
+    # ---- a checkpoint of this worker (the adapter's save/load_worker_state) ----------
+    def state_dict(self):
+        """Everything of this worker that the servers' checkpoint does not hold, as
+        ({name: ndarray}, JSON-able meta): the step, each key's last two global snapshots
+        with their steps, state, lr and version, its local weights w_i, the pull requested
+        at t - 1 (waited for here: its reply is w_G(t - 1), and kept for step t) and the
+        local rule's own state. Taken between two steps."""
+        arrays, meta = {}, {"t": self.t, "keys": {}, "pending": None}
+        if self.pending is not None:
+            replies = self.pending.wait()
+            self.pending = _Done(replies)
+            meta["pending"] = {str(k): _put_reply(arrays, f"p{k}", r) for k, r in replies.items()}
+        for key, r in self.keys.items():
+            m = {"seeded": r.seeded, "pulled_at": r.pulled_at, "prev_pulled_at": r.prev_pulled_at,
+                 "lr": r.lr, "version": r.version, "outs": r.outs is not None,
+                 "state": _put_list(arrays, f"k{key}.state", r.state)}
+            for name in ("value", "prev_value"):
+                if getattr(r, name) is not None:
+                    arrays[f"k{key}.{name}"] = getattr(r, name)
+            local = r.outs or r.params
+            if local:
+                arrays[f"k{key}.local"] = local[0].asnumpy()
+            meta["keys"][str(key)] = m
+        if self.rule is not None:
+            meta["rule"] = self.rule.state_dict(arrays)
+        residuals = self.client.residuals()
+        meta["residuals"] = sorted(residuals)
+        arrays.update((f"c{key}", r) for key, r in residuals.items())
+        return arrays, meta
+
+    def load_state_dict(self, arrays, meta):
+        """Continue exactly where ``state_dict`` was taken (after kv.init and the
+        optimizer: the keys and the local rule exist). w_i goes into the parameters."""
+        if int(meta["t"]) != self.t:
+            raise ValueError(f"the worker state is of step {meta['t']}, the job resumes at "
+                             f"step {self.t}")
+        for skey, m in meta["keys"].items():
+            key = int(skey)
+            r = self.keys.get(key)
+            if r is None or r.params is None:
+                raise ValueError(f"the worker state names key {key}, which this model lacks")
+            r.value, r.prev_value = arrays.get(f"k{key}.value"), arrays.get(f"k{key}.prev_value")
+            r.pulled_at, r.prev_pulled_at = m["pulled_at"], m["prev_pulled_at"]
+            r.seeded, r.lr, r.version = bool(m["seeded"]), m["lr"], m["version"]
+            r.state = _get_list(arrays, f"k{key}.state", m["state"])
+            r.outs = r.params if m["outs"] else None
+            if f"k{key}.local" in arrays:
+                hostcopy.write((out, arrays[f"k{key}.local"].reshape(-1)) for out in r.params)
+        if meta["pending"] is not None:
+            self.pending = _Done({int(k): _get_reply(arrays, f"p{k}", m)
+                                  for k, m in meta["pending"].items()})
+        if self.rule is not None and meta.get("rule") is not None:
+            self.rule.load_state_dict(arrays, meta["rule"],
+                                      {k: r.params[0] for k, r in self.keys.items()})
+        self.client.load_residuals({key: arrays[f"c{key}"] for key in meta.get("residuals", [])})
+
     def metrics(self):
         stats = dict(self.client.stats)
         stats.update(self.counts)
@@ -264,4 +323,38 @@ class StageMachine:
         stats["stage"] = plan(max(self.t - 1, 0), self.env.algorithm, self.env.warmup_steps,
                               self.env.delay_steps).stage
         stats["last_step_blocked"] = self.last_step_blocked
+        stats["left"] = list(self.client.left)
         return stats
+
+
+class _Done:
+    """A pull already answered (saved with a checkpoint): ``wait`` returns its replies."""
+
+    def __init__(self, replies):
+        self.replies = replies
+
+    def wait(self):
+        return self.replies
+
+
+def _put_list(arrays, prefix, values):
+    if values is None:
+        return None
+    for j, a in enumerate(values):
+        arrays[f"{prefix}{j}"] = a
+    return len(values)
+
+
+def _get_list(arrays, prefix, count):
+    return None if count is None else [arrays[f"{prefix}{j}"] for j in range(count)]
+
+
+def _put_reply(arrays, prefix, reply):
+    arrays[f"{prefix}.value"] = reply.value
+    return {"lr": reply.lr, "version": reply.version,
+            "state": _put_list(arrays, f"{prefix}.state", reply.state)}
+
+
+def _get_reply(arrays, prefix, m):
+    return KeyReply(arrays[f"{prefix}.value"], _get_list(arrays, f"{prefix}.state", m["state"]) or [],
+                    m["version"], m["lr"])
