@@ -162,8 +162,10 @@ def test_killed_ssd_job_resumes_from_a_mid_epoch_checkpoint_to_the_same_weights(
     saved its state, decided by rank 0 at a barrier); killed after one and resumed, the
     job continues at that batch of that epoch and ends with the uninterrupted weights.
     Only the newest mid-epoch checkpoint's files are kept."""
-    job = sets(sync__warmup_steps=29, train__checkpoint_every_s=1, **dict(
-        JOB, train__log_interval=4))
+    # rank 0 slowed (30 ms a step, timing only: the weights do not depend on it) so that a
+    # 176-step job lasts long enough for a mid-epoch checkpoint to be seen and killed at
+    job = sets(sync__warmup_steps=29, train__checkpoint_every_s=1,
+               debug__slowdown="delay:0=0.03", **dict(JOB, train__log_interval=4))
     a, b, latest = killed_and_resumed(tmp_path, job, ready=lambda r: r["next_batch"] > 0)
     assert latest["params"].startswith("step-") and latest["step"] % STEPS == latest[
         "next_batch"] and latest["next_batch"] % 4 == 0

@@ -91,6 +91,7 @@ class FakeClient:
     def __init__(self, rank, server):
         self.rank, self.num_workers, self.server = rank, server.num_workers, server
         self.stats = {"time_blocked": 0.0}
+        self.left = []      # workers that left the job (none here)
         self.pushes, self.log = {}, []
         self.last_push, self.received = None, -1
         self.ahead = []     # per push: steps beyond the last global weights received
