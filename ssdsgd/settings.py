@@ -161,6 +161,26 @@ def _compression(text: str) -> Optional[str]:
     return None
 
 
+def _quorum(text: str) -> Optional[str]:
+    """sync.quorum's form: all, majority, solo or a positive integer Q."""
+    if text in ("all", "majority", "solo") or (text.isdigit() and int(text) >= 1):
+        return None
+    return f"expected all, majority, solo or an integer >= 1, got {text!r}"
+
+
+def quorum_size(text: str, num_workers: int) -> int:
+    """Q, the distinct workers that close a round (docs/spec/quorum.md): N for all,
+    floor(N/2) + 1 for majority, 1 for solo, min(Q, N) for an integer."""
+    error = _quorum(text)
+    if error:
+        raise SettingError(f"sync.quorum: {error}")
+    if text == "all":
+        return num_workers
+    if text == "majority":
+        return num_workers // 2 + 1
+    return 1 if text == "solo" else min(int(text), num_workers)
+
+
 SETTINGS = (
     # --- who is who: set by the launcher for every process
     Setting("role", str, "worker", "this process's part in the job", env="SSDSGD_ROLE",
@@ -215,6 +235,12 @@ SETTINGS = (
     Setting("compression", str, "none", "push compression, the Trainer's compression_params "
             "(docs/spec/compression.md): none, 2bit[:threshold] (MXNet's; default 0.5) or "
             "topk[:ratio] (default 0.1)", path="sync.compression", validate=_compression),
+    Setting("quorum", str, "all", "a round closes once this many distinct workers pushed "
+            "to it (docs/spec/quorum.md): all (dist_sync), majority, solo or an integer Q",
+            env="SSDSGD_QUORUM", path="sync.quorum", validate=_quorum),
+    Setting("max_staleness", int, 4, "with a quorum: a round closes only if every worker "
+            "not in it holds weights at most this many rounds old (docs/spec/quorum.md)",
+            env="SSDSGD_MAX_STALENESS", path="sync.max_staleness", min=1, max=1 << 20),
     # --- the transport
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),

@@ -59,6 +59,7 @@ class Kind(enum.IntEnum):
     FINISH = 5        # worker -> scheduler: done, stop watching me
     SHUTDOWN = 6      # scheduler -> node: the job is over, exit 0
     ABORT = 7         # scheduler -> node: {reason}; exit non-zero
+    ROUND = 8         # server 0 -> scheduler -> other servers: {log} quorum decisions
     INIT = 10         # worker -> server: keys (rank 0 sends values); reply: the values
     SET_OPTIMIZER = 11  # worker -> server: {optimizer description}; reply: ACK
     PUSH = 12         # worker -> server: gradients of a step; flags say whether to reply
@@ -75,6 +76,8 @@ class Flag(enum.IntFlag):
     NONE = 0
     PULL = 1          # PUSH: reply with the weights once this step is applied
     STATE = 2         # PUSH/PULL: add the optimizer state to the reply
+    LATEST = 4        # PUSH with PULL, quorum: reply with the newest closed round
+    FINAL = 8         # PULL, quorum: this worker is done; reply with the final weights
 
 
 DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f8"), 2: np.dtype("<f2"),
@@ -214,7 +217,7 @@ def decode(frames, *, max_bytes=None):
             kind = Kind(kind)
         except ValueError:
             raise ProtocolError(f"unknown message kind {kind}") from None
-        if flags & ~int(Flag.PULL | Flag.STATE):
+        if flags & ~int(Flag.PULL | Flag.STATE | Flag.LATEST | Flag.FINAL):
             raise ProtocolError(f"unknown flag bits {flags:#x}")
         records = _key_table(frames, nkeys, nframes)
         meta = _meta(bytes(_buffer(frames[2])))
@@ -382,6 +385,7 @@ META = {
     Kind.BARRIER: {"group": (_GROUP, False)},
     Kind.FINISH: {"error": (_STR, False)},
     Kind.ABORT: {"reason": (_STR, False)},
+    Kind.ROUND: {"log": ((_text(MAX_META_BYTES // 2), "a string of round decisions"), True)},
     Kind.SET_OPTIMIZER: {"optimizer": (_OBJ, True)},
     Kind.SET_STATE: {"optimizer": (_OBJ, False)},
     Kind.SET_COMPRESSION: {"compression": (_OBJ, True)},
