@@ -53,6 +53,7 @@ class Setting:
     optional: bool = False              # None (unset) is allowed
     launcher: Optional[str] = None      # set by the launcher: the option that decides it
     validate: Optional[Callable[[Any], Optional[str]]] = None  # a str's form: error or None
+    int_text: bool = False              # a str setting that also takes an integer
 
     def expects(self) -> str:
         """What the setting accepts, as the end of "expected ..."."""
@@ -74,6 +75,8 @@ class Setting:
             if isinstance(value, bool) or value not in self.choices:
                 raise wrong
             return value
+        if self.int_text and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)          # YAML's `quorum: 3` is the text "3"
         if self.type in (str, bool):
             if not isinstance(value, self.type) or value == "":
                 raise wrong
@@ -237,7 +240,8 @@ SETTINGS = (
             "topk[:ratio] (default 0.1)", path="sync.compression", validate=_compression),
     Setting("quorum", str, "all", "a round closes once this many distinct workers pushed "
             "to it (docs/spec/quorum.md): all (dist_sync), majority, solo or an integer Q",
-            env="SSDSGD_QUORUM", path="sync.quorum", validate=_quorum),
+            env="SSDSGD_QUORUM", path="sync.quorum", validate=_quorum,
+            int_text=True),
     Setting("max_staleness", int, 4, "with a quorum: a round closes only if every worker "
             "not in it holds weights at most this many rounds old (docs/spec/quorum.md)",
             env="SSDSGD_MAX_STALENESS", path="sync.max_staleness", min=1, max=1 << 20),

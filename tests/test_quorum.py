@@ -87,3 +87,21 @@ def test_stragglers_end_with_the_simulators_weights(tmp_path, algorithm, n, s, q
                    f"worker {r} weights before the end, key {i} (rounds {ref.rounds})")
             _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
                    f"worker {r} final weights, key {i} (rounds {ref.rounds})")
+
+
+@pytest.mark.system
+def test_every_push_of_every_worker_is_applied_exactly_once(tmp_path):
+    # solo: the fast worker closes rounds alone; the two stragglers' pushes are all late
+    n, steps = 3, 6
+    res = launch(n, 2, ["--out", tmp_path, "--steps", steps, "--delays",
+                        json.dumps([0, 0.3, 0.7])],
+                 env={"SSDSGD_ALGORITHM": "ssd", "SSDSGD_WARMUP_STEPS": 1,
+                      "SSDSGD_DELAY_STEPS": 2, "SSDSGD_LOCAL_RULE": "sgd",
+                      "SSDSGD_QUORUM": "solo", "SSDSGD_MAX_STALENESS": 3,
+                      "SSDSGD_BIGARRAY_BOUND": 4},        # the key is cut over both servers
+                 script="quorum_count.py", timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for r in range(n):
+        final = np.load(tmp_path / f"final-rank{r}.npy")
+        np.testing.assert_array_equal(final, -np.ones(n * steps, np.float32),
+                                      err_msg=f"worker {r}: -(times each push was applied)")

@@ -150,7 +150,7 @@ class StageMachine:
         grads = {key: _device_sum(grad_list) for key, grad_list, _ in entries}
         flats = hostcopy.read(list(grads.values()), copy=copy)
         reply = self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state,
-                                 latest=latest)
+                                 **({"latest": True} if latest else {}))
         self.counts["pushes"] += 1
         if pull:
             self.counts["pulls"] += 1
