@@ -15,7 +15,7 @@ round. A worker's pushes reach every server in the same order (one connection ea
 import re
 from collections import deque
 
-_ENTRY = re.compile(r"c(\d+(?:\.\d+)*)|a(\d+)\.(\d+)\Z")
+_ENTRY = re.compile(r"c(\d+(?:\.\d+)*)|a(\d+)\.(\d+)")
 
 
 class RoundError(ValueError):
@@ -81,7 +81,7 @@ class Rounds:
         if self.leader:
             raise RoundError("the leader received another server's decisions")
         for entry in text.split():
-            m = _ENTRY.match(entry)
+            m = _ENTRY.fullmatch(entry)
             if m is None:
                 raise RoundError(f"a malformed round decision {entry[:40]!r}")
             if m.group(1) is not None:
