@@ -1,6 +1,5 @@
 """Quorum rounds (docs/spec/quorum.md): real jobs with injected stragglers end with the
 weights of the simulator fed the same arrival order, and no push is lost."""
-import json
 
 import mxnet as mx
 import numpy as np
@@ -11,6 +10,7 @@ import tiny
 from conftest import launch, load_npz
 from ssdsgd.glu.simulate_quorum import simulate_quorum
 from ssdsgd.settings import quorum_size
+from ssdsgd.slowdown import Slowdown
 
 STEPS, BATCH, WARMUP, K = 8, 8, 2, 2
 SLOW = 0.8        # seconds per step of the straggler: far more than a fast worker's step
@@ -45,9 +45,14 @@ def _reference(n, quorum, staleness, delays, algorithm):
                                  delay_steps=K)
 
 
-def _run(tmp_path, n, s, quorum, staleness, delays, algorithm):
-    res = launch(n, s, ["--out", tmp_path, "--steps", STEPS, "--delays", json.dumps(delays)],
-                 env={"SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": WARMUP,
+def _delays(slowdown, n):
+    """Each rank's seconds per step under debug.slowdown (delay form: the same each step)."""
+    return [Slowdown(slowdown, r, n).seconds(0) for r in range(n)]
+
+
+def _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm):
+    res = launch(n, s, ["--out", tmp_path, "--steps", STEPS],
+                 env={"SSDSGD_SLOWDOWN": slowdown, "SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": WARMUP,
                       "SSDSGD_DELAY_STEPS": K, "SSDSGD_QUORUM": quorum,
                       "SSDSGD_MAX_STALENESS": staleness,
                       "SSDSGD_BIGARRAY_BOUND": 100},    # the 16x12 weight spans both servers
@@ -61,23 +66,25 @@ def _close(actual, expected, what):
     np.testing.assert_allclose(actual, expected, rtol=2e-4, atol=2e-5, err_msg=what)
 
 
-# (algorithm, N, S, quorum, max_staleness, seconds per step of each rank): one straggler,
-# as many fast workers as the quorum, so who is late is fixed by the delays alone.
-CASES = [("ssgd", 3, 1, "majority", 1, [0, 0, SLOW]),
-         ("ssgd", 2, 2, "solo", 2, [0, SLOW]),
-         ("ssgd", 4, 2, "3", 1, [0, 0, 0, SLOW]),
-         ("ssd", 3, 2, "majority", 1, [0, 0, SLOW]),
-         ("ssd", 2, 1, "solo", 2, [0, SLOW]),
-         ("ssd", 4, 1, "3", 1, [0, 0, 0, SLOW])]
+# (algorithm, N, S, quorum, max_staleness): the last rank is a straggler (debug.slowdown
+# delay:R=SLOW), and there are as many fast workers as the quorum, so who is late is fixed
+# by the delays alone.
+CASES = [("ssgd", 3, 1, "majority", 1),
+         ("ssgd", 2, 2, "solo", 2),
+         ("ssgd", 4, 2, "3", 1),
+         ("ssd", 3, 2, "majority", 1),
+         ("ssd", 2, 1, "solo", 2),
+         ("ssd", 4, 1, "3", 1)]
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("algorithm,n,s,quorum,staleness,delays", CASES,
+@pytest.mark.parametrize("algorithm,n,s,quorum,staleness", CASES,
                          ids=[f"{c[0]}-n{c[1]}-s{c[2]}-q{c[3]}" for c in CASES])
 def test_stragglers_end_with_the_simulators_weights(tmp_path, algorithm, n, s, quorum,
-                                                    staleness, delays):
-    locals_, finals = _run(tmp_path, n, s, quorum, staleness, delays, algorithm)
-    keys, ref = _reference(n, quorum, staleness, delays, algorithm)
+                                                    staleness):
+    slowdown = f"delay:{n - 1}={SLOW}"
+    locals_, finals = _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm)
+    keys, ref = _reference(n, quorum, staleness, _delays(slowdown, n), algorithm)
     # the straggler's pushes joined later rounds than the fast workers' of the same step
     assert any(len(r) < n for r in ref.rounds[:STEPS]), ref.rounds
     assert ref.applied == [STEPS] * n
@@ -93,9 +100,8 @@ def test_stragglers_end_with_the_simulators_weights(tmp_path, algorithm, n, s, q
 def test_every_push_of_every_worker_is_applied_exactly_once(tmp_path):
     # solo: the fast worker closes rounds alone; the two stragglers' pushes are all late
     n, steps = 3, 6
-    res = launch(n, 2, ["--out", tmp_path, "--steps", steps, "--delays",
-                        json.dumps([0, 0.3, 0.7])],
-                 env={"SSDSGD_ALGORITHM": "ssd", "SSDSGD_WARMUP_STEPS": 1,
+    res = launch(n, 2, ["--out", tmp_path, "--steps", steps],
+                 env={"SSDSGD_SLOWDOWN": "delay:1=0.3,2=0.7", "SSDSGD_ALGORITHM": "ssd", "SSDSGD_WARMUP_STEPS": 1,
                       "SSDSGD_DELAY_STEPS": 2, "SSDSGD_LOCAL_RULE": "sgd",
                       "SSDSGD_QUORUM": "solo", "SSDSGD_MAX_STALENESS": 3,
                       "SSDSGD_BIGARRAY_BOUND": 4},        # the key is cut over both servers

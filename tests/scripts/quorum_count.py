@@ -2,28 +2,27 @@
 the servers' sgd has lr 1 and no momentum, so each element of the final weights is minus
 the number of times that push was applied."""
 import argparse
-import json
 import os
-import time
 
 import mxnet as mx
 import numpy as np
 import ssdsgd  # noqa: F401
+from ssdsgd.slowdown import Slowdown
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=8)
-p.add_argument("--delays", required=True, help="JSON list: seconds each rank sleeps per step")
 args = p.parse_args()
 
 kv = mx.kv.create("ssd_sync")
-delay, size = json.loads(args.delays)[kv.rank], kv.num_workers * args.steps
+size = kv.num_workers * args.steps
+slow = Slowdown(os.environ.get("SSDSGD_SLOWDOWN", "none"), kv.rank, kv.num_workers)
 kv.set_optimizer(mx.optimizer.SGD(learning_rate=1.0, rescale_grad=1.0))
 kv.init(0, mx.nd.zeros(size))
 kv.barrier()
 weights = mx.nd.zeros(size)
 for t in range(args.steps):
-    time.sleep(delay)
+    slow.after_compute(t)
     grad = np.zeros(size, np.float32)
     grad[kv.rank * args.steps + t] = 1.0
     kv.pushpull(0, mx.nd.array(grad), out=weights)

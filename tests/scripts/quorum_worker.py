@@ -1,11 +1,11 @@
 """A worker for the quorum tests: tiny.py's network on kvstore='ssd_sync' with the stock
-gluon.Trainer, each step delayed by this rank's --delays entry (a straggler), started
-together with the others (a barrier), so the arrival order is the one the delays make."""
+gluon.Trainer, each step delayed as debug.slowdown (SSDSGD_SLOWDOWN) says for this rank (a
+straggler), started together with the others (a barrier), so the arrival order is the
+one the delays make."""
 import argparse
 import json
 import os
 import sys
-import time
 
 import mxnet as mx
 import numpy as np
@@ -14,18 +14,18 @@ from mxnet import gluon
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ssdsgd  # noqa: E402,F401  (registers ssd_sync)
 import tiny  # noqa: E402
+from ssdsgd.slowdown import Slowdown  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=8)
-p.add_argument("--delays", required=True, help="JSON list: seconds each rank sleeps per step")
 args = p.parse_args()
 
 rank = int(os.environ["SSDSGD_RANK"])
-delay = json.loads(args.delays)[rank]
 os.makedirs(args.out, exist_ok=True)
 net = tiny.make_net()
 kv = mx.kv.create("ssd_sync")
+slow = Slowdown(os.environ.get("SSDSGD_SLOWDOWN", "none"), rank, kv.num_workers)
 trainer = gluon.Trainer(net.collect_params(), "sgd",
                         {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
 # Keys and optimizer on the servers before the clock starts; step() would first set the
@@ -34,9 +34,9 @@ trainer._optimizer.rescale_grad = 1.0 / tiny.batch(rank, 0)[0].shape[0]
 trainer._init_kvstore()
 kv.barrier()
 for t in range(args.steps):
-    time.sleep(delay)
     x, y = tiny.batch(rank, t)
     tiny.forward_backward(net, x, y)
+    slow.after_compute(t)
     trainer.step(x.shape[0])
 np.savez(os.path.join(args.out, f"local-rank{rank}.npz"),
          **{f"p{i}": q.data().asnumpy() for i, q in enumerate(tiny.params(net))})
