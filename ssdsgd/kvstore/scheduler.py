@@ -291,6 +291,9 @@ class SchedulerLink:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.guard.client(self.sock)
+        # watched from before the connection exists: a refused handshake can happen before
+        # register() waits, and its event must not be missed
+        self.monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
         self.sock.connect(f"tcp://{env.scheduler_host}:{env.scheduler_port}")
         self.host, self.port = host, port
         self.last_sent = 0.0
@@ -321,12 +324,16 @@ class SchedulerLink:
         self.send(P.Kind.REGISTER, meta)
         deadline = time.monotonic() + max(60.0, 4 * self.env.heartbeat_timeout) + 10
         where = f"{self.env.scheduler_host}:{self.env.scheduler_port}"
-        monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
         try:
-            return self._await_topology(deadline, where, monitor)
+            return self._await_topology(deadline, where, self.monitor)
         finally:
+            self._stop_monitor()
+
+    def _stop_monitor(self):
+        if self.monitor is not None:
             self.sock.disable_monitor()
-            monitor.close(0)
+            self.monitor.close(0)
+            self.monitor = None
 
     def _await_topology(self, deadline, where, monitor):
         while time.monotonic() < deadline:
