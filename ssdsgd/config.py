@@ -409,6 +409,10 @@ def _env_values(config: Config, section: str | None = None,
               if S.BY_NAME[name].env and section in (None, S.BY_NAME[name].section)}
     if "warmup_steps" in values:
         values["warmup_steps"] = resolve_warmup_steps(config, steps_per_epoch)
+    if values.get("quorum") == "all" and values.get("max_staleness") == \
+            S.BY_NAME["max_staleness"].default:
+        # no quorum: the job's variables stay those of a job before quorums existed
+        del values["quorum"], values["max_staleness"]
     return values
 
 

@@ -53,6 +53,7 @@ class Setting:
     optional: bool = False              # None (unset) is allowed
     launcher: Optional[str] = None      # set by the launcher: the option that decides it
     validate: Optional[Callable[[Any], Optional[str]]] = None  # a str's form: error or None
+    int_text: bool = False              # a str setting that also takes an integer
 
     def expects(self) -> str:
         """What the setting accepts, as the end of "expected ..."."""
@@ -74,6 +75,8 @@ class Setting:
             if isinstance(value, bool) or value not in self.choices:
                 raise wrong
             return value
+        if self.int_text and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)          # YAML's `quorum: 3` is the text "3"
         if self.type in (str, bool):
             if not isinstance(value, self.type) or value == "":
                 raise wrong
@@ -208,6 +211,26 @@ def _slowdown(text: str) -> Optional[str]:
     return None
 
 
+def _quorum(text: str) -> Optional[str]:
+    """sync.quorum's form: all, majority, solo or a positive integer Q."""
+    if text in ("all", "majority", "solo") or (text.isdigit() and int(text) >= 1):
+        return None
+    return "expected all, majority, solo or an integer >= 1"
+
+
+def quorum_size(text: str, num_workers: int) -> int:
+    """Q, the distinct workers that close a round (docs/spec/quorum.md): N for all,
+    floor(N/2) + 1 for majority, 1 for solo, min(Q, N) for an integer."""
+    error = _quorum(text)
+    if error:
+        raise SettingError(f"sync.quorum: {error}")
+    if text == "all":
+        return num_workers
+    if text == "majority":
+        return num_workers // 2 + 1
+    return 1 if text == "solo" else min(int(text), num_workers)
+
+
 SETTINGS = (
     # --- who is who: set by the launcher for every process
     Setting("role", str, "worker", "this process's part in the job", env="SSDSGD_ROLE",
@@ -272,6 +295,13 @@ SETTINGS = (
     Setting("compression", str, "none", "push compression, the Trainer's compression_params "
             "(docs/spec/compression.md): none, 2bit[:threshold] (MXNet's; default 0.5) or "
             "topk[:ratio] (default 0.1)", path="sync.compression", validate=_compression),
+    Setting("quorum", str, "all", "a round closes once this many distinct workers pushed "
+            "to it (docs/spec/quorum.md): all (dist_sync), majority, solo or an integer Q",
+            env="SSDSGD_QUORUM", path="sync.quorum", validate=_quorum,
+            int_text=True),
+    Setting("max_staleness", int, 4, "with a quorum: a round closes only if every worker "
+            "not in it holds weights at most this many rounds old (docs/spec/quorum.md)",
+            env="SSDSGD_MAX_STALENESS", path="sync.max_staleness", min=1, max=1 << 20),
     # --- checkpoints (docs/training.md)
     Setting("checkpoint_every_s", float, None, "also checkpoint mid-epoch once this many "
             "seconds have passed since the last checkpoint (rank 0's clock, looked at every "
@@ -327,7 +357,20 @@ def _slowdown_ranks(values: Mapping, label: Callable[[str], str]) -> Optional[st
     return None
 
 
-CROSS_CHECKS = (_heartbeats, _slowdown_ranks)
+def _quorum_and_continue(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """A dead worker leaves a job by the servers' all-workers count (on_worker_failure:
+    continue); quorum rounds do not take such a removal yet, and their staleness bound
+    would wait for the dead worker."""
+    quorum, failure = values.get("quorum"), values.get("on_worker_failure")
+    n = values.get("num_workers")
+    if failure == "continue" and quorum not in (None, "all") and n is not None and \
+            not _quorum(quorum) and quorum_size(quorum, n) < n:
+        return (f"{label('on_worker_failure')}: continue works with {label('quorum')}: all "
+                f"only, got {quorum!r} (use abort or restart with a quorum)")
+    return None
+
+
+CROSS_CHECKS = (_heartbeats, _slowdown_ranks, _quorum_and_continue)
 
 
 def cross_check(values: Mapping, label: Callable[[str], str]) -> None:

@@ -146,3 +146,17 @@ def test_launcher_refuses_a_bad_inherited_variable_before_starting(launcher, mon
 def test_launcher_refuses_env_it_owns(launcher, env, parts):
     one_line_error(*launcher(["-n", 2, "-s", 1, "--env", env, "--", PY, "-c", "pass"]),
                    *parts)
+
+
+def test_continue_without_a_dead_worker_is_refused_with_a_partial_quorum():
+    """Quorum rounds do not take a removed worker (their staleness bound would wait for
+    it): on_worker_failure: continue needs sync.quorum: all, or a quorum that is all."""
+    from ssdsgd.config import ConfigError, parse_config
+    raw = {"cluster": {"workers": 4, "on_worker_failure": "continue"},
+           "sync": {"quorum": "majority"},
+           "model": {"name": "digits_mlp"}, "data": {"dataset": "digits"}}
+    with pytest.raises(ConfigError, match=r"cluster.on_worker_failure: continue works with "
+                                          r"sync.quorum: all only, got 'majority'"):
+        parse_config(raw)
+    raw["cluster"]["workers"] = 2           # majority of 2 is all: nothing partial
+    assert parse_config(raw).sync.quorum == "majority"

@@ -37,6 +37,7 @@ from . import protocol as P
 from .compression import CompressionError
 from .scheduler import JobAborted, SchedulerLink
 from .sharding import Placement
+from ..settings import quorum_size
 
 
 class ServerError(RuntimeError):
@@ -142,6 +143,10 @@ class WorkerClient:
         self.num_workers = self.topology["num_workers"]
         self.num_servers = self.topology["num_servers"]
         self.placement = Placement(self.num_servers, env.bigarray_bound)
+        # With a quorum (docs/spec/quorum.md) a push is one contribution to a round: one
+        # message per server, to every server, so every server counts the same pushes.
+        self.quorum = (env.algorithm != "asgd"
+                       and quorum_size(env.quorum, self.num_workers) < self.num_workers)
         self.compression = None   # pushes are compressed with it (set_compression)
         self.left = []            # workers that left the job (cluster.on_worker_failure)
         self._residuals = None    # this worker's error feedback, one residual per key
@@ -158,30 +163,37 @@ class WorkerClient:
         return self.exchange(P.Kind.INIT, [(key, 0, value, dtype) for (key, _, dtype), value
                                            in zip(keys, values)])
 
-    def push(self, step, grads, *, pull=False, state=False):
+    def push(self, step, grads, *, pull=False, state=False, latest=False):
         """grads: (key, flat gradient) of one step of this worker. With ``pull`` the reply
-        (a Gather; else None) holds the weights once the step is applied, with ``state``
-        also the optimizer state, lr and update count. With compression each key is coded
-        with this worker's residual (so the arrays may be reused as soon as this returns)."""
+        (a Gather; else None) holds the weights once the step is applied (with ``latest``,
+        a quorum's newest closed round), with ``state`` also the optimizer state, lr and
+        update count. With compression each key is coded with this worker's residual (so
+        the arrays may be reused as soon as this returns)."""
         keys = [self._key(key) for key, _ in grads]
         flags = (P.Flag.PULL if pull else P.Flag.NONE) | (P.Flag.STATE if state else P.Flag.NONE)
+        if pull and latest:
+            flags |= P.Flag.LATEST
         entries = [(key, k.pushes, flat, flat.dtype) for (key, flat), k in zip(grads, keys)]
         if self._residuals is not None:
             entries = [(key, n, Coded(self.compression.type, self._residuals.encode(
                 key, flat, [(sl.offset, sl.count) for sl in self.placement[key]])), dtype)
                 for key, n, flat, dtype in entries]
-        gather = self.exchange(P.Kind.PUSH, entries, step=step, flags=flags, reply=pull)
+        gather = self.exchange(P.Kind.PUSH, entries, step=step, flags=flags, reply=pull,
+                               every=self.quorum)
         for k in keys:
             k.pushes += 1
         return gather
 
-    def pull(self, keys, *, latest=False, state=False):
-        """The weights of ``keys`` as of this worker's last push of each (or the latest)."""
+    def pull(self, keys, *, latest=False, state=False, final=False):
+        """The weights of ``keys`` as of this worker's last push of each (or the latest).
+        ``final`` (quorum): this worker is done; the reply waits for every worker's end
+        and holds the final weights (sent to every server: each must hear it)."""
         entries = []
         for key in keys:
             k = self._key(key)
             entries.append((key, -1 if latest else k.pushes - 1, None, k.dtype))
-        return self.exchange(P.Kind.PULL, entries, flags=P.Flag.STATE if state else P.Flag.NONE)
+        flags = (P.Flag.STATE if state else P.Flag.NONE) | (P.Flag.FINAL if final else P.Flag.NONE)
+        return self.exchange(P.Kind.PULL, entries, flags=flags, every=final)
 
     def set_optimizer(self, spec):
         """Every server rebuilds the optimizer from its description (optimizer_spec)."""
@@ -272,7 +284,7 @@ class WorkerClient:
             raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
         return k
 
-    def exchange(self, kind, entries, *, step=0, flags=0, meta=None, reply=True):
+    def exchange(self, kind, entries, *, step=0, flags=0, meta=None, reply=True, every=False):
         """The one request every call above is made of (tests also use it to send what a
         correct worker never would): send each server the slices it owns of every key, one
         message per server, or, when a server's part exceeds ``SSDSGD_CHUNK_BYTES``,
@@ -281,8 +293,12 @@ class WorkerClient:
         ps-lite's per-key messages achieve, with far fewer messages).
 
         entries: (key, per-key step, tensors (see ``_tensors``) or a ``Coded`` gradient,
-        dtype); every key must be placed already."""
-        messages = self._split(entries, self.env.chunk_bytes)
+        dtype); every key must be placed already. ``every``: exactly one message to every
+        server, keys for it or not (a quorum's contributions and final pulls)."""
+        messages = self._split(entries, None if every else self.env.chunk_bytes)
+        if every:
+            for server in range(self.num_servers):
+                messages.setdefault(server, [[[], [], 0]])
         sizes = {key: sum(sl.count for sl in self.placement[key]) for key, _, _, _ in entries}
         dtypes = {key: np.dtype(dtype) for key, _, _, dtype in entries}
         futures = self._send(kind, messages, step=step, flags=flags, meta=meta, reply=reply)

@@ -59,6 +59,7 @@ class Kind(enum.IntEnum):
     FINISH = 5        # worker -> scheduler: done, stop watching me
     SHUTDOWN = 6      # scheduler -> node: the job is over, exit 0
     ABORT = 7         # scheduler -> node: {reason}; exit non-zero
+    ROUND = 8         # server 0 -> scheduler -> other servers: {log} quorum decisions
     MEMBERSHIP = 9    # scheduler <-> server, scheduler -> worker: a dead worker leaves
     INIT = 10         # worker -> server: keys (rank 0 sends values); reply: the values
     SET_OPTIMIZER = 11  # worker -> server: {optimizer description}; reply: ACK
@@ -76,6 +77,8 @@ class Flag(enum.IntFlag):
     NONE = 0
     PULL = 1          # PUSH: reply with the weights once this step is applied
     STATE = 2         # PUSH/PULL: add the optimizer state to the reply
+    LATEST = 4        # PUSH with PULL, quorum: reply with the newest closed round
+    FINAL = 8         # PULL, quorum: this worker is done; reply with the final weights
 
 
 DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f8"), 2: np.dtype("<f2"),
@@ -215,7 +218,7 @@ def decode(frames, *, max_bytes=None):
             kind = Kind(kind)
         except ValueError:
             raise ProtocolError(f"unknown message kind {kind}") from None
-        if flags & ~int(Flag.PULL | Flag.STATE):
+        if flags & ~int(Flag.PULL | Flag.STATE | Flag.LATEST | Flag.FINAL):
             raise ProtocolError(f"unknown flag bits {flags:#x}")
         records = _key_table(frames, nkeys, nframes)
         meta = _meta(bytes(_buffer(frames[2])))
@@ -389,6 +392,7 @@ META = {
                       "next_step": ((_int_in(0, 1 << 62), "a step"), False),
                       "from_step": ((_int_in(0, 1 << 62), "a step"), False)},
     Kind.ABORT: {"reason": (_STR, False)},
+    Kind.ROUND: {"log": ((_text(MAX_META_BYTES // 2), "a string of round decisions"), True)},
     Kind.SET_OPTIMIZER: {"optimizer": (_OBJ, True)},
     Kind.SET_STATE: {"optimizer": (_OBJ, False)},
     Kind.SET_COMPRESSION: {"compression": (_OBJ, True)},

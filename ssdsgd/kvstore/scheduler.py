@@ -195,6 +195,8 @@ class Scheduler:
                 self.barrier_values.pop(group)
         elif msg.kind == P.Kind.MEMBERSHIP and node["role"] == "server":
             self._removal_answer(ident, msg.meta)
+        elif msg.kind == P.Kind.ROUND:
+            self._relay_round(node, ident, msg.meta)
         elif msg.kind == P.Kind.FINISH:
             if msg.meta.get("error"):   # everyone (the failed node too) hears it first
                 self._abort(f"{node_name(node)} failed: {msg.meta['error']}")
@@ -242,6 +244,21 @@ class Scheduler:
             self.log(f"worker {meta['removed']} left the job; the servers aggregate the "
                      f"remaining {len(self._members('worker'))} workers from step "
                      f"{removal['step']}")
+
+    def _relay_round(self, node, ident, meta):
+        """Server 0's quorum decisions go to every other server (docs/spec/quorum.md); one
+        lost would stall that server, so a server that does not take them ends the job."""
+        if node["role"] != "server" or node["rank"] != 0:
+            raise P.ProtocolError(f"only server 0 decides quorum rounds, not {node_name(node)}")
+        frames = P.control(P.Kind.ROUND, meta)
+        for other in self._members("server"):
+            if other == ident:
+                continue
+            try:
+                self.sock.send_multipart([other] + frames, flags=zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                self._abort(f"{node_name(self.nodes[other])} does not take the round "
+                            f"decisions of server 0 ({e.strerror})")
 
     def _serve_one(self):
         """Read and handle one message; nothing a peer sends stops the scheduler (only a

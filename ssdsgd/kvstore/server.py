@@ -8,6 +8,11 @@ applied, so it is exactly w_G(t) however far other workers have run ahead.
 
 ``asgd``: every push is applied on arrival (``dist_async``'s semantics).
 
+With a quorum (``sync.quorum`` below N, docs/spec/quorum.md) a round closes on Q workers'
+pushes instead: ``ssdsgd.kvstore.rounds`` decides (server 0, relayed to the others by the
+scheduler) and this module executes its decisions: sum a round's pushes in rank order,
+apply the optimizer once, answer the replies it releases.
+
 One thread, one ROUTER socket: a malformed or inconsistent message is answered with an
 ERROR naming the problem (and its request id) and the server keeps serving. Only the job's
 workers are served, each on the connection it registered (the scheduler says which
@@ -27,8 +32,10 @@ from .compression import Compression, CompressionError
 from . import protocol as P
 from .env import NodeEnv
 from .optimizer_spec import OptimizerSpecError, build, describe, flatten_state, unflatten_state
+from .rounds import RoundError, Rounds
 from .scheduler import JobAborted, Rejections, SchedulerLink, bind_router
 from .security import Guard
+from ..settings import quorum_size
 
 AGGREGATE_KEYS = 45      # keys per multi-tensor optimizer call (MXNet's kernels take <= 45)
 SNDHWM = 10_000          # replies queued for one peer before it counts as not reading
@@ -116,6 +123,8 @@ class Server:
         self.removed = {}         # rank of a worker that left -> the step it is out from
         self.peers = {}        # connection id -> Peer, from the scheduler's topology
         self.steps_ahead = steps_ahead_bound(env)
+        self.quorum = quorum_size(env.quorum, env.num_workers)
+        self.rounds = None     # quorum rounds (set once the rank is known), if Q < N
         self.unread = 0        # replies dropped because a stranger's queue was full
         self.rejected = Rejections(lambda text: self.log(text))
         self.log(f"listening on {env.node_host}:{self.port}; {self.guard.describe()}")
@@ -352,7 +361,7 @@ class Server:
             step = int(rec["step"])
             if len(arrays) != 1:
                 raise RequestError(f"key {shard.key}: a push carries one gradient per key")
-            if self.sync:
+            if self.sync and self.rounds is None:
                 if step < shard.version:
                     raise RequestError(f"key {shard.key}: push for step {step} from worker "
                                        f"{msg.sender}, but step {shard.version - 1} is already applied")
@@ -368,6 +377,8 @@ class Server:
         return shards
 
     def on_push(self, ident, msg):
+        if self.rounds is not None:
+            return self._push_to_round(ident, msg)
         shards = self._check_push(msg)
         reply = None
         if msg.flags & P.Flag.PULL:
@@ -477,6 +488,8 @@ class Server:
 
     def on_pull(self, ident, msg):
         shards = [self._shard_for(rec, with_values=False) for rec in msg.records]
+        if self.rounds is not None:
+            return self._pull_from_rounds(ident, msg, shards)
         for rec, shard in zip(msg.records, shards):
             step = int(rec["step"])
             if self.sync and step >= shard.version and msg.sender not in shard.pending.get(step, ()):
@@ -493,6 +506,80 @@ class Server:
                 shard.waiting.setdefault(step, []).append((reply, i))
             else:
                 self._snapshot(reply, i, shard)
+
+    # ---- quorum rounds (docs/spec/quorum.md; the decisions are ssdsgd.kvstore.rounds') ----
+    def _push_to_round(self, ident, msg):
+        """One push is one contribution (the client sends it unchunked, to every server)."""
+        shards = self._check_push(msg)
+        token = None
+        if msg.flags & P.Flag.PULL:
+            reply = self._new_reply(ident, msg, len(shards), bool(msg.flags & P.Flag.STATE))
+            token = (reply, [shard for shard, _, _ in shards])
+        item = [(shard, grad) for shard, _, grad in shards]
+        try:
+            actions = self.rounds.push(msg.sender, item, token,
+                                       latest=bool(msg.flags & P.Flag.LATEST))
+        except RoundError as e:
+            raise RequestError(str(e)) from None
+        self._execute(actions)
+
+    def _pull_from_rounds(self, ident, msg, shards):
+        """A final pull waits for the end of every worker's pushes; any other pull gets the
+        newest closed round."""
+        reply = self._new_reply(ident, msg, len(shards), bool(msg.flags & P.Flag.STATE))
+        if not msg.flags & P.Flag.FINAL:
+            return self._answer(reply, shards)
+        try:
+            actions = self.rounds.final(msg.sender, (reply, shards))
+        except RoundError as e:
+            raise RequestError(str(e)) from None
+        self._execute(actions)
+
+    def _execute(self, actions):
+        for kind, what in actions:
+            if kind == "close":
+                self._close_round(what)
+            else:
+                self._answer(*what)
+
+    def _close_round(self, contributions):
+        """Sum each key's pushes of the round in rank order, apply the optimizer once."""
+        per_key = {}
+        for _, item in contributions:
+            for shard, grad in item:
+                per_key.setdefault(shard.key, (shard, []))[1].append(grad)
+        self._apply([shard for shard, _ in per_key.values()],
+                    [grads for _, grads in per_key.values()])
+
+    def _answer(self, reply, shards):
+        if not shards:
+            reply.peer.open -= 1
+            self._send(reply.ident, P.Message(P.Kind.REPLY, sender=self.rank, req=reply.req))
+        for i, shard in enumerate(shards):
+            self._snapshot(reply, i, shard)
+
+    def _send_decisions(self):
+        """The leader's decisions of this message go to the other servers (via the
+        scheduler); a decision lost would stall them, so a full queue stops the job."""
+        if self.rounds is None or not self.rounds.log:
+            return
+        text = " ".join(self.rounds.log)
+        self.rounds.log.clear()
+        try:
+            self.link.sock.send_multipart(P.control(P.Kind.ROUND, {"log": text}),
+                                          flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise Fatal("the scheduler does not take server 0's round decisions") from None
+
+    def _follow(self, text):
+        try:
+            actions = self.rounds.follow(text) if self.rounds is not None else None
+        except RoundError as e:
+            raise Fatal(f"server {self.rank}: {e}") from None
+        if actions is None:
+            raise Fatal(f"server {self.rank} received round decisions without a quorum")
+        self._execute(actions)
+        self._snapshots.clear()
 
     def on_get_state(self, ident, msg):
         shards = sorted(self.shards.values(), key=lambda s: s.key)
@@ -555,6 +642,7 @@ class Server:
                 raise RequestError(f"worker {peer.rank}'s connection sent a message as "
                                    f"worker {msg.sender}")
             handler(self, ident, msg)
+            self._send_decisions()
         except (P.ProtocolError, RequestError) as e:
             self._reject(ident, getattr(e, "req", 0) or req, str(e))
         except JobAborted:
@@ -569,6 +657,10 @@ class Server:
         topo = self.link.register()
         self.rank = topo["rank"]
         self.peers = {bytes.fromhex(h): Peer(r) for r, h in enumerate(topo.get("workers", []))}
+        if self.sync and self.quorum < self.num_workers:
+            self.rounds = Rounds(self.num_workers, self.quorum, self.env.max_staleness,
+                                 leader=self.rank == 0, replicate=self.env.num_servers > 1,
+                                 max_queued=self.steps_ahead + 2)
         self.log = (lambda text, r=self.rank: print(f"ssdsgd server {r}: {text}",
                                                      file=sys.stderr, flush=True))
         poller = zmq.Poller()
@@ -584,6 +676,8 @@ class Server:
                         return 0
                     if msg.kind == P.Kind.MEMBERSHIP:
                         self.on_membership(msg.meta)
+                    elif msg.kind == P.Kind.ROUND:
+                        self._follow(msg.meta["log"])
                 if self.sock in events:
                     for _ in range(64):   # drain a burst, but keep heartbeats going
                         try:

@@ -76,6 +76,10 @@ class StageMachine:
         self.pending = None          # Gather of the pull requested at t - 1
         self.counts = {**{stage: 0 for stage in Stage}, "pushes": 0, "pulls": 0}
         self.last_step_blocked = 0.0
+        # A quorum (docs/spec/quorum.md): steps-delay pulls take the newest closed round
+        # without waiting, global weights are dated by the servers' update count (rounds,
+        # not this worker's steps), and the end waits for every worker (final pull).
+        self.quorum = bool(getattr(client, "quorum", False))
 
     # ---- set-up --------------------------------------------------------------------
     def set_optimizer(self, spec):
@@ -97,7 +101,7 @@ class StageMachine:
         replies = self.client.init([(key, value.size, value.dtype) for key, value, _ in entries],
                                    values).wait()
         for key, _, outs in entries:
-            self.keys[key].remember(replies[key], self.t - 1)   # w_G before the first step
+            self.keys[key].remember(replies[key], self._dated(replies[key], self.t - 1))
             self.keys[key].params = list(outs) or self.keys[key].params
         hostcopy.write((out, replies[key].value) for key, _, outs in entries for out in outs)
 
@@ -114,7 +118,8 @@ class StageMachine:
         # are. A steps-delay step returns while the push may still be on the wire and the
         # next backward pass rewrites the gradients, so it sends a copy.
         grads, reply = self._push(entries, copy=not p.synchronous, pull=p.request_pull,
-                                  state=self._wants_state(p))
+                                  state=self._wants_state(p),
+                                  latest=self.quorum and not p.synchronous)
         self.counts[p.stage] += 1
         if p.synchronous:
             self._synchronous_step(entries, reply)
@@ -137,12 +142,18 @@ class StageMachine:
         return needs_state and p.request_pull and \
             (not p.synchronous or self.t == self.env.warmup_steps - 1)
 
-    def _push(self, entries, *, copy, pull=False, state=False):
+    def _dated(self, reply, step):
+        """When the global weights of ``reply`` are from: this worker's step, or with a
+        quorum the servers' update count (the rounds closed)."""
+        return reply.version if self.quorum else step
+
+    def _push(self, entries, *, copy, pull=False, state=False, latest=False):
         """Spec step 2, shared by every stage and ``kv.push``: push g_i(t), each key's
         gradients summed over the worker's devices. Returns them and the pull's reply."""
         grads = {key: _device_sum(grad_list) for key, grad_list, _ in entries}
         flats = hostcopy.read(list(grads.values()), copy=copy)
-        reply = self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state)
+        reply = self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state,
+                                 **({"latest": True} if latest else {}))
         self.counts["pushes"] += 1
         if pull:
             self.counts["pulls"] += 1
@@ -151,8 +162,10 @@ class StageMachine:
     def _synchronous_step(self, entries, reply):
         """Warm-up, ssgd, asgd: wait for w_G(t) and write it into the parameters."""
         replies = reply.wait()
-        for key, _, _ in entries:
-            self.keys[key].remember(replies[key], self.t)
+        for key, _, outs in entries:
+            self.keys[key].remember(replies[key], self._dated(replies[key], self.t))
+            if self.quorum and outs is not None:    # the final pull writes them
+                self.keys[key].outs = outs
         hostcopy.write((out, replies[key].value) for key, grad_list, outs in entries
                        for out in (outs if outs is not None else grad_list))
 
@@ -179,7 +192,7 @@ class StageMachine:
         """Spec step 3: w_i <- w_G(t - 1) from the pull requested at t - 1."""
         replies, self.pending = self.pending.wait(), None
         for key, reply in replies.items():
-            self.keys[key].remember(reply, self.t - 1)
+            self.keys[key].remember(reply, self._dated(reply, self.t - 1))
         # 'corrected' seeds from w_i as it was before the reset overwrites it (the copies
         # are engine operations: the write below waits for them before it overwrites).
         local = {key: self.keys[key].outs[0].copy() for key in replies} \
@@ -256,6 +269,8 @@ class StageMachine:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
+        if self.quorum:
+            return self._final_pull()
         local = [(key, r.outs) for key, r in self.keys.items() if r.outs is not None]
         if local and any(r.seeded for r in self.keys.values()):
             self.pull(local)
@@ -315,6 +330,15 @@ class StageMachine:
             self.rule.load_state_dict(arrays, meta["rule"],
                                       {k: r.params[0] for k, r in self.keys.items()})
         self.client.load_residuals({key: arrays[f"c{key}"] for key in meta.get("residuals", [])})
+
+    def _final_pull(self):
+        """Quorum: tell every server this worker is done and take the final weights, once
+        every worker is done and every push applied (every worker ends on one model)."""
+        if not self.keys:
+            return
+        replies = self.client.pull(list(self.keys), final=True).wait()
+        hostcopy.write((out, replies[key].value) for key, r in self.keys.items()
+                       if r.outs is not None for out in r.outs)
 
     def metrics(self):
         stats = dict(self.client.stats)

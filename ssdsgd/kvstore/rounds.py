@@ -1,0 +1,170 @@
+"""Quorum rounds (docs/spec/quorum.md): which pushes make round r, when it closes, and when
+a reply that waits on the rounds may go. The one place that decides; the server executes.
+
+Pure logic over opaque items (a push's gradients) and reply tokens. Every call returns
+the actions to execute, in order: ``("close", [(rank, item), ...])`` (rank order) and
+``("reply", token)``, so each reply's snapshot is taken exactly between the rounds the
+decision puts it.
+
+The leader (server 0) decides and writes each decision to ``log``; with S > 1 servers
+the scheduler relays the log to the followers, which replay it (``follow``), so every
+server closes round r with the same contributions and answers a reply after the same
+round. A worker's pushes reach every server in the same order (one connection each), so
+"worker j's next push" names the same push everywhere.
+"""
+import re
+from collections import deque
+
+_ENTRY = re.compile(r"c(\d+(?:\.\d+)*)|a(\d+)\.(\d+)")
+
+
+class RoundError(ValueError):
+    """A push or a decision the rounds cannot take (the job cannot go on correctly)."""
+
+
+class Rounds:
+    def __init__(self, num_workers, quorum, max_staleness, *, leader=True, replicate=False,
+                 max_queued=64, max_pending=1 << 20):
+        if not 1 <= quorum <= num_workers:
+            raise RoundError(f"quorum {quorum} for {num_workers} workers")
+        self.n, self.q, self.s = num_workers, quorum, max_staleness
+        self.leader, self.replicate = leader, replicate and leader
+        self.max_queued, self.max_pending = max_queued, max_pending
+        self.closed = 0                  # rounds closed; the open round is number ``closed``
+        self.members = {}                # leader: rank -> item in the open round
+        self.queues = [deque() for _ in range(num_workers)]   # received, in no round yet
+        self.received = [0] * num_workers
+        self.applied = [0] * num_workers  # pushes of each worker in closed rounds
+        self.active = set(range(num_workers))   # workers that have not sent their final pull
+        self.base = [-1] * num_workers   # leader: newest round whose weights each worker got
+        self.waiting = []                # leader: (rank, push index, token, latest)
+        self.tokens = {}                 # follower: (rank, push index) -> token
+        self.finals = []                 # tokens of final pulls
+        self.log = []                    # leader: decisions not yet sent to the followers
+        self.pending = deque()           # follower: decisions not yet replayed
+
+    # ---- what a server calls -----------------------------------------------------------
+    def push(self, rank, item, token=None, latest=False):
+        """Worker ``rank``'s next push; ``token``: a reply wanted once the push's round
+        closed (``latest``: once the push is in the open round, with the newest round)."""
+        if rank not in self.active:
+            raise RoundError(f"worker {rank} pushed after its final pull")
+        if len(self.queues[rank]) >= self.max_queued:
+            raise RoundError(f"worker {rank} has {len(self.queues[rank])} pushes waiting for "
+                             "a round; the schedule allows fewer")
+        index = self.received[rank]
+        self.received[rank] += 1
+        if not self.leader:
+            self.queues[rank].append(item)
+            if token is not None:
+                self.tokens[(rank, index)] = token
+            return self._replay()
+        if rank in self.members:
+            self.queues[rank].append(item)
+        else:
+            self.members[rank] = item
+        if token is not None:
+            self.waiting.append((rank, index, token, latest))
+        return self._settle()
+
+    def final(self, rank, token):
+        """Worker ``rank`` is done: its pushes are all sent before this. The reply goes
+        once every worker is done and every push is in a closed round."""
+        if rank not in self.active:
+            raise RoundError(f"worker {rank} sent its final pull twice")
+        self.active.discard(rank)
+        self.finals.append(token)
+        return self._settle() if self.leader else self._replay()
+
+    def follow(self, text):
+        """A follower: the leader's decisions, as its ``log`` entries joined by spaces."""
+        if self.leader:
+            raise RoundError("the leader received another server's decisions")
+        for entry in text.split():
+            m = _ENTRY.fullmatch(entry)
+            if m is None:
+                raise RoundError(f"a malformed round decision {entry[:40]!r}")
+            if m.group(1) is not None:
+                ranks = [int(r) for r in m.group(1).split(".")]
+                if any(r >= self.n for r in ranks) or len(set(ranks)) != len(ranks):
+                    raise RoundError(f"round decision {entry[:40]!r} names ranks twice or "
+                                     f"beyond {self.n - 1}")
+                self.pending.append(("c", ranks))
+            else:
+                self.pending.append(("a", int(m.group(2)), int(m.group(3))))
+        if len(self.pending) > self.max_pending:
+            raise RoundError(f"{len(self.pending)} round decisions wait for pushes that do "
+                             "not arrive")
+        return self._replay()
+
+    # ---- the leader's rules ----------------------------------------------------------------
+    def _may_reply(self, rank, index, latest):
+        if latest:     # the push is in the open round or a closed one (not queued)
+            return index < self.applied[rank] + (rank in self.members)
+        return index < self.applied[rank]
+
+    def _may_close(self):
+        """Q distinct workers (fewer if fewer can still come), and no worker outside the
+        round is left with weights more than s rounds old."""
+        if not self.members:
+            return False
+        possible = len(self.active | set(self.members))
+        if len(self.members) < min(self.q, possible):
+            return False
+        return all(self.closed - self.base[j] <= self.s
+                   for j in self.active if j not in self.members)
+
+    def _settle(self):
+        actions = []
+        while True:
+            still = []
+            for rank, index, token, latest in self.waiting:
+                if not self._may_reply(rank, index, latest):
+                    still.append((rank, index, token, latest))
+                    continue
+                actions.append(("reply", token))
+                self.base[rank] = self.closed - 1
+                if self.replicate:
+                    self.log.append(f"a{rank}.{index}")
+            self.waiting = still
+            if not self._may_close():
+                break
+            contributions = sorted(self.members.items())
+            self.members = {}
+            actions.append(self._close(contributions))
+            self.members = {j: q.popleft() for j, q in enumerate(self.queues) if q}
+        return actions + self._finals()
+
+    def _close(self, contributions):
+        for rank, _ in contributions:
+            self.applied[rank] += 1
+        self.closed += 1
+        if self.replicate:
+            self.log.append("c" + ".".join(str(r) for r, _ in contributions))
+        return ("close", contributions)
+
+    def _finals(self):
+        done = not self.active and not self.members and not any(self.queues)
+        if not done or not self.finals:
+            return []
+        tokens, self.finals = self.finals, []
+        return [("reply", token) for token in tokens]
+
+    # ---- a follower ------------------------------------------------------------------------
+    def _replay(self):
+        actions = []
+        while self.pending:
+            entry = self.pending[0]
+            if entry[0] == "c":
+                if any(not self.queues[j] for j in entry[1]):
+                    break
+                actions.append(self._close([(j, self.queues[j].popleft()) for j in entry[1]]))
+            else:
+                _, rank, index = entry
+                if self.received[rank] <= index:
+                    break
+                token = self.tokens.pop((rank, index), None)
+                if token is not None:
+                    actions.append(("reply", token))
+            self.pending.popleft()
+        return actions + self._finals()
