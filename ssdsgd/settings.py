@@ -195,9 +195,14 @@ SETTINGS = (
             "presumed dead (at least twice the interval)", env="SSDSGD_HEARTBEAT_TIMEOUT",
             path="cluster.heartbeat_timeout", min=0.1, max=86400.0),
     # --- the synchronization (docs/spec)
-    Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync) or asgd (like "
-            "dist_async)", env="SSDSGD_ALGORITHM", path="sync.algorithm",
-            choices=("ssd", "ssgd", "asgd")),
+    Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync), asgd (like "
+            "dist_async) or preduce (Prague's partial reduce: groups of sync.group_size "
+            "ready workers average their models; docs/spec/preduce.md)",
+            env="SSDSGD_ALGORITHM", path="sync.algorithm",
+            choices=("ssd", "ssgd", "asgd", "preduce")),
+    Setting("group_size", int, 2, "P: workers whose models one partial reduce averages "
+            "(algorithm preduce; 2 <= P <= N)", env="SSDSGD_GROUP_SIZE",
+            path="sync.group_size", min=2),
     Setting("warmup_steps", int, 500, "T_w: synchronous warm-up steps",
             env="SSDSGD_WARMUP_STEPS", path="sync.warmup_steps", min=0),
     Setting("warmup_epochs", float, None, "if set, overrides warmup_steps: round(epochs x steps "
@@ -246,9 +251,19 @@ def _heartbeats(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
     return None
 
 
+def _group_size(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """A partial reduce needs P workers that exist (docs/spec/preduce.md)."""
+    size, workers = values.get("group_size"), values.get("num_workers")
+    if (values.get("algorithm") == "preduce" and size is not None and workers is not None
+            and size > workers):
+        return (f"{label('group_size')}: expected at most {label('num_workers')} "
+                f"({workers}) workers per group, got {size}")
+    return None
+
+
 # Rules over several settings: f(values by name, label) -> one-line error or None, where
 # label(name) is how the caller names a setting (its config key or its variable).
-CROSS_CHECKS = (_heartbeats,)
+CROSS_CHECKS = (_heartbeats, _group_size)
 
 
 def cross_check(values: Mapping, label: Callable[[str], str]) -> None:

@@ -95,12 +95,17 @@ class SSD_Sync(KVStoreBase):
             self._machine.step(entries)
 
     def push(self, key, value, priority=0):
-        if self._env.algorithm == "ssd":
-            raise NotImplementedError("with algorithm ssd use pushpull (as the Trainer does): "
-                                      "a separate push and pull cannot follow the step schedule")
+        if self._env.algorithm in ("ssd", "preduce"):
+            raise NotImplementedError(f"with algorithm {self._env.algorithm} use pushpull (as "
+                                      "the Trainer does): a separate push and pull cannot "
+                                      "follow the step schedule")
         self._machine.push(_entries(key, value, None))
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        if self._env.algorithm == "preduce":
+            raise NotImplementedError("with algorithm preduce every worker keeps its own model "
+                                      "and the servers hold none to pull; the model is in the "
+                                      "parameters (all workers' average after close())")
         self._machine.pull([(k, _as_list(o)) for k, o, _ in _entries(key, out, None)])
 
     @contextlib.contextmanager
@@ -117,8 +122,14 @@ class SSD_Sync(KVStoreBase):
 
     # ---- optimizer ---------------------------------------------------------------
     def set_optimizer(self, optimizer):
-        spec = describe(optimizer)      # a clear error for an optimizer it cannot send
         self._updater = mx.optimizer.get_updater(optimizer)
+        if self._env.algorithm == "preduce":
+            # docs/spec/preduce.md: the Trainer's own optimizer object runs on this worker
+            # (rescale_grad and the lr scheduler as the Trainer sets them); no server has one.
+            self._machine.set_optimizer(None, self._updater)
+            self._client.barrier()
+            return
+        spec = describe(optimizer)      # a clear error for an optimizer it cannot send
         self._machine.set_optimizer(spec)
         if self.rank == 0:
             self._client.set_optimizer(spec).wait()
@@ -128,6 +139,10 @@ class SSD_Sync(KVStoreBase):
         """Gather the servers' optimizer state into a file in MXNet's own format."""
         if self._updater is None:
             raise RuntimeError("set_optimizer must be called before save_optimizer_states")
+        if self._env.algorithm == "preduce":     # each worker's own optimizer state
+            with open(fname, "wb") as f:
+                f.write(self._updater.get_states(dump_optimizer=dump_optimizer))
+            return
         request = self._client.get_state()
         replies = request.wait()
         spec = request.meta.get("optimizer")
@@ -151,6 +166,9 @@ class SSD_Sync(KVStoreBase):
         with open(fname, "rb") as f:
             updater.set_states(f.read())     # a local file the user chose, as MXNet does
         self._updater = updater
+        if self._env.algorithm == "preduce":
+            self._machine.set_optimizer(None, updater)
+            return
         spec = describe(updater.optimizer)
         self._machine.set_optimizer(spec)
         if self.rank == 0:
@@ -164,6 +182,11 @@ class SSD_Sync(KVStoreBase):
         self._client.barrier()
 
     _barrier = barrier
+
+    @property
+    def groups(self):
+        """preduce: (group number, member ranks) of every group this worker joined."""
+        return list(self._machine.groups)
 
     def metrics(self):
         """Counters for the user: steps per stage, pushes, pulls, bytes, time blocked."""

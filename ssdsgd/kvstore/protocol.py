@@ -59,6 +59,8 @@ class Kind(enum.IntEnum):
     FINISH = 5        # worker -> scheduler: done, stop watching me
     SHUTDOWN = 6      # scheduler -> node: the job is over, exit 0
     ABORT = 7         # scheduler -> node: {reason}; exit non-zero
+    READY = 8         # worker -> scheduler (preduce): {final}: my local step is done
+    GROUP = 9         # scheduler -> worker (preduce): {group, members}: average with them
     INIT = 10         # worker -> server: keys (rank 0 sends values); reply: the values
     SET_OPTIMIZER = 11  # worker -> server: {optimizer description}; reply: ACK
     PUSH = 12         # worker -> server: gradients of a step; flags say whether to reply
@@ -66,6 +68,8 @@ class Kind(enum.IntEnum):
     GET_STATE = 14    # worker -> server: optimizer state of all keys; reply: values+state
     SET_STATE = 15    # worker -> server: optimizer state of keys; reply: ACK
     SET_COMPRESSION = 16  # worker -> server: {compression: {type, ...}}; reply: ACK
+    AVERAGE = 17      # worker -> server (preduce): weights, step = group id, {members};
+                      # reply: the members' average once every member's weights arrived
     REPLY = 20        # server -> worker: values (and state) for a request id
     ACK = 21
     ERROR = 22        # {error}: the request was rejected; the server keeps serving
@@ -362,6 +366,9 @@ _STR = (_text(), "a string")
 _OBJ = (lambda v: isinstance(v, dict), "a JSON object")
 _ROLE = (lambda v: v in ("server", "worker") if isinstance(v, str) else False,
          "'server' or 'worker'")
+_RANKS = (lambda v: isinstance(v, list) and 1 <= len(v) <= MAX_RANK
+           and all(_int_in(0, MAX_RANK)(r) for r in v) and v == sorted(set(v)),
+           "a non-empty increasing list of worker ranks")
 _GROUP = (lambda v: v in ("worker", "server", "all") if isinstance(v, str) else False,
           "'worker', 'server' or 'all'")
 
@@ -380,6 +387,10 @@ META = {
                     "workers": ((lambda v: isinstance(v, list) and all(_ID[0](x) for x in v),
                                  "a list of connection ids"), False)},
     Kind.BARRIER: {"group": (_GROUP, False)},
+    Kind.READY: {"final": ((lambda v: isinstance(v, bool), "true or false"), False)},
+    Kind.GROUP: {"group": ((_int_in(0, 1 << 62), "a group number"), True),
+                 "members": (_RANKS, True)},
+    Kind.AVERAGE: {"members": (_RANKS, True)},
     Kind.FINISH: {"error": (_STR, False)},
     Kind.ABORT: {"reason": (_STR, False)},
     Kind.SET_OPTIMIZER: {"optimizer": (_OBJ, True)},
