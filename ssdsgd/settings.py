@@ -258,6 +258,9 @@ def _group_size(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
             and size > workers):
         return (f"{label('group_size')}: expected at most {label('num_workers')} "
                 f"({workers}) workers per group, got {size}")
+    if values.get("algorithm") == "preduce" and values.get("compression", "none") != "none":
+        return (f"{label('compression')}: expected none with algorithm preduce (it averages "
+                f"weights and pushes no gradients), got {values['compression']!r}")
     return None
 
 

@@ -73,6 +73,10 @@ class SSD_Sync(KVStoreBase):
         """MXNet's interface (the Trainer calls it with ``compression_params``): every later
         push is compressed, with a residual per key on this worker; pulls are not
         (docs/spec/compression.md)."""
+        if self._env.algorithm == "preduce":
+            raise CompressionError("algorithm preduce averages weights, never pushes "
+                                   "gradients: gradient compression does not apply; remove "
+                                   "compression_params")
         spec = Compression.from_params(compression_params)
         if spec is None:
             raise CompressionError("set_gradient_compression needs a dict with a 'type', "

@@ -131,3 +131,11 @@ def test_bad_group_sizes_are_one_line_errors(size, workers, text):
         read_env({"SSDSGD_SCHEDULER_PORT": "1", "SSDSGD_ALGORITHM": "preduce",
                   "SSDSGD_GROUP_SIZE": size, "SSDSGD_NUM_WORKERS": workers})
     assert str(e.value) == text and "\n" not in str(e.value)
+
+
+def test_compression_with_preduce_is_a_one_line_error():
+    from ssdsgd import settings as S
+    with pytest.raises(SettingError, match=r"^sync.compression: expected none with algorithm "
+                                           r"preduce .*got '2bit'$"):
+        S.cross_check({"algorithm": "preduce", "compression": "2bit", "num_workers": 4,
+                       "group_size": 2}, lambda name: S.BY_NAME[name].path)
