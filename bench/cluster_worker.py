@@ -134,8 +134,8 @@ def is_sync(kv):
     """Does the server sum N gradients per step (so Trainer.step gets N * batch)?"""
     if kv is None:
         return False
-    if kv.type == 'ssd_sync':
-        return os.environ.get('SSDSGD_ALGORITHM', 'ssd') != 'asgd'
+    if kv.type == 'ssd_sync':     # preduce: each worker's step is its own (docs/spec/preduce.md)
+        return os.environ.get('SSDSGD_ALGORITHM', 'ssd') not in ('asgd', 'preduce')
     return 'async' not in kv.type
 
 

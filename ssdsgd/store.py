@@ -187,6 +187,13 @@ class SSD_Sync(KVStoreBase):
 
     _barrier = barrier
 
+    def average_all(self):
+        """preduce: join the last group, of every worker, now rather than at ``close()``:
+        afterwards the parameters hold the average of all workers' models (every worker
+        must call it; a no-op for the other algorithms, and the second time)."""
+        if self._env.algorithm == "preduce":
+            self._machine.finish()
+
     @property
     def groups(self):
         """preduce: (group number, member ranks) of every group this worker joined."""

@@ -80,6 +80,7 @@ class StageMachine:
         self.last_step_blocked = 0.0
         self.updater = None          # preduce: the Trainer's optimizer, run on this worker
         self.groups = []             # preduce: (group number, members) of every group joined
+        self.groups_done = False     # preduce: the final group (of every worker) is done
 
     # ---- set-up --------------------------------------------------------------------
     def set_optimizer(self, spec, updater=None):
@@ -269,7 +270,8 @@ class StageMachine:
         last group, of every worker, averages all their models."""
         if self.env.algorithm == "preduce":
             local = [(key, r.outs) for key, r in self.keys.items() if r.outs is not None]
-            if local:
+            if local and not self.groups_done:
+                self.groups_done = True
                 self._average(local, final=True)
             return
         if self.pending is not None:
