@@ -4,7 +4,7 @@
         --workload emulated --shapes FILE.json --compute-s 0.8 [--batch 32]
         --workload real --model cifar_resnet20_v1 [--image-size 32] [--batch 32]
         --workload digits [--epochs 20] [--batch 32] [--lr 0.1] [--eval-every 4]
-        [--steps 20] [--warmup 2]
+        [--steps 20] [--warmup 2] [--slowdown delay:1=0.2|factor:1=2|random:D:R[:SEED]]
 
 The same loop for every kvstore, so rows differ only in the kvstore:
 
@@ -14,6 +14,9 @@ The same loop for every kvstore, so rows differ only in the kvstore:
     exchange  trainer.step(...) of a stock gluon.Trainer (sgd, momentum 0.9) on the
               kvstore, then waiting until every weight is readable (what the next forward
               would wait for); this is the time blocked on communication
+
+``--slowdown`` is the training program's ``debug.slowdown`` (ssdsgd/slowdown.py): the
+slowed ranks sleep after their compute, before their exchange, in every row alike.
 
 ``--warmup`` steps (kvstore init and broadcast; for ssd_sync the launcher's
 SSDSGD_WARMUP_STEPS should equal it) run before a barrier; ``--steps`` timed steps follow.
@@ -55,7 +58,19 @@ def parse_args(argv=None):
     p.add_argument('--lr', type=float, default=0.1, help='digits: lr (global-batch mean)')
     p.add_argument('--eval-every', type=int, default=4, help='digits: steps between evals')
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--slowdown', default='none',
+                   help="straggler injection, debug.slowdown's forms (default none)")
     return p.parse_args(argv)
+
+
+def make_slowdown(args, kv):
+    """``--slowdown`` for this worker (the package's Slowdown; the checkout on sys.path)."""
+    if REPO not in map(Path, sys.path):
+        sys.path.insert(0, str(REPO))
+    from ssdsgd.slowdown import Slowdown
+    rank = kv.rank if kv is not None else int(os.environ.get('BENCH_WORKER_INDEX', '0'))
+    return Slowdown(args.slowdown, rank, kv.num_workers if kv is not None else
+                    int(os.environ.get('BENCH_NUM_WORKERS', '1')))
 
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -235,14 +250,17 @@ class Throughput:
 
 def run_throughput(args, kv):
     job = Throughput(args, kv)
+    job.slow = make_slowdown(args, kv)
     dev = net_device()
-    for _ in range(args.warmup):
+    for step in range(args.warmup):
+        a = time.perf_counter()
         job.compute()
+        job.slow.after_compute(step, time.perf_counter() - a)
         job.exchange()
     barrier(kv)
     c0, m0 = read_counters(dev), kv_metrics(kv)
     t_start = time.time()
-    timed = timed_steps(job, args.steps, t_start)
+    timed = timed_steps(job, args.steps, t_start, first_step=args.warmup)
     drain_s = job.drain()
     t_end = time.time()
     c1, m1 = read_counters(dev), kv_metrics(kv)
@@ -253,13 +271,15 @@ def run_throughput(args, kv):
     return res
 
 
-def timed_steps(job, steps, t_start):
-    """compute_s and blocked_s (sums over the steps) and every step's end time."""
+def timed_steps(job, steps, t_start, first_step=0):
+    """compute_s and blocked_s (sums over the steps; an injected slowdown counts as
+    compute) and every step's end time."""
     compute_s = blocked_s = 0.0
     step_ends = []
-    for _ in range(steps):
+    for i in range(steps):
         a = time.perf_counter()
         job.compute()
+        job.slow.after_compute(first_step + i, time.perf_counter() - a)
         b = time.perf_counter()
         job.exchange()
         c = time.perf_counter()
@@ -317,18 +337,24 @@ class Digits:
             correct += int((out.argmax(axis=1) == y).sum())
         return correct / self.ds.n_val
 
-    def train_step(self, idx):
+    def train_step(self, idx, step, slow):
         from mxnet import autograd
+        a = time.perf_counter()
         x, y = self.ds.train_batch(idx, None)
         with autograd.record():
             loss = self.loss_fn(self.net(self.mx.nd.array(x)), self.mx.nd.array(y))
         loss.backward()
+        if slow.kind != 'none':
+            if slow.measures_compute:
+                self.mx.nd.waitall()
+            slow.after_compute(step, time.perf_counter() - a)
         self.trainer.step(self.grad_batch)
 
 
 def run_digits(args, kv):
     job = Digits(args, kv)              # puts the checkout on sys.path
     from ssdsgd.data import shard_indices
+    slow = make_slowdown(args, kv)
     barrier(kv)
     t_start = time.time()
     evals = []
@@ -336,7 +362,7 @@ def run_digits(args, kv):
     for epoch in range(args.epochs):
         for idx in shard_indices(job.ds.n_train, epoch, args.seed, job.rank, job.num_workers,
                                  args.batch):
-            job.train_step(idx)
+            job.train_step(idx, step, slow)
             step += 1
             if job.rank == 0 and (step % args.eval_every == 0 or step == job.total):
                 job.mx.nd.waitall()
@@ -358,7 +384,7 @@ def main(argv=None):
     res.update({'kvstore': args.kvstore, 'kvstore_type': kv.type if kv else 'none',
                 'rank': rank, 'num_workers': kv.num_workers if kv else 1,
                 'algorithm': os.environ.get('SSDSGD_ALGORITHM') if args.kvstore == 'ssd_sync'
-                else None, 'pid': os.getpid()})
+                else None, 'pid': os.getpid(), 'slowdown': args.slowdown})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f'.result-rank{rank}.json.tmp'
