@@ -36,22 +36,26 @@ def test_a_straggler_never_holds_a_group_up():
 
 
 def test_two_equally_fast_pairs_do_not_average_only_among_themselves():
-    """0 and 1 are always ready together, then 2 and 3: without the no-repeat rule the pairs
-    (0, 1) and (2, 3) would never exchange information."""
-    order = [0, 1, 2, 3] * 4
+    """0 and 1 are always ready together, then 2 and 3: without the repeat rule the pairs
+    (0, 1) and (2, 3) would never exchange information; with it a worker's own groups never
+    repeat twice in a row."""
+    order = [0, 1, 2, 3] * 6
     groups = members(replay(order, 4, 2, steps=10))
     assert groups[:2] == [(0, 1), (2, 3)]
-    assert any(g not in ((0, 1), (2, 3)) for g in groups[2:])
-    for a, b in zip(groups, groups[1:]):
-        assert not (set(a) & set(b) and a == b), groups
+    assert any(g not in ((0, 1), (2, 3)) for g in groups[2:6])
+    for r in range(4):
+        own = [g for g in groups if r in g]
+        assert all(not (a == b == c) for a, b, c in zip(own, own[1:], own[2:])), (r, own)
 
 
-def test_the_least_recently_met_ready_worker_is_chosen():
+def test_a_repeat_is_formed_once_then_the_least_recently_met_worker_is_waited_for():
     gen = GroupGenerator(4, 2)
     for r in (0, 1, 2, 3):
-        gen.arrive(r)                 # (0, 1), (2, 3)
+        gen.arrive(r)                              # (0, 1), (2, 3)
     gen.arrive(0)
-    gen.arrive(1)                     # a repeat of (0, 1): waits
+    assert members(gen.arrive(1)) == [(0, 1)]      # one repeat
+    gen.arrive(0)
+    assert gen.arrive(1) == []                     # not two: wait
     assert members(gen.arrive(2)) == [(0, 2)]
     assert members(gen.arrive(3)) == [(1, 3)]
 
