@@ -73,3 +73,44 @@ def test_bad_group_size_is_a_one_line_error_before_anything_starts(tmp_path, siz
     lines = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and text in lines[0], lines
     assert not list(tmp_path.glob("info-rank*.json"))
+
+
+def test_the_server_averages_exactly_and_rejects_bad_averages(procs):
+    """Two real WorkerClients in this process (a preduce job's two workers), a real
+    scheduler and server: the scheduler groups them, the server answers each member with
+    the rank-order mean, and refuses AVERAGEs no correct worker sends, naming why."""
+    import concurrent.futures
+    from conftest import PY, node_env
+    from ssdsgd.kvstore.client import ServerError, WorkerClient
+    from ssdsgd.kvstore.env import NodeEnv
+    from ssdsgd.launch.job import free_port
+
+    env = node_env(free_port(), num_workers=2, num_servers=1, SSDSGD_ALGORITHM="preduce",
+                   SSDSGD_HEARTBEAT_TIMEOUT=20)
+    procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="scheduler"))
+    procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="server"))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        clients = list(pool.map(lambda r: WorkerClient(NodeEnv.from_environ(
+            dict(env, SSDSGD_ROLE="worker", SSDSGD_RANK=str(r)))), range(2)))
+        c0, c1 = sorted(clients, key=lambda c: c.rank)
+        try:
+            keys = [(0, 4, np.dtype(np.float32))]
+            first = pool.submit(lambda: c0.init(keys, [np.zeros(4, np.float32)]).wait())
+            c1.init(keys, None).wait()
+            first.result(60)
+            ready = pool.submit(c0.ready)
+            assert c1.ready() == (0, (0, 1)) and ready.result(60) == (0, (0, 1))
+            w0, w1 = np.float32([1, 2, 3, 1e8]), np.float32([3, 4, 5, 1])
+            for members, text in (((1,), "2 or more"), ((0, 7), "2 or more")):
+                with pytest.raises(ServerError, match=text):
+                    c0.average(0, members, [(0, w0)]).wait()
+            mine = c0.average(0, (0, 1), [(0, w0)])
+            with pytest.raises(ServerError, match="twice"):
+                c0.average(0, (0, 1), [(0, w0)]).wait()
+            theirs = c1.average(0, (0, 1), [(0, w1)]).wait()
+            want = (w0 + w1) / np.float32(2)
+            np.testing.assert_array_equal(mine.wait()[0].value, want)
+            np.testing.assert_array_equal(theirs[0].value, want)
+        finally:
+            for c in clients:
+                c.close()

@@ -464,6 +464,9 @@ class Server:
 
     def _check_average(self, msg):
         """An AVERAGE's group and its (shard, weights) records, before anything changes."""
+        if self.env.algorithm != "preduce":
+            raise RequestError(f"AVERAGE in a job whose algorithm is {self.env.algorithm}, "
+                               "not preduce")
         members = tuple(msg.meta["members"])
         if len(members) < 2 or members[-1] >= self.num_workers or msg.sender not in members:
             raise RequestError(f"AVERAGE of group {msg.step}: members {list(members)} must be "
