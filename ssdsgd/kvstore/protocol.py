@@ -60,7 +60,7 @@ class Kind(enum.IntEnum):
     SHUTDOWN = 6      # scheduler -> node: the job is over, exit 0
     ABORT = 7         # scheduler -> node: {reason}; exit non-zero
     READY = 8         # worker -> scheduler (preduce): {final}: my local step is done
-    GROUP = 9         # scheduler -> worker (preduce): {group, members}: average with them
+    MEMBERSHIP = 9    # scheduler <-> server, scheduler -> worker: a dead worker leaves
     INIT = 10         # worker -> server: keys (rank 0 sends values); reply: the values
     SET_OPTIMIZER = 11  # worker -> server: {optimizer description}; reply: ACK
     PUSH = 12         # worker -> server: gradients of a step; flags say whether to reply
@@ -70,6 +70,7 @@ class Kind(enum.IntEnum):
     SET_COMPRESSION = 16  # worker -> server: {compression: {type, ...}}; reply: ACK
     AVERAGE = 17      # worker -> server (preduce): weights, step = group id, {members};
                       # reply: the members' average once every member's weights arrived
+    GROUP = 18        # scheduler -> worker (preduce): {group, members}: average with them
     REPLY = 20        # server -> worker: values (and state) for a request id
     ACK = 21
     ERROR = 22        # {error}: the request was rejected; the server keeps serving
@@ -386,12 +387,18 @@ META = {
                                  "a list of [host, port]"), True),
                     "workers": ((lambda v: isinstance(v, list) and all(_ID[0](x) for x in v),
                                  "a list of connection ids"), False)},
-    Kind.BARRIER: {"group": (_GROUP, False)},
+    Kind.BARRIER: {"group": (_GROUP, False),
+                   "value": ((_int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
     Kind.READY: {"final": ((lambda v: isinstance(v, bool), "true or false"), False)},
     Kind.GROUP: {"group": ((_int_in(0, 1 << 62), "a group number"), True),
                  "members": (_RANKS, True)},
     Kind.AVERAGE: {"members": (_RANKS, True)},
     Kind.FINISH: {"error": (_STR, False)},
+    # scheduler -> server {removed}: which step does it not have from that worker?
+    # server -> scheduler {removed, next_step}; scheduler -> all {removed, from_step}
+    Kind.MEMBERSHIP: {"removed": ((_int_in(0, MAX_RANK), "a worker rank"), True),
+                      "next_step": ((_int_in(0, 1 << 62), "a step"), False),
+                      "from_step": ((_int_in(0, 1 << 62), "a step"), False)},
     Kind.ABORT: {"reason": (_STR, False)},
     Kind.SET_OPTIMIZER: {"optimizer": (_OBJ, True)},
     Kind.SET_STATE: {"optimizer": (_OBJ, False)},
