@@ -149,8 +149,8 @@ def is_sync(kv):
     """Does the server sum N gradients per step (so Trainer.step gets N * batch)?"""
     if kv is None:
         return False
-    if kv.type == 'ssd_sync':
-        return os.environ.get('SSDSGD_ALGORITHM', 'ssd') != 'asgd'
+    if kv.type == 'ssd_sync':     # preduce: each worker's step is its own (docs/spec/preduce.md)
+        return os.environ.get('SSDSGD_ALGORITHM', 'ssd') not in ('asgd', 'preduce')
     return 'async' not in kv.type
 
 
@@ -369,6 +369,12 @@ def run_digits(args, kv):
                 evals.append((step, time.time() - t_start, job.evaluate()))
     job.mx.nd.waitall()
     t_end = time.time()
+    if kv is not None and hasattr(kv, 'average_all') and kv.algorithm == 'preduce':
+        # the final model is the average of every worker's (docs/spec/preduce.md); rank
+        # 0's curve so far was of its own model
+        kv.average_all()
+        if job.rank == 0:
+            evals.append((step, time.time() - t_start, job.evaluate()))
     return {'t_start': t_start, 't_end': t_end, 'steps': step, 'steps_per_epoch': job.spe,
             'batch': args.batch, 'evals': evals}
 

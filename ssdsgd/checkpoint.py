@@ -131,6 +131,10 @@ def pull_global(kv, trainer, into_params: bool = True) -> dict:
     ssd's steps-delay stage: this worker's local weights) are left alone."""
     import mxnet as mx
     pairs = trainable(trainer)
+    if getattr(kv, "algorithm", None) == "preduce":
+        # docs/spec/preduce.md: no server holds a model; mid-run a checkpoint is rank 0's
+        # own model, the end of the run the average of all (kv.close()).
+        return {p.name: p.data() for _, p in pairs}
     if into_params:
         outs = [p.list_data() for _, p in pairs]
     else:

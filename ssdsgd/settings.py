@@ -273,9 +273,14 @@ SETTINGS = (
             env="SSDSGD_ON_WORKER_FAILURE", path="cluster.on_worker_failure",
             choices=("abort", "restart", "continue")),
     # --- the synchronization (docs/spec)
-    Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync) or asgd (like "
-            "dist_async)", env="SSDSGD_ALGORITHM", path="sync.algorithm",
-            choices=("ssd", "ssgd", "asgd")),
+    Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync), asgd (like "
+            "dist_async) or preduce (Prague's partial reduce: groups of sync.group_size "
+            "ready workers average their models; docs/spec/preduce.md)",
+            env="SSDSGD_ALGORITHM", path="sync.algorithm",
+            choices=("ssd", "ssgd", "asgd", "preduce")),
+    Setting("group_size", int, 2, "P: workers whose models one partial reduce averages "
+            "(algorithm preduce; 2 <= P <= N)", env="SSDSGD_GROUP_SIZE",
+            path="sync.group_size", min=2),
     Setting("warmup_steps", int, 500, "T_w: synchronous warm-up steps",
             env="SSDSGD_WARMUP_STEPS", path="sync.warmup_steps", min=0),
     Setting("warmup_epochs", float, None, "if set, overrides warmup_steps: round(epochs x steps "
@@ -343,6 +348,19 @@ def _heartbeats(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
     return None
 
 
+def _group_size(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """A partial reduce needs P workers that exist (docs/spec/preduce.md)."""
+    size, workers = values.get("group_size"), values.get("num_workers")
+    if (values.get("algorithm") == "preduce" and size is not None and workers is not None
+            and size > workers):
+        return (f"{label('group_size')}: expected at most {label('num_workers')} "
+                f"({workers}) workers per group, got {size}")
+    if values.get("algorithm") == "preduce" and values.get("compression", "none") != "none":
+        return (f"{label('compression')}: expected none with algorithm preduce (it averages "
+                f"weights and pushes no gradients), got {values['compression']!r}")
+    return None
+
+
 # Rules over several settings: f(values by name, label) -> one-line error or None, where
 # label(name) is how the caller names a setting (its config key or its variable).
 def _slowdown_ranks(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
@@ -370,7 +388,7 @@ def _quorum_and_continue(values: Mapping, label: Callable[[str], str]) -> Option
     return None
 
 
-CROSS_CHECKS = (_heartbeats, _slowdown_ranks, _quorum_and_continue)
+CROSS_CHECKS = (_heartbeats, _group_size, _slowdown_ranks, _quorum_and_continue)
 
 
 def cross_check(values: Mapping, label: Callable[[str], str]) -> None:

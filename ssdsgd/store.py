@@ -76,6 +76,10 @@ class SSD_Sync(KVStoreBase):
         """MXNet's interface (the Trainer calls it with ``compression_params``): every later
         push is compressed, with a residual per key on this worker; pulls are not
         (docs/spec/compression.md)."""
+        if self._env.algorithm == "preduce":
+            raise CompressionError("algorithm preduce averages weights, never pushes "
+                                   "gradients: gradient compression does not apply; remove "
+                                   "compression_params")
         spec = Compression.from_params(compression_params)
         if spec is None:
             raise CompressionError("set_gradient_compression needs a dict with a 'type', "
@@ -98,12 +102,17 @@ class SSD_Sync(KVStoreBase):
             self._machine.step(entries)
 
     def push(self, key, value, priority=0):
-        if self._env.algorithm == "ssd":
-            raise NotImplementedError("with algorithm ssd use pushpull (as the Trainer does): "
-                                      "a separate push and pull cannot follow the step schedule")
+        if self._env.algorithm in ("ssd", "preduce"):
+            raise NotImplementedError(f"with algorithm {self._env.algorithm} use pushpull (as "
+                                      "the Trainer does): a separate push and pull cannot "
+                                      "follow the step schedule")
         self._machine.push(_entries(key, value, None))
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        if self._env.algorithm == "preduce":
+            raise NotImplementedError("with algorithm preduce every worker keeps its own model "
+                                      "and the servers hold none to pull; the model is in the "
+                                      "parameters (all workers' average after close())")
         self._machine.pull([(k, _as_list(o)) for k, o, _ in _entries(key, out, None)])
 
     @contextlib.contextmanager
@@ -120,8 +129,14 @@ class SSD_Sync(KVStoreBase):
 
     # ---- optimizer ---------------------------------------------------------------
     def set_optimizer(self, optimizer):
-        spec = describe(optimizer)      # a clear error for an optimizer it cannot send
         self._updater = mx.optimizer.get_updater(optimizer)
+        if self._env.algorithm == "preduce":
+            # docs/spec/preduce.md: the Trainer's own optimizer object runs on this worker
+            # (rescale_grad and the lr scheduler as the Trainer sets them); no server has one.
+            self._machine.set_optimizer(None, self._updater)
+            self._client.barrier()
+            return
+        spec = describe(optimizer)      # a clear error for an optimizer it cannot send
         self._machine.set_optimizer(spec)
         if self.rank == 0:
             self._client.set_optimizer(spec).wait()
@@ -131,6 +146,10 @@ class SSD_Sync(KVStoreBase):
         """Gather the servers' optimizer state into a file in MXNet's own format."""
         if self._updater is None:
             raise RuntimeError("set_optimizer must be called before save_optimizer_states")
+        if self._env.algorithm == "preduce":     # each worker's own optimizer state
+            with open(fname, "wb") as f:
+                f.write(self._updater.get_states(dump_optimizer=dump_optimizer))
+            return
         request = self._client.get_state()
         replies = request.wait()
         spec = request.meta.get("optimizer")
@@ -154,6 +173,9 @@ class SSD_Sync(KVStoreBase):
         with open(fname, "rb") as f:
             updater.set_states(f.read())     # a local file the user chose, as MXNet does
         self._updater = updater
+        if self._env.algorithm == "preduce":
+            self._machine.set_optimizer(None, updater)
+            return
         spec = describe(updater.optimizer)
         self._machine.set_optimizer(spec)
         if self.rank == 0:
@@ -190,6 +212,18 @@ class SSD_Sync(KVStoreBase):
         return self._client.barrier(value)
 
     _barrier = barrier
+
+    def average_all(self):
+        """preduce: join the last group, of every worker, now rather than at ``close()``:
+        afterwards the parameters hold the average of all workers' models (every worker
+        must call it; a no-op for the other algorithms, and the second time)."""
+        if self._env.algorithm == "preduce":
+            self._machine.finish()
+
+    @property
+    def groups(self):
+        """preduce: (group number, member ranks) of every group this worker joined."""
+        return list(self._machine.groups)
 
     def metrics(self):
         """Counters for the user: steps per stage, pushes, pulls, bytes, time blocked."""

@@ -101,8 +101,9 @@ def gradient_batch(config: Config, kv, num_workers: int) -> int:
     servers sum the N workers' gradients, so each is divided by the global batch
     N * batch_size and optimizer.lr is the lr of the mean gradient over the global batch,
     whatever N (the paper's convention: lr 0.4 for 4 x 128 on CIFAR-10). With asgd every
-    push is its own update (dist_async): divided by the worker's batch."""
-    if kv is None or config.sync.algorithm == "asgd":
+    push is its own update (dist_async), with preduce every worker's step is its own
+    (docs/spec/preduce.md): divided by the worker's batch."""
+    if kv is None or config.sync.algorithm in ("asgd", "preduce"):
         return config.data.batch_size
     return config.data.batch_size * num_workers
 
@@ -458,6 +459,8 @@ def finish(run: Run) -> dict:
     last = run.length.last_epoch
     if run.rank == 0 and stage_of(run) == Stage.STEPS_DELAY:
         pull_global(run.kv, run.trainer)
+    if run.kv is not None and stage_of(run) == Stage.PREDUCE:
+        run.kv.average_all()     # every worker: the final model is the average of all
     wall = time.time() - run.t_train
     if run.rank == 0:
         validate(run, last)

@@ -177,7 +177,8 @@ def test_sync_env_matches_design_doc_names(tmp_path):
     cfg = parse_config(merged(sync={"algorithm": "ssgd", "warmup_steps": 7,
                                     "delay_steps": 3, "local_rule": "sgd",
                                     "glu_state": "exact", "lr_local": 0.5}))
-    assert sync_env(cfg) == {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_WARMUP_STEPS": "7",
+    assert sync_env(cfg) == {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_GROUP_SIZE": "2",
+                             "SSDSGD_WARMUP_STEPS": "7",
                              "SSDSGD_DELAY_STEPS": "3", "SSDSGD_LOCAL_RULE": "sgd",
                              "SSDSGD_GLU_STATE": "exact", "SSDSGD_LR_LOCAL": "0.5"}
     assert "SSDSGD_LR_LOCAL" not in sync_env(parse_config(MINIMAL))

@@ -24,7 +24,9 @@ PORT = {"SSDSGD_SCHEDULER_PORT": "9000"}
 # Settings tied by a rule of S.CROSS_CHECKS: while one is probed, the other is set where it
 # allows the most, so that the probe meets the setting's own bounds.
 PARTNERS = {"heartbeat_timeout": {"heartbeat_interval": 0.01},
-            "heartbeat_interval": {"heartbeat_timeout": 86400.0}}
+            "heartbeat_interval": {"heartbeat_timeout": 86400.0},
+            # preduce's default group of 2 needs 2 workers
+            "algorithm": {"num_workers": 4}}
 
 
 def probes(s):

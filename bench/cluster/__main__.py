@@ -14,6 +14,10 @@ configured rate both ways. Three experiments (``--only``):
   scaling  N in --scaling-workers with emulated compute; efficiency against N times one
            worker's throughput without communication
   tta      the digits demo (real compute, real data): time to --tta-target test accuracy
+  hetero   the digits demo with a straggler (debug.slowdown): (a) one worker 2x slower,
+           (b) eager-SGD's random delays; throughput, time to accuracy, final accuracy of
+           native dist_sync, ssgd, ssd k=5 and preduce P=2; written to hetero.md/.json
+           (not cluster.md) so it can run alone
 
 Results go to --out (docs/benchmarks/: cluster.md, cluster.json, PNG plots); every job's
 raw per-worker results and logs go to --raw. Needs root; without it, says so and exits 0.
@@ -78,6 +82,18 @@ def parse_args(argv=None):
     p.add_argument('--tta-warmup', type=int, default=10,
                    help='ssd warm-up steps (digits; the demo config has 50, but 95%% is '
                    'reached at about step 40, inside it)')
+    p.add_argument('--hetero-rate', default='100mbit')
+    p.add_argument('--hetero-workers', type=int, default=4)
+    p.add_argument('--hetero-target', type=float, default=0.95)
+    p.add_argument('--hetero-epochs', type=int, default=20)
+    p.add_argument('--hetero-systems', default=plan.HETERO_SYSTEMS)
+    p.add_argument('--hetero-cases', default='slow,random', help='slow, random or both')
+    p.add_argument('--hetero-slow', default='delay:0=0.05,1=0.05,2=0.05,3=0.1',
+                   help="case (a)'s debug.slowdown: emulated compute of 50 ms per step, "
+                   "worker 3 twice as slow")
+    p.add_argument('--hetero-random', default='random:0.1:1:0',
+                   help="case (b)'s debug.slowdown: eager-SGD's random delays (D s on R "
+                   "ranks drawn each step, seeded)")
     p.add_argument('--latency-ms', type=float, default=0.0,
                    help='added round-trip latency per link (needs netem in the kernel)')
     p.add_argument('--mtu', type=int, default=1500)
@@ -424,6 +440,84 @@ def run_tta(bench, args, log):
     return tta
 
 
+HETERO_CASES = {'slow': ('(a) one worker 2x slower', 'hetero_slow'),
+                'random': ("(b) eager-SGD's random delays", 'hetero_random')}
+
+
+def run_hetero(bench, args, log):
+    """Each straggler case, each system: the digits demo with --slowdown; yields the
+    results so far after every row."""
+    rate = netns.parse_rate(args.hetero_rate)
+    bench.cluster.shape(rate, args.latency_ms)
+    n, s = args.hetero_workers, 1
+    w = Workload('digits', 'digits', 'digits_mlp', 32)
+    het = {'rate_bits': rate, 'workers': n, 'servers': s, 'target': args.hetero_target,
+           'desc': (f'digits_mlp on the 8x8 digits, batch 32/worker, sgd lr 0.1 momentum 0.9 '
+                    f'wd 1e-4 cosine over {args.hetero_epochs} epochs; ssd: warm-up '
+                    f'{args.tta_warmup} steps'), 'cases': []}
+    for name in _csv(args.hetero_cases):
+        title, attr = HETERO_CASES[name]
+        case = {'name': name, 'title': title, 'slowdown': getattr(args, attr), 'rows': []}
+        het['cases'].append(case)
+        log(f'--- heterogeneity {title} (debug.slowdown {case["slowdown"]}): digits @ '
+            f'{netns.rate_label(rate)}, {n} workers')
+        for key in _csv(args.hetero_systems):
+            system = plan.system_by_key(key)
+            wargs = ['--workload', 'digits', '--epochs', args.hetero_epochs, '--batch', 32,
+                     '--lr', 0.1, '--eval-every', 2, '--slowdown', case['slowdown']]
+            row = bench.run(system, w, rate, n, s, 0, args.tta_warmup, extra_args=wargs,
+                            timeout=1200)
+            if row.get('status') == 'ok':
+                add_worker_throughput(row)
+                add_time_to_target(row, args.hetero_target)
+                hit = row['steps_to_target'] is not None
+                log(f"{system.label:<24} {row['samples_per_s']:8.1f} samples/s, time to "
+                    f"{args.hetero_target:.0%}: {row['time_to_target_s'] if hit else 'not reached'}"
+                    f" s, final {row['final_accuracy']:.4f}, {row['wall_s']:.1f} s")
+            else:
+                log(f'{system.label:<24} {row.get("status")}')
+            case['rows'].append(row)
+            yield het
+        case['checks'] = hetero_checks(case)
+    return het
+
+
+def add_worker_throughput(row):
+    """Samples/s of the job while its workers train: each worker's samples over its own
+    time in the training loop, summed (a fast worker that finished early counts at its
+    own rate; the wall time of the whole job is ``wall_s``)."""
+    res = row['results']
+    row['samples_per_s'] = sum(r['steps'] * r['batch'] / (r['t_end'] - r['t_start'])
+                               for r in res if r['t_end'] > r['t_start'])
+    row['worker_steps'] = [r['steps'] for r in res]
+
+
+TOLERANT = ('preduce',)    # TODO(quorum branch): the majority and solo rows count too
+
+
+def hetero_checks(case):
+    """Issue 11's targets, case (a): the best straggler-tolerant row against ssgd."""
+    rows = {r['system']: r for r in case['rows'] if r.get('status') == 'ok'}
+    ssgd = rows.get('ssgd')
+    tolerant = [r for key, r in rows.items() if key.startswith(TOLERANT)]
+    if case['name'] != 'slow' or not ssgd or not tolerant:
+        return []
+    best = max(tolerant, key=lambda r: r['samples_per_s'])
+    checks = [{'what': f"{best['label']} throughput / ssgd", 'target': '>= 1.6',
+               'measured': best['samples_per_s'] / ssgd['samples_per_s']}]
+    if best.get('time_to_target_s') and ssgd.get('time_to_target_s'):
+        checks.append({'what': f"ssgd's time to target / {best['label']}'s", 'target': '>= 1.4',
+                       'measured': ssgd['time_to_target_s'] / best['time_to_target_s']})
+    else:
+        checks.append({'what': 'time to target', 'target': '>= 1.4', 'measured': None})
+    checks.append({'what': f"{best['label']} final accuracy - ssgd's", 'target': '>= -0.01',
+                   'measured': best['final_accuracy'] - ssgd['final_accuracy']})
+    for c, limit in zip(checks, (1.6, 1.4, -0.01)):
+        c['met'] = None if c['measured'] is None else c['measured'] >= limit
+        c['measured'] = report._f(c['measured'], '.3f')
+    return checks
+
+
 def add_time_to_target(row, target):
     """From rank 0's accuracy curve: the first step and time at ``target``, the final and
     best accuracy, the job's wall time."""
@@ -525,7 +619,8 @@ def preflight(args):
 def hosts_needed(args, only):
     max_n = max([args.workers]
                 + ([int(x) for x in _csv(args.scaling_workers)] if 'scaling' in only else [])
-                + ([args.tta_workers] if 'tta' in only else []))
+                + ([args.tta_workers] if 'tta' in only else [])
+                + ([args.hetero_workers] if 'hetero' in only else []))
     return 1 + args.servers + max_n
 
 
@@ -534,7 +629,7 @@ def new_results(args, argv, workloads):
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     return {'meta': {'command': command, 'machine': common.machine_info(),
                      'settings': settings(args, workloads)},
-            'matrix': [], 'scaling': {}, 'tta': {}, 'checks': []}
+            'matrix': [], 'scaling': {}, 'tta': {}, 'hetero': {}, 'checks': []}
 
 
 def _term_as_interrupt(signum, _frame):
@@ -580,6 +675,10 @@ def run_parts(bench, args, only, raw, workloads, results):
         for tta in run_tta(bench, args, log):
             results['tta'] = tta
             save_raw(raw, results)
+    if 'hetero' in only:
+        for het in run_hetero(bench, args, log):
+            results['hetero'] = het
+            save_raw(raw, results)
 
 
 def finish_results(results, bench, interrupted, started, src_start):
@@ -597,6 +696,14 @@ def finish_results(results, bench, interrupted, started, src_start):
 
 def write_outputs(results, out):
     out.mkdir(parents=True, exist_ok=True)
+    if results.get('hetero', {}).get('cases'):
+        (out / 'hetero.json').write_text(json.dumps(strip_for_json(
+            {'meta': results['meta'], 'hetero': results['hetero']}), indent=1))
+        (out / 'hetero.md').write_text(report.hetero_markdown(results))
+        log(f'wrote {out / "hetero.md"} and {out / "hetero.json"}')
+    if not (results.get('matrix') or results.get('scaling', {}).get('rows')
+            or results.get('tta', {}).get('rows')):
+        return      # cluster.md keeps the last full run's tables
     images = report.plots(results, out)
     (out / 'cluster.json').write_text(json.dumps(strip_for_json(results), indent=1))
     (out / 'cluster.md').write_text(report.markdown(results, images))
@@ -608,6 +715,7 @@ def any_failed(results):
     rows = [r for g in results['matrix'] for r in g['rows']]
     rows += results.get('scaling', {}).get('rows', [])
     rows += results.get('tta', {}).get('rows', [])
+    rows += [r for c in results.get('hetero', {}).get('cases', []) for r in c['rows']]
     return any(r.get('status') == 'failed' for r in rows)
 
 
@@ -653,6 +761,8 @@ def print_summary(results):
         print(report.scaling_table(results['scaling']))
     if results.get('tta', {}).get('rows'):
         print(report.tta_table(results['tta']))
+    if results.get('hetero', {}).get('cases'):
+        print(report.hetero_tables(results['hetero']))
     if results.get('checks'):
         print('Comm-bound point (ResNet-50 shapes, 1 Gbit/s, compute = one push, 4 workers, '
               '1 server):')

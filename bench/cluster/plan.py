@@ -26,6 +26,7 @@ class System:
     kind: str             # 'native', 'ssd' or 'none'
     mode: str = ''        # native: dist_sync | dist_async; ssd: ssd | ssgd | asgd
     k: int = 0            # ssd: delay steps
+    p: int = 0            # preduce: group size P
 
     @property
     def synchronous(self):
@@ -49,6 +50,16 @@ def ssd(k):
     return System(f'ssd-k{k}', f'ssd_sync ssd k={k}', 'ssd', 'ssd', k)
 
 
+def preduce(p):
+    return System(f'preduce-p{p}', f'ssd_sync preduce P={p}', 'ssd', 'preduce', p=p)
+
+
+# TODO(quorum branch, issue 11): once sync.quorum is on main, add the rows
+# 'ssgd-majority' (ssgd, quorum majority), 'ssd-k5-majority' and 'ssd-k5-solo' here and
+# to HETERO_SYSTEMS; runner._run_ssd must then set SSDSGD_QUORUM for them.
+HETERO_SYSTEMS = 'native-sync,ssgd,ssd-k5,preduce-p2'
+
+
 def matrix_systems(ks=(2, 5, 10)):
     return [NATIVE_SYNC, NATIVE_ASYNC, SSGD, ASGD] + [ssd(k) for k in ks]
 
@@ -59,6 +70,8 @@ def system_by_key(key):
             return s
     if key.startswith('ssd-k') and key[5:].isdigit():
         return ssd(int(key[5:]))
+    if key.startswith('preduce-p') and key[9:].isdigit():
+        return preduce(int(key[9:]))
     raise KeyError(key)
 
 

@@ -98,6 +98,8 @@ def _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes):
     """ssdsgd's run_job with the netns launcher; the launcher's exit race is a note."""
     env = dict(JOB_ENV, SSDSGD_ALGORITHM=system.mode, SSDSGD_WARMUP_STEPS=str(warmup),
                SSDSGD_DELAY_STEPS=str(max(system.k, 1)))
+    if system.mode == 'preduce':
+        env['SSDSGD_GROUP_SIZE'] = str(system.p)
     with open(log_path, 'w') as f:
         def log(text):
             f.write(f'[launcher] {text}\n')

@@ -9,6 +9,8 @@ What the layers above see (``Gather``: the replies of one request, to be waited 
     set_optimizer(spec), get_state(), set_state(states, spec)    every server -> Gather
     set_compression(spec)               every later push compressed (and every server told)
     barrier(), close(error)
+    ready(final=) -> (group number, members)    preduce: wait for the scheduler's group
+    average(group, members, weights)    preduce: the members' average of weights -> Gather
 
 The client numbers each key's pushes (the per-key step a server aggregates by), splits
 every request over the servers by the key placement (slices of big keys included), and
@@ -245,6 +247,23 @@ class WorkerClient:
         msg = self._scheduler_call(P.Kind.BARRIER, {"group": "worker", "value": int(value)},
                                    P.Kind.BARRIER)
         return int((msg.meta or {}).get("value", 0))
+
+    def ready(self, final=False):
+        """preduce: report this worker's local step done (``final``: its last) and wait
+        for the group the scheduler forms with it: (group number, member ranks)."""
+        if self._failure is not None:
+            raise self._failure
+        meta = self._scheduler_call(P.Kind.READY, {"final": final}, P.Kind.GROUP).meta
+        return meta["group"], tuple(meta["members"])
+
+    def average(self, group, members, weights):
+        """preduce: weights: (key, flat weights); every member of ``group`` sends its own,
+        and each server answers with the members' average of its slices."""
+        entries = [(key, group, flat, flat.dtype) for key, flat in weights]
+        for key, _ in weights:
+            self._key(key)
+        return self.exchange(P.Kind.AVERAGE, entries, step=group,
+                             meta={"members": list(members)})
 
     def close(self, error=None):
         """Tell the scheduler this worker is done (or failed, with ``error``), flush what is

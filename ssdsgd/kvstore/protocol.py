@@ -68,6 +68,10 @@ class Kind(enum.IntEnum):
     GET_STATE = 14    # worker -> server: optimizer state of all keys; reply: values+state
     SET_STATE = 15    # worker -> server: optimizer state of keys; reply: ACK
     SET_COMPRESSION = 16  # worker -> server: {compression: {type, ...}}; reply: ACK
+    AVERAGE = 17      # worker -> server (preduce): weights, step = group id, {members};
+                      # reply: the members' average once every member's weights arrived
+    GROUP = 18        # scheduler -> worker (preduce): {group, members}: average with them
+    READY = 19        # worker -> scheduler (preduce): {final}: my local step is done
     REPLY = 20        # server -> worker: values (and state) for a request id
     ACK = 21
     ERROR = 22        # {error}: the request was rejected; the server keeps serving
@@ -366,6 +370,9 @@ _STR = (_text(), "a string")
 _OBJ = (lambda v: isinstance(v, dict), "a JSON object")
 _ROLE = (lambda v: v in ("server", "worker") if isinstance(v, str) else False,
          "'server' or 'worker'")
+_RANKS = (lambda v: isinstance(v, list) and 1 <= len(v) <= MAX_RANK
+           and all(_int_in(0, MAX_RANK)(r) for r in v) and v == sorted(set(v)),
+           "a non-empty increasing list of worker ranks")
 _GROUP = (lambda v: v in ("worker", "server", "all") if isinstance(v, str) else False,
           "'worker', 'server' or 'all'")
 
@@ -385,6 +392,10 @@ META = {
                                  "a list of connection ids"), False)},
     Kind.BARRIER: {"group": (_GROUP, False),
                    "value": ((_int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
+    Kind.READY: {"final": ((lambda v: isinstance(v, bool), "true or false"), False)},
+    Kind.GROUP: {"group": ((_int_in(0, 1 << 62), "a group number"), True),
+                 "members": (_RANKS, True)},
+    Kind.AVERAGE: {"members": (_RANKS, True)},
     Kind.FINISH: {"error": (_STR, False)},
     # scheduler -> server {removed}: which step does it not have from that worker?
     # server -> scheduler {removed, next_step}; scheduler -> all {removed, from_step}

@@ -19,6 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
 from .env import NodeEnv
+from .groups import GroupError, GroupGenerator
 from .security import Guard
 
 
@@ -92,6 +93,8 @@ class Scheduler:
         self.removals = {}        # rank of a dead worker -> {waiting: servers, step: min}
         self.started = False
         self.rejected = Rejections(self.log)
+        self.groups = GroupGenerator(env.num_workers, min(env.group_size, env.num_workers)) \
+            if env.algorithm == "preduce" else None
 
     def _send(self, ident, kind, meta=None, req=0):
         try:
@@ -197,6 +200,8 @@ class Scheduler:
             self._removal_answer(ident, msg.meta)
         elif msg.kind == P.Kind.ROUND:
             self._relay_round(node, ident, msg.meta)
+        elif msg.kind == P.Kind.READY:
+            self._ready(node, msg.meta.get("final", False))
         elif msg.kind == P.Kind.FINISH:
             if msg.meta.get("error"):   # everyone (the failed node too) hears it first
                 self._abort(f"{node_name(node)} failed: {msg.meta['error']}")
@@ -204,6 +209,22 @@ class Scheduler:
             node["finished"] = True
         else:
             raise P.ProtocolError(f"unexpected {msg.kind.name} at the scheduler")
+
+    def _ready(self, node, final):
+        """preduce: a worker finished a local step; tell the members of every group that
+        forms who they average with (docs/spec/preduce.md)."""
+        if self.groups is None or node["role"] != "worker":
+            raise P.ProtocolError(f"READY from a {node['role']} in a job whose algorithm is "
+                                  f"{self.env.algorithm}, not preduce")
+        try:
+            formed = self.groups.arrive(node["rank"], final)
+        except GroupError as e:
+            raise P.ProtocolError(str(e)) from None
+        by_rank = {n["rank"]: i for i, n in self.nodes.items() if n["role"] == "worker"}
+        for group in formed:
+            for rank in group.members:
+                self._send(by_rank[rank], P.Kind.GROUP, {"group": group.number,
+                                                         "members": list(group.members)})
 
     # ---- cluster.on_worker_failure: continue ----------------------------------------
     def _remove_worker(self, ident, silent):

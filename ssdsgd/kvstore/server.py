@@ -31,6 +31,7 @@ from . import hostcopy
 from .compression import Compression, CompressionError
 from . import protocol as P
 from .env import NodeEnv
+from .groups import mean
 from .optimizer_spec import OptimizerSpecError, build, describe, flatten_state, unflatten_state
 from .rounds import RoundError, Rounds
 from .scheduler import JobAborted, Rejections, SchedulerLink, bind_router
@@ -99,6 +100,15 @@ class Reply:
         peer.open += 1
 
 
+class Averaging:
+    """One partial reduce being collected (preduce): its members and, per key, the weights
+    each member sent and the replies waiting for their average."""
+    __slots__ = ("members", "parts", "waiting")
+
+    def __init__(self, members):
+        self.members, self.parts, self.waiting = members, {}, {}
+
+
 class Server:
     def __init__(self, env: NodeEnv, log=None):
         self.env = env
@@ -125,6 +135,7 @@ class Server:
         self.steps_ahead = steps_ahead_bound(env)
         self.quorum = quorum_size(env.quorum, env.num_workers)
         self.rounds = None     # quorum rounds (set once the rank is known), if Q < N
+        self.averages = {}     # group number -> Averaging (preduce)
         self.unread = 0        # replies dropped because a stranger's queue was full
         self.rejected = Rejections(lambda text: self.log(text))
         self.log(f"listening on {env.node_host}:{self.port}; {self.guard.describe()}")
@@ -215,6 +226,10 @@ class Server:
         reply.missing -= 1
         if self.optimizer is not None:
             reply.lr = float(self.optimizer.learning_rate)
+        self._complete(reply)
+
+    def _complete(self, reply):
+        """Send ``reply`` once every one of its keys has its values."""
         if reply.missing == 0:
             reply.peer.open -= 1
             reply.tracker = self._send(reply.ident, P.Message(
@@ -581,6 +596,62 @@ class Server:
         self._execute(actions)
         self._snapshots.clear()
 
+    def _check_average(self, msg):
+        """An AVERAGE's group and its (shard, weights) records, before anything changes."""
+        if self.env.algorithm != "preduce":
+            raise RequestError(f"AVERAGE in a job whose algorithm is {self.env.algorithm}, "
+                               "not preduce")
+        members = tuple(msg.meta["members"])
+        if len(members) < 2 or members[-1] >= self.num_workers or msg.sender not in members:
+            raise RequestError(f"AVERAGE of group {msg.step}: members {list(members)} must be "
+                               f"2 or more of the {self.num_workers} workers, the sender "
+                               f"(worker {msg.sender}) among them")
+        group = self.averages.get(msg.step)
+        if group is not None and group.members != members:
+            raise RequestError(f"AVERAGE of group {msg.step}: members {list(members)}, but "
+                               f"its other members sent {list(group.members)}")
+        if group is None and len(self.averages) >= self.num_workers:
+            raise RequestError(f"{len(self.averages)} groups are being averaged already; a "
+                               "worker is in at most one at a time")
+        if len(np.unique(msg.records["key"])) != len(msg.records):
+            raise RequestError("an AVERAGE names a key twice")
+        shards = []
+        for rec, arrays in zip(msg.records, msg.tensors):
+            shard = self._shard_for(rec, with_values=True)
+            if len(arrays) != 1 or rec["encoding"]:
+                raise RequestError(f"key {shard.key}: an AVERAGE carries the weights, once")
+            if group is not None and msg.sender in group.parts.get(shard.key, ()):
+                raise RequestError(f"key {shard.key}: worker {msg.sender} sent its weights "
+                                   f"for group {msg.step} twice")
+            shards.append((shard, arrays[0]))
+        return members, shards
+
+    def on_average(self, ident, msg):
+        """preduce (docs/spec/preduce.md): each member of group ``msg.step`` sends its
+        weights; once all have, every member gets their average, key by key."""
+        members, shards = self._check_average(msg)
+        reply = self._new_reply(ident, msg, len(shards), False)
+        group = self.averages.setdefault(msg.step, Averaging(members))
+        if not shards:
+            reply.peer.open -= 1
+            self._send(ident, P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req))
+        for i, (shard, values) in enumerate(shards):
+            parts = group.parts.setdefault(shard.key, {})
+            parts[msg.sender] = values
+            group.waiting.setdefault(shard.key, []).append((reply, i))
+            if len(parts) < len(members):
+                continue
+            value = mean([parts[r] for r in members])
+            del group.parts[shard.key]
+            for rep, j in group.waiting.pop(shard.key):
+                rep.records[j] = (shard.key, msg.step, shard.offset, shard.count,
+                                  shard.dtype, 1)
+                rep.parts[j] = [value]
+                rep.missing -= 1
+                self._complete(rep)
+        if not group.parts:
+            del self.averages[msg.step]
+
     def on_get_state(self, ident, msg):
         shards = sorted(self.shards.values(), key=lambda s: s.key)
         arrays = [[s.weight.asnumpy()] + self._state_arrays(s) for s in shards]
@@ -621,7 +692,8 @@ class Server:
 
     HANDLERS = {P.Kind.INIT: on_init, P.Kind.SET_OPTIMIZER: on_set_optimizer,
                 P.Kind.PUSH: on_push, P.Kind.PULL: on_pull, P.Kind.GET_STATE: on_get_state,
-                P.Kind.SET_STATE: on_set_state, P.Kind.SET_COMPRESSION: on_set_compression}
+                P.Kind.SET_STATE: on_set_state, P.Kind.SET_COMPRESSION: on_set_compression,
+                P.Kind.AVERAGE: on_average}
 
     # ---- loop ----------------------------------------------------------------------
     def handle(self, frames):

@@ -15,6 +15,10 @@ main thread computes; it blocks only where the spec says it must. A worker has a
 k + 1 steps of pushes beyond the last global weights it received (it waits for each pull
 one step after requesting it), which bounds memory on both sides.
 
+``preduce`` (``_preduce_step``, docs/spec/preduce.md): the worker applies the Trainer's
+optimizer to its own weights with its own gradient, reports ready, and averages its
+weights with the group the scheduler forms; ``finish`` joins the last group, of all N.
+
 The machine speaks to the servers only through the client's API (``init``, ``push``,
 ``pull``): it builds no message and never sees how keys are split over servers.
 """
@@ -80,9 +84,14 @@ class StageMachine:
         # without waiting, global weights are dated by the servers' update count (rounds,
         # not this worker's steps), and the end waits for every worker (final pull).
         self.quorum = bool(getattr(client, "quorum", False))
+        self.updater = None          # preduce: the Trainer's optimizer, run on this worker
+        self.groups = []             # preduce: (group number, members) of every group joined
+        self.groups_done = False     # preduce: the final group (of every worker) is done
 
     # ---- set-up --------------------------------------------------------------------
-    def set_optimizer(self, spec):
+    def set_optimizer(self, spec, updater=None):
+        """``updater``: MXNet's updater of the Trainer's own optimizer (preduce runs it)."""
+        self.updater = updater
         self.rule = None
         if self.env.algorithm == "ssd":
             self.rule = make_local_rule(self.env.local_rule, lambda: build(spec),
@@ -109,6 +118,11 @@ class StageMachine:
     def step(self, entries):
         """entries: (key, grads, outs); outs None means write the result into grads."""
         blocked0 = self.client.stats["time_blocked"]
+        if self.env.algorithm == "preduce":
+            self._preduce_step(entries)
+            self.t += 1
+            self.last_step_blocked = self.client.stats["time_blocked"] - blocked0
+            return
         p = plan(self.t, self.env.algorithm, self.env.warmup_steps, self.env.delay_steps)
         if not p.synchronous:
             self._check_steps_delay(entries)
@@ -251,6 +265,35 @@ class StageMachine:
             for key in keys:
                 self.keys[key].take_state(replies[key])
 
+    def _preduce_step(self, entries):
+        """docs/spec/preduce.md: the local step with the Trainer's optimizer (key by key,
+        in the Trainer's order), then ready, then the group's average."""
+        if self.updater is None or any(outs is None for _, _, outs in entries):
+            raise RuntimeError("algorithm preduce runs the Trainer's optimizer inside the "
+                               "store: create the Trainer with update_on_kvstore left at its "
+                               "default (True)")
+        for key, grad_list, outs in entries:
+            self.keys[key].outs = outs
+            self.updater(key, _device_sum(grad_list), outs[0])
+        self.counts[Stage.PREDUCE] += 1
+        self._average([(key, outs) for key, _, outs in entries], final=False)
+
+    def _average(self, keys_outs, final):
+        """Report ready, wait for the group, and replace the weights by its average."""
+        group, members = self.client.ready(final=final)
+        self.groups.append((group, members))
+        if len(members) > 1:
+            flats = hostcopy.read([outs[0] for _, outs in keys_outs])
+            reply = self.client.average(group, members,
+                                        [(key, flat) for (key, _), flat in
+                                         zip(keys_outs, flats)])
+            self.counts["pushes"] += 1
+            replies = reply.wait()
+            hostcopy.write((outs[0], replies[key].value) for key, outs in keys_outs)
+        for _, outs in keys_outs:
+            for out in outs[1:]:
+                outs[0].copyto(out)
+
     # ---- outside the step schedule ----------------------------------------------------
     def push(self, entries):
         """A push on its own (``kv.push``; ssgd/asgd only): no reply, no local update; a
@@ -265,7 +308,14 @@ class StageMachine:
 
     def finish(self):
         """End of training in the steps-delay stage: replace w_i by the global weights of
-        the last step, so every worker ends with the same, global, model."""
+        the last step, so every worker ends with the same, global, model. preduce: the
+        last group, of every worker, averages all their models."""
+        if self.env.algorithm == "preduce":
+            local = [(key, r.outs) for key, r in self.keys.items() if r.outs is not None]
+            if local and not self.groups_done:
+                self.groups_done = True
+                self._average(local, final=True)
+            return
         if self.pending is not None:
             self.pending.wait()
             self.pending = None

@@ -16,6 +16,7 @@ class Stage(str, enum.Enum):
     STEPS_DELAY = "steps_delay"  # ssd, t >= T_w: push every step, pull every k steps
     SSGD = "ssgd"                # algorithm ssgd: every step synchronous (dist_sync)
     ASGD = "asgd"                # algorithm asgd: the server applies each push (dist_async)
+    PREDUCE = "preduce"          # algorithm preduce: local step, then a group's average
 
     def __str__(self):
         return self.value
@@ -33,6 +34,8 @@ def plan(t, algorithm, warmup_steps, delay_steps):
         return StepPlan(Stage.ASGD, True, True)
     if algorithm == "ssgd":
         return StepPlan(Stage.SSGD, True, True)
+    if algorithm == "preduce":
+        return StepPlan(Stage.PREDUCE, False, False)
     if t < warmup_steps:
         return StepPlan(Stage.WARMUP, True, True)
     return StepPlan(Stage.STEPS_DELAY, False,

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import mxnet as mx
 import numpy as np
@@ -27,6 +28,8 @@ p.add_argument("--load", default=None, help="directory with params/states to res
 p.add_argument("--custom-optimizer", action="store_true")
 p.add_argument("--stop-at", type=int, default=-1, help="rank 1 SIGSTOPs itself at this step")
 p.add_argument("--compression", default=None, help="JSON: the Trainer's compression_params")
+p.add_argument("--delays", default="{}", help='JSON {rank: seconds}: sleep before each step '
+               "(a straggler whose lateness fixes the arrival order)")
 args = p.parse_args()
 
 # Under launch/dist.py the scheduler grants each worker the rank the launcher asked for.
@@ -49,7 +52,13 @@ if args.load:
     net.load_parameters(os.path.join(args.load, "params.bin"))
     trainer.load_states(os.path.join(args.load, f"states-rank{rank}.bin"))
 losses = []
+delay = json.loads(args.delays).get(str(rank), 0.0)
+if args.delays != "{}":
+    # The Trainer creates its store (set_optimizer ends in a barrier of all workers) at
+    # its first step; done here, so a delayed rank is late from step 0 on.
+    trainer._init_kvstore()
 for t in range(args.start_step, args.start_step + args.steps):
+    time.sleep(delay)
     if t == args.stop_at and rank == 1:
         print("rank 1 stops (SIGSTOP): alive but silent, like a hung machine", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -70,5 +79,6 @@ np.savez(os.path.join(args.out, f"final-rank{rank}.npz"),
          **{f"p{i}": q.data().asnumpy() for i, q in enumerate(tiny.params(net))})
 with open(os.path.join(args.out, f"info-rank{rank}.json"), "w") as f:
     json.dump({"kvstore_type": type(store).__name__, "update_on_kvstore": trainer._update_on_kvstore,
-               "metrics": metrics, "losses": losses}, f)
+               "metrics": metrics, "losses": losses,
+               "groups": [[g, list(m)] for g, m in store.groups]}, f)
 print(f"rank {rank} done: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)

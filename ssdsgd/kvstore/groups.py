@@ -1,0 +1,133 @@
+"""The group generator of partial reduce (docs/spec/preduce.md): which ready workers
+average their models together. A pure state machine over "worker r is ready" events, so
+the scheduler, the simulator and the tests run the same policy.
+
+After Prague's group generator (Luo et al., ASPLOS'20): groups are formed only from
+workers that reported ready, so no group waits for a slow worker; a worker is in at most
+one group at a time (it reports ready again only once its group is done), so groups never
+conflict. The choice among ready workers is ssdsgd's own, deterministic rule:
+
+* the earliest-ready worker leads the next group (FIFO: nobody starves);
+* the other members are, one by one, the ready workers that last shared a group with the
+  members chosen so far the longest ago (never: first), ties by readiness order;
+* a group whose members all come straight from that same group (a repeat: they hold
+  nearly the same model) may be formed once, but not twice in a row while another active
+  worker may still become ready; then it waits for that worker. Without this rule two
+  pairs of equally fast workers would average only with each other for ever, and
+  information would never mix; forbidding every repeat instead made three fast workers
+  wait for a slow fourth (the pair that was last together must wait for the worker that
+  is with the slow one), in an event simulation with one worker 2x slower: the fast
+  workers ran at the slow one's pace, versus 1.2-1.7x faster with one repeat allowed;
+* P shrinks to the number of active workers once others have finished (a group of one
+  continues at once); when every worker has finished, one last group of all N averages
+  every model: the job's final model.
+"""
+import dataclasses
+
+import numpy as np
+
+
+class GroupError(ValueError):
+    """An event the generator cannot accept (a protocol error of the sender)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    number: int            # formation order, from 0
+    members: tuple         # ranks, increasing
+    final: bool = False    # the last group: every worker, after its last step
+
+
+class GroupGenerator:
+    def __init__(self, num_workers, group_size):
+        if not 1 <= group_size <= num_workers:
+            raise GroupError(f"group size {group_size} with {num_workers} workers")
+        self.n, self.p = num_workers, group_size
+        self.ready = []        # ranks waiting for a group, in the order they reported
+        self.finished = set()  # ranks that reported their final ready
+        self.last = {}         # rank -> members of its last group
+        self.met = {}          # (i, j), i < j -> number of the last group holding both
+        self.repeats = {}      # rank -> how many of its last groups in a row were repeats
+        self.formed = 0
+        self.done = False
+
+    def arrive(self, rank, final=False):
+        """Worker ``rank`` is ready (``final``: after its last step); the groups formed."""
+        if not 0 <= rank < self.n:
+            raise GroupError(f"worker {rank} is not one of the {self.n} workers")
+        if rank in self.ready or rank in self.finished:
+            raise GroupError(f"worker {rank} reported ready twice without being grouped")
+        (self.finished.add if final else self.ready.append)(rank)
+        return self._form()
+
+    def _form(self):
+        groups = []
+        active = self.n - len(self.finished)
+        while active and len(self.ready) >= min(self.p, active):
+            members = self._choose(min(self.p, active), active)
+            if members is None:
+                break
+            groups.append(self._record(members, final=False))
+        if len(self.finished) == self.n and not self.done:
+            self.done = True
+            groups.append(self._record(tuple(range(self.n)), final=True))
+        return groups
+
+    def _choose(self, size, active):
+        chosen = [self.ready[0]]
+        candidates = self.ready[1:]
+        while len(chosen) < size:
+            best = min(candidates, key=lambda c: (max(self._met(c, m) for m in chosen),
+                                                  candidates.index(c)))
+            chosen.append(best)
+            candidates.remove(best)
+        members = tuple(sorted(chosen))
+        if (self._repeat(members) and active > len(self.ready)
+                and all(self.repeats.get(m, 0) >= 1 for m in members)):
+            return None        # a second repeat in a row: wait for someone else
+        return members
+
+    def _repeat(self, members):
+        return len(members) > 1 and all(self.last.get(m) == members for m in members)
+
+    def _met(self, i, j):
+        return self.met.get((min(i, j), max(i, j)), -1)
+
+    def _record(self, members, final):
+        group = Group(self.formed, members, final)
+        self.formed += 1
+        repeat = self._repeat(members)
+        for m in members:
+            self.repeats[m] = self.repeats.get(m, 0) + 1 if repeat else 0
+            self.last[m] = members
+            if m in self.ready:
+                self.ready.remove(m)
+        for a in members:
+            for b in members:
+                if a < b:
+                    self.met[(a, b)] = group.number
+        return group
+
+
+def replay(arrivals, num_workers, group_size, steps):
+    """The groups the generator forms for ``arrivals``, the ranks in the order they report
+    ready; worker r's report after ``steps`` (an int or one per rank) local steps is its
+    final one. A worker reporting again before its group formed is an error."""
+    steps = [steps] * num_workers if isinstance(steps, int) else list(steps)
+    count = [0] * num_workers
+    gen, groups = GroupGenerator(num_workers, group_size), []
+    for rank in arrivals:
+        groups += gen.arrive(rank, final=count[rank] == steps[rank])
+        count[rank] += 1
+    return groups
+
+
+def mean(parts):
+    """A group's average of one key (numpy arrays in the members' rank order): summed in
+    that order as the arrays' dtype, then divided by their number. The servers and the
+    simulator both call this."""
+    acc = np.array(parts[0], copy=True)
+    for part in parts[1:]:
+        acc += part
+    acc /= acc.dtype.type(len(parts))
+    return acc

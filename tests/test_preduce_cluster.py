@@ -1,0 +1,116 @@
+"""Partial reduce end to end (docs/spec/preduce.md): a real scheduler forms the groups,
+real servers average, four real workers train the stock gluon.Trainer; the result is the
+simulator's for the group sequence the job formed, bit for bit."""
+import json
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import tiny
+from conftest import launch, load_npz
+from ssdsgd.glu.preduce import arrival_groups, simulate_preduce
+
+pytestmark = pytest.mark.system
+
+N, STEPS, SLOW, DELAY = 4, 6, 3, 3.0
+
+
+def simulated(groups):
+    net = tiny.make_net()
+    params = tiny.params(net)
+    init = {i: p.data().copy() for i, p in enumerate(params)}
+
+    def grad_fn(worker, step, weights):
+        for i, p in enumerate(params):
+            p.set_data(weights[i])
+        tiny.forward_backward(net, *tiny.batch(worker, step))
+        return {i: p.grad().copy() for i, p in enumerate(params)}
+
+    def make_optimizer():    # ssd_worker.py's Trainer: sgd, batch 8 (rescale_grad 1/8)
+        return mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1 / 8)
+
+    return simulate_preduce(init, grad_fn, make_optimizer, N, STEPS, groups=groups)
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_a_late_worker_does_not_hold_groups_up_and_the_weights_are_the_simulators(
+        tmp_path, servers):
+    """Worker 3 sleeps 3 s before each step: the first groups are the others', and every
+    worker's weights (before and after the final group of all four) are exactly the
+    simulator's for the groups the scheduler formed."""
+    res = launch(N, servers, ["--out", tmp_path, "--steps", STEPS,
+                              "--delays", json.dumps({str(SLOW): DELAY})],
+                 env={"SSDSGD_ALGORITHM": "preduce", "SSDSGD_GROUP_SIZE": 2,
+                      "SSDSGD_BIGARRAY_BOUND": 50},    # the 16x12 weight is split over S
+                 timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    infos = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(N)]
+    groups = arrival_groups([info["groups"] for info in infos])
+    assert SLOW not in set().union(*groups[:2]), groups
+    assert groups[-1] == tuple(range(N))
+    assert all(len(g) == 2 for g in groups[:STEPS]), groups
+    ref = simulated(groups)
+    for r in range(N):
+        local = load_npz(tmp_path / f"local-rank{r}.npz")
+        final = load_npz(tmp_path / f"final-rank{r}.npz")
+        for i in range(len(local)):
+            np.testing.assert_array_equal(local[f"p{i}"], ref.local_weights[r][i].asnumpy())
+            np.testing.assert_array_equal(final[f"p{i}"], ref.worker_weights[r][i].asnumpy())
+    assert any(not np.array_equal(load_npz(tmp_path / "local-rank0.npz")["p0"],
+                                  load_npz(tmp_path / f"local-rank{r}.npz")["p0"])
+               for r in range(1, N)), "each worker keeps its own model"
+    assert infos[0]["metrics"]["preduce"] == STEPS
+
+
+@pytest.mark.parametrize("size, text", [
+    (5, "SSDSGD_GROUP_SIZE: expected at most SSDSGD_NUM_WORKERS (4) workers per group, got 5"),
+    (1, "SSDSGD_GROUP_SIZE='1': expected an integer >= 2")])
+def test_bad_group_size_is_a_one_line_error_before_anything_starts(tmp_path, size, text):
+    res = launch(N, 1, ["--out", tmp_path, "--steps", 1],
+                 env={"SSDSGD_ALGORITHM": "preduce", "SSDSGD_GROUP_SIZE": size}, timeout=60)
+    assert res.returncode != 0
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and text in lines[0], lines
+    assert not list(tmp_path.glob("info-rank*.json"))
+
+
+def test_the_server_averages_exactly_and_rejects_bad_averages(procs):
+    """Two real WorkerClients in this process (a preduce job's two workers), a real
+    scheduler and server: the scheduler groups them, the server answers each member with
+    the rank-order mean, and refuses AVERAGEs no correct worker sends, naming why."""
+    import concurrent.futures
+    from conftest import PY, node_env
+    from ssdsgd.kvstore.client import ServerError, WorkerClient
+    from ssdsgd.kvstore.env import NodeEnv
+    from ssdsgd.launch.job import free_port
+
+    env = node_env(free_port(), num_workers=2, num_servers=1, SSDSGD_ALGORITHM="preduce",
+                   SSDSGD_HEARTBEAT_TIMEOUT=20)
+    procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="scheduler"))
+    procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="server"))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        clients = list(pool.map(lambda r: WorkerClient(NodeEnv.from_environ(
+            dict(env, SSDSGD_ROLE="worker", SSDSGD_RANK=str(r)))), range(2)))
+        c0, c1 = sorted(clients, key=lambda c: c.rank)
+        try:
+            keys = [(0, 4, np.dtype(np.float32))]
+            first = pool.submit(lambda: c0.init(keys, [np.zeros(4, np.float32)]).wait())
+            c1.init(keys, None).wait()
+            first.result(60)
+            ready = pool.submit(c0.ready)
+            assert c1.ready() == (0, (0, 1)) and ready.result(60) == (0, (0, 1))
+            w0, w1 = np.float32([1, 2, 3, 1e8]), np.float32([3, 4, 5, 1])
+            for members, text in (((1,), "2 or more"), ((0, 7), "2 or more")):
+                with pytest.raises(ServerError, match=text):
+                    c0.average(0, members, [(0, w0)]).wait()
+            mine = c0.average(0, (0, 1), [(0, w0)])
+            with pytest.raises(ServerError, match="twice"):
+                c0.average(0, (0, 1), [(0, w0)]).wait()
+            theirs = c1.average(0, (0, 1), [(0, w1)]).wait()
+            want = (w0 + w1) / np.float32(2)
+            np.testing.assert_array_equal(mine.wait()[0].value, want)
+            np.testing.assert_array_equal(theirs[0].value, want)
+        finally:
+            for c in clients:
+                c.close()
