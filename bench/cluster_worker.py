@@ -6,6 +6,7 @@
         --workload digits [--epochs 20] [--batch 32] [--lr 0.1] [--eval-every 4]
             [--hidden 2048 --deferred-eval]
         [--steps 20] [--warmup 2] [--compression '{"type": "2bit", "threshold": 0.5}']
+        [--slowdown delay:1=0.2|factor:1=2|random:D:R[:SEED]]
 
 The same loop for every kvstore, so rows differ only in the kvstore:
 
@@ -21,6 +22,9 @@ With ``--compression`` ssd_sync gets it as the Trainer's ``compression_params``.
 PushPull"), which the Trainer calls, so a native worker with compression uses
 ``PushPullTrainer``: kv.set_gradient_compression, the optimizer on the servers
 (kv.set_optimizer), and per step kv.push of every gradient then kv.pull of every weight.
+
+``--slowdown`` is the training program's ``debug.slowdown`` (ssdsgd/slowdown.py): the
+slowed ranks sleep after their compute, before their exchange, in every row alike.
 
 ``--warmup`` steps (kvstore init and broadcast; for ssd_sync the launcher's
 SSDSGD_WARMUP_STEPS should equal it) run before a barrier; ``--steps`` timed steps follow.
@@ -69,7 +73,19 @@ def parse_args(argv=None):
     p.add_argument('--deferred-eval', action='store_true',
                    help='digits: rank 0 copies its weights every --eval-every steps and '
                    'tests the copies after training, so testing takes no time from the run')
+    p.add_argument('--slowdown', default='none',
+                   help="straggler injection, debug.slowdown's forms (default none)")
     return p.parse_args(argv)
+
+
+def make_slowdown(args, kv):
+    """``--slowdown`` for this worker (the package's Slowdown; the checkout on sys.path)."""
+    if REPO not in map(Path, sys.path):
+        sys.path.insert(0, str(REPO))
+    from ssdsgd.slowdown import Slowdown
+    rank = kv.rank if kv is not None else int(os.environ.get('BENCH_WORKER_INDEX', '0'))
+    return Slowdown(args.slowdown, rank, kv.num_workers if kv is not None else
+                    int(os.environ.get('BENCH_NUM_WORKERS', '1')))
 
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -287,14 +303,17 @@ class Throughput:
 
 def run_throughput(args, kv):
     job = Throughput(args, kv)
+    job.slow = make_slowdown(args, kv)
     dev = net_device()
-    for _ in range(args.warmup):
+    for step in range(args.warmup):
+        a = time.perf_counter()
         job.compute()
+        job.slow.after_compute(step, time.perf_counter() - a)
         job.exchange()
     barrier(kv)
     c0, m0 = read_counters(dev), kv_metrics(kv)
     t_start, cpu0 = time.time(), time.process_time()
-    timed = timed_steps(job, args.steps, t_start)
+    timed = timed_steps(job, args.steps, t_start, first_step=args.warmup)
     drain_s = job.drain()
     t_end, cpu1 = time.time(), time.process_time()
     c1, m1 = read_counters(dev), kv_metrics(kv)
@@ -306,13 +325,15 @@ def run_throughput(args, kv):
     return res
 
 
-def timed_steps(job, steps, t_start):
-    """compute_s and blocked_s (sums over the steps) and every step's end time."""
+def timed_steps(job, steps, t_start, first_step=0):
+    """compute_s and blocked_s (sums over the steps; an injected slowdown counts as
+    compute) and every step's end time."""
     compute_s = blocked_s = 0.0
     step_ends = []
-    for _ in range(steps):
+    for i in range(steps):
         a = time.perf_counter()
         job.compute()
+        job.slow.after_compute(first_step + i, time.perf_counter() - a)
         b = time.perf_counter()
         job.exchange()
         c = time.perf_counter()
@@ -383,12 +404,17 @@ class Digits:
             correct += int((out.argmax(axis=1) == y).sum())
         return correct / self.ds.n_val
 
-    def train_step(self, idx):
+    def train_step(self, idx, step, slow):
         from mxnet import autograd
+        a = time.perf_counter()
         x, y = self.ds.train_batch(idx, None)
         with autograd.record():
             loss = self.loss_fn(self.net(self.mx.nd.array(x)), self.mx.nd.array(y))
         loss.backward()
+        if slow.kind != 'none':
+            if slow.measures_compute:
+                self.mx.nd.waitall()
+            slow.after_compute(step, time.perf_counter() - a)
         self.trainer.step(self.grad_batch)
 
 
@@ -405,6 +431,7 @@ def wide_mlp(hidden):
 def run_digits(args, kv):
     job = Digits(args, kv)              # puts the checkout on sys.path
     from ssdsgd.data import shard_indices
+    slow = make_slowdown(args, kv)
     barrier(kv)
     t_start = time.time()
     evals, snaps = [], []
@@ -412,7 +439,7 @@ def run_digits(args, kv):
     for epoch in range(args.epochs):
         for idx in shard_indices(job.ds.n_train, epoch, args.seed, job.rank, job.num_workers,
                                  args.batch):
-            job.train_step(idx)
+            job.train_step(idx, step, slow)
             step += 1
             if job.rank == 0 and (step % args.eval_every == 0 or step == job.total):
                 job.mx.nd.waitall()
@@ -438,7 +465,7 @@ def main(argv=None):
     res.update({'kvstore': args.kvstore, 'kvstore_type': kv.type if kv else 'none',
                 'rank': rank, 'num_workers': kv.num_workers if kv else 1,
                 'algorithm': os.environ.get('SSDSGD_ALGORITHM') if args.kvstore == 'ssd_sync'
-                else None, 'pid': os.getpid()})
+                else None, 'pid': os.getpid(), 'slowdown': args.slowdown})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f'.result-rank{rank}.json.tmp'

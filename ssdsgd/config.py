@@ -80,6 +80,7 @@ def _section(name: str):
 
 ClusterConfig = _section("cluster")
 SyncConfig = _section("sync")
+DebugConfig = _section("debug")
 
 
 @dataclass
@@ -146,6 +147,7 @@ class Config:
     optimizer: OptimizerConfig = _f(factory=OptimizerConfig)
     train: TrainConfig = _f(factory=TrainConfig)
     output: OutputConfig = _f(factory=OutputConfig)
+    debug: DebugConfig = _f(factory=DebugConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

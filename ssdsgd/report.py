@@ -186,6 +186,8 @@ def finished_run(run_dir, out_dir=None) -> list[str]:
         facts.append(f"training {run['wall_time']:.1f} s")
     if run["samples_per_sec"]:
         facts.append(f"{run['samples_per_sec']:.0f} samples/s")
+    if summary.get("debug_slowdown", "off") != "off":
+        facts.append(f"debug.slowdown {summary['debug_slowdown']}")
     lines = [text + (f" ({', '.join(facts)})" if facts else "") +
              (f"; summary: {summary_path}" if summary else "")]
     for p in plot([run], Path(out_dir) if out_dir else Path(run_dir) / "plots"):

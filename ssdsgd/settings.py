@@ -148,16 +148,63 @@ def _compression(text: str) -> Optional[str]:
     if (kind == "none" and not sep) or (kind in ("2bit", "topk") and not sep):
         return None
     if kind not in ("2bit", "topk"):
-        return f"expected none, 2bit[:threshold] or topk[:ratio], got {text!r}"
+        return "expected none, 2bit[:threshold] or topk[:ratio]"
     try:
         value = float(arg)
     except ValueError:
-        return f"expected a number after '{kind}:', got {text!r}"
+        return f"expected a number after '{kind}:'"
     if kind == "topk" and not 0 < value <= 1:
-        return f"expected a topk ratio in (0, 1], got {text!r}"
+        return f"expected a topk ratio in (0, 1]"
     if kind == "2bit" and not 5e-7 <= value < 3.4e38:
         return (f"expected a 2bit threshold >= 5e-7 (MXNet's servers round it to 6 decimals) "
-                f"and below 3.4e38, got {text!r}")
+                f"and below 3.4e38")
+    return None
+
+
+def parse_slowdown(text: str) -> dict:
+    """debug.slowdown's form, checked (``ssdsgd.slowdown`` acts on it): ``none``;
+    ``factor:R=F[,R=F...]`` (rank R's compute takes F >= 1 times as long);
+    ``delay:R=S[,R=S...]`` (rank R sleeps S seconds per step before its push); or
+    eager-SGD's ``random:D:R[:SEED]`` (each step, R ranks drawn with SEED sleep D s).
+    Returns {"kind", "per_rank", "delay", "count", "seed"}; SettingError if malformed."""
+    kind, sep, arg = text.partition(":")
+    out = {"kind": kind, "per_rank": {}, "delay": 0.0, "count": 0, "seed": 0}
+    if kind == "none" and not sep:
+        return out
+    if kind in ("factor", "delay") and arg:
+        for item in arg.split(","):
+            rank, eq, value = item.partition("=")
+            try:
+                r, v = int(rank), float(value)
+            except ValueError:
+                raise SettingError(f"expected {kind}:RANK=VALUE[,...]") from None
+            low = 1.0 if kind == "factor" else 0.0
+            if not eq or r < 0 or not low <= v <= 3600 or r in out["per_rank"]:
+                raise SettingError(f"{kind}: expected distinct ranks >= 0 and values in "
+                                   f"[{low:g}, 3600]")
+            out["per_rank"][r] = v
+        return out
+    if kind == "random" and arg:
+        parts = arg.split(":")
+        try:
+            delay, count = float(parts[0]), int(parts[1])
+            seed = int(parts[2]) if len(parts) == 3 else 0
+        except (ValueError, IndexError):
+            raise SettingError(f"expected random:DELAY_S:RANKS[:SEED]") from None
+        if len(parts) > 3 or not 0 <= delay <= 3600 or count < 1 or seed < 0:
+            raise SettingError(f"random: expected a delay in [0, 3600] s, ranks >= 1 and a "
+                               f"seed >= 0")
+        out.update(delay=delay, count=count, seed=seed)
+        return out
+    raise SettingError("expected none, factor:RANK=F[,...], delay:RANK=SECONDS[,...] or "
+                       f"random:DELAY_S:RANKS[:SEED]")
+
+
+def _slowdown(text: str) -> Optional[str]:
+    try:
+        parse_slowdown(text)
+    except SettingError as e:
+        return str(e)
     return None
 
 
@@ -229,6 +276,11 @@ SETTINGS = (
             "each job; only processes holding it can connect (unset: anyone can; "
             "docs/reliability.md)", env="SSDSGD_SECRET_FILE", optional=True,
             launcher="a fresh file per job, CURVE keys with --secure"),
+    # --- debugging
+    Setting("slowdown", str, "none", "straggler injection, off by default (none): "
+            "factor:RANK=F[,...] (compute F times as long), delay:RANK=SECONDS[,...] or "
+            "eager-SGD's random:DELAY_S:RANKS[:SEED] (docs/training.md); the run's summary "
+            "names it", env="SSDSGD_SLOWDOWN", path="debug.slowdown", validate=_slowdown),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 BY_ENV = {s.env: s for s in SETTINGS if s.env}
@@ -248,7 +300,19 @@ def _heartbeats(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
 
 # Rules over several settings: f(values by name, label) -> one-line error or None, where
 # label(name) is how the caller names a setting (its config key or its variable).
-CROSS_CHECKS = (_heartbeats,)
+def _slowdown_ranks(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """debug.slowdown may only name the job's workers."""
+    text, n = values.get("slowdown"), values.get("num_workers")
+    if not text or n is None:
+        return None
+    spec = parse_slowdown(text)
+    if any(r >= n for r in spec["per_rank"]) or spec["count"] > n:
+        return (f"{label('slowdown')}: {text!r} names ranks beyond the job's {n} workers "
+                f"({label('num_workers')})")
+    return None
+
+
+CROSS_CHECKS = (_heartbeats, _slowdown_ranks)
 
 
 def cross_check(values: Mapping, label: Callable[[str], str]) -> None:

@@ -42,6 +42,7 @@ from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_
 from ssdsgd.kvstore.compression import parse_setting as parse_compression
 from ssdsgd.metrics import MetricsWriter, Speedometer, kv_metrics, net_figures, summarize
 from ssdsgd.models import build_model, initializer
+from ssdsgd.slowdown import Slowdown
 from ssdsgd.worker.schedule import Stage, plan
 
 log = logging.getLogger("ssdsgd.train")
@@ -183,6 +184,7 @@ class Run:
     speed: Speedometer = dataclasses.field(default_factory=Speedometer)
     loss_fn: object = dataclasses.field(default_factory=gluon.loss.SoftmaxCrossEntropyLoss)
     t_train: float = 0.0      # when the first epoch started
+    slowdown: Slowdown | None = None   # debug.slowdown: straggler injection, off by default
 
 
 def train(config: Config, run_dir, resume: bool = False) -> dict:
@@ -221,6 +223,7 @@ def set_up(config: Config, run_dir: Path, resume: bool, closing) -> Run:
               resolve_warmup_steps(config, length.steps_per_epoch), ctx, net, trainer,
               gradient_batch(config, kv, num_workers),
               build_lr_scheduler(config, length.steps_per_epoch), t_start=t_start)
+    run.slowdown = Slowdown(config.debug.slowdown, rank, num_workers)
     if info:
         resume_from(run, info)
     run.writer = MetricsWriter(run_dir, rank)
@@ -271,7 +274,13 @@ def write_start(run: Run) -> None:
                      warmup_steps=run.warmup, algorithm=c.sync.algorithm,
                      delay_steps=c.sync.delay_steps, model=c.model.name,
                      dataset=c.data.dataset, kvstore=run.kv is not None,
-                     start_epoch=run.start_epoch, start_step=run.step)
+                     start_epoch=run.start_epoch, start_step=run.step,
+                     slowdown=c.debug.slowdown)
+    if c.debug.slowdown != "none":
+        log.warning("debug.slowdown=%s: straggler injection is on, ranks %s are slowed on "
+                    "purpose", c.debug.slowdown,
+                    "drawn at random each step" if run.slowdown.kind == "random"
+                    else run.slowdown.slow_ranks(0))
     log.info("rank %d/%d: %s on %s, %d samples, %d steps/epoch x %d epochs (%d steps), "
              "batch %d, warm-up %d steps, %s", run.rank, run.num_workers, c.model.name,
              c.data.dataset, run.dataset.n_train, n.steps_per_epoch, c.train.epochs,
@@ -309,12 +318,17 @@ def run_epoch(run: Run, epoch: int) -> None:
 
 def train_step(run: Run, x, y) -> tuple[int, float, int]:
     """One step: forward, backward, Trainer.step; (samples, loss sum, correct)."""
+    t0 = time.perf_counter()
     xs = gluon.utils.split_and_load(mx.nd.array(x), run.ctx, even_split=False)
     ys = gluon.utils.split_and_load(mx.nd.array(y), run.ctx, even_split=False)
     with autograd.record():
         outs = [run.net(xi) for xi in xs]
         losses = [run.loss_fn(o, yi) for o, yi in zip(outs, ys)]
     autograd.backward(losses)
+    if run.slowdown is not None and run.slowdown.kind != "none":
+        if run.slowdown.measures_compute:
+            mx.nd.waitall()
+        run.slowdown.after_compute(run.step, time.perf_counter() - t0)
     run.trainer.step(run.grad_batch)
     run.step += 1
     run.samples += len(y)
@@ -418,6 +432,7 @@ def write_summary(run: Run, wall: float) -> dict:
         "best_accuracy": max(v["accuracy"] for v in run.vals),
         **({"final_top5": last["top5"]} if "top5" in last else {}),
         "wall_time": wall, "total_time": time.time() - run.t_start,
+        "debug_slowdown": run.slowdown.describe(),
     }
     summary = summarize(run.run_dir, base, wait_for=run.num_workers)
     log.info("done: test accuracy %.4f after %d steps, %.1f s; summary in %s",
