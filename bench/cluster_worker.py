@@ -433,7 +433,7 @@ def run_digits(args, kv):
     from ssdsgd.data import shard_indices
     slow = make_slowdown(args, kv)
     barrier(kv)
-    t_start = time.time()
+    t_start, cpu0 = time.time(), time.process_time()
     evals, snaps = [], []
     step = 0
     for epoch in range(args.epochs):
@@ -448,9 +448,10 @@ def run_digits(args, kv):
                 else:
                     evals.append((step, time.time() - t_start, job.evaluate()))
     job.mx.nd.waitall()
-    t_end = time.time()
+    t_end, cpu_s = time.time(), time.process_time() - cpu0
     evals += [(s, t, job.evaluate_snapshot(w)) for s, t, w in snaps]
-    return {'t_start': t_start, 't_end': t_end, 'steps': step, 'steps_per_epoch': job.spe,
+    return {'t_start': t_start, 't_end': t_end, 'cpu_s': cpu_s, 'steps': step,
+            'steps_per_epoch': job.spe,
             'batch': args.batch, 'evals': evals, 'param_bytes': job.param_bytes()}
 
 

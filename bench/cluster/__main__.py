@@ -508,7 +508,12 @@ def add_time_to_target(row, target):
     curve = sorted(r0['evals'])
     hit = next((e for e in curve if e[2] >= target), None)
     wall = max(r['t_end'] for r in res) - min(r['t_start'] for r in res)
-    row.update(curve=curve, steps=r0['steps'], wall_s=wall,
+    steps = max(r0['steps'], 1)
+    if all('cpu_s' in r for r in res):
+        row['worker_cpu_per_step_s'] = sum(r['cpu_s'] for r in res) / len(res) / steps
+    if res[0].get('server_cpu_s'):
+        row['server_cpu_per_step_s'] = res[0]['server_cpu_s'] / steps
+    row.update(curve=curve, steps=r0['steps'], wall_s=wall, step_s=wall / steps,
                final_accuracy=curve[-1][2] if curve else None,
                best_accuracy=max(e[2] for e in curve) if curve else None,
                time_to_target_s=hit[1] if hit else None,

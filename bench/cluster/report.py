@@ -120,14 +120,17 @@ def tta_table(tta, md=False):
     if not tta.get('rows'):
         return ''
     headers = ['system', f"time to {tta['target']:.0%} (s)", 'steps to target',
-               'final accuracy', 'best accuracy', 'whole run (s)', 'steps']
+               'final accuracy', 'best accuracy', 'whole run (s)', 'steps', 's/step',
+               'CPU s/step worker', 'CPU s/step server']
     rows = []
     for r in tta['rows']:
         label = r['label'] if r.get('status', 'ok') == 'ok' else f"{r['label']} ({r['status']})"
         rows.append([label, _f(r.get('time_to_target_s'), '.2f', 'not reached'),
                      _f(r.get('steps_to_target'), 'd'), _f(r.get('final_accuracy'), '.4f'),
                      _f(r.get('best_accuracy'), '.4f'), _f(r.get('wall_s'), '.1f'),
-                     _f(r.get('steps'), 'd')])
+                     _f(r.get('steps'), 'd'), _f(r.get('step_s'), '.3f'),
+                     _f(r.get('worker_cpu_per_step_s'), '.3f'),
+                     _f(r.get('server_cpu_per_step_s'), '.3f')])
     title = (f"Time to accuracy: {tta['desc']} | {rate_label(tta['rate_bits'])} per link | "
              f"{tta['workers']} workers, {tta['servers']} server(s)")
     return (f"**{title}**\n\n{md_table(headers, rows)}\n" if md
