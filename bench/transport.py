@@ -10,6 +10,8 @@ by launch/dist.py), and prints one table:
 
   big    GB/s per worker for kv.pushpull of one --big-mb MB float32 array
          ((bytes pushed + bytes pulled) / s; higher is better)
+  keys   ms per round of kv.pushpull called key by key by the script itself (no
+         Trainer, no optimizer) over --small-keys keys of 16 KB (lower is better)
   small  ms per trainer.step of a stock gluon.Trainer with --small-keys parameters of
          4096 float32 (16 KB) each; the Trainer calls pushpull once per parameter
          (lower is better)
@@ -89,9 +91,13 @@ def summarize(results):
     """Medians per worker, averaged over workers."""
     big = [statistics.median(r['big']['gbps']) for r in results]
     small = [statistics.median(r['small']['ms_per_step']) for r in results]
+    keys = [statistics.median(r['keys']['ms_per_step']) for r in results
+            if 'keys' in r]
     return {'big_gbps': statistics.mean(big), 'small_ms': statistics.mean(small),
             'big_gbps_workers': big, 'small_ms_workers': small,
-            'big_ok': all(r['big']['check_ok'] for r in results),
+            'keys_ms': statistics.mean(keys) if keys else None, 'keys_ms_workers': keys,
+            'big_ok': all(r['big']['check_ok'] for r in results)
+            and all(r['keys']['check_ok'] for r in results if 'keys' in r),
             'update_on_kvstore': results[0]['small']['update_on_kvstore']}
 
 
@@ -103,6 +109,8 @@ def print_table(args, native, ssd, notes, secure=None):
     size = f'{args.big_mb:g} MB'
     rows = [
         (f'big: pushpull {size}, GB/s/worker (higher better)', 'big_gbps', '.3f'),
+        (f'keys: {args.small_keys} x 16 KB pushpull key by key, ms (lower better)', 'keys_ms',
+         '.2f'),
         (f'small: {args.small_keys} x 16 KB Trainer.step, ms (lower better)', 'small_ms', '.2f'),
     ]
     head = (f'{args.workers} workers, {args.servers} server(s), big reps {args.reps}, '
@@ -112,9 +120,9 @@ def print_table(args, native, ssd, notes, secure=None):
     print(f'{"":{w0}}  {"native":>10}  {"ssd_sync":>10}  {"ssd/native":>10}'
           f'  {"secure":>10}  {"secure/ssd":>10}')
     for label, key, spec in rows:
-        a = native[key] if native else None
-        b = ssd[key] if ssd else None
-        c = secure[key] if secure else None
+        a = native.get(key) if native else None
+        b = ssd.get(key) if ssd else None
+        c = secure.get(key) if secure else None
         ratio = b / a if a and b is not None else None
         cost = c / b if b and c is not None else None
         print(f'{label:{w0}}  {fmt(a, spec):>10}  {fmt(b, spec):>10}  {fmt(ratio, ".2f"):>10}'
@@ -123,9 +131,11 @@ def print_table(args, native, ssd, notes, secure=None):
         if s:
             per = ', '.join(f'{g:.3f}' for g in s['big_gbps_workers'])
             per_ms = ', '.join(f'{m:.2f}' for m in s['small_ms_workers'])
-            print(f'  {side}: per worker GB/s [{per}], ms/step [{per_ms}], '
+            per_keys = ', '.join(f'{m:.2f}' for m in s['keys_ms_workers'])
+            print(f'  {side}: per worker GB/s [{per}], keys ms/round [{per_keys}], '
+                  f'ms/step [{per_ms}], '
                   f'update_on_kvstore={s["update_on_kvstore"]}'
-                  + ('' if s['big_ok'] else ', BIG RESULT WRONG (!= sum of pushes)'))
+                  + ('' if s['big_ok'] else ', BIG OR KEYS RESULT WRONG (!= sum of pushes)'))
     for n in notes:
         print(f'  note: {n}')
 

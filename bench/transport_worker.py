@@ -7,6 +7,9 @@ Measures, on this worker:
   big    kv.pushpull of one float32 array of --big-mb MB (decimal, 100 MB = 25M elements)
          to a key of its own, --reps timed repetitions after one warm-up; GB/s is
          (bytes pushed + bytes pulled) / seconds, i.e. 2 * size / time per repetition.
+  keys   ms per round of kv.pushpull called key by key by the script (no Trainer, no
+         optimizer) over --small-keys keys of --small-elems float32, then waiting for
+         every output; --small-steps timed rounds after one warm-up round.
   small  ms per trainer.step of a stock gluon.Trainer (sgd, momentum 0.9) over
          --small-keys parameters of --small-elems float32 each, kvstore=kv: the Trainer
          calls pushpull once per parameter.  The backward pass that refreshes the
@@ -29,6 +32,7 @@ from mxnet import autograd, gluon
 # Keys of the raw pushpull part; the Trainer uses 0 .. small_keys-1.
 BIG_KEY = 1_000_000
 SYNC_KEY = 1_000_001
+KEYS_BASE = 2_000_000    # the key-by-key pushpull part
 
 
 def parse_args(argv=None):
@@ -84,6 +88,33 @@ def bench_big(kv, args, sync_buf):
             'check_value': got, 'check_ok': abs(got - expected) < 1e-6}
 
 
+def bench_keys(kv, args, sync_buf):
+    """kv.pushpull called key by key by the script itself (no Trainer, no optimizer: the
+    servers return the sum), --small-keys keys of --small-elems float32, then waiting for
+    every output; --small-steps timed rounds after one warm-up round."""
+    keys = [KEYS_BASE + i for i in range(args.small_keys)]
+    grads = [mx.nd.ones((args.small_elems,)) for _ in keys]
+    outs = [mx.nd.zeros((args.small_elems,)) for _ in keys]
+    for key, out in zip(keys, outs):
+        kv.init(key, out)
+    times = []
+    for rnd in range(args.small_steps + 1):      # round 0 is the warm-up
+        for grad in grads:      # native pulls into the pushed array itself (see bench_big)
+            grad[:] = 1
+        sync(kv, sync_buf)
+        t0 = time.perf_counter()
+        for key, grad, out in zip(keys, grads, outs):
+            kv.pushpull(key, grad, out=out)
+        for out in outs:
+            out.wait_to_read()
+        if rnd:
+            times.append(time.perf_counter() - t0)
+    got = float(outs[-1][0].asscalar())
+    return {'keys': args.small_keys, 'elements_per_key': args.small_elems,
+            'times_s': times, 'ms_per_step': [1e3 * t for t in times],
+            'check_ok': abs(got - kv.num_workers) < 1e-6}
+
+
 def bench_small(kv, args):
     params = []
     for i in range(args.small_keys):
@@ -120,6 +151,7 @@ def main(argv=None):
     result = {'kvstore': args.kvstore, 'kvstore_type': kv.type, 'rank': kv.rank,
               'num_workers': kv.num_workers, 'pid': os.getpid(),
               'big': bench_big(kv, args, sync_buf),
+              'keys': bench_keys(kv, args, sync_buf),
               'small': bench_small(kv, args)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,6 +161,7 @@ def main(argv=None):
     big, small = result['big'], result['small']
     print(f'transport_worker rank={kv.rank} kvstore={args.kvstore} '
           f'big={np.median(big["gbps"]):.3f}GB/s '
+          f'keys={np.median(result["keys"]["ms_per_step"]):.2f}ms/round '
           f'small={np.median(small["ms_per_step"]):.2f}ms/step', flush=True)
 
 

@@ -1,10 +1,14 @@
 """Checkpoints of a run: where it stands, saving, loading, and the global pull before a save.
 
-``RUN_DIR/checkpoints/`` holds ``epoch-NNNN.params`` (``net.save_parameters``' format),
-``epoch-NNNN.states`` (``trainer.save_states``: through the kvstore, the servers'
-optimizer state when they update) and ``latest.json``, the record of the newest one:
-epoch, next_epoch (the data position: checkpoints are taken at epoch ends), step, seed,
-params, states. Rank 0 writes them; every worker of a resumed run loads them.
+``RUN_DIR/checkpoints/`` holds, per checkpoint (``epoch-NNNN`` at an epoch's end,
+``step-NNNNNNNN`` mid-epoch, train.checkpoint_every_s), ``STEM.params``
+(``net.save_parameters``' format), ``STEM.states`` (``trainer.save_states``: through the
+kvstore, the servers' optimizer state when they update), ``STEM.worker-R.npz`` (each
+worker's own state, ``kv.save_worker_state``) and ``latest.json``, the record of the
+newest one: epoch, next_epoch and next_batch (the data position), step, seed, params,
+states, workers (how many worker states; 0: none). Rank 0 writes all but the worker
+states, and latest.json last, after every worker has saved its own; every worker of a
+resumed run loads them. Only the newest mid-epoch checkpoint is kept.
 
 The launcher imports this module (``run_length``, ``checkpoint_info``) without the training
 program; MXNet is imported only by the functions that save or load arrays.
@@ -66,7 +70,23 @@ def checkpoint_info(run_dir) -> dict:
     for key in ("params", "states"):
         if info.get(key) and not (ck / info[key]).is_file():
             raise DataError(f"{ck / info[key]}: missing checkpoint file named by {path}")
+    if not isinstance(info.get("next_batch", 0), int) or not isinstance(
+            info.get("workers", 0), int):
+        raise DataError(f"{path}: next_batch and workers must be integers")
+    for rank in range(info.get("workers", 0)):
+        name = worker_state_name(info, rank, info["workers"])
+        if not (ck / name).is_file():
+            raise DataError(f"{ck / name}: missing worker state named by {path}")
     return info
+
+
+def worker_state_name(info: dict, rank: int, num_workers: int) -> str | None:
+    """The file of worker ``rank``'s own state in checkpoint ``info``; None if the
+    checkpoint has none for a job of ``num_workers`` (a final checkpoint, or another
+    number of workers: the job then resumes from the global model alone)."""
+    if info.get("workers", 0) != num_workers or not num_workers:
+        return None
+    return f"{Path(info['params']).stem}.worker-{rank}.npz"
 
 
 def check_unfinished(run_dir, info: dict, length: RunLength) -> None:
@@ -81,12 +101,12 @@ def check_unfinished(run_dir, info: dict, length: RunLength) -> None:
 
 # ----------------------------------------------------------------------------- saving
 
-def save_states(run_dir: Path, trainer, epoch: int) -> str | None:
+def save_states(run_dir: Path, trainer, stem: str) -> str | None:
     """Rank 0: the trainer's optimizer states (through the kvstore when it updates on the
-    servers) to RUN_DIR/checkpoints/epoch-NNNN.states; None if it cannot."""
+    servers) to RUN_DIR/checkpoints/STEM.states; None if it cannot."""
     ck = run_dir / "checkpoints"
     ck.mkdir(parents=True, exist_ok=True)
-    states = ck / f"epoch-{epoch:04d}.states"
+    states = ck / f"{stem}.states"
     try:
         trainer.save_states(str(states))
     except Exception as exc:  # noqa: BLE001 - a kvstore may not support it
@@ -120,28 +140,56 @@ def pull_global(kv, trainer, into_params: bool = True) -> dict:
     return {p.name: o[0] for (_, p), o in zip(pairs, outs)}
 
 
-def save_checkpoint(run_dir: Path, net, states_name: str | None, epoch: int, step: int,
-                    seed: int, weights: dict | None = None) -> Path:
-    """Rank 0: parameters and the data position (the next epoch to run) in
-    RUN_DIR/checkpoints/; latest.json points at the newest checkpoint. ``weights``
-    ({Parameter name: NDArray}, from pull_global) replace the parameters' own values
-    in the file (net.save_parameters' format either way)."""
+def save_params(run_dir: Path, net, stem: str, weights: dict | None = None) -> Path:
+    """Rank 0: the parameters to RUN_DIR/checkpoints/STEM.params (net.save_parameters'
+    format); ``weights`` ({Parameter name: NDArray}, from pull_global) replace the
+    parameters' own values."""
     import mxnet as mx
     ck = run_dir / "checkpoints"
     ck.mkdir(parents=True, exist_ok=True)
-    params = ck / f"epoch-{epoch:04d}.params"
+    params = ck / f"{stem}.params"
     if weights:
         arrays = {key: weights[p.name] if p.name in weights else p._reduce()  # noqa: SLF001
                   for key, p in net._collect_params_with_prefix().items()}  # noqa: SLF001
         mx.nd.save(str(params), arrays)
     else:
         net.save_parameters(str(params))
-    info = {"epoch": epoch, "next_epoch": epoch + 1, "step": step, "seed": seed,
-            "params": params.name, "states": states_name}
+    return params
+
+
+def save_local_params(net, path: Path) -> None:
+    """This worker's parameters that no kvstore updates (grad_req 'null': BatchNorm's
+    running statistics), each worker's own; nothing if the model has none."""
+    import mxnet as mx
+    local = {key: p._reduce() for key, p in net._collect_params_with_prefix().items()  # noqa: SLF001
+             if p.grad_req == "null"}
+    if local:
+        mx.nd.save(str(path), local)
+
+
+def load_local_params(net, path: Path, ctx) -> None:
+    """Restore save_local_params' file (if there is one) into every device's copy."""
+    import mxnet as mx
+    if not path.is_file():
+        return
+    params = net._collect_params_with_prefix()  # noqa: SLF001
+    for key, value in mx.nd.load(str(path)).items():
+        if key not in params:
+            raise DataError(f"{path}: parameter {key} is not in this model")
+        params[key].set_data(value.as_in_context(ctx[0]))
+
+
+def record_checkpoint(run_dir: Path, info: dict) -> None:
+    """Rank 0, once every file of the checkpoint is written: latest.json names it
+    (atomically); then the older mid-epoch checkpoints' files are removed."""
+    ck = run_dir / "checkpoints"
     tmp = ck / "latest.json.tmp"
     tmp.write_text(json.dumps(info, indent=2) + "\n")
     os.replace(tmp, ck / "latest.json")
-    return params
+    keep = Path(info["params"]).stem
+    for old in ck.glob("step-*"):
+        if old.name.split(".")[0] != keep:
+            old.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- loading

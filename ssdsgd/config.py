@@ -128,7 +128,10 @@ class TrainConfig:
     max_steps: Optional[int] = _f(None, min=1, doc="stop after this many steps in total")
     seed: int = _f(0, min=0)
     log_interval: int = _f(20, min=1, doc="steps between log lines / metrics records")
-    checkpoint_every: int = _f(0, min=0, doc="epochs between checkpoints (0: never)")
+    checkpoint_every: int = _f(1, min=0, doc="epochs between checkpoints (0: never)")
+    checkpoint_every_s: Optional[float] = field(default=S.BY_NAME["checkpoint_every_s"].default,
+                                                metadata={"setting": S.BY_NAME["checkpoint_every_s"],
+                                                          "doc": S.BY_NAME["checkpoint_every_s"].doc})
     gpus: list[int] = _f(factory=list, doc="GPU ids; empty: CPU")
 
 
@@ -285,9 +288,9 @@ def _cross_check(cfg: Config) -> None:
         raise ConfigError(f"optimizer.lr_schedule.warmup_epochs: expected < train.epochs "
                           f"({cfg.train.epochs}), got {sched.warmup_epochs}")
     s = cfg.sync
-    if (s.algorithm == "ssd" and s.local_rule == "glu" and s.glu_state == "estimate"
+    if (s.algorithm == "ssd" and s.local_rule == "glu" and s.glu_state in ("estimate", "corrected")
             and (name not in ("sgd", "nag") or cfg.optimizer.momentum <= 0)):
-        raise ConfigError("sync.glu_state: 'estimate' needs optimizer sgd or nag with "
+        raise ConfigError(f"sync.glu_state: {s.glu_state!r} needs optimizer sgd or nag with "
                           f"momentum > 0 (got {name}, momentum {cfg.optimizer.momentum}); "
                           "use 'exact'")
     if cfg.train.gpus and len(set(cfg.train.gpus)) != len(cfg.train.gpus):

@@ -241,6 +241,14 @@ SETTINGS = (
     Setting("heartbeat_timeout", float, 30.0, "seconds without a heartbeat before a node is "
             "presumed dead (at least twice the interval)", env="SSDSGD_HEARTBEAT_TIMEOUT",
             path="cluster.heartbeat_timeout", min=0.1, max=86400.0),
+    Setting("max_restarts", int, 0, "times the launcher restarts a job from its last "
+            "checkpoint when a process dies (launch/dist.py --max-restarts overrides it; 0: "
+            "the job fails)", path="cluster.max_restarts", min=0, max=1000),
+    Setting("on_worker_failure", str, "abort", "when a worker dies: abort the job, restart "
+            "it from the last checkpoint (cluster.max_restarts times, 3 if that is 0) or "
+            "continue without it (not rank 0; docs/reliability.md)",
+            env="SSDSGD_ON_WORKER_FAILURE", path="cluster.on_worker_failure",
+            choices=("abort", "restart", "continue")),
     # --- the synchronization (docs/spec)
     Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync) or asgd (like "
             "dist_async)", env="SSDSGD_ALGORITHM", path="sync.algorithm",
@@ -253,15 +261,22 @@ SETTINGS = (
             path="sync.delay_steps", min=1),
     Setting("local_rule", str, "glu", "the worker's local update between pulls (docs/glu.md)",
             env="SSDSGD_LOCAL_RULE", path="sync.local_rule", choices=("glu", "sgd", "none")),
-    Setting("glu_state", str, "estimate", "glu's optimizer state at a reset: estimated from "
-            "the last two pulls (needs sgd/nag with momentum > 0) or the servers' exact "
-            "state", env="SSDSGD_GLU_STATE", path="sync.glu_state",
-            choices=("estimate", "exact")),
+    Setting("glu_state", str, "exact", "glu's optimizer state at a reset: the servers' exact "
+            "state (default: keeps SSGD's per-step progress, any optimizer, costs pull bytes "
+            "only), estimated from the last two pulls, or the worker's own momentum corrected "
+            "by the gap to the pulled weights (no extra bytes; estimate and corrected need "
+            "sgd/nag with momentum > 0; measured in docs/glu.md)", env="SSDSGD_GLU_STATE", path="sync.glu_state",
+            choices=("estimate", "exact", "corrected")),
     Setting("lr_local", float, None, "the local rule's lr; unset: the servers' lr",
             env="SSDSGD_LR_LOCAL", path="sync.lr_local", above=0.0, max=10.0, optional=True),
     Setting("compression", str, "none", "push compression, the Trainer's compression_params "
             "(docs/spec/compression.md): none, 2bit[:threshold] (MXNet's; default 0.5) or "
             "topk[:ratio] (default 0.1)", path="sync.compression", validate=_compression),
+    # --- checkpoints (docs/training.md)
+    Setting("checkpoint_every_s", float, None, "also checkpoint mid-epoch once this many "
+            "seconds have passed since the last checkpoint (rank 0's clock, looked at every "
+            "train.log_interval steps); unset: at epoch ends only (train.checkpoint_every)",
+            path="train.checkpoint_every_s", min=1.0, max=604800.0, optional=True),
     # --- the transport
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),

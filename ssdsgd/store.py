@@ -7,8 +7,11 @@ algorithm and no wire details. How the stock ``gluon.Trainer`` is brought to use
 the one node every store of a process shares, are in ``ssdsgd/integration.py``.
 """
 import contextlib
+import json
+import os
 
 import mxnet as mx
+import numpy as np
 from mxnet.kvstore import KVStoreBase
 
 from .integration import NAME, PROCESS
@@ -159,9 +162,32 @@ class SSD_Sync(KVStoreBase):
             self._client.set_state(states, spec).wait()
         self._client.barrier()
 
+    # ---- this worker's own state, next to a checkpoint -------------------------------
+    def save_worker_state(self, fname):
+        """This worker's state that the servers do not hold (the stage machine's: local
+        weights, the pending pull, the local rule's state, the step) to ``fname``, an
+        .npz file (JSON meta, no pickles). Call it between two steps, on every worker at
+        the same step; ``load_worker_state`` then continues bit-identically."""
+        arrays, meta = self._machine.state_dict()
+        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+        arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        tmp = f"{fname}.tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, fname)
+
+    def load_worker_state(self, fname):
+        """Restore a file of ``save_worker_state`` (after the Trainer has initialized the
+        kvstore and loaded the optimizer state); w_i is written into the parameters."""
+        with np.load(fname, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+        meta = json.loads(arrays.pop("__meta__").tobytes().decode())
+        self._machine.load_state_dict(arrays, meta)
+
     # ---- lifecycle and metrics ----------------------------------------------------
-    def barrier(self):
-        self._client.barrier()
+    def barrier(self, value=0):
+        """MXNet's barrier; also returns the largest ``value`` any worker passed."""
+        return self._client.barrier(value)
 
     _barrier = barrier
 

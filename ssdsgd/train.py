@@ -35,7 +35,9 @@ import numpy as np
 from mxnet import autograd, gluon
 
 from ssdsgd.checkpoint import (RunLength, check_unfinished, checkpoint_info, load_checkpoint,
-                               pull_global, run_length, save_checkpoint, save_states)
+                               load_local_params, pull_global, record_checkpoint, run_length,
+                               save_local_params, save_params, save_states,
+                               worker_state_name)
 from ssdsgd.config import (Config, ConfigError, check_worker_env, load_config, new_run_dir,
                            resolve_warmup_steps, save_config)
 from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_epoch
@@ -178,12 +180,14 @@ class Run:
     writer: MetricsWriter | None = None
     loader: Loader | None = None
     start_epoch: int = 0
+    start_batch: int = 0      # the data position in start_epoch (a mid-epoch checkpoint)
     step: int = 0
     samples: int = 0
     vals: list = dataclasses.field(default_factory=list)
     speed: Speedometer = dataclasses.field(default_factory=Speedometer)
     loss_fn: object = dataclasses.field(default_factory=gluon.loss.SoftmaxCrossEntropyLoss)
     t_train: float = 0.0      # when the first epoch started
+    t_checkpoint: float = 0.0  # when the last checkpoint was taken (checkpoint_every_s)
     slowdown: Slowdown | None = None   # debug.slowdown: straggler injection, off by default
 
 
@@ -231,7 +235,7 @@ def set_up(config: Config, run_dir: Path, resume: bool, closing) -> Run:
     write_start(run)
     run.loader = Loader(dataset, config.train.seed, config.data.loader_threads)
     closing.callback(run.loader.close)
-    run.t_train = time.time()
+    run.t_train = run.t_checkpoint = time.time()
     return run
 
 
@@ -261,8 +265,21 @@ def resume_from(run: Run, info: dict) -> None:
     run.net(mx.nd.array(x0[:1], ctx=run.ctx[0]))
     load_checkpoint(run.run_dir, info, run.net, run.trainer, run.ctx, run.grad_batch)
     run.start_epoch, run.step = int(info["next_epoch"]), int(info["step"])
-    log.info("resumed from %s at epoch %d, step %d", run.run_dir / "checkpoints",
-             run.start_epoch, run.step)
+    run.start_batch = int(info.get("next_batch", 0))
+    name = worker_state_name(info, run.rank, run.num_workers)
+    if run.kv is not None and name:
+        if not run.trainer._kv_initialized:  # noqa: SLF001 - no states file: not yet
+            run.trainer._init_kvstore()      # noqa: SLF001
+        try:
+            run.kv.load_worker_state(str(run.run_dir / "checkpoints" / name))
+            load_local_params(run.net, run.run_dir / "checkpoints" / name.replace(
+                ".npz", ".local.params"), run.ctx)
+        except (OSError, ValueError, KeyError) as exc:
+            raise DataError(f"{run.run_dir / 'checkpoints' / name}: cannot restore this "
+                            f"worker's state ({exc})") from None
+    log.info("resumed from %s at epoch %d, batch %d, step %d%s", run.run_dir / "checkpoints",
+             run.start_epoch, run.start_batch, run.step,
+             " with this worker's own state" if name else "")
 
 
 def write_start(run: Run) -> None:
@@ -274,8 +291,8 @@ def write_start(run: Run) -> None:
                      warmup_steps=run.warmup, algorithm=c.sync.algorithm,
                      delay_steps=c.sync.delay_steps, model=c.model.name,
                      dataset=c.data.dataset, kvstore=run.kv is not None,
-                     start_epoch=run.start_epoch, start_step=run.step,
-                     slowdown=c.debug.slowdown)
+                     start_epoch=run.start_epoch, start_batch=run.start_batch,
+                     start_step=run.step, slowdown=c.debug.slowdown)
     if c.debug.slowdown != "none":
         log.warning("debug.slowdown=%s: straggler injection is on, ranks %s are slowed on "
                     "purpose", c.debug.slowdown,
@@ -294,8 +311,9 @@ def run_epoch(run: Run, epoch: int) -> None:
     run.speed.reset()
     whole = Speedometer()
     c = run.config
+    first = run.start_batch if epoch == run.start_epoch else 0
     for batch, (x, y) in run.loader.epoch(epoch, run.rank, run.num_workers,
-                                          c.data.batch_size):
+                                          c.data.batch_size, start_step=first):
         figures = train_step(run, x, y)
         run.speed.update(*figures)
         whole.update(*figures)
@@ -303,17 +321,17 @@ def run_epoch(run: Run, epoch: int) -> None:
             log_interval(run, epoch, batch + 1)
         if run.step >= run.length.total_steps:
             break
+        if (batch + 1 < run.length.steps_per_epoch and (batch + 1) % c.train.log_interval == 0
+                and time_for_checkpoint(run)):
+            checkpoint(run, epoch, batch + 1)
     ep = whole.stats()
     log.info("Epoch[%d] Train-accuracy=%.6f loss=%.4f Speed: %.1f samples/sec", epoch,
              ep["accuracy"], ep["loss"], ep["samples_per_sec"])
-    if run.rank == 0 and epoch < run.length.last_epoch:
-        validate(run, epoch)
+    if epoch < run.length.last_epoch:
+        if run.rank == 0:
+            validate(run, epoch)
         if wants_checkpoint(run, epoch):
-            # in the steps-delay stage rank 0's weights are its local ones: the
-            # checkpoint holds the global model, pulled from the servers
-            weights = (pull_global(run.kv, run.trainer, into_params=False)
-                       if stage_of(run) == Stage.STEPS_DELAY else None)
-            checkpoint(run, epoch, weights)
+            checkpoint(run, epoch + 1, 0)
 
 
 def train_step(run: Run, x, y) -> tuple[int, float, int]:
@@ -388,13 +406,48 @@ def wants_checkpoint(run: Run, epoch: int) -> bool:
     return bool(every) and ((epoch + 1) % every == 0 or epoch == run.length.last_epoch)
 
 
-def checkpoint(run: Run, epoch: int, weights: dict | None = None) -> None:
-    """Rank 0: the optimizer states, the parameters (``weights`` instead of its own, if
-    given) and the data position after ``epoch``."""
-    states = save_states(run.run_dir, run.trainer, epoch)
-    path = save_checkpoint(run.run_dir, run.net, states, epoch, run.step,
-                           run.config.train.seed, weights)
-    run.writer.write("checkpoint", epoch=epoch + 1, step=run.step, path=str(path))
+def time_for_checkpoint(run: Run) -> bool:
+    """Every train.log_interval steps with train.checkpoint_every_s set: has rank 0's
+    clock passed it since the last checkpoint? Rank 0 decides and every worker hears
+    the decision at a barrier (kv.barrier(value)), so all checkpoint at the same step."""
+    every = run.config.train.checkpoint_every_s
+    if not every:
+        return False
+    due = int(run.rank == 0 and time.time() - run.t_checkpoint >= every)
+    if run.kv is not None:
+        due = run.kv.barrier(due)
+    return bool(due)
+
+
+def checkpoint(run: Run, next_epoch: int, next_batch: int) -> None:
+    """Every worker, between two steps (the same step on all): a checkpoint whose data
+    position is (next_epoch, next_batch). Each worker saves its own state; rank 0 the
+    global model (in the steps-delay stage its own weights are local ones: it pulls the
+    servers'), the servers' optimizer states, and, once every worker has saved (a
+    barrier), latest.json, which names them all."""
+    stem = (f"epoch-{next_epoch - 1:04d}" if next_batch == 0 else f"step-{run.step:08d}")
+    ck = run.run_dir / "checkpoints"
+    ck.mkdir(parents=True, exist_ok=True)
+    if run.kv is not None:
+        run.kv.save_worker_state(str(ck / f"{stem}.worker-{run.rank}.npz"))
+        save_local_params(run.net, ck / f"{stem}.worker-{run.rank}.local.params")
+    if run.rank == 0:
+        weights = (pull_global(run.kv, run.trainer, into_params=False)
+                   if run.kv is not None and stage_of(run) == Stage.STEPS_DELAY else None)
+        states = save_states(run.run_dir, run.trainer, stem)
+        params = save_params(run.run_dir, run.net, stem, weights)
+    if run.kv is not None:
+        run.kv.barrier()
+    if run.rank == 0:
+        record_checkpoint(run.run_dir, dict(
+            epoch=next_epoch - 1 if next_batch == 0 else next_epoch, next_epoch=next_epoch,
+            next_batch=next_batch, step=run.step, seed=run.config.train.seed,
+            params=params.name, states=states,   # after a worker left: the global model
+            workers=run.num_workers if run.kv is not None and not kv_metrics(
+                run.kv).get("left") else 0))
+        run.writer.write("checkpoint", epoch=next_epoch, batch=next_batch, step=run.step,
+                         path=str(params))
+    run.t_checkpoint = time.time()
 
 
 def finish(run: Run) -> dict:
@@ -409,7 +462,16 @@ def finish(run: Run) -> dict:
     if run.rank == 0:
         validate(run, last)
         if wants_checkpoint(run, last):
-            checkpoint(run, last)
+            # the global model of the last step; no worker states (kv.close() ends the
+            # steps-delay stage on the global weights, and a finished run is not resumed)
+            stem = f"epoch-{last:04d}"
+            states = save_states(run.run_dir, run.trainer, stem)
+            params = save_params(run.run_dir, run.net, stem)
+            record_checkpoint(run.run_dir, dict(
+                epoch=last, next_epoch=last + 1, next_batch=0, step=run.step,
+                seed=run.config.train.seed, params=params.name, states=states, workers=0))
+            run.writer.write("checkpoint", epoch=last + 1, batch=0, step=run.step,
+                             path=str(params))
     end = run.writer.write("end", steps=run.step, samples=run.samples, wall_time=wall,
                            samples_per_sec=run.samples / max(wall, 1e-9),
                            **net_figures(run.kv), kv=kv_metrics(run.kv))
@@ -419,6 +481,7 @@ def finish(run: Run) -> dict:
 def write_summary(run: Run, wall: float) -> dict:
     """Rank 0: RUN_DIR/summary.json from its figures and every worker's end record."""
     c, kv, last = run.config, run.kv, run.vals[-1]      # finish() validated
+    left = kv_metrics(kv).get("left", [])                # cluster.on_worker_failure
     base = {
         "name": c.name, "algorithm": c.sync.algorithm if kv is not None else "local",
         "num_workers": run.num_workers,
@@ -434,7 +497,9 @@ def write_summary(run: Run, wall: float) -> dict:
         "wall_time": wall, "total_time": time.time() - run.t_start,
         "debug_slowdown": run.slowdown.describe(),
     }
-    summary = summarize(run.run_dir, base, wait_for=run.num_workers)
+    base["workers_left"] = [{"rank": w["rank"], "from_step": w["from_step"],
+                             "time": w["time"] - run.t_train} for w in left]
+    summary = summarize(run.run_dir, base, wait_for=run.num_workers - len(left))
     log.info("done: test accuracy %.4f after %d steps, %.1f s; summary in %s",
              last["accuracy"], run.step, wall, run.run_dir / "summary.json")
     return summary

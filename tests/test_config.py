@@ -82,7 +82,7 @@ def test_defaults_and_overrides(tmp_path):
     assert cfg.sync.lr_local == 0.01
     assert cfg.optimizer.wd == 1e-4          # '1e-4' is a string to PyYAML: accepted
     assert cfg.sync.algorithm == "ssd" and cfg.sync.warmup_steps == 500
-    assert cfg.sync.local_rule == "glu" and cfg.sync.glu_state == "estimate"
+    assert cfg.sync.local_rule == "glu" and cfg.sync.glu_state == "exact"
     assert cfg.cluster.heartbeat_timeout == 30.0
     assert cfg.to_dict()["sync"]["delay_steps"] == 10
     assert load_config(path).sync.delay_steps == 5  # the file itself is unchanged
@@ -110,7 +110,12 @@ BAD = [
     (dict(optimizer={"lr": 0}), [], ["optimizer.lr: expected a number > 0.0"]),
     (dict(optimizer={"lr": "fast"}), [], ["optimizer.lr: expected a number"]),
     (dict(optimizer={"name": "rmsprop2"}), [], ["optimizer.name: expected a registered"]),
-    (dict(optimizer={"name": "adam"}), [], ["sync.glu_state", "use 'exact'"]),
+    (dict(optimizer={"name": "adam"}, sync={"glu_state": "estimate"}), [],
+     ["sync.glu_state", "use 'exact'"]),
+    (dict(optimizer={"name": "adam"}, sync={"glu_state": "corrected"}), [],
+     ["sync.glu_state: 'corrected' needs optimizer sgd or nag", "use 'exact'"]),
+    (dict(sync={"glu_state": "corrected"}, optimizer={"momentum": 0}), [],
+     ["sync.glu_state: 'corrected' needs optimizer sgd or nag with momentum > 0"]),
     (dict(optimizer={"lr_schedule": {"type": "step"}}), [],
      ["optimizer.lr_schedule.step_epochs: expected a non-empty list"]),
     (dict(optimizer={"lr_schedule": {"type": "step", "step_epochs": [5, 3]}}), [],
@@ -179,7 +184,8 @@ def test_sync_env_matches_design_doc_names(tmp_path):
     cfg = parse_config(merged(cluster={"workers": 3, "servers": 2, "heartbeat_timeout": 5}))
     assert cluster_env(cfg) == {"SSDSGD_NUM_WORKERS": "3", "SSDSGD_NUM_SERVERS": "2",
                                 "SSDSGD_HEARTBEAT_INTERVAL": "1.0",
-                                "SSDSGD_HEARTBEAT_TIMEOUT": "5.0"}
+                                "SSDSGD_HEARTBEAT_TIMEOUT": "5.0",
+                                "SSDSGD_ON_WORKER_FAILURE": "abort"}
 
 
 def test_warmup_epochs_converted_with_steps_per_epoch():

@@ -303,8 +303,13 @@ LAUNCHER_ERRORS = {
                                            "model.name=resnet50_v1"],
                                 ["model.name: 'resnet50_v1' does not fit dataset 'digits'"]),
     "glu estimate without momentum": (
-        lambda t: ["configs/digits.yaml", "--set", "optimizer.name=adam"],
+        lambda t: ["configs/digits.yaml", "--set", "optimizer.name=adam", "--set",
+                   "sync.glu_state=estimate"],
         ["sync.glu_state: 'estimate' needs optimizer sgd or nag with momentum > 0"]),
+    "glu corrected without momentum": (
+        lambda t: ["configs/digits.yaml", "--set", "optimizer.momentum=0", "--set",
+                   "sync.glu_state=corrected"],
+        ["sync.glu_state: 'corrected' needs optimizer sgd or nag with momentum > 0"]),
     "batch larger than the data": (lambda t: ["configs/digits.yaml", "--set",
                                               "data.batch_size=1000"],
                                    ["data.batch_size: 2 worker(s) x batch 1000 = 2000 exceeds "

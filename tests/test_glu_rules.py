@@ -5,7 +5,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from ssdsgd.glu.rules import flatten_state, make_local_rule
+from ssdsgd.glu.rules import correction_gain, flatten_state, make_local_rule, period_model
 
 N, RESCALE, KEY = 4, 1 / 8, 3
 W0 = np.array([0.5, -1.0, 2.0], dtype=np.float32)
@@ -155,9 +155,10 @@ def test_bad_names_are_rejected_with_the_allowed_values():
     lambda: mx.optimizer.SGD(momentum=0.0),
     lambda: mx.optimizer.NAG(momentum=0.0),
 ])
-def test_estimate_needs_a_momentum_optimizer(make):
+@pytest.mark.parametrize('state', ['estimate', 'corrected'])
+def test_estimate_needs_a_momentum_optimizer(make, state):
     with pytest.raises(ValueError, match='glu_state: exact'):
-        make_local_rule('glu', make, N, 'estimate')
+        make_local_rule('glu', make, N, state)
     assert make_local_rule('glu', make, N, 'exact').needs_state
 
 
@@ -174,3 +175,148 @@ def test_flatten_state():
     assert flatten_state(a) == [a]
     assert flatten_state((a, b)) == [a, b]
     assert flatten_state((None, a)) == [a]
+
+
+# ---- the estimates that cost no bytes: period model, corrected ---------------------------
+
+@pytest.mark.parametrize('cls', [mx.optimizer.SGD, mx.optimizer.NAG])
+@pytest.mark.parametrize('k', [1, 3, 7])
+def test_period_model_matches_the_optimizer_kernel(cls, k):
+    """Momentum and displacement after k steps of MXNet's own kernel are the model's
+    linear combination of m0 and the per-step forces f_j = -lr * rescale * g_j (wd = 0)."""
+    lr, mu = 0.1, 0.9
+    opt = cls(momentum=mu, learning_rate=lr, rescale_grad=RESCALE)
+    updater = mx.optimizer.get_updater(opt)
+    w = nd(W0)
+    updater(KEY, nd(np.zeros(3)), w)          # creates the state
+    updater.states[KEY][:] = nd(M0)
+    w[:] = nd(W0)
+    rs = np.random.RandomState(k)
+    grads = rs.randn(k, 3).astype(np.float32)
+    for g in grads:
+        updater(KEY, nd(g), w)
+    a, c, A, B = period_model(mu, k, nesterov=cls is mx.optimizer.NAG)
+    forces = -lr * RESCALE * grads
+    np.testing.assert_allclose(updater.states[KEY].asnumpy(), c * M0 + A @ forces,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(w.asnumpy() - W0, a * M0 + B @ forces, rtol=1e-5, atol=1e-6)
+
+
+def test_period_model_rejects_bad_arguments():
+    with pytest.raises(ValueError, match='steps >= 1'):
+        period_model(0.9, 0)
+    with pytest.raises(ValueError, match='momentum'):
+        period_model(1.0, 3)
+
+
+def _corrected_period(cls, k, num_workers, wd=0.0, seed=0, offset=0.0):
+    """One server and num_workers 'corrected' rules over two pull periods of k steps, each
+    worker with its own gradients; every worker starts from the server's true momentum
+    (plus `offset`). Returns the server's momentum and each worker's seed at the end of
+    each period."""
+    def make():
+        return cls(momentum=0.9, learning_rate=0.1, wd=wd, rescale_grad=RESCALE)
+    server, w_g = mx.optimizer.get_updater(make()), nd(W0)
+    server(KEY, nd(np.zeros(3)), w_g)
+    server.states[KEY][:] = nd(M0)
+    w_g[:] = nd(W0)
+    rules = [make_local_rule('glu', make, num_workers, 'corrected') for _ in range(num_workers)]
+    for rule in rules:   # first reset: one step of "velocity" equal to the true momentum
+        rule.reset(KEY, w_g.copy(), prev_global_weight=w_g - nd(M0 + offset), steps_between=1,
+                   lr=0.1)
+    local = [w_g.copy() for _ in rules]
+    rs = np.random.RandomState(seed)
+    out = []
+    for _period in range(2):
+        for _ in range(k):
+            grads = [nd(rs.randn(3)) for _ in rules]
+            total = grads[0].copy()
+            for g in grads[1:]:
+                total += g
+            server(KEY, total, w_g)
+            for rule, w, g in zip(rules, local, grads):
+                rule.update(KEY, w, g)
+        for rule, w in zip(rules, local):
+            rule.reset(KEY, w_g.copy(), prev_global_weight=w_g, steps_between=k, lr=0.1,
+                       local_weight=w.copy())
+            w[:] = w_g
+        out.append((server.states[KEY].asnumpy(),
+                    [rule.updater.states[KEY].asnumpy() for rule in rules]))
+    return out
+
+
+@pytest.mark.parametrize('cls', [mx.optimizer.SGD, mx.optimizer.NAG])
+@pytest.mark.parametrize('k', [1, 4])
+def test_corrected_seeds_average_to_the_server_momentum(cls, k):
+    """The server's force is the sum of the workers' gradients, each local copy's is N
+    times its own: the workers' momenta average to the server's, and their displacements
+    to its displacement, so the correction sums to zero and the mean seed is the server's
+    momentum, period after period (wd = 0). At k = 1 every seed is exact."""
+    for true, seeds in _corrected_period(cls, k, num_workers=3):
+        np.testing.assert_allclose(np.mean(seeds, axis=0), true, rtol=1e-4, atol=1e-6)
+        if k == 1:
+            for seed in seeds:
+                np.testing.assert_allclose(seed, true, rtol=1e-4, atol=1e-6)
+        else:   # ... while each worker's own seed differs (its own gradients' noise)
+            assert not np.allclose(seeds[0], true, rtol=1e-2)
+
+
+def test_corrected_heals_a_wrong_common_seed():
+    """A seed that is wrong for every worker alike (a resumed job seeds zero) shrinks by
+    c - beta*a per period (|.| < 1 for every k: -0.20, -0.33, -0.33, -0.27 at k = 2, 5,
+    10, 20 with sgd momentum 0.9; 0 at k = 1)."""
+    k, offset = 5, np.array([0.05, -0.1, 0.2], dtype=np.float32)
+    a, c, _, _ = period_model(0.9, k)
+    factor = c - correction_gain(0.9, k) * a
+    assert -0.35 < factor < -0.3
+    for p, (true, seeds) in enumerate(_corrected_period(mx.optimizer.SGD, k, 3,
+                                                         offset=offset), 1):
+        np.testing.assert_allclose(np.mean(seeds, axis=0) - true, factor ** p * offset,
+                                   rtol=1e-3, atol=1e-6)
+
+
+def test_corrected_needs_the_local_weights_after_its_first_reset():
+    rule = make_local_rule('glu', sgd(momentum=0.9), N, 'corrected')
+    assert not rule.needs_state and rule.needs_local_weight
+    assert not make_local_rule('glu', sgd(momentum=0.9), N, 'estimate').needs_local_weight
+    w = nd(W0)
+    rule.reset(KEY, w.copy(), prev_global_weight=w.copy(), steps_between=1, lr=0.1)
+    rule.update(KEY, w, nd(G))
+    with pytest.raises(ValueError, match='local_weight'):
+        rule.reset(KEY, nd(W0), prev_global_weight=nd(W0), steps_between=3, lr=0.1)
+
+
+@pytest.mark.parametrize("name,make,state", [
+    ('glu', sgd(momentum=0.9, wd=1e-4), 'exact'),
+    ('glu', sgd(momentum=0.9, wd=1e-4, clip_gradient=0.05), 'corrected'),
+    ('glu', lambda: mx.optimizer.NAG(momentum=0.9, rescale_grad=RESCALE), 'exact'),
+    ('glu', lambda: mx.optimizer.Adam(rescale_grad=RESCALE), 'exact'),
+    ('sgd', sgd(momentum=0.9), 'exact'),
+])
+def test_update_many_equals_one_update_per_key_bit_for_bit(name, make, state):
+    """The worker updates all keys of a step with one call (multi-tensor kernels); the
+    simulator updates key by key. They must give the same bits, keys with different lrs
+    (two resets) and lr_mults included."""
+    rng = np.random.default_rng(0)
+    shapes = [(16, 3, 3, 3), (16,), (KEY + 60,), (64, 64), (10,)] * 12   # 60 keys
+    init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    results = []
+    for many in (False, True):
+        rule = make_local_rule(name, make, N, state)
+        ws = [nd(w) for w in init]
+        for key, w in enumerate(ws):
+            st = [nd(np.full(w.shape, 0.01, np.float32)) for _ in
+                  flatten_state(make().create_state_multi_precision(key, w))]
+            rule.reset(key, w.copy(), prev_global_weight=w.copy(), steps_between=1,
+                       state=st, lr=0.1 if key % 3 else 0.05, num_update=2)
+        for step_grads in grads:
+            gs = [nd(g) for g in step_grads]
+            if many:
+                rule.update_many(list(range(len(ws))), ws, gs)
+            else:
+                for key, (w, g) in enumerate(zip(ws, gs)):
+                    rule.update(key, w, g)
+        results.append([w.asnumpy() for w in ws])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)

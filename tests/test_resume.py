@@ -1,7 +1,7 @@
 """Checkpoint and resume through ``launch/dist.py``: a job killed (SIGKILL, every
 process) after a checkpoint and continued with ``--resume RUN_DIR`` ends with exactly the
-weights of an uninterrupted one (ssgd); an ssd job continues its steps-delay stage
-(docs/training.md says why it is not exact yet)."""
+weights of an uninterrupted one, ssgd and ssd (every worker's own state is saved with
+the checkpoint), from an epoch's end or mid-epoch (train.checkpoint_every_s)."""
 import json
 import os
 import signal
@@ -35,10 +35,12 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def kill_job_after_first_checkpoint(args, root: Path, timeout=150) -> Path:
-    """Start ``launch/dist.py ARGS``; as soon as its first checkpoint is on disk, SIGKILL
-    every process of the job (each child runs in a session of its own, so each is killed
-    by its own process group), then the launcher. Returns the run directory."""
+def kill_job_after_first_checkpoint(args, root: Path, timeout=150,
+                                    ready=lambda latest: True) -> Path:
+    """Start ``launch/dist.py ARGS``; as soon as its first checkpoint (for which
+    ``ready(latest.json's record)`` holds) is on disk, SIGKILL every process of the job
+    (each child runs in a session of its own, so each is killed by its own process
+    group), then the launcher. Returns the run directory."""
     log = open(root.parent / f"{root.name}-killed.log", "w")
     proc = subprocess.Popen([PY, "launch/dist.py", *map(str, args)], cwd=ROOT,
                             env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -47,7 +49,8 @@ def kill_job_after_first_checkpoint(args, root: Path, timeout=150) -> Path:
         deadline = time.monotonic() + timeout
         while True:
             runs = [d for d in root.iterdir() if d.is_dir()] if root.exists() else []
-            if runs and (runs[0] / "checkpoints" / "latest.json").exists():
+            latest = runs[0] / "checkpoints" / "latest.json" if runs else None
+            if latest and latest.exists() and ready(json.loads(latest.read_text())):
                 break
             assert proc.poll() is None, f"the job ended before its first checkpoint " \
                 f"({(root.parent / f'{root.name}-killed.log').read_text()[-2000:]})"
@@ -71,14 +74,16 @@ def params(path: Path) -> dict:
     return {k: v.asnumpy() for k, v in mx.nd.load(str(path)).items()}
 
 
-def killed_and_resumed(tmp_path, job) -> tuple[Path, Path, dict]:
-    """Run ``job`` uninterrupted (A), and again killed after its first checkpoint and
-    resumed (B); returns (A, B, B's checkpoint record at the kill)."""
+def killed_and_resumed(tmp_path, job, ready=lambda latest: True) -> tuple[Path, Path, dict]:
+    """Run ``job`` uninterrupted (A), and again killed after its first checkpoint (that
+    ``ready`` accepts) and resumed (B); returns (A, B, B's checkpoint record at the
+    kill)."""
     done = dist(["configs/digits.yaml", *job, *sets(output__dir=tmp_path / "a")])
     assert done.returncode == 0, done.stderr[-3000:]
     a = run_dir_of(tmp_path / "a")
     b = kill_job_after_first_checkpoint(["configs/digits.yaml", *job,
-                                         *sets(output__dir=tmp_path / "b")], tmp_path / "b")
+                                         *sets(output__dir=tmp_path / "b")], tmp_path / "b",
+                                        ready=ready)
     latest = json.loads((b / "checkpoints" / "latest.json").read_text())
     assert latest["next_epoch"] < EPOCHS and not (b / "summary.json").exists()  # mid-run
     resumed = dist(["--resume", b])
@@ -121,8 +126,7 @@ def test_killed_ssgd_job_resumes_to_the_same_weights(tmp_path):
 def test_killed_ssd_job_resumes_in_the_steps_delay_stage(tmp_path):
     """ssd (the digits config's glu rule): the resumed job starts from the checkpoint's
     global weights and continues the stage schedule at the checkpoint's step
-    (SSDSGD_START_STEP): no second warm-up. Not bit-exact: the workers' local weights and
-    local-rule state at the kill are not checkpointed (docs/training.md)."""
+    (SSDSGD_START_STEP): no second warm-up (bit-exactness: the test below)."""
     b = kill_job_after_first_checkpoint(["configs/digits.yaml", *sets(
         sync__warmup_steps=30, **JOB), *sets(output__dir=tmp_path / "b")], tmp_path / "b")
     latest = json.loads((b / "checkpoints" / "latest.json").read_text())
@@ -136,3 +140,36 @@ def test_killed_ssd_job_resumes_in_the_steps_delay_stage(tmp_path):
         after = after_resume(b, rank)
         assert after[0]["step"] - latest["step"] == 11 and after[0]["batch"] == 11
         assert {r["stage"] for r in after} == {"steps_delay"}         # no second warm-up
+
+
+def test_killed_ssd_job_resumes_to_the_same_weights(tmp_path):
+    """ssd, killed in the steps-delay stage right after a checkpoint whose step follows a
+    pull request (T_w = 29, k = 5: step 43 requests w_G(43), waited for at step 44, the
+    first step after the checkpoint): every worker's own state (local weights, the
+    pending pull, the glu state, the data position) is saved with the checkpoint, so the
+    resumed job ends with exactly the weights of the uninterrupted one."""
+    a, b, latest = killed_and_resumed(tmp_path, sets(sync__warmup_steps=29, **JOB))
+    assert latest["step"] == STEPS and latest["step"] > 29            # in steps delay
+    for rank in (0, 1):
+        assert (b / "checkpoints" / f"epoch-0000.worker-{rank}.npz").is_file()
+    assert_same_final_weights(a, b)
+    for rank in (0, 1):
+        assert {r["stage"] for r in after_resume(b, rank)} == {"steps_delay"}
+
+
+def test_killed_ssd_job_resumes_from_a_mid_epoch_checkpoint_to_the_same_weights(tmp_path):
+    """train.checkpoint_every_s: checkpoints mid-epoch too (at a step where every worker
+    saved its state, decided by rank 0 at a barrier); killed after one and resumed, the
+    job continues at that batch of that epoch and ends with the uninterrupted weights.
+    Only the newest mid-epoch checkpoint's files are kept."""
+    job = sets(sync__warmup_steps=29, train__checkpoint_every_s=1, **dict(
+        JOB, train__log_interval=4))
+    a, b, latest = killed_and_resumed(tmp_path, job, ready=lambda r: r["next_batch"] > 0)
+    assert latest["params"].startswith("step-") and latest["step"] % STEPS == latest[
+        "next_batch"] and latest["next_batch"] % 4 == 0
+    assert_same_final_weights(a, b)
+    start = records(b, 0, "start")[-1]
+    after = after_resume(b)
+    assert start["start_step"] == latest["step"] and after[0]["step"] > latest["step"]
+    steps = {f.name.split(".")[0] for f in (b / "checkpoints").glob("step-*")}
+    assert len(steps) <= 1

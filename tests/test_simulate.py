@@ -113,13 +113,15 @@ def test_runs_are_deterministic():
 @pytest.mark.parametrize('make,state,T_w,k', [
     (make_sgd, 'exact', 0, 3), (make_sgd, 'exact', 2, 4),
     (make_adam, 'exact', 0, 3), (make_adam, 'exact', 3, 4),
-    (make_sgd, 'estimate', 2, 1)])
+    (make_sgd, 'estimate', 2, 1),
+    (make_sgd, 'corrected', 0, 3), (make_sgd, 'corrected', 2, 4)])
 def test_glu_with_identical_workers_tracks_the_global_model(make, state, T_w, k):
     """If all N workers compute the same gradient and the local state equals the server's,
     the local copy (Opt on N*g) repeats the server's update (Opt on g + ... + g), so every
     worker holds w_G(t) after every step and the run is SSGD. That holds with exact state
-    for any k (Adam too: its update count is re-seeded), and with the estimate for sgd at
-    k = 1, where one step of velocity is exactly the momentum."""
+    for any k (Adam too: its update count is re-seeded), with the estimate for sgd at
+    k = 1, where one step of velocity is exactly the momentum, and with 'corrected' for
+    sgd at any k: its first seed is exact and its own momentum then stays the server's."""
     steps = 10
     res = run(steps, 2, same_grad_fn, make, warmup_steps=T_w, delay_steps=k, glu_state=state)
     sync = run(steps, 2, same_grad_fn, make, algorithm='ssgd')
@@ -163,6 +165,66 @@ def test_bad_arguments():
         run(2, algorithm='asgd')
     with pytest.raises(ValueError, match='delay_steps'):
         run(2, delay_steps=0)
+
+
+def hand_corrected_ssd(steps, num_workers, T_w, k):
+    """Independent numpy loop of the spec with glu_state 'corrected' for sgd momentum:
+    at a reset to the pull of step p, a worker seeds its momentum with its own momentum
+    plus beta * (w_G(p) - w_i), beta = sum_j A_j B_j / sum_j B_j^2, A_j = mu^(k-j),
+    B_j = sum_{s=j..k} mu^(s-j); the first reset seeds w_G(T_w-1) - w_G(T_w-2)."""
+    A = np.array([MU ** (k - j) for j in range(1, k + 1)])
+    B = np.array([sum(MU ** (s - j) for s in range(j, k + 1)) for j in range(1, k + 1)])
+    beta = (A @ B) / (B @ B)
+    f64 = lambda ws: {key: v.asnumpy().astype(np.float64) for key, v in ws.items()}  # noqa
+    w_g, mom = f64(init_weights()), {key: 0.0 for key in SHAPES}
+    history = [w_g]                    # w_G(-1), w_G(0), ...
+    local = [dict(w_g) for _ in range(num_workers)]
+    local_mom = [None] * num_workers
+    reset_to = None                    # (step, weights) of the pending pull
+    for t in range(steps):
+        grads = [f64(grad_fn(i, t, {key: mx.nd.array(v) for key, v in local[i].items()}))
+                 for i in range(num_workers)]
+        new = {}
+        for key in w_g:
+            total = sum(g[key] for g in grads)
+            mom[key] = MU * mom[key] - LR * (RESCALE * total + WD * history[-1][key])
+            new[key] = history[-1][key] + mom[key]
+        history.append(new)
+        if t < T_w:
+            local = [dict(new) for _ in range(num_workers)]
+            continue
+        if t == T_w:
+            reset_to = (T_w - 1, history[-2])
+        for i in range(num_workers):
+            if reset_to is not None:
+                w_p = reset_to[1]
+                if local_mom[i] is None:
+                    local_mom[i] = {key: w_p[key] - history[-3][key] for key in w_p}
+                else:
+                    local_mom[i] = {key: local_mom[i][key] + beta * (w_p[key] - local[i][key])
+                                    for key in w_p}
+                local[i] = dict(w_p)
+            for key in local[i]:
+                local_mom[i][key] = MU * local_mom[i][key] - LR * (
+                    num_workers * RESCALE * grads[i][key] + WD * local[i][key])
+                local[i][key] = local[i][key] + local_mom[i][key]
+        reset_to = (t, new) if (t - T_w) % k == k - 1 else None
+    return history[-1], local
+
+
+@pytest.mark.parametrize('T_w,k', [(2, 3), (1, 2)])
+def test_corrected_state_matches_a_hand_loop(T_w, k):
+    """Different gradients per worker: the simulator's 'corrected' run (the rule's seed and
+    the local weights the simulator hands it) equals an independent numpy loop."""
+    steps = T_w + 3 * k + 1
+    res = run(steps, warmup_steps=T_w, delay_steps=k, glu_state='corrected')
+    w_g, local = hand_corrected_ssd(steps, 3, T_w, k)
+    assert_close(w_g, res.global_weights, rtol=1e-4, atol=1e-5)
+    for expected, w in zip(local, res.worker_weights):
+        assert_close(expected, w, rtol=1e-4, atol=1e-5)
+    estimate = run(steps, warmup_steps=T_w, delay_steps=k, glu_state='estimate')
+    with pytest.raises(AssertionError):   # the test can tell the estimates apart
+        assert_close(w_g, estimate.global_weights, rtol=1e-4, atol=1e-5)
 
 
 # --- compression (docs/spec/compression.md) --------------------------------------------

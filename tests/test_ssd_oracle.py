@@ -18,7 +18,7 @@ from conftest import launch, load_npz
 from ssdsgd.glu.simulate import simulate
 
 STEPS, WARMUP, BATCH = 12, 3, 8
-RULES = ["glu-estimate", "glu-exact", "sgd", "none"]
+RULES = ["glu-estimate", "glu-exact", "glu-corrected", "sgd", "none"]
 KS = [1, 2, 5]
 NS = [1, 2, 3]
 SS = [1, 2]
@@ -36,7 +36,8 @@ KNOBS = [RULES, KS, NS, SS, list(OPTIMIZERS), list(COMPRESSIONS)]
 
 def _valid(case):
     rule, _, _, _, opt, _ = case
-    return not (rule == "glu-estimate" and opt == "adam")   # estimate needs momentum
+    # estimate and corrected need momentum
+    return not (rule in ("glu-estimate", "glu-corrected") and opt == "adam")
 
 
 def all_pairs():

@@ -4,6 +4,9 @@ A rule turns the worker's raw gradient into the local step d_i(t) between two re
 It never re-implements an update formula: `glu` runs a local copy of the server's own
 MXNet optimizer (through MXNet's Updater), `sgd` runs MXNet's stateless SGD. What this
 module adds is only the re-seeding at a reset: the lr, the update count and the state.
+The state comes from the server (`exact`) or is estimated at no extra bytes: `estimate`
+(the mean global velocity of the last period) or `corrected` (the worker's own momentum
+corrected by the gap to the pulled weights; docs/glu.md measures the three).
 
 MXNet 1.9.1 state conventions (checked against the ops, see tests/test_glu_rules.py):
 - sgd (momentum > 0): mom <- mu*mom - lr*(g + wd*w); w <- w + mom. So mom is the weight
@@ -15,12 +18,68 @@ MXNet 1.9.1 state conventions (checked against the ops, see tests/test_glu_rules
   lr is needed and lr_mult drops out.
 """
 import mxnet as mx
+import numpy as np
 
-from ..kvstore.optimizer_spec import flatten_state  # noqa: F401  (how state travels)
+from ..kvstore.optimizer_spec import flatten_state, unflatten_state
 from ..settings import BY_NAME
 
 RULES = BY_NAME['local_rule'].choices
 GLU_STATES = BY_NAME['glu_state'].choices
+# glu_state values that derive the momentum from weights (no optimizer state on the wire).
+ESTIMATED_STATES = ('estimate', 'corrected')
+# Keys per multi-tensor update call of the local copy (MXNet's SGD default is 4, set by
+# MXNET_OPTIMIZER_AGGREGATION_SIZE; its multi_sgd kernels take up to 60).
+AGGREGATE = 45
+
+
+# ---------------------------------------------------------------------------------------
+# The state estimates: pure functions on arrays (NDArray or numpy), shared by the worker
+# and the simulator. m is the momentum state in weight units (sgd and nag alike).
+
+def period_model(momentum, steps, nesterov=False):
+    """Linear model of one pull period of k = `steps` steps. With per-step forces f_1..f_k
+    (m <- mu*m + f_j, f = -lr*(g + wd*w)) from momentum m0:
+        momentum at the end  m_k = c*m0 + sum_j A_j*f_j,
+        displacement         D   = a*m0 + sum_j B_j*f_j
+    (sgd moves by m per step, nag by mu*m + f). Returns (a, c, A, B), A and B arrays."""
+    mu, k = float(momentum), int(steps)
+    if k < 1 or not 0.0 < mu < 1.0:
+        raise ValueError(f"period_model needs steps >= 1 and 0 < momentum < 1; got "
+                         f"steps={steps}, momentum={momentum}")
+    j = np.arange(1, k + 1)
+    A = mu ** (k - j)
+    tail = (1.0 - mu ** (k - j + 1)) / (1.0 - mu)    # f_j's share of sum_s m_s
+    S = float(np.sum(mu ** j))                         # m0's share of sum_s m_s
+    if nesterov:
+        return mu * S, mu ** k, A, mu * tail + 1.0
+    return S, mu ** k, A, tail
+
+
+def correction_gain(momentum, steps, nesterov=False):
+    """Least-squares gain of a momentum error on a displacement error over one period:
+    if the per-step forces of two runs differ by independent noise, sum_j A_j B_j /
+    sum_j B_j^2 is the best linear predictor of m - m_i from D - D_i (1 at k = 1)."""
+    _, _, A, B = period_model(momentum, steps, nesterov)
+    return float(A @ B / (B @ B))
+
+
+def velocity_estimate(global_weight, prev_global_weight, steps):
+    """`estimate`: the mean global velocity over the period, (w_G(t_p) - w_G(t_q)) / k."""
+    return (global_weight - prev_global_weight) / steps
+
+
+def corrected_estimate(global_weight, local_weight, local_momentum, steps, momentum,
+                       nesterov=False):
+    """`corrected`: the worker's own momentum after the period's local steps, plus the
+    gain times the gap to the global weights, m_i + beta * (w_G(t_p) - w_i).
+    Each local copy's force is N times its own gradient and the server's is the sum of
+    the N gradients, so the workers' momenta and displacements average to the server's:
+    the gaps average to zero and the mean seed is the server's momentum, period after
+    period (exactly for wd = 0), and a seed that was wrong for all alike heals by the
+    factor c - beta*a per period. The gap removes part of each worker's own noise. Exact
+    for identical workers, and at k = 1 for sgd (for nag once the previous seed was)."""
+    return local_momentum + correction_gain(momentum, steps, nesterov) * (
+        global_weight - local_weight)
 
 
 def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_local=None):
@@ -42,16 +101,40 @@ def make_local_rule(name, make_optimizer, num_workers, glu_state='estimate', lr_
     return GLURule(make_optimizer(), num_workers, glu_state, lr_local)
 
 
+def _same_layout(template, arrays):
+    """The arrays can stand in for the template's state arrays (shape, dtype, device)."""
+    slots = flatten_state(template) if template is not None else None
+    if slots is None or arrays is None or len(slots) != len(arrays):
+        return False
+    return all((a.shape, a.dtype) == (s.shape, s.dtype) for a, s in zip(arrays, slots)) and \
+        (not slots or arrays[0].context == slots[0].context)   # one state lives on one device
+
+
 class LocalRule:
     """Interface the worker stage machine calls (see make_local_rule)."""
-    needs_state = False
+    needs_state = False          # pulls must carry the server's optimizer state
+    needs_local_weight = False   # reset() needs the worker's weights from before the reset
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
-              state=None, lr=None, num_update=None):
+              state=None, lr=None, num_update=None, local_weight=None, own_state=False):
         """Re-seed the rule for `key` from a pull reply (spec step 3)."""
 
     def update(self, key, weight, grad):
         """Apply d_i(t) to `weight` in place; `grad` is the raw (unrescaled) gradient."""
+
+    def update_many(self, keys, weights, grads):
+        """``update`` for several keys at once (the same result, fewer MXNet calls)."""
+        for key, weight, grad in zip(keys, weights, grads):
+            self.update(key, weight, grad)
+
+    def state_dict(self, arrays):
+        """The rule's own state for a worker checkpoint: arrays go into ``arrays``
+        (names prefixed ``r``), the rest is returned (JSON-able)."""
+        return {}
+
+    def load_state_dict(self, arrays, meta, weights):
+        """Restore ``state_dict``; ``weights``: key -> an NDArray of the key's shape and
+        device (the template of the optimizer's state)."""
 
 
 class NoneRule(LocalRule):
@@ -66,21 +149,70 @@ class _UpdaterRule(LocalRule):
         opt.rescale_grad = opt.rescale_grad * num_workers
         self._default_lr = opt.learning_rate  # only if a reset never reports an lr
         opt.lr_scheduler = None  # lr is the server's, held constant until the next reset
+        if opt.aggregate_num > 0:   # optimizers with a multi-tensor kernel: fewer calls
+            opt.aggregate_num = AGGREGATE
         self.opt = opt
         self.updater = mx.optimizer.get_updater(opt)
         self.lr_local = lr_local
         self._lr = {}
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
-              state=None, lr=None, num_update=None):
+              state=None, lr=None, num_update=None, local_weight=None, own_state=False):
         self._lr[key] = self.lr_local if self.lr_local is not None else lr
 
-    def update(self, key, weight, grad):
+    def _key_lr(self, key):
         lr = self._lr.get(key)
         if lr is None:
             lr = self.lr_local if self.lr_local is not None else self._default_lr
-        self.opt.lr = lr
+        return lr
+
+    def update(self, key, weight, grad):
+        self.opt.lr = self._key_lr(key)
         self.updater(key, grad, weight)
+
+    def update_many(self, keys, weights, grads):
+        """One Updater call per lr: MXNet's SGD then runs ``multi_sgd_mom_update`` on up to
+        ``AGGREGATE`` keys per operator call instead of one call per key, bit for bit the
+        same weights (tests/test_glu_rules.py); other optimizers loop inside the Updater."""
+        by_lr = {}
+        for key, weight, grad in zip(keys, weights, grads):
+            by_lr.setdefault(self._key_lr(key), []).append((key, grad, weight))
+        for lr, items in by_lr.items():
+            self.opt.lr = lr
+            self.updater(*map(list, zip(*items)))
+
+    def state_dict(self, arrays):
+        """The lr of each key, the local optimizer's state per key and its update counts
+        (what a count-driven rule such as Adam continues from)."""
+        states = {}
+        for key, state in self.updater.states.items():
+            flat = flatten_state(state)
+            states[str(key)] = len(flat)
+            for j, a in enumerate(flat):
+                arrays[f"r{key}.{j}"] = a.asnumpy()
+        counts = {str(dev): {str(k): int(v) for k, v in c.items()}
+                  for dev, c in self.opt._all_index_update_counts.items()}  # noqa: SLF001
+        return {"lr": {str(k): v for k, v in self._lr.items()}, "states": states,
+                "counts": counts, "num_update": int(self.opt.num_update)}
+
+    def load_state_dict(self, arrays, meta, weights):
+        self._lr = {int(k): v for k, v in meta["lr"].items()}
+        for skey, n in meta["states"].items():
+            key = int(skey)
+            w = weights[key]
+            template = self.opt.create_state_multi_precision(key, w)
+            if len(flatten_state(template)) != n:
+                raise ValueError(f"key {key}: the saved local state has {n} arrays, the "
+                                 f"optimizer's has {len(flatten_state(template))}")
+            self.updater.states[key] = unflatten_state(template, [
+                mx.nd.array(arrays[f"r{key}.{j}"], ctx=w.context, dtype=arrays[f"r{key}.{j}"].dtype)
+                for j in range(n)])
+            self.updater.states_synced[key] = True
+        for dev, c in meta["counts"].items():
+            held = self.opt._all_index_update_counts.setdefault(int(dev), {})  # noqa: SLF001
+            held.clear()          # in place: _index_update_count is one of these dicts
+            held.update({int(k): v for k, v in c.items()})
+        self.opt.num_update = int(meta["num_update"])
 
 
 class SGDRule(_UpdaterRule):
@@ -99,35 +231,43 @@ class GLURule(_UpdaterRule):
     """Local copy of the server optimizer whose state is re-seeded at every reset."""
 
     def __init__(self, opt, num_workers, glu_state, lr_local):
-        if glu_state == 'estimate' and not (isinstance(opt, (mx.optimizer.SGD, mx.optimizer.NAG))
-                                            and opt.momentum > 0):
+        if glu_state in ESTIMATED_STATES and not (
+                isinstance(opt, (mx.optimizer.SGD, mx.optimizer.NAG)) and opt.momentum > 0):
             raise ValueError(
-                f"glu_state: estimate needs sgd or nag with momentum > 0 (got "
+                f"glu_state: {glu_state} needs sgd or nag with momentum > 0 (got "
                 f"{type(opt).__name__.lower()}, momentum={getattr(opt, 'momentum', None)}); "
                 f"use glu_state: exact")
         super().__init__(opt, num_workers, lr_local)
         self.glu_state = glu_state
         self.needs_state = glu_state == 'exact'
+        self.needs_local_weight = glu_state == 'corrected'
+        self.nesterov = isinstance(opt, mx.optimizer.NAG)
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
-              state=None, lr=None, num_update=None):
+              state=None, lr=None, num_update=None, local_weight=None, own_state=False):
+        """``own_state``: the ``state`` arrays are the caller's fresh copies, kept as the
+        rule's state without another copy (the worker makes new ones at every reset; the
+        simulator shares one reply among its workers, so it leaves this False)."""
         super().reset(key, global_weight, lr=lr)
-        local = self.opt.create_state_multi_precision(key, global_weight)
-        slots = flatten_state(local)
-        if self.glu_state == 'exact':
-            if state is None or len(state) != len(slots):
-                raise ValueError(f"key {key}: exact glu_state needs the server's {len(slots)} "
-                                 f"state arrays, got {None if state is None else len(state)}")
-            for slot, value in zip(slots, state):
+        previous = self.updater.states.get(key)
+        if self.glu_state == 'exact' and own_state and _same_layout(previous, state):
+            local = unflatten_state(previous, self._check_state(key, previous, state))
+        elif self.glu_state == 'exact':
+            local = self.opt.create_state_multi_precision(key, global_weight)
+            for slot, value in zip(flatten_state(local), self._check_state(key, local, state)):
                 slot[:] = value
         else:
+            local = self.opt.create_state_multi_precision(key, global_weight)
+            slots = flatten_state(local)
             if prev_global_weight is None or not steps_between:
-                raise ValueError(f"key {key}: estimate glu_state needs prev_global_weight and "
-                                 f"steps_between > 0 (pass the weight itself for no history)")
+                raise ValueError(f"key {key}: {self.glu_state} glu_state needs "
+                                 f"prev_global_weight and steps_between > 0 (pass the weight "
+                                 f"itself for no history)")
             # slots[0] is the momentum; a multi-precision state also holds the fp32 master
             # weight, which must restart from the global weights.
-            velocity = (global_weight - prev_global_weight) / steps_between
-            slots[0][:] = velocity.astype(slots[0].dtype)
+            slots[0][:] = self._estimate(key, global_weight, prev_global_weight,
+                                         steps_between, previous, local_weight,
+                                         slots[0].dtype)
             for master in slots[1:]:
                 master[:] = global_weight.astype(master.dtype)
         self.updater.states[key] = local
@@ -137,3 +277,24 @@ class GLURule(_UpdaterRule):
             self.opt._set_current_context(global_weight.context.device_id)
             for counts in self.opt._all_index_update_counts.values():
                 counts[key] = num_update
+
+    @staticmethod
+    def _check_state(key, template, state):
+        count = len(flatten_state(template))
+        if state is None or len(state) != count:
+            raise ValueError(f"key {key}: exact glu_state needs the server's {count} "
+                             f"state arrays, got {None if state is None else len(state)}")
+        return state
+
+    def _estimate(self, key, now, prev, steps, previous_state, local_weight, dtype):
+        """The momentum to seed, per glu_state, computed in the state's dtype. The first
+        reset of a key has no local history, so 'corrected' starts as the velocity."""
+        now, prev = now.astype(dtype), prev.astype(dtype)
+        if self.glu_state == 'corrected' and previous_state is not None:
+            if local_weight is None:
+                raise ValueError(f"key {key}: corrected glu_state needs local_weight, the "
+                                 f"worker's weights before the reset")
+            local_mom = flatten_state(previous_state)[0].astype(dtype)
+            return corrected_estimate(now, local_weight.astype(dtype), local_mom, steps,
+                                      self.opt.momentum, self.nesterov)
+        return velocity_estimate(now, prev, steps)

@@ -97,9 +97,11 @@ class Pusher:
 
 def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorithm='ssd',
              warmup_steps=0, delay_steps=1, local_rule='glu', glu_state='estimate',
-             lr_local=None, compression=None):
+             lr_local=None, compression=None, on_step=None):
     """Run the spec for `steps` global steps; grad_fn(worker, step, weights) -> raw grads.
-    compression: None, kv.set_gradient_compression's dict, or a Compression."""
+    compression: None, kv.set_gradient_compression's dict, or a Compression.
+    on_step(t, global_weights), if given, sees w_G(t) right after the server applied step t
+    (for learning curves; it must not modify the arrays)."""
     if compression is not None and not hasattr(compression, 'residuals'):
         compression = Compression.from_params(compression)
     if algorithm not in ('ssd', 'ssgd'):
@@ -129,6 +131,8 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
         grads = [grad_fn(i, t, workers[i]) for i in range(N)]
         # Server: decode, wait for all N, sum in rank order, apply Opt once.
         server.apply_step([push(g) for push, g in zip(pushers, grads)])
+        if on_step is not None:
+            on_step(t, server.weights)
 
         if t < T_w:
             # Warm-up: plain synchronous SGD, wait for w_G(t).
@@ -147,10 +151,10 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
             if pending[i] is not None:
                 p, q = pending[i], previous_pull[i]
                 for key in workers[i]:
-                    workers[i][key] = p.weights[key].copy()
+                    local, workers[i][key] = workers[i][key], p.weights[key].copy()
                     rules[i].reset(key, p.weights[key], prev_global_weight=q.weights[key],
                                    steps_between=p.step - q.step, state=p.state.get(key),
-                                   lr=p.lr, num_update=p.num_update)
+                                   lr=p.lr, num_update=p.num_update, local_weight=local)
                 previous_pull[i], pending[i] = p, None
             # 4. local update with g_i(t).
             for key in workers[i]:
@@ -228,7 +232,7 @@ def main(argv=None):
     ap.add_argument('--workers', type=int, default=4)
     ap.add_argument('--k', default='2,5,10', help='comma-separated delays')
     ap.add_argument('--rules', default='glu,sgd,none', help='comma-separated local rules')
-    ap.add_argument('--glu-states', default='estimate,exact',
+    ap.add_argument('--glu-states', default='estimate,exact,corrected',
                     help='comma-separated glu_state values, one glu row each')
     ap.add_argument('--optimizer', default='sgd', help='any mx.optimizer name')
     ap.add_argument('--lr', type=float, default=0.05)

@@ -143,6 +143,7 @@ class WorkerClient:
         self.num_servers = self.topology["num_servers"]
         self.placement = Placement(self.num_servers, env.bigarray_bound)
         self.compression = None   # pushes are compressed with it (set_compression)
+        self.left = []            # workers that left the job (cluster.on_worker_failure)
         self._residuals = None    # this worker's error feedback, one residual per key
 
     # ---- the API -----------------------------------------------------------------------
@@ -198,6 +199,18 @@ class WorkerClient:
         self._every_server(P.Kind.SET_COMPRESSION, meta={"compression": spec.params()}).wait()
         self.compression, self._residuals = spec, spec.residuals()
 
+    def residuals(self):
+        """This worker's compression residuals {key: flat float32} ({} without
+        compression): part of a worker's checkpoint."""
+        return {} if self._residuals is None else self._residuals.state()
+
+    def load_residuals(self, residuals):
+        if residuals and self._residuals is None:
+            raise ValueError("the worker state holds compression residuals, but this job "
+                             "compresses no pushes (sync.compression)")
+        if self._residuals is not None:
+            self._residuals.load(residuals)
+
     def get_state(self):
         """Every key's weights and optimizer state (``Gather.meta['optimizer']``: the
         servers' optimizer description)."""
@@ -212,11 +225,14 @@ class WorkerClient:
             entries.append((key, 0, arrays, arrays[0].dtype if arrays else self._keys[key].dtype))
         return self._every_server(P.Kind.SET_STATE, entries, meta={"optimizer": spec})
 
-    def barrier(self):
-        """Wait until every worker has reached the barrier."""
+    def barrier(self, value=0):
+        """Wait until every worker has reached the barrier; returns the largest ``value``
+        (an integer >= 0) any worker passed (so rank 0 can tell all a decision)."""
         if self._failure is not None:
             raise self._failure
-        self._scheduler_call(P.Kind.BARRIER, {"group": "worker"}, P.Kind.BARRIER)
+        msg = self._scheduler_call(P.Kind.BARRIER, {"group": "worker", "value": int(value)},
+                                   P.Kind.BARRIER)
+        return int((msg.meta or {}).get("value", 0))
 
     def close(self, error=None):
         """Tell the scheduler this worker is done (or failed, with ``error``), flush what is
@@ -424,6 +440,10 @@ class WorkerClient:
         """A scheduler message: resolve the barrier or finish it answers. True after the
         acknowledgement of FINISH."""
         msg = link.receive()
+        if msg.kind == P.Kind.MEMBERSHIP and "from_step" in msg.meta:
+            self.left.append({"rank": msg.meta["removed"], "from_step": msg.meta["from_step"],
+                              "time": time.time()})
+            return False
         with self._lock:
             fut = self._control.pop(msg.kind, None)
         if fut is None:

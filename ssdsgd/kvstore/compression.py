@@ -369,3 +369,11 @@ class Residuals:
     def residual(self, key):
         """The key's residual (a view; None before its first push)."""
         return self._residual.get(key)
+
+    def state(self):
+        """Every key's residual, copied (a worker checkpoint)."""
+        return {key: r.copy() for key, r in self._residual.items()}
+
+    def load(self, state):
+        """Continue from ``state()``."""
+        self._residual = {key: np.array(r, np.float32).reshape(-1) for key, r in state.items()}

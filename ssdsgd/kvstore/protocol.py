@@ -59,6 +59,7 @@ class Kind(enum.IntEnum):
     FINISH = 5        # worker -> scheduler: done, stop watching me
     SHUTDOWN = 6      # scheduler -> node: the job is over, exit 0
     ABORT = 7         # scheduler -> node: {reason}; exit non-zero
+    MEMBERSHIP = 9    # scheduler <-> server, scheduler -> worker: a dead worker leaves
     INIT = 10         # worker -> server: keys (rank 0 sends values); reply: the values
     SET_OPTIMIZER = 11  # worker -> server: {optimizer description}; reply: ACK
     PUSH = 12         # worker -> server: gradients of a step; flags say whether to reply
@@ -379,8 +380,14 @@ META = {
                                  "a list of [host, port]"), True),
                     "workers": ((lambda v: isinstance(v, list) and all(_ID[0](x) for x in v),
                                  "a list of connection ids"), False)},
-    Kind.BARRIER: {"group": (_GROUP, False)},
+    Kind.BARRIER: {"group": (_GROUP, False),
+                   "value": ((_int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
     Kind.FINISH: {"error": (_STR, False)},
+    # scheduler -> server {removed}: which step does it not have from that worker?
+    # server -> scheduler {removed, next_step}; scheduler -> all {removed, from_step}
+    Kind.MEMBERSHIP: {"removed": ((_int_in(0, MAX_RANK), "a worker rank"), True),
+                      "next_step": ((_int_in(0, 1 << 62), "a step"), False),
+                      "from_step": ((_int_in(0, 1 << 62), "a step"), False)},
     Kind.ABORT: {"reason": (_STR, False)},
     Kind.SET_OPTIMIZER: {"optimizer": (_OBJ, True)},
     Kind.SET_STATE: {"optimizer": (_OBJ, False)},

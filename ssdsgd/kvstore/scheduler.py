@@ -88,6 +88,8 @@ class Scheduler:
         self.log(f"listening on {env.scheduler_host}:{self.port}; {self.guard.describe()}")
         self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = {}        # group -> set of identities waiting
+        self.barrier_values = {}  # group -> the largest value sent to the waiting barrier
+        self.removals = {}        # rank of a dead worker -> {waiting: servers, step: min}
         self.started = False
         self.rejected = Rejections(self.log)
 
@@ -184,10 +186,15 @@ class Scheduler:
                 raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
             waiting = self.barriers.setdefault(group, set())
             waiting.add(ident)
+            value = max(self.barrier_values.get(group, 0), msg.meta.get("value", 0))
+            self.barrier_values[group] = value
             if waiting >= set(members):
-                for i in waiting:
-                    self._send(i, P.Kind.BARRIER, {"group": group})
+                for i in waiting:     # every member hears the largest value any sent
+                    self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
                 waiting.clear()
+                self.barrier_values.pop(group)
+        elif msg.kind == P.Kind.MEMBERSHIP and node["role"] == "server":
+            self._removal_answer(ident, msg.meta)
         elif msg.kind == P.Kind.FINISH:
             if msg.meta.get("error"):   # everyone (the failed node too) hears it first
                 self._abort(f"{node_name(node)} failed: {msg.meta['error']}")
@@ -195,6 +202,46 @@ class Scheduler:
             node["finished"] = True
         else:
             raise P.ProtocolError(f"unexpected {msg.kind.name} at the scheduler")
+
+    # ---- cluster.on_worker_failure: continue ----------------------------------------
+    def _remove_worker(self, ident, silent):
+        """A dead worker (not rank 0) leaves: ask every server for the first step it has
+        not received from it; the smallest becomes the step from which every server
+        aggregates without it (_removal_answer). Barriers no longer wait for it."""
+        node = self.nodes.pop(ident)
+        rank = node["rank"]
+        self.log(f"worker {rank} sent no heartbeat for {silent:.1f} s; removing it from the "
+                 "job (cluster.on_worker_failure: continue)")
+        servers = set(self._members("server"))
+        self.removals[rank] = {"waiting": servers, "step": None}
+        for i in servers:
+            self._send(i, P.Kind.MEMBERSHIP, {"removed": rank})
+        for group, waiting in self.barriers.items():
+            waiting.discard(ident)
+            members = [i for i in self._members() if group == "all"
+                       or self.nodes[i]["role"] == group]
+            if waiting and waiting >= set(members):
+                value = self.barrier_values.pop(group, 0)
+                for i in waiting:
+                    self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
+                waiting.clear()
+
+    def _removal_answer(self, ident, meta):
+        """A server's first missing step of a removed worker; once every server has
+        answered, all nodes hear the step from which the worker is out."""
+        removal = self.removals.get(meta["removed"])
+        if removal is None or ident not in removal["waiting"] or "next_step" not in meta:
+            raise P.ProtocolError("MEMBERSHIP: not an answer to a removal")
+        removal["waiting"].discard(ident)
+        step = meta["next_step"]
+        removal["step"] = step if removal["step"] is None else min(removal["step"], step)
+        if not removal["waiting"]:
+            commit = {"removed": meta["removed"], "from_step": removal["step"]}
+            for i in self.nodes:
+                self._send(i, P.Kind.MEMBERSHIP, commit)
+            self.log(f"worker {meta['removed']} left the job; the servers aggregate the "
+                     f"remaining {len(self._members('worker'))} workers from step "
+                     f"{removal['step']}")
 
     def _serve_one(self):
         """Read and handle one message; nothing a peer sends stops the scheduler (only a
@@ -244,8 +291,12 @@ class Scheduler:
                 time.sleep(0.2)
                 self.log("all workers finished; job done")
                 return 0
-            for ident, n in self.nodes.items():
+            for ident, n in list(self.nodes.items()):
                 if not n["finished"] and now - n["last_seen"] > env.heartbeat_timeout:
+                    if (env.on_worker_failure == "continue" and n["role"] == "worker"
+                            and n["rank"] != 0):
+                        self._remove_worker(ident, now - n["last_seen"])
+                        continue
                     self._abort(f"{node_name(n)} sent no heartbeat for "
                                 f"{now - n['last_seen']:.1f} s (SSDSGD_HEARTBEAT_TIMEOUT="
                                 f"{env.heartbeat_timeout:g}); presumed dead")
@@ -274,6 +325,9 @@ class SchedulerLink:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.guard.client(self.sock)
+        # watched from before the connection exists: a refused handshake can happen before
+        # register() waits, and its event must not be missed
+        self.monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
         self.sock.connect(f"tcp://{env.scheduler_host}:{env.scheduler_port}")
         self.host, self.port = host, port
         self.last_sent = 0.0
@@ -304,12 +358,16 @@ class SchedulerLink:
         self.send(P.Kind.REGISTER, meta)
         deadline = time.monotonic() + max(60.0, 4 * self.env.heartbeat_timeout) + 10
         where = f"{self.env.scheduler_host}:{self.env.scheduler_port}"
-        monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
         try:
-            return self._await_topology(deadline, where, monitor)
+            return self._await_topology(deadline, where, self.monitor)
         finally:
+            self._stop_monitor()
+
+    def _stop_monitor(self):
+        if self.monitor is not None:
             self.sock.disable_monitor()
-            monitor.close(0)
+            self.monitor.close(0)
+            self.monitor = None
 
     def _await_topology(self, deadline, where, monitor):
         while time.monotonic() < deadline:

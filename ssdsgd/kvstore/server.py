@@ -113,6 +113,7 @@ class Server:
         self.retired = []      # (old weight NDArray, trackers of replies still sending it)
         self.rank = -1
         self.num_workers = env.num_workers
+        self.removed = {}         # rank of a worker that left -> the step it is out from
         self.peers = {}        # connection id -> Peer, from the scheduler's topology
         self.steps_ahead = steps_ahead_bound(env)
         self.unread = 0        # replies dropped because a stranger's queue was full
@@ -379,7 +380,7 @@ class Server:
             shard.pending.setdefault(step, {})[msg.sender] = grad
             if reply is not None:
                 shard.waiting.setdefault(step, []).append((reply, i))
-            if step == shard.version and len(shard.pending[step]) == self.num_workers:
+            if step == shard.version and self._complete(shard.pending[step], step):
                 ready.append((shard, None))
         if self.sync:
             while ready:
@@ -388,7 +389,7 @@ class Server:
                 for shard, _ in ready:
                     for rep, i in shard.waiting.pop(shard.version - 1, ()):
                         self._snapshot(rep, i, shard)
-                    if len(shard.pending.get(shard.version, ())) == self.num_workers:
+                    if self._complete(shard.pending.get(shard.version, {}), shard.version):
                         nxt.append((shard, None))
                 ready = nxt
         else:
@@ -400,7 +401,10 @@ class Server:
     def _sum(self, shard):
         """The step's gradients of ``shard`` in rank order (summed by ``_apply``)."""
         grads = shard.pending.pop(shard.version)
-        return [grads[r] for r in range(self.num_workers)]
+        parts = [grads[r] for r in sorted(grads)]
+        if len(parts) < self.num_workers:      # a worker left: keep the mean gradient
+            return [np.sum(parts, axis=0) * np.float32(self.num_workers / len(parts))]
+        return parts
 
     def _apply(self, shards, grads):
         """grads[i]: the gradients to add up for shards[i], in rank order. The sum is
@@ -427,6 +431,49 @@ class Server:
             mx.nd.waitall()   # once per step: replies then read the weights' buffers directly
         for shard in shards:
             shard.version += 1
+
+    # ---- cluster.on_worker_failure: continue (the scheduler's MEMBERSHIP messages) --------
+    def _complete(self, pushes, step):
+        """Has every worker still in the job at ``step`` pushed it?"""
+        return len(pushes) + sum(1 for r, s in self.removed.items()
+                                 if s <= step and r not in pushes) >= self.num_workers
+
+    def on_membership(self, meta):
+        """A dead worker leaves. Asked (no from_step): answer the first step this server
+        has not received from it (of any key). Told (from_step E): drop its pushes for
+        steps >= E, aggregate the others from E on, and apply what is now complete."""
+        rank = meta["removed"]
+        if "from_step" not in meta:
+            first = min((self._first_missing(shard, rank) for shard in self.shards.values()),
+                        default=0)
+            self.link.send(P.Kind.MEMBERSHIP, {"removed": rank, "next_step": first})
+            return
+        step = self.removed[rank] = meta["from_step"]
+        self.log(f"worker {rank} left the job; aggregating without it from step {step}")
+        ready = []
+        for shard in self.shards.values():
+            for t, pushes in shard.pending.items():
+                if t >= step:
+                    pushes.pop(rank, None)
+            if self._complete(shard.pending.get(shard.version, {}), shard.version):
+                ready.append(shard)
+        while ready:
+            self._apply(ready, [self._sum(s) for s in ready])
+            nxt = []
+            for shard in ready:
+                for rep, i in shard.waiting.pop(shard.version - 1, ()):
+                    self._snapshot(rep, i, shard)
+                if self._complete(shard.pending.get(shard.version, {}), shard.version):
+                    nxt.append(shard)
+            ready = nxt
+        self._snapshots.clear()
+
+    @staticmethod
+    def _first_missing(shard, rank):
+        t = shard.version
+        while rank in shard.pending.get(t, ()):
+            t += 1
+        return t
 
     def on_pull(self, ident, msg):
         shards = [self._shard_for(rec, with_values=False) for rec in msg.records]
@@ -535,6 +582,8 @@ class Server:
                     msg = self.link.receive()
                     if msg.kind == P.Kind.SHUTDOWN:
                         return 0
+                    if msg.kind == P.Kind.MEMBERSHIP:
+                        self.on_membership(msg.meta)
                 if self.sock in events:
                     for _ in range(64):   # drain a burst, but keep heartbeats going
                         try:

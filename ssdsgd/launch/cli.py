@@ -20,6 +20,10 @@ from .launchers import make_launcher
 from .remote import LaunchError, add_arguments, options_from
 
 
+# cluster.on_worker_failure: restart with cluster.max_restarts 0 restarts this many times
+DEFAULT_RESTARTS = 3
+
+
 def _command_form(argv):
     if "--" not in argv:
         raise SystemExit("launch/dist.py: give a CONFIG.yaml, or -n N -s S -- COMMAND ...")
@@ -31,12 +35,15 @@ def _command_form(argv):
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process, e.g. SSDSGD_ALGORITHM=ssgd")
+    _restarts_argument(p, "0; the command restarts as it is, it resumes by itself")
     add_arguments(p)
     args = p.parse_args(opts)
     if not cmd:
         p.error("no command after --")
     if args.num_workers < 1 or args.num_servers < 1:
         p.error("-n and -s must be >= 1")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        p.error("--max-restarts must be >= 0")
     extra = {}
     for item in args.env:
         key, sep, value = item.partition("=")
@@ -50,8 +57,23 @@ def _command_form(argv):
     except (SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
-    return run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
-                   launcher=runner)
+    restarts, code = args.max_restarts or 0, 1
+    for attempt in range(restarts + 1):
+        failures = []
+        code = run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
+                       launcher=runner, failures=failures)
+        if code != 1 or attempt == restarts:
+            break
+        print(f"[launcher] {_restart_line(attempt + 1, restarts, failures, 'the command again')}",
+              file=sys.stderr, flush=True)
+    return _gave_up(code, restarts)
+
+
+def _gave_up(code, restarts):
+    if code == 1 and restarts:
+        print(f"[launcher] the job failed after {restarts} restart(s); giving up",
+              file=sys.stderr, flush=True)
+    return code
 
 
 def _config_parser():
@@ -63,8 +85,21 @@ def _config_parser():
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last "
                    "checkpoint (--set overrides are written to RUN_DIR/config.yaml)")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
+    _restarts_argument(p, "cluster.max_restarts")
     add_arguments(p, default_launcher=None)
     return p
+
+
+def _restarts_argument(p, default):
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N", help="when a "
+                   "process dies, stop the job and restart it (from the last checkpoint) "
+                   f"up to N times, like torchrun (default: {default})")
+
+
+def _restart_line(i, n, failures, whence):
+    """The one line printed per restart."""
+    cause = failures[0] if failures else "a process failed"
+    return f"restart {i} of {n}: {cause}; {whence}"
 
 
 def _prepare(args):
@@ -116,29 +151,69 @@ def _report(run_dir, seconds):
 def _config_form(argv):
     from ..config import ConfigError
     from ..data import DataError
-    from ..progress import ProgressMonitor
     p = _config_parser()
     args = p.parse_args(argv)
     if not args.config and not args.resume:
         p.error("give a CONFIG.yaml (or --resume RUN_DIR)")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        p.error("--max-restarts must be >= 0")
     try:
         config, run_dir, length, env, runner = _prepare(args)
     except (ConfigError, DataError, SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),
-           "--run-dir", run_dir]
-    if args.resume:
-        cmd += ["--resume", run_dir]
-    progress = ProgressMonitor(run_dir, length.total_steps, tty=sys.stderr.isatty())
+    restarts = (config.cluster.max_restarts if args.max_restarts is None
+                else args.max_restarts)
+    if config.cluster.on_worker_failure == "restart" and not restarts:
+        restarts = DEFAULT_RESTARTS
     print(f"[launcher] run directory: {run_dir}", flush=True)
-    t0 = time.monotonic()
-    code = run_job(config.cluster.workers, config.cluster.servers, cmd, env,
-                   port=args.port or None, launcher=runner, progress=progress,
-                   stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr))
+    t0, resume, code = time.monotonic(), bool(args.resume), 1
+    for attempt in range(restarts + 1):
+        failures = []
+        code = _run_training(config, run_dir, length, env, runner, args.port, resume, failures)
+        if code != 1 or attempt == restarts:
+            break
+        try:
+            env, whence = _restart_from_checkpoint(config, run_dir, length)
+        except (DataError, SettingError) as e:
+            print(f"[launcher] cannot restart: {e}", file=sys.stderr, flush=True)
+            return 1
+        resume = whence is not None
+        print(f"[launcher] {_restart_line(attempt + 1, restarts, failures, whence or 'from the start (no checkpoint yet)')}",
+              file=sys.stderr, flush=True)
     if code == 0:
         _report(run_dir, time.monotonic() - t0)
-    return code
+    return _gave_up(code, restarts)
+
+
+def _run_training(config, run_dir, length, env, runner, port, resume, failures):
+    """One run of the training program on every worker (resumed from RUN_DIR's last
+    checkpoint with ``resume``) under a progress bar; its exit code."""
+    from ..progress import ProgressMonitor
+    cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),
+           "--run-dir", run_dir]
+    if resume:
+        cmd += ["--resume", run_dir]
+    progress = ProgressMonitor(run_dir, length.total_steps, tty=sys.stderr.isatty())
+    return run_job(config.cluster.workers, config.cluster.servers, cmd, env,
+                   port=port or None, launcher=runner, progress=progress,
+                   stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr),
+                   failures=failures,
+                   continue_without_workers=config.cluster.on_worker_failure == "continue")
+
+
+def _restart_from_checkpoint(config, run_dir, length):
+    """(environment, what the restart continues from) after a failure: RUN_DIR's last
+    checkpoint if there is one (its step becomes SSDSGD_START_STEP), else (env, None):
+    the run starts again from step 0 (deterministic, so it ends the same)."""
+    from ..checkpoint import check_unfinished, checkpoint_info
+    from ..config import job_env
+    if not os.path.exists(os.path.join(run_dir, "checkpoints", "latest.json")):
+        return job_env(config, start_step=0), None
+    info = checkpoint_info(run_dir)
+    check_unfinished(run_dir, info, length)
+    return (job_env(config, start_step=info["step"]),
+            f"resuming from the checkpoint at step {info['step']}")
 
 
 def main(argv=None):

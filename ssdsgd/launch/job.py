@@ -55,11 +55,16 @@ def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0
 
 
 def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, launcher="local",
-            progress=None, log=None, stdout=None, stderr=None):
+            progress=None, log=None, stdout=None, stderr=None, failures=None,
+            continue_without_workers=False):
     """Start the job and wait for it; returns the exit code for the launcher's process.
 
     ``launcher``: a name in LAUNCHERS or an instance with the LocalLauncher interface.
-    Whatever ends the job, every process it started is stopped before this returns."""
+    Whatever ends the job, every process it started is stopped before this returns.
+    ``failures``, a list, receives one line per failed process, the likely root cause
+    (a process killed by a signal) first. ``continue_without_workers``
+    (cluster.on_worker_failure: continue): a worker other than rank 0 that dies is left
+    behind (the scheduler removes it) and the job goes on."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     log = log or (lambda text: print(f"[launcher] {text}", file=stderr, flush=True))
     runner = _runner(launcher, log)
@@ -77,7 +82,8 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
             if not _start_plan(runner, job_plan(num_workers, num_servers, worker_cmd), env,
                                procs, pumps, (stdout, stderr), log):
                 return 2
-            return _watch(procs, interrupted, progress, log)
+            return _watch(procs, interrupted, progress, log, failures,
+                          continue_without_workers)
         finally:
             _stop_all(runner, procs)
             keys.remove()
@@ -138,24 +144,43 @@ def _start_plan(runner, plan, env, procs, pumps, sinks, log):
     return True
 
 
-def _watch(procs, interrupted, progress, log):
+def _left_behind(failed, left, log):
+    """cluster.on_worker_failure: continue: failed workers other than rank 0 join
+    ``left``; True if every failure was one of those."""
+    if not all(p.role == "worker" and p.rank != 0 for p in failed):
+        return False
+    for p in failed:
+        log(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}; the job continues without "
+            "it (cluster.on_worker_failure: continue)")
+        left.append(p)
+    return True
+
+
+def _watch(procs, interrupted, progress, log, failures=None, continue_without_workers=False):
     """Poll until a signal arrives (130/143), a process fails (1), or every worker has
     exited 0 and the scheduler and servers have followed (0; after a grace period they
     are stopped)."""
     workers = [p for p in procs if p.role == "worker"]
     others = [p for p in procs if p.role != "worker"]
-    done_at = None
+    done_at, left = None, []
     while True:
         if interrupted:
             log(f"{signal.Signals(interrupted[0]).name}: stopping every process")
             return 130 if interrupted[0] == signal.SIGINT else 143
-        failed = [p for p in procs if p.poll() not in (None, 0)]
+        failed = [p for p in procs if p.poll() not in (None, 0) and p not in left]
+        if failed and continue_without_workers and _left_behind(failed, left, log):
+            failed = []
         if failed:
             failed.sort(key=lambda p: p.role != "worker")   # usually the root cause
             log(", ".join(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}"
                           for p in failed) + "; stopping the job")
+            if failures is not None:
+                failed.sort(key=lambda p: p.poll() > 0)        # killed ones first
+                failures.extend(f"{p.role if p.role == 'scheduler' else f'{p.role} {p.rank}'}"
+                                f" on {p.host or socket.gethostname()} "
+                                f"{_describe_exit(p.poll())}" for p in failed)
             return 1
-        if all(p.poll() == 0 for p in workers):
+        if all(p.poll() == 0 for p in workers if p not in left):
             done_at = done_at or time.monotonic()
             late = [p.name for p in others if p.poll() is None]
             if not late:

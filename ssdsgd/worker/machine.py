@@ -25,6 +25,7 @@ import numpy as np
 
 from ..glu.rules import make_local_rule
 from ..kvstore import hostcopy
+from ..kvstore.client import KeyReply
 from ..kvstore.optimizer_spec import build
 from .schedule import Stage, plan
 
@@ -41,6 +42,7 @@ class KeyRecord:
     """Everything the machine keeps about one key."""
     shape: tuple
     outs: list | None = None     # the arrays that hold w_i (set in the steps-delay stage)
+    params: list | None = None   # the parameter arrays kv.init wrote (where w_i lives)
     seeded: bool = False         # the local rule has been reset from w_G at least once
     # The global weights of the last two resets (estimate mode needs both) and the steps
     # they are as of; with the newest, the server's optimizer state, lr and update count.
@@ -94,8 +96,9 @@ class StageMachine:
             if self.client.rank == 0 else None
         replies = self.client.init([(key, value.size, value.dtype) for key, value, _ in entries],
                                    values).wait()
-        for key, _, _ in entries:
+        for key, _, outs in entries:
             self.keys[key].remember(replies[key], self.t - 1)   # w_G before the first step
+            self.keys[key].params = list(outs) or self.keys[key].params
         hostcopy.write((out, replies[key].value) for key, _, outs in entries for out in outs)
 
     # ---- one training step ---------------------------------------------------------
@@ -157,12 +160,17 @@ class StageMachine:
         """Spec steps 3-5 after the push (which carried the pull request of step 5)."""
         if self.pending is not None:
             self._reset_to_pulled()
+        unseeded = []
         for key, _, outs in entries:
-            record = self.keys[key]
-            record.outs = outs
-            if not record.seeded:      # first steps-delay step: w_i = w_G(T_w - 1)
-                self._reset(key, record)
-            self.rule.update(key, outs[0], grads[key])
+            self.keys[key].outs = outs
+            if not self.keys[key].seeded:   # first steps-delay step: w_i = w_G(T_w - 1)
+                unseeded.append(key)
+        if unseeded:
+            self._reset(unseeded)
+        self.rule.update_many([key for key, _, _ in entries],
+                              [outs[0] for _, _, outs in entries],
+                              [grads[key] for key, _, _ in entries])
+        for _, _, outs in entries:
             for out in outs[1:]:
                 outs[0].copyto(out)
         self.pending = reply           # None unless this step requested w_G(t)
@@ -172,27 +180,48 @@ class StageMachine:
         replies, self.pending = self.pending.wait(), None
         for key, reply in replies.items():
             self.keys[key].remember(reply, self.t - 1)
-        hostcopy.write((out, reply.value) for key, reply in replies.items()
-                       for out in self.keys[key].outs)
-        for key in replies:
-            self._reset(key, self.keys[key])
+        # 'corrected' seeds from w_i as it was before the reset overwrites it (the copies
+        # are engine operations: the write below waits for them before it overwrites).
+        local = {key: self.keys[key].outs[0].copy() for key in replies} \
+            if self.rule.needs_local_weight else {}
+        self._reset(list(replies), local, write_weights=True)
 
-    def _reset(self, key, record):
-        """Spec step 3 (the caller has set w_i <- w_G): re-seed the local rule from the
-        global model."""
-        shape, ctx = record.outs[0].shape, record.outs[0].context
-        now = record.value.reshape(shape)
-        state = None
-        if self.rule.needs_state:
-            state = [mx.nd.array(s.reshape(shape), ctx=ctx, dtype=s.dtype) for s in record.state]
+    def _reset(self, keys, local_weights=None, write_weights=False):
+        """Spec step 3 for ``keys``: (with ``write_weights``) w_i <- w_G, then re-seed the
+        local rule from the global model; ``local_weights``: key -> w_i from before the
+        reset ('corrected'). Every host-to-NDArray copy of the step (weights, global
+        snapshots, state) is one ``hostcopy.write``: one engine synchronisation for all
+        keys, not one per array (``mx.nd.array`` waits on the engine for each)."""
+        copies, seeds = [], []
+        for key in keys:
+            record = self.keys[key]
+            if write_weights:
+                copies += [(out, record.value) for out in record.outs]
+            seeds.append(self._seed_arrays(record, copies))
+        hostcopy.write(copies)
+        for key, (now, prev, state) in zip(keys, seeds):
+            record = self.keys[key]
+            between = record.pulled_at - record.prev_pulled_at
+            self.rule.reset(key, now, prev_global_weight=prev, steps_between=max(between, 1),
+                            state=state, lr=record.lr, num_update=record.version,
+                            local_weight=(local_weights or {}).get(key), own_state=True)
+            record.seeded = True
+
+    def _seed_arrays(self, record, copies):
+        """Empty NDArrays for a reset's w_G(t_p), w_G(t_q) and state, their host values
+        appended to ``copies``. The previous snapshot only where a rule reads it."""
+        shape, ctx = record.outs[0].shape, record.outs[0].context   # ctypes calls: once
+
+        def nd(value):
+            a = mx.nd.empty(shape, ctx=ctx, dtype=value.dtype)
+            copies.append((a, value))
+            return a
+
+        now = nd(record.value)
+        state = [nd(s) for s in record.state] if self.rule.needs_state else None
         between = record.pulled_at - record.prev_pulled_at
-        prev = record.prev_value if between > 0 else record.value
-        self.rule.reset(key, mx.nd.array(now, ctx=ctx, dtype=now.dtype),
-                        prev_global_weight=mx.nd.array(prev.reshape(now.shape), ctx=ctx,
-                                                       dtype=now.dtype),
-                        steps_between=max(between, 1), state=state, lr=record.lr,
-                        num_update=record.version)
-        record.seeded = True
+        prev = nd(record.prev_value) if between > 0 and not self.rule.needs_state else now
+        return now, prev, state
 
     def _fetch_state(self, entries):
         """The servers' optimizer state, lr and update count for keys that enter the
@@ -231,6 +260,62 @@ class StageMachine:
         if local and any(r.seeded for r in self.keys.values()):
             self.pull(local)
 
+    # ---- a checkpoint of this worker (the adapter's save/load_worker_state) ----------
+    def state_dict(self):
+        """Everything of this worker that the servers' checkpoint does not hold, as
+        ({name: ndarray}, JSON-able meta): the step, each key's last two global snapshots
+        with their steps, state, lr and version, its local weights w_i, the pull requested
+        at t - 1 (waited for here: its reply is w_G(t - 1), and kept for step t) and the
+        local rule's own state. Taken between two steps."""
+        arrays, meta = {}, {"t": self.t, "keys": {}, "pending": None}
+        if self.pending is not None:
+            replies = self.pending.wait()
+            self.pending = _Done(replies)
+            meta["pending"] = {str(k): _put_reply(arrays, f"p{k}", r) for k, r in replies.items()}
+        for key, r in self.keys.items():
+            m = {"seeded": r.seeded, "pulled_at": r.pulled_at, "prev_pulled_at": r.prev_pulled_at,
+                 "lr": r.lr, "version": r.version, "outs": r.outs is not None,
+                 "state": _put_list(arrays, f"k{key}.state", r.state)}
+            for name in ("value", "prev_value"):
+                if getattr(r, name) is not None:
+                    arrays[f"k{key}.{name}"] = getattr(r, name)
+            local = r.outs or r.params
+            if local:
+                arrays[f"k{key}.local"] = local[0].asnumpy()
+            meta["keys"][str(key)] = m
+        if self.rule is not None:
+            meta["rule"] = self.rule.state_dict(arrays)
+        residuals = self.client.residuals()
+        meta["residuals"] = sorted(residuals)
+        arrays.update((f"c{key}", r) for key, r in residuals.items())
+        return arrays, meta
+
+    def load_state_dict(self, arrays, meta):
+        """Continue exactly where ``state_dict`` was taken (after kv.init and the
+        optimizer: the keys and the local rule exist). w_i goes into the parameters."""
+        if int(meta["t"]) != self.t:
+            raise ValueError(f"the worker state is of step {meta['t']}, the job resumes at "
+                             f"step {self.t}")
+        for skey, m in meta["keys"].items():
+            key = int(skey)
+            r = self.keys.get(key)
+            if r is None or r.params is None:
+                raise ValueError(f"the worker state names key {key}, which this model lacks")
+            r.value, r.prev_value = arrays.get(f"k{key}.value"), arrays.get(f"k{key}.prev_value")
+            r.pulled_at, r.prev_pulled_at = m["pulled_at"], m["prev_pulled_at"]
+            r.seeded, r.lr, r.version = bool(m["seeded"]), m["lr"], m["version"]
+            r.state = _get_list(arrays, f"k{key}.state", m["state"])
+            r.outs = r.params if m["outs"] else None
+            if f"k{key}.local" in arrays:
+                hostcopy.write((out, arrays[f"k{key}.local"].reshape(-1)) for out in r.params)
+        if meta["pending"] is not None:
+            self.pending = _Done({int(k): _get_reply(arrays, f"p{k}", m)
+                                  for k, m in meta["pending"].items()})
+        if self.rule is not None and meta.get("rule") is not None:
+            self.rule.load_state_dict(arrays, meta["rule"],
+                                      {k: r.params[0] for k, r in self.keys.items()})
+        self.client.load_residuals({key: arrays[f"c{key}"] for key in meta.get("residuals", [])})
+
     def metrics(self):
         stats = dict(self.client.stats)
         stats.update(self.counts)
@@ -238,4 +323,38 @@ class StageMachine:
         stats["stage"] = plan(max(self.t - 1, 0), self.env.algorithm, self.env.warmup_steps,
                               self.env.delay_steps).stage
         stats["last_step_blocked"] = self.last_step_blocked
+        stats["left"] = list(self.client.left)
         return stats
+
+
+class _Done:
+    """A pull already answered (saved with a checkpoint): ``wait`` returns its replies."""
+
+    def __init__(self, replies):
+        self.replies = replies
+
+    def wait(self):
+        return self.replies
+
+
+def _put_list(arrays, prefix, values):
+    if values is None:
+        return None
+    for j, a in enumerate(values):
+        arrays[f"{prefix}{j}"] = a
+    return len(values)
+
+
+def _get_list(arrays, prefix, count):
+    return None if count is None else [arrays[f"{prefix}{j}"] for j in range(count)]
+
+
+def _put_reply(arrays, prefix, reply):
+    arrays[f"{prefix}.value"] = reply.value
+    return {"lr": reply.lr, "version": reply.version,
+            "state": _put_list(arrays, f"{prefix}.state", reply.state)}
+
+
+def _get_reply(arrays, prefix, m):
+    return KeyReply(arrays[f"{prefix}.value"], _get_list(arrays, f"{prefix}.state", m["state"]) or [],
+                    m["version"], m["lr"])

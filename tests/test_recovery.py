@@ -1,0 +1,188 @@
+"""Automatic restart (launch/dist.py --max-restarts) with real processes: a worker, a
+server or the scheduler SIGKILLed at a random (seeded) step of a digits job, ssgd and ssd;
+the launcher restarts the job from its last checkpoint and it ends with exactly the
+weights of an uninterrupted run. The launcher itself SIGKILLed: every process exits, and
+the same command with --resume finishes with the uninterrupted weights."""
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from test_e2e_configs import PY, ROOT, clean_env, dist, records, run_dir_of, sets
+from test_resume import children, params
+
+pytestmark = pytest.mark.system
+
+EPOCHS = 2
+STEPS = 1437 // (2 * 16)        # digits, 2 workers x 16: 44 steps per epoch
+JOBS = {"ssd": sets(data__batch_size=16, train__epochs=EPOCHS, train__log_interval=4,
+                    sync__warmup_steps=29),
+        "ssgd": sets(data__batch_size=16, train__epochs=EPOCHS, train__log_interval=4,
+                     sync__algorithm="ssgd")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final weights and summary of each algorithm's job, run once, lazily."""
+    done = {}
+
+    def get(algorithm):
+        if algorithm not in done:
+            root = tmp_path_factory.mktemp(f"ref-{algorithm}")
+            p = dist(["configs/digits.yaml", *JOBS[algorithm], *sets(output__dir=root)])
+            assert p.returncode == 0, p.stderr[-3000:]
+            done[algorithm] = final(run_dir_of(root))
+        return done[algorithm]
+    return get
+
+
+def final(run: Path) -> tuple[dict, dict]:
+    return (params(run / "checkpoints" / f"epoch-{EPOCHS - 1:04d}.params"),
+            json.loads((run / "summary.json").read_text()))
+
+
+def assert_same(run: Path, reference):
+    (pa, sa), (pb, sb) = reference, final(run)
+    assert pa.keys() == pb.keys() and len(pa) == 6
+    for key in pa:
+        assert (pa[key] == pb[key]).all(), key      # bit-identical
+    assert (sb["final_accuracy"], sb["steps"]) == (sa["final_accuracy"], sa["steps"])
+
+
+def role_of(pid: int) -> tuple[str, int] | None:
+    try:
+        env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text()
+                   .split("\0") if "=" in item)
+    except OSError:
+        return None
+    return env.get("SSDSGD_ROLE"), int(env.get("SSDSGD_RANK", -1))
+
+
+def start(args, root: Path):
+    log = open(root.parent / f"{root.name}.log", "w+")
+    proc = subprocess.Popen([PY, "launch/dist.py", *map(str, args)], cwd=ROOT,
+                            env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, log
+
+
+def wait_for_step(proc, root: Path, step: int, timeout=240) -> Path:
+    """The run directory, once rank 0 has logged a step >= ``step``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = [d for d in root.iterdir() if d.is_dir()] if root.exists() else []
+        if runs and (runs[0] / "metrics" / "worker-0.jsonl").exists():
+            steps = [r["step"] for r in records(runs[0], 0, "train")]
+            if steps and max(steps) >= step:
+                return runs[0]
+        assert proc.poll() is None, "the job ended before the kill"
+        assert time.monotonic() < deadline, "the job did not reach the step in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("role", ["worker", "server", "scheduler"])
+@pytest.mark.parametrize("algorithm", ["ssd", "ssgd"])
+def test_a_killed_process_is_restarted_and_the_job_ends_as_if_uninterrupted(
+        tmp_path, uninterrupted, role, algorithm):
+    rng = random.Random(f"{role}-{algorithm}")
+    step = rng.randint(STEPS + 2, 2 * STEPS - 8)       # after the first checkpoint
+    rank = rng.choice([0, 1]) if role == "worker" else 0
+    reference = uninterrupted(algorithm)
+    root = tmp_path / "runs"
+    proc, log = start(["configs/digits.yaml", *JOBS[algorithm], *sets(output__dir=root),
+                       "--max-restarts", 1], root)
+    try:
+        run = wait_for_step(proc, root, step)
+        victim, = [c for c in children(proc.pid) if role_of(c) == (role, rank)]
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.seek(0)
+        out = log.read()
+        log.close()
+    name = "scheduler" if role == "scheduler" else f"{role} {rank}"
+    restarts = [ln for ln in out.splitlines() if "restart 1 of 1" in ln]
+    assert len(restarts) == 1, out[-3000:]
+    assert f"restart 1 of 1: {name} on " in restarts[0] and "killed by SIGKILL" in restarts[0]
+    assert "resuming from the checkpoint at step" in restarts[0], restarts[0]
+    assert_same(run, reference)
+
+
+def test_a_job_that_keeps_failing_gives_up_after_its_restarts(tmp_path):
+    """--max-restarts 1 and a worker program that always fails: one restart line, then
+    the launcher gives up, non-zero."""
+    p = dist(["-n", "1", "-s", "1", "--max-restarts", "1", "--", PY, "-c",
+              "import sys; sys.exit(3)"], timeout=120)
+    assert p.returncode == 1
+    lines = [ln for ln in p.stderr.splitlines() if "restart" in ln]
+    assert len(lines) == 2 and "restart 1 of 1: worker 0 on " in lines[0], p.stderr[-2000:]
+    assert "exited with code 3" in lines[0] and "giving up" in lines[1]
+
+
+def test_a_killed_launcher_leaves_nothing_and_resume_ends_as_if_uninterrupted(
+        tmp_path, uninterrupted):
+    reference = uninterrupted("ssd")
+    root = tmp_path / "runs"
+    args = ["configs/digits.yaml", *JOBS["ssd"], *sets(output__dir=root)]
+    proc, log = start(args, root)
+    try:
+        run = wait_for_step(proc, root, random.Random("launcher").randint(STEPS + 2,
+                                                                          2 * STEPS - 8))
+        kids = children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{k}").exists() and role_of(k) for k in kids):
+            assert time.monotonic() < deadline, "a process outlived its launcher by 30 s"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    resumed = dist([*args, "--resume", run], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same(run, reference)
+
+
+@pytest.mark.parametrize("algorithm", ["ssd", "ssgd"])
+def test_with_continue_a_killed_worker_leaves_and_the_job_finishes(tmp_path, algorithm):
+    """cluster.on_worker_failure: continue: worker 1 SIGKILLed mid-run; the scheduler
+    removes it (heartbeat timeout 1 s here), every server aggregates rank 0 alone from the
+    step it names, the job finishes all its steps with one worker, and summary.json says
+    who left and from which step."""
+    root = tmp_path / "runs"
+    step = random.Random(f"continue-{algorithm}").randint(STEPS + 2, 2 * STEPS - 8)
+    proc, log = start(["configs/digits.yaml", *JOBS[algorithm], *sets(
+        output__dir=root, cluster__on_worker_failure="continue",
+        cluster__heartbeat_interval=0.2, cluster__heartbeat_timeout=1.0)], root)
+    try:
+        run = wait_for_step(proc, root, step)
+        victim, = [c for c in children(proc.pid) if role_of(c) == ("worker", 1)]
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.seek(0)
+        out = log.read()
+        log.close()
+    assert re.search(r"worker 1 \(pid \d+\) was killed by SIGKILL; the job continues "
+                     "without it", out), out[-3000:]
+    assert "worker 1 left the job" in out
+    summary = json.loads((run / "summary.json").read_text())
+    left, = summary["workers_left"]
+    assert left["rank"] == 1 and step <= left["from_step"] <= 2 * STEPS
+    assert summary["steps"] == EPOCHS * STEPS and summary["workers_reporting"] == 1
+    assert summary["final_accuracy"] > 0.8
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == EPOCHS * STEPS
