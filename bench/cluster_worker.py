@@ -4,7 +4,9 @@
         --workload emulated --shapes FILE.json --compute-s 0.8 [--batch 32]
         --workload real --model cifar_resnet20_v1 [--image-size 32] [--batch 32]
         --workload digits [--epochs 20] [--batch 32] [--lr 0.1] [--eval-every 4]
-        [--steps 20] [--warmup 2] [--slowdown delay:1=0.2|factor:1=2|random:D:R[:SEED]]
+            [--hidden 2048 --deferred-eval]
+        [--steps 20] [--warmup 2] [--compression '{"type": "2bit", "threshold": 0.5}']
+        [--slowdown delay:1=0.2|factor:1=2|random:D:R[:SEED]]
 
 The same loop for every kvstore, so rows differ only in the kvstore:
 
@@ -14,6 +16,12 @@ The same loop for every kvstore, so rows differ only in the kvstore:
     exchange  trainer.step(...) of a stock gluon.Trainer (sgd, momentum 0.9) on the
               kvstore, then waiting until every weight is readable (what the next forward
               would wait for); this is the time blocked on communication
+
+With ``--compression`` ssd_sync gets it as the Trainer's ``compression_params``. MXNet
+1.9.1's dist_sync refuses compression with pushpull ("Compression not supported with
+PushPull"), which the Trainer calls, so a native worker with compression uses
+``PushPullTrainer``: kv.set_gradient_compression, the optimizer on the servers
+(kv.set_optimizer), and per step kv.push of every gradient then kv.pull of every weight.
 
 ``--slowdown`` is the training program's ``debug.slowdown`` (ssdsgd/slowdown.py): the
 slowed ranks sleep after their compute, before their exchange, in every row alike.
@@ -58,6 +66,13 @@ def parse_args(argv=None):
     p.add_argument('--lr', type=float, default=0.1, help='digits: lr (global-batch mean)')
     p.add_argument('--eval-every', type=int, default=4, help='digits: steps between evals')
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--compression', help='JSON for kv.set_gradient_compression (ssd_sync: '
+                   "the Trainer's compression_params; native: push/pull, see above)")
+    p.add_argument('--hidden', type=int, default=0,
+                   help='digits: a 64-H-H-10 ReLU MLP instead of the demo digits_mlp')
+    p.add_argument('--deferred-eval', action='store_true',
+                   help='digits: rank 0 copies its weights every --eval-every steps and '
+                   'tests the copies after training, so testing takes no time from the run')
     p.add_argument('--slowdown', default='none',
                    help="straggler injection, debug.slowdown's forms (default none)")
     return p.parse_args(argv)
@@ -160,6 +175,45 @@ def drains(kv):
             and os.environ.get('SSDSGD_ALGORITHM', 'ssd') == 'ssd')
 
 
+class PushPullTrainer:
+    """What gluon.Trainer does with update_on_kvstore, with kv.push and kv.pull instead of
+    kv.pushpull (which MXNet's dist_sync refuses with compression): the optimizer runs on
+    the servers; a step pushes every gradient, then pulls every weight."""
+
+    def __init__(self, params, optimizer, optimizer_params, kv, compression, grad_batch):
+        import mxnet as mx
+        self.kv, self.params = kv, [p for p in params if p.grad_req != 'null']
+        if compression:
+            kv.set_gradient_compression(compression)
+        kv.set_optimizer(mx.optimizer.create(optimizer, rescale_grad=1.0 / grad_batch,
+                                             **optimizer_params))
+        self.keys = list(range(len(self.params)))
+        for i, p in zip(self.keys, self.params):
+            kv.init(i, p.data())
+        for i, p in zip(self.keys, self.params):
+            kv.pull(i, out=p.data(), priority=-i)     # everyone starts from rank 0's
+
+    def step(self, batch_size, ignore_stale_grad=False):
+        for i, p in zip(self.keys, self.params):
+            self.kv.push(i, p.grad(), priority=-i)
+        for i, p in zip(self.keys, self.params):
+            self.kv.pull(i, out=p.data(), priority=-i)
+
+
+def make_trainer(params, optimizer_params, kv, compression, grad_batch):
+    """A stock gluon.Trainer ('sgd'), or PushPullTrainer for a native kvstore with
+    compression."""
+    from mxnet import gluon
+    if compression and kv is not None and kv.type != 'ssd_sync':
+        return PushPullTrainer(params, 'sgd', optimizer_params, kv, compression, grad_batch)
+    extra = {'compression_params': compression} if compression else {}
+    return gluon.Trainer(params, 'sgd', optimizer_params, kvstore=kv, **extra)
+
+
+def compression_of(args):
+    return json.loads(args.compression) if args.compression else None
+
+
 # ---- workloads -------------------------------------------------------------------------
 def emulated_params(args):
     import mxnet as mx
@@ -212,17 +266,16 @@ class Throughput:
 
     def __init__(self, args, kv):
         import mxnet as mx
-        from mxnet import gluon
         self.mx, self.args, self.kv = mx, args, kv
         if args.workload == 'emulated':
             self.params, self.model = emulated_params(args), None
         else:
             self.model = RealModel(args, mx.cpu())
             self.params = self.model.params()
-        self.trainer = gluon.Trainer(self.params, 'sgd',
-                                     {'learning_rate': 1e-4, 'momentum': 0.9}, kvstore=kv)
         num_workers = kv.num_workers if kv is not None else 1
         self.grad_batch = args.batch * (num_workers if is_sync(kv) else 1)
+        self.trainer = make_trainer(self.params, {'learning_rate': 1e-4, 'momentum': 0.9},
+                                    kv, compression_of(args), self.grad_batch)
         self.trained = [i for i, p in enumerate(self.params) if p.grad_req != 'null']
 
     def compute(self):
@@ -259,13 +312,14 @@ def run_throughput(args, kv):
         job.exchange()
     barrier(kv)
     c0, m0 = read_counters(dev), kv_metrics(kv)
-    t_start = time.time()
+    t_start, cpu0 = time.time(), time.process_time()
     timed = timed_steps(job, args.steps, t_start, first_step=args.warmup)
     drain_s = job.drain()
-    t_end = time.time()
+    t_end, cpu1 = time.time(), time.process_time()
     c1, m1 = read_counters(dev), kv_metrics(kv)
     res = {'t_start': t_start, 't_end': t_end, 'steps': args.steps, 'batch': args.batch,
-           **timed, 'drain_s': drain_s, 'net_dev': dev,
+           **timed, 'drain_s': drain_s, 'net_dev': dev, 'cpu_s': cpu1 - cpu0,
+           'warmup': args.warmup,
            'param_bytes': job.param_bytes(), 'num_keys': len(job.trained)}
     res.update(counter_deltas(c0, c1, m0, m1))
     return res
@@ -319,16 +373,29 @@ class Digits:
         self.num_workers = kv.num_workers if kv is not None else 1
         self.spe = self.ds.n_train // (self.num_workers * args.batch)
         self.total = args.epochs * self.spe
-        self.net = digits_mlp(10)
+        self.net = digits_mlp(10) if not args.hidden else wide_mlp(args.hidden)
         self.net.initialize(initializer('digits_mlp'))
         self.net.hybridize(static_alloc=True, static_shape=True)
+        self.net(mx.nd.zeros((1, 64)))
         sched = mx.lr_scheduler.CosineScheduler(max_update=self.total, base_lr=args.lr,
                                                 final_lr=0)
-        self.trainer = gluon.Trainer(self.net.collect_params(), 'sgd',
-                                     {'learning_rate': args.lr, 'momentum': 0.9, 'wd': 1e-4,
-                                      'lr_scheduler': sched}, kvstore=kv)
-        self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
         self.grad_batch = args.batch * (self.num_workers if is_sync(kv) else 1)
+        self.params = list(self.net.collect_params().values())
+        self.trainer = make_trainer(self.params, {'learning_rate': args.lr, 'momentum': 0.9,
+                                                  'wd': 1e-4, 'lr_scheduler': sched},
+                                    kv, compression_of(args), self.grad_batch)
+        self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+
+    def param_bytes(self):
+        return int(sum(p.data().size * 4 for p in self.params if p.grad_req != 'null'))
+
+    def snapshot(self):
+        return [p.data().asnumpy() for p in self.params]
+
+    def evaluate_snapshot(self, arrays):
+        for p, a in zip(self.params, arrays):
+            p.data()[:] = a          # in place: set_data would reset the kvstore
+        return self.evaluate()
 
     def evaluate(self):
         correct = 0
@@ -351,13 +418,23 @@ class Digits:
         self.trainer.step(self.grad_batch)
 
 
+def wide_mlp(hidden):
+    """64-H-H-10 ReLU MLP: a gradient of about 4 H^2 bytes on the same digits, so links,
+    not compute, bound its step."""
+    from mxnet.gluon import nn
+    net = nn.HybridSequential()
+    net.add(nn.Flatten(), nn.Dense(hidden, activation='relu'),
+            nn.Dense(hidden, activation='relu'), nn.Dense(10))
+    return net
+
+
 def run_digits(args, kv):
     job = Digits(args, kv)              # puts the checkout on sys.path
     from ssdsgd.data import shard_indices
     slow = make_slowdown(args, kv)
     barrier(kv)
-    t_start = time.time()
-    evals = []
+    t_start, cpu0 = time.time(), time.process_time()
+    evals, snaps = [], []
     step = 0
     for epoch in range(args.epochs):
         for idx in shard_indices(job.ds.n_train, epoch, args.seed, job.rank, job.num_workers,
@@ -366,17 +443,22 @@ def run_digits(args, kv):
             step += 1
             if job.rank == 0 and (step % args.eval_every == 0 or step == job.total):
                 job.mx.nd.waitall()
-                evals.append((step, time.time() - t_start, job.evaluate()))
+                if args.deferred_eval:
+                    snaps.append((step, time.time() - t_start, job.snapshot()))
+                else:
+                    evals.append((step, time.time() - t_start, job.evaluate()))
     job.mx.nd.waitall()
-    t_end = time.time()
+    t_end, cpu_s = time.time(), time.process_time() - cpu0
+    evals += [(s, t, job.evaluate_snapshot(w)) for s, t, w in snaps]
     if kv is not None and hasattr(kv, 'average_all') and kv.algorithm == 'preduce':
         # the final model is the average of every worker's (docs/spec/preduce.md); rank
         # 0's curve so far was of its own model
         kv.average_all()
         if job.rank == 0:
             evals.append((step, time.time() - t_start, job.evaluate()))
-    return {'t_start': t_start, 't_end': t_end, 'steps': step, 'steps_per_epoch': job.spe,
-            'batch': args.batch, 'evals': evals}
+    return {'t_start': t_start, 't_end': t_end, 'cpu_s': cpu_s, 'steps': step,
+            'steps_per_epoch': job.spe,
+            'batch': args.batch, 'evals': evals, 'param_bytes': job.param_bytes()}
 
 
 def main(argv=None):

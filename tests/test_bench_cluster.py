@@ -98,6 +98,22 @@ def test_rates_and_bounds():
     assert not plan.ssd(5).synchronous and plan.ssd(5).pulls_per_step == 0.2
 
 
+def test_compressed_systems_and_their_bounds():
+    k5 = plan.system_by_key('ssd-k5-2bit')
+    assert (k5.kind, k5.mode, k5.k, k5.compression) == ('ssd', 'ssd', 5, '2bit')
+    nat = plan.system_by_key('native-sync-2bit')
+    assert nat.mode == 'dist_sync' and 'push/pull' in nat.label
+    assert plan.system_by_key('ssgd-topk').compression == 'topk'
+    with pytest.raises(KeyError):
+        plan.system_by_key('ssd-k5-3bit')
+    # 100 MB, 4 workers, 1 server at 1 Gbit/s: 2bit pushes are 1/16 as big, so ssd k=5's
+    # uncompressed pulls (1/5 of the model per step) bind: 3.2 s x 0.2; a synchronous
+    # system still pulls the whole model every step
+    assert plan.link_time(100_000_000, 1e9, 4, 1, k5) == pytest.approx(0.64)
+    assert plan.link_time(100_000_000, 1e9, 4, 1, nat) == pytest.approx(3.2)
+    assert plan.link_time(100_000_000, 1e9, 4, 1, plan.ssd(5)) == pytest.approx(3.2)
+
+
 def test_without_root_says_so_and_exits_cleanly(monkeypatch, capsys):
     from bench.cluster import __main__ as cli
     monkeypatch.setattr(os, 'geteuid', lambda: 1000)
@@ -145,6 +161,42 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
     assert group['rows'][0]['speedup'] == pytest.approx(1.0)
     [tta] = results['tta']['rows']
     assert tta['status'] == 'ok' and tta['curve'] and tta['steps'] > 0
+
+
+@pytest.mark.system
+@needs_netns
+def test_compression_rows_and_tta_comm(tmp_path):
+    """The compressed rows (native + 2bit through push/pull, ssd_sync with the Trainer's
+    compression_params) send compressed pushes across the links, the comm-bound
+    time-to-accuracy part runs, and --name keeps the run of record's files."""
+    out, raw = tmp_path / 'out', tmp_path / 'raw'
+    cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix,tta-comm',
+           '--workloads', 'emulated:tiny@1gbit', '--workers', '2', '--servers', '1',
+           '--systems', 'native-sync-2bit,ssgd,ssgd-2bit', '--steps', '3', '--warmup', '1',
+           '--tta-comm-systems', 'native-sync-2bit,ssd-k2-2bit', '--tta-comm-workers', '2',
+           '--tta-comm-hidden', '64', '--tta-comm-epochs', '1', '--tta-comm-warmup', '2',
+           '--tta-comm-target', '0.3', '--name', 'comp', '--out', str(out), '--raw', str(raw)]
+    with bench_process(cmd) as proc:
+        text, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, text[-3000:]
+    assert ours(proc.pid) == []
+    assert 'native dist_sync + 2bit (push/pull)' in text and 'ssd_sync ssgd + 2bit' in text
+    assert sorted(p.name for p in out.iterdir()) == ['comp.json', 'comp.md', 'comp_matrix.png',
+                                                     'comp_tta_comm.png']
+    results = json.loads((out / 'comp.json').read_text())
+    rows = {r['system']: r for r in results['matrix'][0]['rows']}
+    assert all(r['status'] == 'ok' for r in rows.values()), rows
+    # what a worker sends per step: 2bit pushes are 1/16 of the float32 gradient
+    for key in ('native-sync-2bit', 'ssgd-2bit'):
+        assert rows[key]['tx_bytes_per_step'] < rows['ssgd']['tx_bytes_per_step'] / 3, key
+        assert rows[key]['server_cpu_per_step_s'] > 0 and rows[key]['worker_cpu_per_step_s'] > 0
+    assert rows['ssgd']['tx_bytes_per_step'] >= TINY_BYTES
+    tc = results['tta_comm']
+    assert [r['system'] for r in tc['rows']] == ['native-sync-2bit', 'ssd-k2-2bit']
+    for r in tc['rows']:
+        assert r['status'] == 'ok' and r['curve'] and r['steps'] == 1437 // (2 * 32), r
+        assert [e[0] for e in r['curve']] == sorted(e[0] for e in r['curve'])
+    assert '## Time to accuracy at a comm-bound point' in (out / 'comp.md').read_text()
 
 
 @pytest.mark.system

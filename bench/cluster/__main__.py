@@ -18,6 +18,12 @@ configured rate both ways. Three experiments (``--only``):
            (b) eager-SGD's random delays; throughput, time to accuracy, final accuracy of
            native dist_sync, ssgd, ssd k=5 and preduce P=2; written to hetero.md/.json
            (not cluster.md) so it can run alone
+  tta-comm time to accuracy where the links bound the step: a wide MLP (64-H-H-10, about
+           4 H^2 bytes of gradient) on the digits at 1 Gbit/s, 4 workers, with and
+           without 2bit compression (native dist_sync + 2bit pushes and pulls itself)
+
+Systems are named native-sync, native-async, ssgd, asgd, ssd-kK, each optionally with a
+compression suffix: ssd-k5-2bit, ssgd-topk, native-sync-2bit (--threshold, --topk-ratio).
 
 Results go to --out (docs/benchmarks/: cluster.md, cluster.json, PNG plots); every job's
 raw per-worker results and logs go to --raw. Needs root; without it, says so and exits 0.
@@ -51,7 +57,15 @@ def parse_args(argv=None):
                                 epilog=__doc__.split('\n', 2)[2])
     p.add_argument('--quick', action='store_true', help='a smaller, faster version')
     p.add_argument('--only', default='matrix,scaling,tta',
-                   help='comma list of experiments: matrix, scaling, tta')
+                   help='comma list of experiments: matrix, scaling, tta, hetero, tta-comm')
+    p.add_argument('--name', default='cluster',
+                   help='stem of the files written to --out (NAME.md, NAME.json, '
+                   'NAME_*.png); use another one to keep the run of record')
+    p.add_argument('--threshold', type=float, default=0.5,
+                   help='2bit threshold of the -2bit systems (MXNet\'s default 0.5)')
+    p.add_argument('--topk-ratio', type=float, default=0.1, help='ratio of the -topk systems')
+    p.add_argument('--glu-state', choices=['estimate', 'exact', 'corrected'],
+                   help='SSDSGD_GLU_STATE for ssd_sync jobs (default: the code\'s)')
     p.add_argument('--workloads', help='comma list, e.g. emulated:resnet50@1gbit+10gbit,'
                    'real:cifar_resnet20_v1 (default depends on --quick)')
     p.add_argument('--rates', help='default link rates for workloads without @ '
@@ -94,6 +108,17 @@ def parse_args(argv=None):
     p.add_argument('--hetero-random', default='random:0.1:1:0',
                    help="case (b)'s debug.slowdown: eager-SGD's random delays (D s on R "
                    "ranks drawn each step, seeded)")
+    p.add_argument('--tta-comm-rate', default='1gbit')
+    p.add_argument('--tta-comm-workers', type=int, default=4)
+    p.add_argument('--tta-comm-hidden', type=int, default=2048,
+                   help='width H of the 64-H-H-10 MLP (2048: 17.4 MB of gradient)')
+    p.add_argument('--tta-comm-target', type=float, default=0.95)
+    p.add_argument('--tta-comm-epochs', type=int, default=8)
+    p.add_argument('--tta-comm-lr', type=float, default=0.1)
+    p.add_argument('--tta-comm-warmup', type=int, default=10)
+    p.add_argument('--tta-comm-systems',
+                   default='native-sync,native-sync-2bit,ssgd,ssgd-2bit,ssd-k5,ssd-k10,'
+                   'ssd-k5-2bit')
     p.add_argument('--latency-ms', type=float, default=0.0,
                    help='added round-trip latency per link (needs netem in the kernel)')
     p.add_argument('--mtu', type=int, default=1500)
@@ -241,18 +266,21 @@ class Bench:
         if skipped:
             return dict(base, status=skipped)
         args = extra_args if extra_args is not None else worker_args(workload, steps, warmup)
+        args = list(args) + compression_args(system, self.args)
         t0 = time.monotonic()
         try:
             job_notes = []
             results = runner.run_job_on(self.cluster, system, n, s, args, out, timeout, warmup,
-                                        out.with_suffix('.log'), notes=job_notes)
+                                        out.with_suffix('.log'), notes=job_notes,
+                                        ssd_env=ssd_env(self.args))
             self.take_notes(tag, job_notes)
         except runner.Interrupted as e:
             raise KeyboardInterrupt(str(e)) from None
         except RuntimeError as e:
             return self.failed(base, e, system, workload, rate, out)
         if workload.kind == 'digits':
-            return dict(base, status='ok', results=results, job_s=time.monotonic() - t0)
+            return dict(base, status='ok', results=results, job_s=time.monotonic() - t0,
+                        loadavg=os.getloadavg()[0])
         row = runner.summarize(results, system, workload, rate, n, s, bound_s)
         row.update(status='ok', job_s=time.monotonic() - t0, loadavg=os.getloadavg()[0])
         if row.get('leftover_pids'):
@@ -288,6 +316,24 @@ class Bench:
         return dict(base, status='failed', error='\n'.join(text[-30:]))
 
 
+def compression_params(system, args):
+    """kv.set_gradient_compression's dict for ``system`` (None: uncompressed)."""
+    if system.compression == '2bit':
+        return {'type': '2bit', 'threshold': args.threshold}
+    if system.compression == 'topk':
+        return {'type': 'topk', 'ratio': args.topk_ratio}
+    return None
+
+
+def compression_args(system, args):
+    spec = compression_params(system, args)
+    return ['--compression', json.dumps(spec)] if spec else []
+
+
+def ssd_env(args):
+    return {'SSDSGD_GLU_STATE': args.glu_state} if args.glu_state else {}
+
+
 def timeout_for(pred, steps, warmup):
     return 180 + 4 * pred * (steps + warmup + 2)
 
@@ -313,10 +359,9 @@ def run_matrix(bench, args, workloads, log):
     """One group per workload and rate: every system's row, with bounds and speedups;
     yields the groups so far after every group."""
     groups = []
-    wanted = set(_csv(args.systems)) if args.systems else None
     systems = plan.matrix_systems([int(k) for k in _csv(args.ks)])
-    if wanted:
-        systems = [s for s in systems if s.key in wanted]
+    if args.systems:
+        systems = [plan.system_by_key(key) for key in _csv(args.systems)]
     n, s = args.workers, args.servers
     for workload, rates in workloads:
         for rate in rates:
@@ -335,7 +380,8 @@ def run_matrix(bench, args, workloads, log):
                 pred = plan.predict_step(system, workload, rate, n, s)
                 steps = steps_for(args, system, pred)
                 row = bench.run(system, workload, rate, n, s, steps, args.warmup,
-                                timeout=timeout_for(pred, steps, args.warmup), bound_s=b)
+                                timeout=timeout_for(pred, steps, args.warmup),
+                                bound_s=plan.bound(workload, rate, n, s, system=system)[0])
                 log(fmt_row(row))
                 g['rows'].append(row)
             add_bounds_and_speedups(g, workload, rate, b)
@@ -360,11 +406,13 @@ def compute_only_row(bench, args, workload, rate, n, s, log):
 def add_bounds_and_speedups(g, workload, rate, b):
     n, s = g['workers'], g['servers']
     for r in g['rows']:
-        rb = b
+        system = plan.system_by_key(r['system'])
+        rb = plan.bound(workload, rate, n, s, system=system)[0] if system.compression else b
         if workload.kind == 'real' and r.get('compute_per_step_s'):
             # compute alone, as fast as it ran in this very row (the load from
             # other processes changes between rows)
-            rb, _ = plan.bound(workload, rate, n, s, compute_s=r['compute_per_step_s'])
+            rb, _ = plan.bound(workload, rate, n, s, compute_s=r['compute_per_step_s'],
+                               system=system)
         if not rb:
             continue
         r['bound_samples_per_s'] = rb
@@ -411,33 +459,61 @@ def run_scaling(bench, args, log):
 
 def run_tta(bench, args, log):
     rate = netns.parse_rate(args.tta_rate)
-    bench.cluster.shape(rate, args.latency_ms)
-    n, s = args.tta_workers, 1
-    w = Workload('digits', 'digits', 'digits_mlp', 32)
-    tta = {'rate_bits': rate, 'workers': n, 'servers': s, 'target': args.tta_target,
+    tta = {'rate_bits': rate, 'workers': args.tta_workers, 'servers': 1,
+           'target': args.tta_target,
            'desc': (f'digits_mlp on the 8x8 digits (1437 train / 360 test), batch 32/worker, '
                     f'sgd lr 0.1 momentum 0.9 wd 1e-4 cosine over {args.tta_epochs} epochs; '
                     f'ssd: warm-up {args.tta_warmup} steps'),
            'rows': []}
-    log(f'--- time to accuracy: digits @ {netns.rate_label(rate)}, {n} workers')
-    for key in _csv(args.tta_systems):
+    wargs = ['--workload', 'digits', '--epochs', args.tta_epochs, '--batch', 32,
+             '--lr', 0.1, '--eval-every', 2]
+    yield from tta_rows(bench, args, tta, Workload('digits', 'digits', 'digits_mlp', 32),
+                        _csv(args.tta_systems), wargs, args.tta_warmup, log)
+
+
+def run_tta_comm(bench, args, log):
+    """Time to accuracy at a comm-bound point: the wide MLP, every row's test accuracy
+    measured afterwards on rank 0's weight copies (testing takes no time from the run)."""
+    h = args.tta_comm_hidden
+    nbytes = 4 * (64 * h + h + h * h + h + h * 10 + 10)
+    rate = netns.parse_rate(args.tta_comm_rate)
+    n = args.tta_comm_workers
+    tta = {'rate_bits': rate, 'workers': n, 'servers': 1, 'target': args.tta_comm_target,
+           'param_bytes': nbytes, 'link_s': plan.link_time(nbytes, rate, n, 1),
+           'desc': (f'64-{h}-{h}-10 ReLU MLP ({nbytes / 1e6:.1f} MB of gradient) on the 8x8 '
+                    f'digits, batch 32/worker, sgd lr {args.tta_comm_lr:g} momentum 0.9 wd '
+                    f'1e-4 cosine over {args.tta_comm_epochs} epochs; ssd: warm-up '
+                    f'{args.tta_comm_warmup} steps, glu_state '
+                    f'{args.glu_state or "(default)"}; 2bit threshold {args.threshold:g}'),
+           'rows': []}
+    wargs = ['--workload', 'digits', '--epochs', args.tta_comm_epochs, '--batch', 32,
+             '--lr', args.tta_comm_lr, '--eval-every', 2, '--hidden', h, '--deferred-eval']
+    w = Workload(f'digits MLP {h}', 'digits', f'mlp{h}', 32, param_bytes=nbytes)
+    yield from tta_rows(bench, args, tta, w, _csv(args.tta_comm_systems), wargs,
+                        args.tta_comm_warmup, log)
+
+
+def tta_rows(bench, args, tta, workload, keys, wargs, warmup, log):
+    """One time-to-accuracy job per system in ``keys``; yields ``tta`` after each."""
+    rate, n = tta['rate_bits'], tta['workers']
+    bench.cluster.shape(rate, args.latency_ms)
+    log(f"--- time to accuracy: {workload.name} @ {netns.rate_label(rate)}, {n} workers")
+    target = tta['target']
+    for key in keys:
         system = plan.system_by_key(key)
-        wargs = ['--workload', 'digits', '--epochs', args.tta_epochs, '--batch', 32,
-                 '--lr', 0.1, '--eval-every', 2]
-        row = bench.run(system, w, rate, n, s, 0, args.tta_warmup, extra_args=wargs,
-                        timeout=900)
+        row = bench.run(system, workload, rate, n, tta['servers'], 0, warmup,
+                        extra_args=wargs, timeout=900)
         if row.get('status') == 'ok':
-            add_time_to_target(row, args.tta_target)
+            add_time_to_target(row, target)
             hit = row['steps_to_target'] is not None
-            log(f"{system.label:<24} time to {args.tta_target:.0%}: "
-                f"{row['time_to_target_s'] if hit else 'not reached'} s "
+            log(f"{system.label:<24} time to {target:.0%}: "
+                f"{report._f(row['time_to_target_s'], '.2f', 'not reached')} s "
                 f"(step {row['steps_to_target'] if hit else '-'}), "
                 f"final {row['final_accuracy']:.4f}, {row['wall_s']:.1f} s")
         else:
             log(f'{system.label:<24} {row.get("status")}')
         tta['rows'].append(row)
         yield tta
-    return tta
 
 
 HETERO_CASES = {'slow': ('(a) one worker 2x slower', 'hetero_slow'),
@@ -523,10 +599,15 @@ def add_time_to_target(row, target):
     best accuracy, the job's wall time."""
     res = row.pop('results')
     r0 = next(r for r in res if r.get('evals'))
-    curve = r0['evals']
+    curve = sorted(r0['evals'])
     hit = next((e for e in curve if e[2] >= target), None)
     wall = max(r['t_end'] for r in res) - min(r['t_start'] for r in res)
-    row.update(curve=curve, steps=r0['steps'], wall_s=wall,
+    steps = max(r0['steps'], 1)
+    if all('cpu_s' in r for r in res):
+        row['worker_cpu_per_step_s'] = sum(r['cpu_s'] for r in res) / len(res) / steps
+    if res[0].get('server_cpu_s'):
+        row['server_cpu_per_step_s'] = res[0]['server_cpu_s'] / steps
+    row.update(curve=curve, steps=r0['steps'], wall_s=wall, step_s=wall / steps,
                final_accuracy=curve[-1][2] if curve else None,
                best_accuracy=max(e[2] for e in curve) if curve else None,
                time_to_target_s=hit[1] if hit else None,
@@ -563,6 +644,41 @@ def comm_bound_checks(matrix, args):
     checks.append({'what': 'ssd_sync ssgd throughput / native dist_sync',
                    'target': 'within 0.90-1.10 (or better)', 'measured': report._f(rs, '.2f'),
                    'met': None if rs is None else rs >= 0.9})
+    c5, nat2 = rows.get('ssd-k5-2bit'), rows.get('native-sync-2bit')
+    for base, name, want in ((nat, 'native dist_sync', 3.0),
+                             (nat2, 'native dist_sync + 2bit (push/pull)', 1.5)):
+        r = c5['samples_per_s'] / base['samples_per_s'] if ok(c5) and ok(base) else None
+        checks.append({'what': f'ssd k=5 + 2bit throughput / {name}', 'target': f'>= {want}',
+                       'measured': report._f(r, '.2f'), 'met': None if r is None else r >= want})
+    return [c for c in checks if c['measured'] != '-']
+
+
+def tta_comm_checks(tta):
+    """Issue 10's targets for the comm-bound time to accuracy: the best ssd row (the
+    first to reach the target) >= 2x sooner than native dist_sync, >= 1.3x sooner than
+    native + 2bit, and its final accuracy within 1 point of ssgd's."""
+    rows = {r['system']: r for r in tta.get('rows', []) if r.get('status') == 'ok'}
+    ssd = [r for k, r in rows.items() if k.startswith('ssd-') and r.get('time_to_target_s')]
+    if not ssd:
+        return []
+    best = min(ssd, key=lambda r: r['time_to_target_s'])
+    checks = []
+    for key, name, want in (('native-sync', 'native dist_sync', 2.0),
+                            ('native-sync-2bit', 'native dist_sync + 2bit', 1.3)):
+        base = rows.get(key)
+        if base is None:
+            continue
+        t = base.get('time_to_target_s')
+        r = None if t is None else t / best['time_to_target_s']
+        checks.append({'what': f"time to {tta['target']:.0%}: {name} / best ssd "
+                       f"({best['label']})", 'target': f'>= {want}',
+                       'measured': report._f(r, '.2f', 'not reached by ' + name),
+                       'met': True if t is None else r >= want})
+    sg = rows.get('ssgd')
+    if sg and sg.get('final_accuracy') is not None:
+        d = best['final_accuracy'] - sg['final_accuracy']
+        checks.append({'what': f"final accuracy: {best['label']} - ssgd", 'target': '>= -0.01',
+                       'measured': f'{d:+.4f}', 'met': d >= -0.01})
     return checks
 
 
@@ -595,7 +711,7 @@ def main(argv=None):
     save_raw(raw, results)
     print_summary(results)
     if not args.no_write:
-        write_outputs(results, Path(args.out))
+        write_outputs(results, Path(args.out), args.name)
     if interrupted:
         return 130
     return 1 if any_failed(results) else 0
@@ -620,7 +736,8 @@ def hosts_needed(args, only):
     max_n = max([args.workers]
                 + ([int(x) for x in _csv(args.scaling_workers)] if 'scaling' in only else [])
                 + ([args.tta_workers] if 'tta' in only else [])
-                + ([args.hetero_workers] if 'hetero' in only else []))
+                + ([args.hetero_workers] if 'hetero' in only else [])
+                + ([args.tta_comm_workers] if 'tta-comm' in only else []))
     return 1 + args.servers + max_n
 
 
@@ -629,7 +746,7 @@ def new_results(args, argv, workloads):
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     return {'meta': {'command': command, 'machine': common.machine_info(),
                      'settings': settings(args, workloads)},
-            'matrix': [], 'scaling': {}, 'tta': {}, 'hetero': {}, 'checks': []}
+            'matrix': [], 'scaling': {}, 'tta': {}, 'hetero': {}, 'tta_comm': {}, 'checks': []}
 
 
 def _term_as_interrupt(signum, _frame):
@@ -679,6 +796,11 @@ def run_parts(bench, args, only, raw, workloads, results):
         for het in run_hetero(bench, args, log):
             results['hetero'] = het
             save_raw(raw, results)
+    if 'tta-comm' in only:
+        for tta in run_tta_comm(bench, args, log):
+            results['tta_comm'] = tta
+            tta['checks'] = tta_comm_checks(tta)
+            save_raw(raw, results)
 
 
 def finish_results(results, bench, interrupted, started, src_start):
@@ -694,7 +816,7 @@ def finish_results(results, bench, interrupted, started, src_start):
         (['the run was interrupted; the tables are partial'] if interrupted else [])
 
 
-def write_outputs(results, out):
+def write_outputs(results, out, name='cluster'):
     out.mkdir(parents=True, exist_ok=True)
     if results.get('hetero', {}).get('cases'):
         (out / 'hetero.json').write_text(json.dumps(strip_for_json(
@@ -702,12 +824,12 @@ def write_outputs(results, out):
         (out / 'hetero.md').write_text(report.hetero_markdown(results))
         log(f'wrote {out / "hetero.md"} and {out / "hetero.json"}')
     if not (results.get('matrix') or results.get('scaling', {}).get('rows')
-            or results.get('tta', {}).get('rows')):
-        return      # cluster.md keeps the last full run's tables
-    images = report.plots(results, out)
-    (out / 'cluster.json').write_text(json.dumps(strip_for_json(results), indent=1))
-    (out / 'cluster.md').write_text(report.markdown(results, images))
-    log(f'wrote {out / "cluster.md"}, {out / "cluster.json"} and '
+            or results.get('tta', {}).get('rows') or results.get('tta_comm', {}).get('rows')):
+        return      # NAME.md keeps the last full run's tables
+    images = report.plots(results, out, name)
+    (out / f'{name}.json').write_text(json.dumps(strip_for_json(results), indent=1))
+    (out / f'{name}.md').write_text(report.markdown(results, images))
+    log(f'wrote {out / (name + ".md")}, {out / (name + ".json")} and '
         f'{", ".join(p.name for p in images)}')
 
 
@@ -716,6 +838,7 @@ def any_failed(results):
     rows += results.get('scaling', {}).get('rows', [])
     rows += results.get('tta', {}).get('rows', [])
     rows += [r for c in results.get('hetero', {}).get('cases', []) for r in c['rows']]
+    rows += results.get('tta_comm', {}).get('rows', [])
     return any(r.get('status') == 'failed' for r in rows)
 
 
@@ -763,6 +886,9 @@ def print_summary(results):
         print(report.tta_table(results['tta']))
     if results.get('hetero', {}).get('cases'):
         print(report.hetero_tables(results['hetero']))
+    if results.get('tta_comm', {}).get('rows'):
+        print(report.tta_table(results['tta_comm']))
+        print(report.checks_text(results['tta_comm'].get('checks', [])))
     if results.get('checks'):
         print('Comm-bound point (ResNet-50 shapes, 1 Gbit/s, compute = one push, 4 workers, '
               '1 server):')

@@ -16,7 +16,7 @@ ssd_sync with one algorithm. A *workload* is what every worker does per step. Bo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class System:
     mode: str = ''        # native: dist_sync | dist_async; ssd: ssd | ssgd | asgd
     k: int = 0            # ssd: delay steps
     p: int = 0            # preduce: group size P
+    compression: str = ''  # push compression type ('2bit', 'topk') or '' for none
 
     @property
     def synchronous(self):
@@ -37,6 +38,23 @@ class System:
     @property
     def pulls_per_step(self):
         return 1.0 / self.k if self.kind == 'ssd' and self.mode == 'ssd' else 1.0
+
+    @property
+    def push_fraction(self):
+        """Bytes a push carries per float32 byte of gradient (2bit: 2 bits of 32; topk:
+        8 bytes per sent element at the default ratio 0.1)."""
+        return {'': 1.0, '2bit': 1 / 16, 'topk': 0.2}[self.compression]
+
+    def compressed(self, kind):
+        """This system with push compression ``kind`` ('2bit' or 'topk')."""
+        if kind not in COMPRESSIONS:
+            raise KeyError(f'compression {kind!r}: one of {", ".join(COMPRESSIONS)}')
+        how = ' (push/pull)' if self.kind == 'native' else ''
+        return replace(self, key=f'{self.key}-{kind}', label=f'{self.label} + {kind}{how}',
+                       compression=kind)
+
+
+COMPRESSIONS = ('2bit', 'topk')
 
 
 NATIVE_SYNC = System('native-sync', 'native dist_sync', 'native', 'dist_sync')
@@ -65,6 +83,10 @@ def matrix_systems(ks=(2, 5, 10)):
 
 
 def system_by_key(key):
+    """'native-sync', 'ssd-k5', ... with an optional compression suffix: 'ssd-k5-2bit'."""
+    base, _, kind = key.rpartition('-')
+    if kind in COMPRESSIONS:
+        return system_by_key(base).compressed(kind)
     for s in matrix_systems((2, 5, 10)) + [COMPUTE_ONLY]:
         if s.key == key:
             return s
@@ -111,14 +133,21 @@ def push_time(param_bytes, rate_bits):
     return param_bytes * 8 / rate_bits
 
 
-def link_time(param_bytes, rate_bits, num_workers, num_servers):
-    return max(num_workers / num_servers, 1.0) * push_time(param_bytes, rate_bits)
+def link_time(param_bytes, rate_bits, num_workers, num_servers, system=None):
+    """Seconds per step on the busiest link. Uncompressed: the pushes (pulls travel the
+    other way and are never more). With ``system`` compressed: pushes are
+    push_fraction as big, so the uncompressed pulls (pulls_per_step of the model) may
+    bind instead."""
+    scale = 1.0
+    if system is not None and system.compression:
+        scale = max(system.push_fraction, system.pulls_per_step)
+    return max(num_workers / num_servers, 1.0) * push_time(param_bytes, rate_bits) * scale
 
 
-def bound(workload, rate_bits, num_workers, num_servers, compute_s=None):
+def bound(workload, rate_bits, num_workers, num_servers, compute_s=None, system=None):
     """(samples/s the bound allows, which side binds: 'compute' or 'link')."""
     c = workload.compute_s if compute_s is None else compute_s
-    link = link_time(workload.param_bytes, rate_bits, num_workers, num_servers)
+    link = link_time(workload.param_bytes, rate_bits, num_workers, num_servers, system)
     t = max(c, link)
     if t <= 0:
         return None, None
@@ -128,13 +157,18 @@ def bound(workload, rate_bits, num_workers, num_servers, compute_s=None):
 #: aggregate bytes/s this machine's CPUs are assumed to move through the servers (a rough
 #: figure, only to predict step times and so choose step counts and timeouts)
 CPU_BYTES_PER_S = 400e6
+#: the same for coding compressed pushes (docs/spec/compression.md)
+CODEC_BYTES_PER_S = 200e6
 
 
 def predict_step(system, workload, rate_bits, num_workers, num_servers):
     """A rough step time in seconds (for step counts and timeouts, never for results)."""
     c = workload.compute_s
-    link = link_time(workload.param_bytes, rate_bits, num_workers, num_servers)
+    link = link_time(workload.param_bytes, rate_bits, num_workers, num_servers, system)
     cpu = 2 * num_workers * workload.param_bytes / CPU_BYTES_PER_S
+    if system.compression:      # coding: MXNet's kernel can be ~10x slower than the link
+        cpu += num_workers * workload.param_bytes / (
+            CODEC_BYTES_PER_S / 10 if system.kind == 'native' else CODEC_BYTES_PER_S)
     if system.kind == 'none':
         return max(c, 1e-3)
     if system.kind == 'ssd' and system.mode == 'ssd':

@@ -36,6 +36,8 @@ MATRIX_COLS = [
     ('vs dist_sync', 'speedup', '.2f'),
     ('s/step', 'step_s', '.3f'),
     ('blocked s/step', 'blocked_per_step_s', '.3f'),
+    ('CPU s/step worker', 'worker_cpu_per_step_s', '.2f'),
+    ('CPU s/step server', 'server_cpu_per_step_s', '.2f'),
     ('MB/step (wire)', 'wire_mb_per_step', '.1f'),
     ('bound samples/s', 'bound_samples_per_s', '.1f'),
     ('of bound', 'fraction_of_bound', '.2f'),
@@ -118,14 +120,17 @@ def tta_table(tta, md=False):
     if not tta.get('rows'):
         return ''
     headers = ['system', f"time to {tta['target']:.0%} (s)", 'steps to target',
-               'final accuracy', 'best accuracy', 'whole run (s)', 'steps']
+               'final accuracy', 'best accuracy', 'whole run (s)', 'steps', 's/step',
+               'CPU s/step worker', 'CPU s/step server']
     rows = []
     for r in tta['rows']:
         label = r['label'] if r.get('status', 'ok') == 'ok' else f"{r['label']} ({r['status']})"
         rows.append([label, _f(r.get('time_to_target_s'), '.2f', 'not reached'),
                      _f(r.get('steps_to_target'), 'd'), _f(r.get('final_accuracy'), '.4f'),
                      _f(r.get('best_accuracy'), '.4f'), _f(r.get('wall_s'), '.1f'),
-                     _f(r.get('steps'), 'd')])
+                     _f(r.get('steps'), 'd'), _f(r.get('step_s'), '.3f'),
+                     _f(r.get('worker_cpu_per_step_s'), '.3f'),
+                     _f(r.get('server_cpu_per_step_s'), '.3f')])
     title = (f"Time to accuracy: {tta['desc']} | {rate_label(tta['rate_bits'])} per link | "
              f"{tta['workers']} workers, {tta['servers']} server(s)")
     return (f"**{title}**\n\n{md_table(headers, rows)}\n" if md
@@ -191,8 +196,9 @@ def checks_text(checks):
 
 
 # ---- plots ----------------------------------------------------------------------------
-def plots(results, outdir):
-    """The PNG plots of whatever parts ``results`` has; returns their paths."""
+def plots(results, outdir, stem='cluster'):
+    """The PNG plots of whatever parts ``results`` has (STEM_matrix.png, ...); returns
+    their paths."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -200,13 +206,17 @@ def plots(results, outdir):
     made = []
     groups = [g for g in results.get('matrix', []) if g['rows']]
     if groups:
-        made.append(_save(plt, _matrix_plot(plt, groups), outdir / 'cluster_matrix.png'))
+        made.append(_save(plt, _matrix_plot(plt, groups), outdir / f'{stem}_matrix.png'))
     sc = results.get('scaling') or {}
     if sc.get('rows'):
-        made.append(_save(plt, _scaling_plot(plt, sc), outdir / 'cluster_scaling.png'))
+        made.append(_save(plt, _scaling_plot(plt, sc), outdir / f'{stem}_scaling.png'))
     tta = results.get('tta') or {}
     if tta.get('rows'):
-        made.append(_save(plt, _tta_plot(plt, tta), outdir / 'cluster_tta.png'))
+        made.append(_save(plt, _tta_plot(plt, tta, 'digits'), outdir / f'{stem}_tta.png'))
+    tc = results.get('tta_comm') or {}
+    if tc.get('rows'):
+        made.append(_save(plt, _tta_plot(plt, tc, 'wide MLP, digits'),
+                          outdir / f'{stem}_tta_comm.png'))
     return made
 
 
@@ -254,17 +264,18 @@ def _scaling_plot(plt, sc):
     return fig
 
 
-def _tta_plot(plt, tta):
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+def _tta_plot(plt, tta, what):
+    fig, ax = plt.subplots(figsize=(7, 4))
     for r in tta['rows']:
         if r.get('curve'):
             t, acc = zip(*[(e[1], e[2]) for e in r['curve']])
-            ax.plot(t, acc, label=r['label'])
+            ls = '--' if r['system'].startswith('native') else '-'
+            ax.plot(t, acc, ls, label=r['label'])
     ax.axhline(tta['target'], color='gray', lw=0.8, ls='--')
     ax.set_xlabel('wall-clock seconds')
     ax.set_ylabel('test accuracy (rank 0)')
     ax.set_ylim(0.5, 1.0)
-    _finish_axes(ax, f"digits @ {rate_label(tta['rate_bits'])}")
+    _finish_axes(ax, f"{what} @ {rate_label(tta['rate_bits'])}, {tta['workers']} workers")
     return fig
 
 
@@ -301,6 +312,10 @@ def markdown(results, images):
         lines += ['## Scaling', '', scaling_table(results['scaling'], md=True)]
     if results.get('tta', {}).get('rows'):
         lines += ['## Time to accuracy', '', tta_table(results['tta'], md=True)]
+    tc = results.get('tta_comm') or {}
+    if tc.get('rows'):
+        lines += ['## Time to accuracy at a comm-bound point', '',
+                  checks_text(tc.get('checks', [])), '', tta_table(tc, md=True)]
     for img in images:
         lines += [f'![{img.stem}]({img.name})', '']
     if meta.get('notes'):

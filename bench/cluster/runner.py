@@ -1,8 +1,10 @@
 """Run one row (one job) on the emulated cluster and summarize its workers' results."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,26 +59,71 @@ def _launcher_exit_race(log_path, out, num_workers):
 
 
 def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, warmup,
-               log_path, notes=None):
+               log_path, notes=None, ssd_env=None):
     """Run ``cluster_worker.py args`` as the workers of one job of ``system``; returns the
-    per-worker result dicts. Raises RuntimeError (with the log's tail) on failure."""
+    per-worker result dicts. Raises RuntimeError (with the log's tail) on failure.
+    ``ssd_env``: more SSDSGD_* variables for an ssd_sync job."""
     layout = Layout(cluster, num_workers, num_servers)
     notes = notes if notes is not None else []
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if system.kind == 'native':
-        _run_native(system, layout, args, out, timeout, log_path)
-    elif system.kind == 'ssd':
-        _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes)
-    elif system.kind == 'none':
-        _run_compute_only(layout, args, out, timeout, log_path)
-    else:
-        raise ValueError(system.kind)
+    servers = [layout.host('server', r) for r in range(num_servers)]
+    with CpuSampler(cluster, servers) as cpu:
+        if system.kind == 'native':
+            _run_native(system, layout, args, out, timeout, log_path)
+        elif system.kind == 'ssd':
+            _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes, ssd_env)
+        elif system.kind == 'none':
+            _run_compute_only(layout, args, out, timeout, log_path)
+        else:
+            raise ValueError(system.kind)
     left = _leftovers(cluster)
     results = load_results(out, num_workers)
     for r in results:
         r['leftover_pids'] = len(left)
+        r['server_cpu_s'] = cpu.total()
     return results
+
+
+class CpuSampler:
+    """CPU seconds (user + system, all threads) of the processes in some hosts'
+    namespaces, read from /proc every ``every`` s while a job runs. A process counts with
+    its last reading, so up to ``every`` s of its CPU before it exits can be missed."""
+
+    def __init__(self, cluster, hosts, every=0.5):
+        self.names = [cluster.names[h] for h in hosts]
+        self.every, self.seen = every, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            for ns in self.names:
+                for pid in netns.namespace_pids(ns):
+                    cpu = cpu_seconds(pid)
+                    if cpu is not None:
+                        self.seen[(ns, pid)] = cpu
+
+    def total(self):
+        return sum(self.seen.values())
+
+
+def cpu_seconds(pid):
+    """utime + stime of a process (all its threads) in seconds; None if it is gone."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
 
 
 def _run_native(system, layout, args, out, timeout, log_path):
@@ -94,10 +141,10 @@ def _run_native(system, layout, args, out, timeout, log_path):
             f.write(f'--- worker {w.index} (exit {w.returncode})\n{w.stdout}\n{w.stderr}\n')
 
 
-def _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes):
+def _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes, ssd_env=None):
     """ssdsgd's run_job with the netns launcher; the launcher's exit race is a note."""
     env = dict(JOB_ENV, SSDSGD_ALGORITHM=system.mode, SSDSGD_WARMUP_STEPS=str(warmup),
-               SSDSGD_DELAY_STEPS=str(max(system.k, 1)))
+               SSDSGD_DELAY_STEPS=str(max(system.k, 1)), **(ssd_env or {}))
     if system.mode == 'preduce':
         env['SSDSGD_GROUP_SIZE'] = str(system.p)
     with open(log_path, 'w') as f:
@@ -211,6 +258,12 @@ def summarize(results, system, workload, rate_bits, num_workers, num_servers, bo
         'net_devs': [r.get('net_dev') for r in results],
         'leftover_pids': results[0].get('leftover_pids', 0),
     }
+    if all('cpu_s' in r for r in results):
+        row['worker_cpu_per_step_s'] = sum(r['cpu_s'] for r in results) / len(results) / steps
+    if results[0].get('server_cpu_s'):
+        # the whole job's server CPU (start-up and untimed steps included) over its steps
+        row['server_cpu_per_step_s'] = results[0]['server_cpu_s'] / (
+            steps + results[0].get('warmup', 0))
     if all('tx_bytes' in r for r in results):
         row['wire_bytes_per_step'] = sum(r['tx_bytes'] + r['rx_bytes'] for r in results) \
             / len(results) / steps
