@@ -226,9 +226,9 @@ class Server:
         reply.missing -= 1
         if self.optimizer is not None:
             reply.lr = float(self.optimizer.learning_rate)
-        self._complete(reply)
+        self._send_when_complete(reply)
 
-    def _complete(self, reply):
+    def _send_when_complete(self, reply):
         """Send ``reply`` once every one of its keys has its values."""
         if reply.missing == 0:
             reply.peer.open -= 1
@@ -648,7 +648,7 @@ class Server:
                                   shard.dtype, 1)
                 rep.parts[j] = [value]
                 rep.missing -= 1
-                self._complete(rep)
+                self._send_when_complete(rep)
         if not group.parts:
             del self.averages[msg.step]
 
