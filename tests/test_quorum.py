@@ -42,7 +42,7 @@ def _reference(n, quorum, staleness, delays, algorithm):
     return keys, simulate_quorum(init, grad_fn, make_optimizer, n, STEPS,
                                  quorum=quorum_size(quorum, n), max_staleness=staleness,
                                  delays=delays, algorithm=algorithm, warmup_steps=WARMUP,
-                                 delay_steps=K, glu_state="estimate")
+                                 delay_steps=K, glu_state="exact")
 
 
 def _delays(slowdown, n):
@@ -54,8 +54,8 @@ def _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm):
     res = launch(n, s, ["--out", tmp_path, "--steps", STEPS],
                  env={"SSDSGD_SLOWDOWN": slowdown, "SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": WARMUP,
                       "SSDSGD_DELAY_STEPS": K, "SSDSGD_QUORUM": quorum,
-                      # both sides the same local rule state (the job's default is exact)
-                      "SSDSGD_GLU_STATE": "estimate",
+                      # both sides the same local rule state: the default, exact (the simulator says estimate unless told)
+                      "SSDSGD_GLU_STATE": "exact",
                       "SSDSGD_MAX_STALENESS": staleness,
                       "SSDSGD_BIGARRAY_BOUND": 100},    # the 16x12 weight spans both servers
                  script="quorum_worker.py", timeout=240)
