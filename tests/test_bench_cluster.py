@@ -114,6 +114,17 @@ def test_compressed_systems_and_their_bounds():
     assert plan.link_time(100_000_000, 1e9, 4, 1, plan.ssd(5)) == pytest.approx(3.2)
 
 
+def test_hetero_rows_with_a_quorum_or_partial_reduce_are_the_tolerant_ones():
+    rows = [plan.system_by_key(k) for k in plan.HETERO_SYSTEMS.split(',')]
+    assert {r.key for r in rows if r.straggler_tolerant} == {
+        'ssgd-majority', 'ssd-k5-majority', 'ssd-k5-solo', 'preduce-p2'}
+    maj = plan.system_by_key('ssd-k5-majority')
+    assert (maj.mode, maj.k, maj.quorum) == ('ssd', 5, 'majority')
+    assert plan.system_by_key('ssgd-solo').quorum == 'solo'
+    with pytest.raises(KeyError):
+        plan.system_by_key('native-sync-majority')    # MXNet's kvstores have no quorum
+
+
 def test_without_root_says_so_and_exits_cleanly(monkeypatch, capsys):
     from bench.cluster import __main__ as cli
     monkeypatch.setattr(os, 'geteuid', lambda: 1000)

@@ -568,14 +568,11 @@ def add_worker_throughput(row):
     row['worker_steps'] = [r['steps'] for r in res]
 
 
-TOLERANT = ('preduce',)    # TODO(quorum branch): the majority and solo rows count too
-
-
 def hetero_checks(case):
     """Issue 11's targets, case (a): the best straggler-tolerant row against ssgd."""
     rows = {r['system']: r for r in case['rows'] if r.get('status') == 'ok'}
     ssgd = rows.get('ssgd')
-    tolerant = [r for key, r in rows.items() if key.startswith(TOLERANT)]
+    tolerant = [r for key, r in rows.items() if plan.system_by_key(key).straggler_tolerant]
     if case['name'] != 'slow' or not ssgd or not tolerant:
         return []
     best = max(tolerant, key=lambda r: r['samples_per_s'])

@@ -28,6 +28,7 @@ class System:
     k: int = 0            # ssd: delay steps
     p: int = 0            # preduce: group size P
     compression: str = ''  # push compression type ('2bit', 'topk') or '' for none
+    quorum: str = ''      # sync.quorum (majority, solo, an integer) or '' for all
 
     @property
     def synchronous(self):
@@ -54,7 +55,21 @@ class System:
                        compression=kind)
 
 
+    def with_quorum(self, quorum):
+        """This ssd_sync system with ``sync.quorum: quorum`` (docs/spec/quorum.md)."""
+        if self.kind != 'ssd' or self.mode not in ('ssgd', 'ssd'):
+            raise KeyError(f'quorum {quorum!r}: only for ssgd and ssd rows, not {self.key}')
+        return replace(self, key=f'{self.key}-{quorum}', label=f'{self.label} + {quorum}',
+                       quorum=quorum)
+
+    @property
+    def straggler_tolerant(self):
+        """Does not wait for the slowest worker (issue 11's tolerant rows)."""
+        return self.mode == 'preduce' or self.quorum not in ('', 'all')
+
+
 COMPRESSIONS = ('2bit', 'topk')
+QUORUMS = ('majority', 'solo')
 
 
 NATIVE_SYNC = System('native-sync', 'native dist_sync', 'native', 'dist_sync')
@@ -72,10 +87,8 @@ def preduce(p):
     return System(f'preduce-p{p}', f'ssd_sync preduce P={p}', 'ssd', 'preduce', p=p)
 
 
-# TODO(quorum branch, issue 11): once sync.quorum is on main, add the rows
-# 'ssgd-majority' (ssgd, quorum majority), 'ssd-k5-majority' and 'ssd-k5-solo' here and
-# to HETERO_SYSTEMS; runner._run_ssd must then set SSDSGD_QUORUM for them.
-HETERO_SYSTEMS = 'native-sync,ssgd,ssd-k5,preduce-p2'
+HETERO_SYSTEMS = ('native-sync,ssgd,ssd-k5,ssgd-majority,ssd-k5-majority,ssd-k5-solo,'
+                  'preduce-p2')
 
 
 def matrix_systems(ks=(2, 5, 10)):
@@ -83,10 +96,13 @@ def matrix_systems(ks=(2, 5, 10)):
 
 
 def system_by_key(key):
-    """'native-sync', 'ssd-k5', ... with an optional compression suffix: 'ssd-k5-2bit'."""
+    """'native-sync', 'ssd-k5', ... with an optional compression suffix ('ssd-k5-2bit') or
+    quorum suffix ('ssd-k5-majority', 'ssgd-solo')."""
     base, _, kind = key.rpartition('-')
     if kind in COMPRESSIONS:
         return system_by_key(base).compressed(kind)
+    if kind in QUORUMS:
+        return system_by_key(base).with_quorum(kind)
     for s in matrix_systems((2, 5, 10)) + [COMPUTE_ONLY]:
         if s.key == key:
             return s

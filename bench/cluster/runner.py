@@ -147,6 +147,8 @@ def _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes, ssd_en
                SSDSGD_DELAY_STEPS=str(max(system.k, 1)), **(ssd_env or {}))
     if system.mode == 'preduce':
         env['SSDSGD_GROUP_SIZE'] = str(system.p)
+    if system.quorum:
+        env['SSDSGD_QUORUM'] = system.quorum
     with open(log_path, 'w') as f:
         def log(text):
             f.write(f'[launcher] {text}\n')
