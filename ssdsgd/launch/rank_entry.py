@@ -211,13 +211,6 @@ class Supervisor:
         if self.stop_at is None:
             self.stop_at = time.monotonic()
 
-    def watch_stdin(self, stdin):
-        for line in iter(stdin.readline, ""):
-            text = line.strip()
-            if text.lstrip("-").isdigit():
-                self.terminate(abs(int(text)))
-        self.terminate()          # EOF: the launcher (or its ssh) is gone
-
     def watch_socket(self, sock):
         try:
             while sock.recv(64):
@@ -235,6 +228,34 @@ class Supervisor:
             if self.stop_at is not None and time.monotonic() - self.stop_at > GRACE_SECONDS:
                 _signal_group(self.child, signal.SIGKILL)
 
+
+class StdinWatch:
+    """ssh's stdin, read from before the checks on: a stop (a signal line, or EOF when the
+    launcher or its ssh is gone) that comes while this process is still checking or
+    waiting for the scheduler ends it at once; once the child runs, it goes to the
+    child (``sup``)."""
+
+    def __init__(self, secrets):
+        self.sup, self.secrets, self.lock = None, secrets, threading.Lock()
+
+    def run(self, stdin):
+        for line in iter(stdin.readline, ""):
+            text = line.strip()
+            if text.lstrip("-").isdigit():
+                self.stop(abs(int(text)))
+        self.stop(None)
+
+    def stop(self, sig):
+        with self.lock:
+            sup = self.sup
+        if sup is None:           # no child yet (a started one dies with us: PDEATHSIG)
+            _remove(self.secrets)
+            os._exit(128 + (sig or signal.SIGTERM))
+        sup.terminate(sig) if sig else sup.terminate()
+
+    def attach(self, sup):
+        with self.lock:
+            self.sup = sup
 
 def _background(target, *args):
     t = threading.Thread(target=target, args=args, daemon=True)
@@ -278,12 +299,15 @@ def run(spec, index, stdin):
     index, role, rank, cmd = choose(spec, index)
     out = Output(index, bool(spec.get("tag")))
     secrets = []
+    watch = StdinWatch(secrets) if stdin is not None else None
+    if watch is not None:
+        _background(watch.run, stdin)
     try:
         if spec.get("cwd"):
             os.chdir(spec["cwd"])
         env = prepare(spec, role, cmd)
         env.update(SSDSGD_ROLE=role, SSDSGD_RANK=str(rank))
-        secrets = write_secrets(spec.get("files") or {}, env)      # removed at the end
+        secrets.extend(write_secrets(spec.get("files") or {}, env))    # removed at the end
         lifeline = (socket.create_connection(tuple(spec["lifeline"]), timeout=10)
                     if spec.get("lifeline") else None)
         child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -296,7 +320,7 @@ def run(spec, index, stdin):
         out.end(CHECK_FAILED)
         return CHECK_FAILED
     try:
-        return _supervise(child, out, stdin, lifeline)
+        return _supervise(child, out, watch, lifeline)
     finally:
         _remove(secrets)
 
@@ -309,14 +333,14 @@ def _remove(paths):
             pass
 
 
-def _supervise(child, out, stdin, lifeline):
+def _supervise(child, out, watch, lifeline):
     sup = Supervisor(child)
     pumps = [_background(_pump, child.stdout, "o", out),
              _background(_pump, child.stderr, "e", out)] if out.tag else []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, _f: sup.terminate(signal.SIGTERM))
-    if stdin is not None:
-        _background(sup.watch_stdin, stdin)
+    if watch is not None:
+        watch.attach(sup)
     if lifeline is not None:
         lifeline.settimeout(None)
         _background(sup.watch_socket, lifeline)
