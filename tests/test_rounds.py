@@ -145,8 +145,9 @@ def _problem():
 
 
 def test_a_quorum_of_all_is_the_synchronous_simulation():
-    # (ssgd; in ssd a quorum's steps-delay pull takes the newest closed round at once,
-    # one round older than "as of step t", so only the rounds agree there)
+    # ssgd and ssd: a steps-delay pull is answered once the round holding its push closed,
+    # so with Q = N it is the contract's "as of step t" (an answer with the newest closed
+    # round at once, one round older, cost ssd k=5 twice the steps to 95% on the digits)
     init, grad_fn, make_optimizer = _problem()
     for algorithm in ("ssgd", "ssd"):
         kw = dict(algorithm=algorithm, warmup_steps=2, delay_steps=2)
@@ -154,9 +155,11 @@ def test_a_quorum_of_all_is_the_synchronous_simulation():
         got = simulate_quorum(init, grad_fn, make_optimizer, 3, 6, quorum=3,
                               max_staleness=1, delays=[0.3, 0, 0.1], **kw)
         assert got.rounds == [[0, 1, 2]] * 6
-        if algorithm == "ssgd":
-            for key, w in ref.global_weights.items():
-                assert (got.global_weights[key] - w).abs().max().asscalar() < 1e-6
+        for key, w in ref.global_weights.items():
+            assert (got.global_weights[key] - w).abs().max().asscalar() < 1e-6, algorithm
+        for mine, theirs in zip(got.worker_weights, ref.worker_weights):
+            for key, w in theirs.items():
+                assert (mine[key] - w).abs().max().asscalar() < 1e-6, algorithm
 
 
 def test_an_impossible_arrival_order_is_refused():

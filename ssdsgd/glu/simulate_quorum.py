@@ -162,7 +162,7 @@ class QuorumSim:
         grads = self.grad_fn(rank, t, w.weights)
         ticket = Ticket() if wants else None
         w.blocked = (ticket if sync else w.pending, (grads, sync, ticket))
-        self.rs.push(rank, grads, ticket, latest=not sync)
+        self.rs.push(rank, grads, ticket, latest=False)   # once its round closed (rule 3)
         for other in self.workers:
             self._continue(other)
 

@@ -80,9 +80,10 @@ class StageMachine:
         self.pending = None          # Gather of the pull requested at t - 1
         self.counts = {**{stage: 0 for stage in Stage}, "pushes": 0, "pulls": 0}
         self.last_step_blocked = 0.0
-        # A quorum (docs/spec/quorum.md): steps-delay pulls take the newest closed round
-        # without waiting, global weights are dated by the servers' update count (rounds,
-        # not this worker's steps), and the end waits for every worker (final pull).
+        # A quorum (docs/spec/quorum.md): a pull is answered once the round holding its
+        # push closed (Q workers, not all), global weights are dated by the servers'
+        # update count (rounds, not this worker's steps), and the end waits for every
+        # worker (final pull).
         self.quorum = bool(getattr(client, "quorum", False))
         self.updater = None          # preduce: the Trainer's optimizer, run on this worker
         self.groups = []             # preduce: (group number, members) of every group joined
@@ -132,8 +133,7 @@ class StageMachine:
         # are. A steps-delay step returns while the push may still be on the wire and the
         # next backward pass rewrites the gradients, so it sends a copy.
         grads, reply = self._push(entries, copy=not p.synchronous, pull=p.request_pull,
-                                  state=self._wants_state(p),
-                                  latest=self.quorum and not p.synchronous)
+                                  state=self._wants_state(p))
         self.counts[p.stage] += 1
         if p.synchronous:
             self._synchronous_step(entries, reply)
@@ -161,13 +161,12 @@ class StageMachine:
         quorum the servers' update count (the rounds closed)."""
         return reply.version if self.quorum else step
 
-    def _push(self, entries, *, copy, pull=False, state=False, latest=False):
+    def _push(self, entries, *, copy, pull=False, state=False):
         """Spec step 2, shared by every stage and ``kv.push``: push g_i(t), each key's
         gradients summed over the worker's devices. Returns them and the pull's reply."""
         grads = {key: _device_sum(grad_list) for key, grad_list, _ in entries}
         flats = hostcopy.read(list(grads.values()), copy=copy)
-        reply = self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state,
-                                 **({"latest": True} if latest else {}))
+        reply = self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state)
         self.counts["pushes"] += 1
         if pull:
             self.counts["pulls"] += 1
