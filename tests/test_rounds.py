@@ -63,6 +63,25 @@ def test_staleness_holds_rounds_until_the_straggler_pushes():
     assert closes(acts) == [[0, 1]] and replies(acts) == ["A1", "B0"]
 
 
+def test_workers_in_a_barrier_do_not_hold_the_round_of_a_slow_one():
+    # the two fast workers wait at a barrier (a checkpoint) for the slow one, whose push
+    # is alone in the open round: without the pauses the round would wait for a second
+    # worker forever (it did, at the first checkpoint of a digits job with a quorum)
+    r = Rounds(3, 2, max_staleness=1)
+    assert closes(r.push(0, "a0")) == [] and closes(r.push(1, "b0")) == [[0, 1]]
+    assert replies(r.push(2, "c0", token="C0")) == []
+    assert closes(r.pause(0)) == []                     # worker 1 could still come
+    acts = r.pause(1)
+    assert closes(acts) == [[2]] and replies(acts) == ["C0"]
+    assert closes(r.push(2, "c1", token="C1")) == [[2]]  # alone until the others push
+    assert closes(r.pause(2)) == [] and r.paused == set()   # all there: the barrier ends
+    assert closes(r.push(0, "a1")) == []                # back from it: Q = 2 again
+    assert closes(r.push(1, "b1")) == [[0, 1]]
+    r.final(0, "F0")
+    with pytest.raises(RoundError, match="after its final pull"):
+        r.pause(0)
+
+
 def test_the_end_flushes_every_push_and_answers_every_final_pull():
     r = Rounds(3, 3, max_staleness=9)
     r.push(0, "a0")

@@ -244,6 +244,11 @@ class WorkerClient:
         (an integer >= 0) any worker passed (so rank 0 can tell all a decision)."""
         if self._failure is not None:
             raise self._failure
+        if self.quorum:
+            # the servers must not wait for this worker's pushes while it waits here for
+            # the others (docs/spec/quorum.md, rule 2a): a slow one may need them to close
+            # the round of its own push before it can reach the barrier
+            self.exchange(P.Kind.PULL, [], flags=P.Flag.PAUSE, every=True).wait()
         msg = self._scheduler_call(P.Kind.BARRIER, {"group": "worker", "value": int(value)},
                                    P.Kind.BARRIER)
         return int((msg.meta or {}).get("value", 0))

@@ -83,6 +83,7 @@ class Flag(enum.IntFlag):
     STATE = 2         # PUSH/PULL: add the optimizer state to the reply
     LATEST = 4        # PUSH with PULL, quorum: reply with the newest closed round
     FINAL = 8         # PULL, quorum: this worker is done; reply with the final weights
+    PAUSE = 16        # PULL (no keys), quorum: this worker enters a barrier (rounds.pause)
 
 
 DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f8"), 2: np.dtype("<f2"),
@@ -222,7 +223,7 @@ def decode(frames, *, max_bytes=None):
             kind = Kind(kind)
         except ValueError:
             raise ProtocolError(f"unknown message kind {kind}") from None
-        if flags & ~int(Flag.PULL | Flag.STATE | Flag.LATEST | Flag.FINAL):
+        if flags & ~int(Flag.PULL | Flag.STATE | Flag.LATEST | Flag.FINAL | Flag.PAUSE):
             raise ProtocolError(f"unknown flag bits {flags:#x}")
         records = _key_table(frames, nkeys, nframes)
         meta = _meta(bytes(_buffer(frames[2])))

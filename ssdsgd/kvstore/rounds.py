@@ -36,6 +36,7 @@ class Rounds:
         self.received = [0] * num_workers
         self.applied = [0] * num_workers  # pushes of each worker in closed rounds
         self.active = set(range(num_workers))   # workers that have not sent their final pull
+        self.paused = set()              # leader: workers in a barrier, until their next push
         self.base = [-1] * num_workers   # leader: newest round whose weights each worker got
         self.waiting = []                # leader: (rank, push index, token, latest)
         self.tokens = {}                 # follower: (rank, push index) -> token
@@ -54,6 +55,7 @@ class Rounds:
                              "a round; the schedule allows fewer")
         index = self.received[rank]
         self.received[rank] += 1
+        self.paused.discard(rank)
         if not self.leader:
             self.queues[rank].append(item)
             if token is not None:
@@ -75,6 +77,23 @@ class Rounds:
         self.active.discard(rank)
         self.finals.append(token)
         return self._settle() if self.leader else self._replay()
+
+    def pause(self, rank):
+        """Worker ``rank`` waits at a barrier: no push of it can come until the others
+        are there too, so until its next push rounds close without waiting for it (rule
+        2a, as for a finished worker) and its staleness does not hold them (2b). Once
+        every worker is in it the barrier is complete (each waits for its pause's answer
+        before it enters): the pauses end, so that the first worker back does not close
+        a round alone."""
+        if rank not in self.active:
+            raise RoundError(f"worker {rank} entered a barrier after its final pull")
+        if not self.leader:
+            return []
+        self.paused.add(rank)
+        actions = self._settle()
+        if self.active <= self.paused:
+            self.paused.clear()
+        return actions
 
     def follow(self, text):
         """A follower: the leader's decisions, as its ``log`` entries joined by spaces."""
@@ -104,15 +123,16 @@ class Rounds:
         return index < self.applied[rank]
 
     def _may_close(self):
-        """Q distinct workers (fewer if fewer can still come), and no worker outside the
-        round is left with weights more than s rounds old."""
+        """Q distinct workers (fewer if fewer can still come: finished or in a barrier),
+        and no worker outside the round (and not in a barrier) is left with weights more
+        than s rounds old."""
         if not self.members:
             return False
-        possible = len(self.active | set(self.members))
+        possible = len((self.active - self.paused) | set(self.members))
         if len(self.members) < min(self.q, possible):
             return False
         return all(self.closed - self.base[j] <= self.s
-                   for j in self.active if j not in self.members)
+                   for j in self.active - self.paused if j not in self.members)
 
     def _settle(self):
         actions = []

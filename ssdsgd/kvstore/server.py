@@ -503,6 +503,8 @@ class Server:
 
     def on_pull(self, ident, msg):
         shards = [self._shard_for(rec, with_values=False) for rec in msg.records]
+        if msg.flags & P.Flag.PAUSE:
+            return self._pause(ident, msg, shards)
         if self.rounds is not None:
             return self._pull_from_rounds(ident, msg, shards)
         for rec, shard in zip(msg.records, shards):
@@ -549,6 +551,20 @@ class Server:
         except RoundError as e:
             raise RequestError(str(e)) from None
         self._execute(actions)
+
+    def _pause(self, ident, msg, shards):
+        """A worker enters a barrier: until its next push the rounds do not wait for it
+        (it cannot push while it waits for the others). Answered at once, without keys."""
+        if shards:
+            raise RequestError(f"worker {msg.sender}: a barrier's pause names keys")
+        reply = self._new_reply(ident, msg, 0, False)
+        if self.rounds is not None:
+            try:
+                actions = self.rounds.pause(msg.sender)
+            except RoundError as e:
+                raise RequestError(str(e)) from None
+            self._execute(actions)
+        self._answer(reply, [])
 
     def _execute(self, actions):
         for kind, what in actions:
