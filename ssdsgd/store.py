@@ -220,6 +220,18 @@ class SSD_Sync(KVStoreBase):
         if self._env.algorithm == "preduce":
             self._machine.finish()
 
+    def finish(self):
+        """End this worker's steps now rather than at ``close()`` where the final model
+        needs every worker: preduce's last group (``average_all``), a quorum's final pull
+        (docs/spec/quorum.md rule 4). Returns True if it did (the parameters hold the
+        final model), False (a no-op) otherwise. A worker that waits for the others
+        after its last step (rank 0 for their end records) must call it first: a slow
+        worker's rounds may still count on it."""
+        if self._env.algorithm == "preduce" or self._machine.quorum:
+            self._machine.finish()
+            return True
+        return False
+
     @property
     def groups(self):
         """preduce: (group number, member ranks) of every group this worker joined."""

@@ -453,15 +453,18 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int) -> None:
 
 def finish(run: Run) -> dict:
     """The end of training: rank 0's last validation and checkpoint, every worker's end
-    record, rank 0's summary. In the steps-delay stage rank 0 first replaces its local
-    weights by the global weights of the last step (what kv.close() does), so that the
-    last validation and checkpoint are of the global model."""
+    record, rank 0's summary. Rank 0 first replaces its local weights by the final model
+    (preduce, a quorum: ``kv.finish()`` on every worker; the steps-delay stage: the
+    global weights of the last step, what kv.close() does), so that the last validation
+    and checkpoint are of it."""
     last = run.length.last_epoch
-    if run.rank == 0 and stage_of(run) == Stage.STEPS_DELAY:
-        pull_global(run.kv, run.trainer)
-    if run.kv is not None and stage_of(run) == Stage.PREDUCE:
-        run.kv.average_all()     # every worker: the final model is the average of all
     wall = time.time() - run.t_train
+    # every worker: preduce's final model is the average of all, a quorum's the one after
+    # every worker's last push (and rank 0 must not wait for the others' end records
+    # below while a slow one's rounds still count on it)
+    ended = run.kv is not None and hasattr(run.kv, "finish") and run.kv.finish()
+    if not ended and run.rank == 0 and stage_of(run) == Stage.STEPS_DELAY:
+        pull_global(run.kv, run.trainer)
     if run.rank == 0:
         validate(run, last)
         if wants_checkpoint(run, last):

@@ -198,6 +198,9 @@ def test_killed_quorum_job_resumes_and_finishes(tmp_path):
     assert "Traceback" not in resumed.stdout + resumed.stderr
     summary = json.loads((b / "summary.json").read_text())
     assert summary["steps"] == epochs * steps and summary["final_accuracy"] > 0.9, summary
+    # rank 0 left the rounds before it waited for the others' end records (it used to
+    # wait for the slow worker, whose rounds waited for rank 0, until a 10 s timeout)
+    assert summary["workers_reporting"] == 3, summary
     for rank in range(3):
         after = after_resume(b, rank)
         assert after and after[-1]["step"] == epochs * steps, (rank, after[-1:])

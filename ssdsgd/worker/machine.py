@@ -88,6 +88,7 @@ class StageMachine:
         self.updater = None          # preduce: the Trainer's optimizer, run on this worker
         self.groups = []             # preduce: (group number, members) of every group joined
         self.groups_done = False     # preduce: the final group (of every worker) is done
+        self.final_done = False      # quorum: the final pull is answered
 
     # ---- set-up --------------------------------------------------------------------
     def set_optimizer(self, spec, updater=None):
@@ -383,8 +384,9 @@ class StageMachine:
     def _final_pull(self):
         """Quorum: tell every server this worker is done and take the final weights, once
         every worker is done and every push applied (every worker ends on one model)."""
-        if not self.keys:
+        if not self.keys or self.final_done:
             return
+        self.final_done = True
         replies = self.client.pull(list(self.keys), final=True).wait()
         hostcopy.write((out, replies[key].value) for key, r in self.keys.items()
                        if r.outs is not None for out in r.outs)
