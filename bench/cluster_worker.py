@@ -450,14 +450,22 @@ def run_digits(args, kv):
     job.mx.nd.waitall()
     t_end, cpu_s = time.time(), time.process_time() - cpu0
     evals += [(s, t, job.evaluate_snapshot(w)) for s, t, w in snaps]
+    closed = False
     if kv is not None and hasattr(kv, 'average_all') and kv.algorithm == 'preduce':
         # the final model is the average of every worker's (docs/spec/preduce.md); rank
         # 0's curve so far was of its own model
         kv.average_all()
         if job.rank == 0:
             evals.append((step, time.time() - t_start, job.evaluate()))
+    elif args.kvstore == 'ssd_sync' and kv is not None:
+        # the job's model is the one the close leaves: ssd's global weights (rank 0's
+        # curve was of its local model), with a quorum after every late push is applied
+        kv.close()
+        closed = True
+        if job.rank == 0:
+            evals.append((step, time.time() - t_start, job.evaluate()))
     return {'t_start': t_start, 't_end': t_end, 'cpu_s': cpu_s, 'steps': step,
-            'steps_per_epoch': job.spe,
+            'steps_per_epoch': job.spe, 'closed': closed,
             'batch': args.batch, 'evals': evals, 'param_bytes': job.param_bytes()}
 
 
@@ -478,7 +486,7 @@ def main(argv=None):
     tmp = out / f'.result-rank{rank}.json.tmp'
     tmp.write_text(json.dumps(res))
     tmp.rename(out / f'result-rank{rank}.json')
-    if kv is not None and hasattr(kv, 'close'):
+    if kv is not None and hasattr(kv, 'close') and not res.pop('closed', False):
         kv.close()
     print(f'cluster_worker rank={rank} kvstore={args.kvstore} done', flush=True)
 

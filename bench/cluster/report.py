@@ -145,9 +145,11 @@ def hetero_tables(het, md=False):
             continue
         ssgd = next((r for r in case['rows'] if r['system'] == 'ssgd'
                      and r.get('samples_per_s')), None)
-        headers = ['system', 'samples/s', 'x ssgd', f"time to {het['target']:.0%} (s)",
-                   'x ssgd (sooner)', 'final accuracy', 'best accuracy', 'job (s)',
-                   'steps per worker']
+        target = case.get('target', het['target'])
+        headers = ['system', 'samples/s', 'x ssgd', f"time to {target:.2%} (s)"
+                   if isinstance(target, float) else 'time to target (s)',
+                   'steps to it', 'x ssgd (sooner)', 'final accuracy', 'best accuracy',
+                   'job (s)', 'steps per worker']
         rows = []
         for r in case['rows']:
             ok = r.get('status', 'ok') == 'ok'
@@ -156,7 +158,7 @@ def hetero_tables(het, md=False):
             tt = r.get('time_to_target_s')
             rows.append([label, _f(sp, '.1f'),
                          _f(sp / ssgd['samples_per_s'] if ssgd and sp else None, '.2f'),
-                         _f(tt, '.2f', 'not reached'),
+                         _f(tt, '.2f', 'not reached'), _f(r.get('steps_to_target'), 'd'),
                          _f(ssgd['time_to_target_s'] / tt if ssgd and tt and
                             ssgd.get('time_to_target_s') else None, '.2f'),
                          _f(r.get('final_accuracy'), '.4f'), _f(r.get('best_accuracy'), '.4f'),
@@ -167,6 +169,8 @@ def hetero_tables(het, md=False):
                  f"{het['servers']} server(s)")
         table = md_table(headers, rows) if md else text_table(headers, rows)
         out.append(f"**{title}**\n\n{table}\n" if md else f"{title}\n{table}\n")
+        if case.get('target_rule'):
+            out.append(f"- target accuracy: {case['target_rule']}\n")
         if case.get('checks'):
             out.append(checks_text(case['checks']) + '\n')
     return '\n'.join(out)
