@@ -305,7 +305,8 @@ SETTINGS = (
             env="SSDSGD_QUORUM", path="sync.quorum", validate=_quorum,
             int_text=True),
     Setting("max_staleness", int, 4, "with a quorum: a round closes only if every worker "
-            "not in it holds weights at most this many rounds old (docs/spec/quorum.md)",
+            "not in it holds weights at most this many of its pull periods old (rounds in "
+            "ssgd, k rounds in ssd's steps delay; docs/spec/quorum.md)",
             env="SSDSGD_MAX_STALENESS", path="sync.max_staleness", min=1, max=1 << 20),
     # --- checkpoints (docs/training.md)
     Setting("checkpoint_every_s", float, None, "also checkpoint mid-epoch once this many "

@@ -43,6 +43,7 @@ class RoundServer:
         self.with_state = with_state
         self.open, self.queued = {}, [deque() for _ in range(num_workers)]
         self.active, self.base = set(range(num_workers)), [-1] * num_workers
+        self.asked, self.period = [-1] * num_workers, [1] * num_workers
         self.received, self.applied = [0] * num_workers, [0] * num_workers
         self.waiting, self.finals, self.rounds = [], [], []
 
@@ -55,6 +56,9 @@ class RoundServer:
             self.open[rank] = grads
         if ticket is not None:
             self.waiting.append((rank, index, ticket, latest))
+            if self.asked[rank] >= 0:     # its pull period: pushes between two replies
+                self.period[rank] = index - self.asked[rank]
+            self.asked[rank] = index
         self._settle()
 
     def final(self, rank, ticket):
@@ -90,7 +94,8 @@ class RoundServer:
         if len(self.open) < min(self.q, len(self.active | set(self.open))):
             return False
         r = len(self.rounds)
-        return all(r - self.base[j] <= self.s for j in self.active - set(self.open))
+        return all(r - self.base[j] <= self.s * self.period[j]
+                   for j in self.active - set(self.open))
 
 
 class Worker:

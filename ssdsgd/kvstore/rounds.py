@@ -38,6 +38,8 @@ class Rounds:
         self.active = set(range(num_workers))   # workers that have not sent their final pull
         self.paused = set()              # leader: workers in a barrier, until their next push
         self.base = [-1] * num_workers   # leader: newest round whose weights each worker got
+        self.asked = [-1] * num_workers  # leader: each worker's last push that wanted a reply
+        self.period = [1] * num_workers  # leader: pushes between its last two such pushes
         self.waiting = []                # leader: (rank, push index, token, latest)
         self.tokens = {}                 # follower: (rank, push index) -> token
         self.finals = []                 # tokens of final pulls
@@ -67,6 +69,9 @@ class Rounds:
             self.members[rank] = item
         if token is not None:
             self.waiting.append((rank, index, token, latest))
+            if self.asked[rank] >= 0:
+                self.period[rank] = index - self.asked[rank]
+            self.asked[rank] = index
         return self._settle()
 
     def final(self, rank, token):
@@ -125,13 +130,13 @@ class Rounds:
     def _may_close(self):
         """Q distinct workers (fewer if fewer can still come: finished or in a barrier),
         and no worker outside the round (and not in a barrier) is left with weights more
-        than s rounds old."""
+        than s of its pull periods old (s rounds in ssgd and warm-up, s k in steps delay)."""
         if not self.members:
             return False
         possible = len((self.active - self.paused) | set(self.members))
         if len(self.members) < min(self.q, possible):
             return False
-        return all(self.closed - self.base[j] <= self.s
+        return all(self.closed - self.base[j] <= self.s * self.period[j]
                    for j in self.active - self.paused if j not in self.members)
 
     def _settle(self):
