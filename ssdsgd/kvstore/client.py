@@ -384,15 +384,24 @@ class WorkerClient:
                 fut = concurrent.futures.Future()
                 self._futures[msg.req] = fut
             self._commands.put((target, frames))
-            self._wake_out.send(b"")
+            self._wake()
         return fut
+
+    def _wake(self):
+        """Wake the I/O thread (called with ``_lock`` held: the socket is not thread-safe).
+        Never blocks: a full pipe means wake-ups are pending already, and blocking here
+        while the I/O thread waits for ``_lock`` to hand over a reply deadlocked both."""
+        try:
+            self._wake_out.send(b"", flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def _scheduler_call(self, kind, meta, reply_kind):
         fut = concurrent.futures.Future()
         with self._lock:
             self._control[reply_kind] = fut
             self._commands.put(("scheduler", P.control(kind, meta)))
-            self._wake_out.send(b"")
+            self._wake()
         waited = time.perf_counter()
         try:
             return self.wait(fut)
