@@ -72,15 +72,42 @@ class Gather:
     def wait(self):
         out, waited = {}, time.perf_counter()
         for fut in self.futures:
-            msg = self.client.wait(fut)
-            for name, value in (msg.meta or {}).items():
-                if value is not None:
-                    self.meta.setdefault(name, value)
-            lr = msg.meta.get("lr") if msg.meta else None
-            for rec, arrays in zip(msg.records, msg.tensors):
-                self._place(out, rec, arrays, lr)
+            self._take(out, self.client.wait(fut))
         self.client.stats["time_blocked"] += time.perf_counter() - waited
         return out
+
+    def then(self, callback):
+        """Without waiting: ``callback(replies, None)`` once every reply is in, or
+        ``callback(None, error)``, called once, on the thread that resolves the last
+        future (the I/O thread; the caller's if all are already resolved)."""
+        left, lock = [len(self.futures)], threading.Lock()
+
+        def one(_):
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            try:
+                out = {}
+                for fut in self.futures:
+                    self._take(out, fut.result())
+            except Exception as e:
+                callback(None, e)
+                return
+            callback(out, None)
+
+        if not self.futures:
+            callback({}, None)
+        for fut in self.futures:
+            fut.add_done_callback(one)
+
+    def _take(self, out, msg):
+        for name, value in (msg.meta or {}).items():
+            if value is not None:
+                self.meta.setdefault(name, value)
+        lr = msg.meta.get("lr") if msg.meta else None
+        for rec, arrays in zip(msg.records, msg.tensors):
+            self._place(out, rec, arrays, lr)
 
     def _place(self, out, rec, arrays, lr):
         key, off, n = int(rec["key"]), int(rec["offset"]), int(rec["count"])
@@ -129,6 +156,7 @@ class WorkerClient:
         self._lock = threading.Lock()
         self._failure = None
         self._stopping = False
+        self._ended = False      # the I/O thread has ended: no request can be answered
         self._ready = threading.Event()
         addr = f"inproc://ssdsgd-wake-{id(self)}"
         self._wake_in = self.ctx.socket(zmq.PAIR)
@@ -371,6 +399,10 @@ class WorkerClient:
             raise self._failure
         fut = None
         with self._lock:
+            if self._failure is not None:   # _fail took the futures: none would resolve
+                raise self._failure
+            if self._ended:
+                raise JobAborted("the worker's I/O thread has stopped; the job is over")
             msg.req = next(self._req)
             msg.sender = self.rank
             frames = P.encode(msg)
@@ -416,6 +448,19 @@ class WorkerClient:
                 s.close()   # LINGER flushes queued pushes (bounded by the heartbeat timeout)
             link.sock.close(0)
             self._wake_in.close(0)
+            self._abandon()
+
+    def _abandon(self):
+        """The thread ends: fail what still waits for a reply (an engine operation waits
+        on its future's callback, not on ``wait``'s poll of the thread)."""
+        with self._lock:
+            self._ended = True
+            futures = list(self._futures.values()) + list(self._control.values())
+            self._futures, self._control = {}, {}
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(self._failure or JobAborted(
+                    "the worker's I/O thread has stopped; the job is over"))
 
     def _connect(self):
         """Register with the scheduler and open a DEALER to every server."""

@@ -55,9 +55,15 @@ def write(pairs):
     if direct:
         mx.nd.waitall()
         for nd, value in direct:
-            src = np.ascontiguousarray(value, dtype=nd.dtype)
-            if src.size != nd.size:
-                raise ValueError(f"cannot copy {src.size} elements into an array of {nd.size}")
-            ctypes.memmove(_data_pointer(nd), src.ctypes.data, src.nbytes)
+            fill(nd, value)
     for nd, value in other:
         nd[:] = np.asarray(value).reshape(nd.shape)
+
+
+def fill(nd, value):
+    """Copy ``value`` into a dense CPU NDArray's buffer now, without waiting on the engine:
+    only after ``mx.nd.waitall()`` or inside an engine operation that writes ``nd``."""
+    src = np.ascontiguousarray(value, dtype=nd.dtype)
+    if src.size != nd.size:
+        raise ValueError(f"cannot copy {src.size} elements into an array of {nd.size}")
+    ctypes.memmove(_data_pointer(nd), src.ctypes.data, src.nbytes)

@@ -170,10 +170,11 @@ class Server:
         return tracker
 
     def _reply_bound(self):
-        """Replies a worker can legitimately have outstanding: every chunk of the steps it
-        may be ahead, plus a margin."""
+        """Replies a worker can legitimately have outstanding: for every step it may be
+        ahead, every chunk of a step's exchange, or one request per key (a script calling
+        ``kv.pushpull`` key by key has every key in flight, as with ps-lite); plus a margin."""
         chunks = 1 + self.model_bytes // max(1, self.env.chunk_bytes)
-        return (self.steps_ahead + 2) * (chunks + 1) + 64
+        return (self.steps_ahead + 2) * (chunks + 1 + len(self.shards)) + 64
 
     def _reclaim(self, shard):
         """Before ``shard.weight`` changes: replies holding a view of it take a copy (not
