@@ -26,18 +26,34 @@ import threading
 from mxnet.base import _LIB, check_call
 
 _ASYNC_FUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-_ON_COMPLETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+# Called with the GIL held (it only updates the engine's bookkeeping and queues the
+# operations it unblocks for the engine's threads).
+_ON_COMPLETE = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 _CPU = (ctypes.c_int * 2)(1, 0)             # mxnet::Context{kCPU, 0}
 _ASYNC_PROP = ctypes.c_int(4)               # mxnet::FnProperty::kAsync
 _NAME = b"ssdsgd_kvstore"
+_CPU_P = ctypes.cast(ctypes.pointer(_CPU), ctypes.c_void_p)
+_ASYNC_PROP_P = ctypes.cast(ctypes.pointer(_ASYNC_PROP), ctypes.c_void_p)
 
 _ops = {}                   # operation id -> (run, the arrays it must keep alive)
 _ids = itertools.count(1)   # 0 would arrive as a NULL pointer
 
 
+_AVAILABLE = os.environ.get("MXNET_ENGINE_TYPE", "") != "NaiveEngine"   # read once by MXNet
+# Called without releasing the GIL (PyDLL): the operation usually runs at once, on this
+# thread, in Python (``_execute``); releasing the GIL around the call would hand it to the
+# I/O thread and wait for it back, at every push.
+_PUSH = ctypes.PyDLL(_LIB._name).MXEnginePushAsyncND
+_PUSH.restype = ctypes.c_int
+_PUSH.argtypes = [
+    _ASYNC_FUNC, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+    ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_bool]
+
+
 def available():
     """True where the engine runs operations asynchronously (not ``NaiveEngine``)."""
-    return os.environ.get("MXNET_ENGINE_TYPE", "") != "NaiveEngine"
+    return _AVAILABLE
 
 
 class Done:
@@ -77,10 +93,9 @@ def push(run, reads, writes, priority=0):
     const = (ctypes.c_void_p * len(reads))(*[nd.handle.value for nd in reads])
     mutable = (ctypes.c_void_p * len(writes))(*[nd.handle.value for nd in writes])
     try:
-        check_call(_LIB.MXEnginePushAsyncND(
-            _execute, ctypes.c_void_p(op_id), None, ctypes.byref(_CPU),
-            const, ctypes.c_int(len(reads)), mutable, ctypes.c_int(len(writes)),
-            ctypes.byref(_ASYNC_PROP), ctypes.c_int(priority), _NAME, ctypes.c_bool(False)))
+        check_call(_PUSH(
+            _execute, op_id, None, _CPU_P, const, len(reads), mutable, len(writes),
+            _ASYNC_PROP_P, priority, _NAME, False))
     except BaseException:
         _ops.pop(op_id, None)
         raise

@@ -11,12 +11,32 @@ import ctypes
 import mxnet as mx
 import numpy as np
 from mxnet.base import _LIB, check_call
+from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP, _int64_enabled
+
+# The same library, called without releasing the GIL: these calls only read an array's
+# metadata, and where a worker's main thread and I/O thread both run Python (kv.pushpull
+# key by key), each release would hand the GIL over and wait for it back.
+_HELD = ctypes.PyDLL(_LIB._name)
 
 
 def _data_pointer(nd):
     ptr = ctypes.c_void_p()
-    check_call(_LIB.MXNDArrayGetData(nd.handle, ctypes.byref(ptr)))
+    check_call(_HELD.MXNDArrayGetData(nd.handle, ctypes.byref(ptr)))
     return ptr.value
+
+
+def describe(nd):
+    """(on the CPU, shape, numpy dtype) of an NDArray, without releasing the GIL."""
+    dev_type, dev_id, ndim, dtype = ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    check_call(_HELD.MXNDArrayGetContext(nd.handle, ctypes.byref(dev_type), ctypes.byref(dev_id)))
+    if _int64_enabled():
+        pdata = ctypes.POINTER(ctypes.c_int64)()
+        check_call(_HELD.MXNDArrayGetShapeEx64(nd.handle, ctypes.byref(ndim), ctypes.byref(pdata)))
+    else:
+        pdata = ctypes.POINTER(ctypes.c_int)()
+        check_call(_HELD.MXNDArrayGetShapeEx(nd.handle, ctypes.byref(ndim), ctypes.byref(pdata)))
+    check_call(_HELD.MXNDArrayGetDType(nd.handle, ctypes.byref(dtype)))
+    return dev_type.value == 1, tuple(pdata[:ndim.value]), np.dtype(_DTYPE_MX_TO_NP[dtype.value])
 
 
 def host_view(nd):
@@ -28,6 +48,14 @@ def host_view(nd):
     dtype = np.dtype(nd.dtype)
     raw = (ctypes.c_char * (nd.size * dtype.itemsize)).from_address(_data_pointer(nd))
     return np.frombuffer(raw, dtype).reshape(nd.shape)
+
+
+def raw_view(nd, dtype, size):
+    """A flat numpy view of a CPU NDArray's buffer whose dtype and size the caller has
+    checked (``host_view`` without its checks: one call into MXNet, not five)."""
+    dtype = np.dtype(dtype)
+    raw = (ctypes.c_char * (size * dtype.itemsize)).from_address(_data_pointer(nd))
+    return np.frombuffer(raw, dtype)
 
 
 def _direct(nd):
@@ -60,10 +88,13 @@ def write(pairs):
         nd[:] = np.asarray(value).reshape(nd.shape)
 
 
-def fill(nd, value):
+def fill(nd, value, dtype=None, size=None):
     """Copy ``value`` into a dense CPU NDArray's buffer now, without waiting on the engine:
-    only after ``mx.nd.waitall()`` or inside an engine operation that writes ``nd``."""
-    src = np.ascontiguousarray(value, dtype=nd.dtype)
-    if src.size != nd.size:
-        raise ValueError(f"cannot copy {src.size} elements into an array of {nd.size}")
+    only after ``mx.nd.waitall()`` or inside an engine operation that writes ``nd``.
+    ``dtype`` and ``size``: the array's, if the caller knows them."""
+    dtype = nd.dtype if dtype is None else dtype
+    size = nd.size if size is None else size
+    src = np.ascontiguousarray(value, dtype=dtype)
+    if src.size != size:
+        raise ValueError(f"cannot copy {src.size} elements into an array of {size}")
     ctypes.memmove(_data_pointer(nd), src.ctypes.data, src.nbytes)

@@ -210,7 +210,7 @@ class Server:
         # before they change. Every worker waiting on the same step gets the same view.
         value = self._snapshots.get((shard.key, shard.version))
         if value is None:    # _apply leaves no MXNet work pending: the buffer is settled
-            value = hostcopy.host_view(shard.weight).reshape(-1)
+            value = hostcopy.raw_view(shard.weight, shard.dtype, shard.count)
             self._snapshots[(shard.key, shard.version)] = value
         shard.lent.append((reply, i))
         arrays = [value]
@@ -444,8 +444,8 @@ class Server:
         mx.nd.waitall()
         for shard, parts in zip(shards, grads):
             parts = parts if isinstance(parts, list) else [parts]
-            target = hostcopy.host_view(shard.weight if self.updater is None else shard.grad)
-            target = target.reshape(-1)
+            target = hostcopy.raw_view(shard.weight if self.updater is None else shard.grad,
+                                       shard.dtype, shard.count)
             if len(parts) == 1:
                 np.copyto(target, parts[0])
             else:

@@ -23,6 +23,7 @@ The machine speaks to the servers only through the client's API (``init``, ``pus
 ``pull``): it builds no message and never sees how keys are split over servers.
 """
 import dataclasses
+import math
 
 import mxnet as mx
 import numpy as np
@@ -152,7 +153,7 @@ class StageMachine:
         ssd's steps-delay step and a quorum's rounds keep state on this thread."""
         return (self.env.algorithm in ("ssgd", "asgd") and not self.quorum
                 and engineop.available()
-                and all(nd.stype == "default" for _, grads, outs in entries
+                and all(type(nd) is mx.nd.NDArray for _, grads, outs in entries   # dense
                         for nd in list(grads) + list(outs or [])))
 
     def step_deferred(self, entries, priority=0):
@@ -167,46 +168,55 @@ class StageMachine:
             if key not in self.keys:
                 raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
         grads = {key: _device_sum(grad_list) for key, grad_list, _ in entries}
-        host = {key: g if g.context.device_type == "cpu" else g.copyto(mx.cpu())
-                for key, g in grads.items()}
-        targets, staged = self._deferred_targets(entries, grads)
-        writes = {nd.handle.value: nd for _, dests in targets for nd in dests}
-        reads = [nd for nd in host.values() if nd.handle.value not in writes]
-        t, keys = self.t, list(grads)
+        host = {}     # key -> (CPU array, dtype, size) of the gradient
+        for key, g in grads.items():
+            on_cpu, shape, dtype = hostcopy.describe(g)
+            if shape != self.keys[key].shape:
+                raise ValueError(f"key {key}: a gradient of shape {shape} for a key of shape "
+                                 f"{self.keys[key].shape}")
+            host[key] = (g if on_cpu else g.copyto(mx.cpu()), dtype, math.prod(shape))
+        targets, staged = self._deferred_targets(entries, host)
+        writes = {nd.handle.value: nd for _, dests in targets for nd, _ in dests}
+        reads = [nd for nd, _, _ in host.values() if nd.handle.value not in writes]
+        t = self.t
 
         def run(done):
             try:
-                flats = [hostcopy.host_view(host[key]).reshape(-1) for key in keys]
-                reply = self.client.push(t, list(zip(keys, flats)), pull=True)
+                self.client.push_then(
+                    [(key, hostcopy.raw_view(*host[key])) for key in host],
+                    lambda replies, error: self._deferred_done(t, targets, replies,
+                                                               error, done))
             except Exception as e:
                 self._deferred_done(t, targets, None, e, done)
-                return
-            reply.then(lambda replies, error: self._deferred_done(t, targets, replies,
-                                                                  error, done))
 
         engineop.push(run, reads, list(writes.values()), priority)
         for src, out in staged:
             src.copyto(out)
         self.deferred = True
-        self.counts[plan(t, self.env.algorithm, self.env.warmup_steps,
-                         self.env.delay_steps).stage] += 1
+        self.counts[Stage(self.env.algorithm)] += 1      # ssgd or asgd: the stage's name
         self.counts["pushes"] += 1
         self.counts["pulls"] += 1
         self.t += 1
 
-    @staticmethod
-    def _deferred_targets(entries, grads):
-        """(key, CPU arrays the reply is written into) and (CPU array, GPU output) pairs:
-        an output on another device is copied from a CPU array after the operation."""
+    def _deferred_targets(self, entries, host):
+        """(key, [(CPU array the reply is written into, its dtype)]) and (CPU array, GPU
+        output) pairs: an output on another device is copied from a CPU array after the
+        operation."""
         targets, staged = [], []
         for key, grad_list, outs in entries:
-            outs = outs if outs is not None else grad_list
-            dests = [out for out in outs if out.context.device_type == "cpu"]
-            others = [out for out in outs if out.context.device_type != "cpu"]
-            if others:
-                dests.append(mx.nd.empty(grads[key].shape, ctx=mx.cpu(),
-                                         dtype=grads[key].dtype))
-                staged += [(dests[-1], out) for out in others]
+            dests, stage = [], None
+            for out in (outs if outs is not None else grad_list):
+                on_cpu, shape, dtype = hostcopy.describe(out)
+                if shape != self.keys[key].shape:
+                    raise ValueError(f"key {key}: an output of shape {shape} for a key of "
+                                     f"shape {self.keys[key].shape}")
+                if on_cpu:
+                    dests.append((out, dtype))
+                    continue
+                if stage is None:      # one CPU array for all of the key's other outputs
+                    stage = mx.nd.empty(shape, ctx=mx.cpu(), dtype=dtype)
+                    dests.append((stage, dtype))
+                staged.append((stage, out))
             targets.append((key, dests))
         return targets, staged
 
@@ -215,9 +225,10 @@ class StageMachine:
         try:
             if error is None:
                 for key, dests in targets:
-                    self.keys[key].remember(replies[key], t)
-                    for nd in dests:
-                        hostcopy.fill(nd, replies[key].value)
+                    reply = replies[key]
+                    self.keys[key].remember(reply, t)
+                    for nd, dtype in dests:
+                        hostcopy.fill(nd, reply.value, dtype, reply.value.size)
         except Exception as e:
             error = e
         finally:
