@@ -216,18 +216,18 @@ class WorkerClient:
         thread empties whenever it wakes, into one message per server (chunked), so the
         keys queued while it was busy travel together and the servers answer them
         together; ps-lite sends a message per key, which costs far more in Python."""
-        entries, keys = self._push_entries(grads)
-        with self._lock:
+        with self._lock:      # numbered and queued in one order, whichever thread calls
             if self._failure is not None:
                 raise self._failure
             if self._ended:
                 raise JobAborted("the worker's I/O thread has stopped; the job is over")
+            entries, keys = self._push_entries(grads)
+            for k in keys:
+                k.pushes += 1
             wake = not self._outbox
             self._outbox.append((entries, callback))
             if wake:
-                self._wake_out.send(b"")
-        for k in keys:
-            k.pushes += 1
+                self._wake()
 
     def _push_entries(self, grads):
         """A push's entries (compressed with this worker's residuals if set) and keys."""
@@ -436,15 +436,24 @@ class WorkerClient:
                 fut = concurrent.futures.Future()
                 self._futures[msg.req] = fut
             self._commands.put((target, frames))
-            self._wake_out.send(b"")
+            self._wake()
         return fut
+
+    def _wake(self):
+        """Wake the I/O thread (called holding ``_lock``). Never blocks: a full pipe means
+        a thousand wakes are unread already, and a blocked send holding the lock would
+        stop the I/O thread at its next use of the lock (seen with 2000 quick requests)."""
+        try:
+            self._wake_out.send(b"", flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def _scheduler_call(self, kind, meta, reply_kind):
         fut = concurrent.futures.Future()
         with self._lock:
             self._control[reply_kind] = fut
             self._commands.put(("scheduler", P.control(kind, meta)))
-            self._wake_out.send(b"")
+            self._wake()
         waited = time.perf_counter()
         try:
             return self.wait(fut)
@@ -551,6 +560,8 @@ class WorkerClient:
     def _send_outbox(self, sockets):
         """push_then's entries, one request per server for as many as can share one (a
         key twice starts another), each callback called with the replies of its group."""
+        if not self._outbox:     # anything queued after this read wakes the thread again
+            return
         with self._lock:
             batch, self._outbox = self._outbox, []
         group, seen = [], set()
