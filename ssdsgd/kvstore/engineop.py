@@ -37,6 +37,7 @@ _ASYNC_PROP_P = ctypes.cast(ctypes.pointer(_ASYNC_PROP), ctypes.c_void_p)
 
 _ops = {}                   # operation id -> (run, the arrays it must keep alive)
 _ids = itertools.count(1)   # 0 would arrive as a NULL pointer
+_completers = {}            # the engine's completion function (an address) -> callable
 
 
 _AVAILABLE = os.environ.get("MXNET_ENGINE_TYPE", "") != "NaiveEngine"   # read once by MXNet
@@ -70,7 +71,10 @@ class Done:
             callback, self._callback = self._callback, None
         if callback is not None:
             function, engine, operation = callback
-            _ON_COMPLETE(function)(engine, operation, None)
+            call = _completers.get(function)
+            if call is None:       # one engine function completes every operation
+                call = _completers[function] = _ON_COMPLETE(function)
+            call(engine, operation, None)
 
 
 @_ASYNC_FUNC
