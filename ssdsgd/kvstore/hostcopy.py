@@ -7,11 +7,13 @@ buffer (0.8 ms for those 160 instead of 15 ms). Arrays on other devices (GPUs) o
 other storage types take MXNet's ordinary path.
 """
 import ctypes
+import math
 
 import mxnet as mx
 import numpy as np
 from mxnet.base import _LIB, check_call
 from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP, _int64_enabled
+from mxnet.ndarray.sparse import BaseSparseNDArray
 
 # The same library, called without releasing the GIL: these calls only read an array's
 # metadata, and where a worker's main thread and I/O thread both run Python (kv.pushpull
@@ -58,32 +60,39 @@ def raw_view(nd, dtype, size):
     return np.frombuffer(raw, dtype)
 
 
-def _direct(nd):
-    return nd.context.device_type == "cpu" and nd.stype == "default"
+def _dense_cpu(nd):
+    """(dtype, size) of a dense CPU NDArray, whose buffer is read and written directly;
+    None for another device or storage type (MXNet's ordinary path)."""
+    if isinstance(nd, BaseSparseNDArray):
+        return None
+    on_cpu, shape, dtype = describe(nd)
+    return (dtype, math.prod(shape)) if on_cpu else None
 
 
 def read(nds, copy=True):
     """Flat numpy copies of ``nds``; with ``copy=False``, views of the CPU arrays' own
     buffers where possible (the caller must not let MXNet write them while in use)."""
-    if any(_direct(nd) for nd in nds):
+    infos = [_dense_cpu(nd) for nd in nds]
+    if any(info is not None for info in infos):
         mx.nd.waitall()
     take = np.array if copy else np.asarray
-    return [take(host_view(nd)).reshape(-1) if _direct(nd) else nd.asnumpy().reshape(-1)
-            for nd in nds]
+    return [take(raw_view(nd, *info)) if info else nd.asnumpy().reshape(-1)
+            for nd, info in zip(nds, infos)]
 
 
 def write(pairs):
     """pairs: iterable of (NDArray, numpy array with the same number of elements)."""
     direct, other = [], []
     for nd, value in pairs:
-        if _direct(nd):
-            direct.append((nd, value))
+        info = _dense_cpu(nd)
+        if info:
+            direct.append((nd, value, info))
         else:
             other.append((nd, value))
     if direct:
         mx.nd.waitall()
-        for nd, value in direct:
-            fill(nd, value)
+        for nd, value, (dtype, size) in direct:
+            fill(nd, value, dtype, size)
     for nd, value in other:
         nd[:] = np.asarray(value).reshape(nd.shape)
 
