@@ -444,3 +444,28 @@ def test_pulls_of_steps_not_pushed_are_refused_and_waiting_pulls_are_bounded(job
     for f in answered:
         np.testing.assert_array_equal(f.result().tensors[0][0], np.full(4, 2.0))
     assert job.alive()
+
+
+def test_a_flood_of_requests_with_fast_replies_never_deadlocks_the_worker(job_factory):
+    """A defect seen in a full run: the main thread held the client's lock while its wake-up
+    send to the I/O thread blocked (the inproc pipe full), and the I/O thread, to hand a
+    reply to its future, waited for that lock: both stopped, heartbeats with them, and the
+    job was aborted while the test hung. Thousands of requests whose replies (refusals)
+    come back at once must all be answered, within a bound."""
+    import threading
+    job = job_factory(workers=2)
+    c0, _ = job.clients
+    init_keys(job.clients, {0: 4})
+    futures, done = [], threading.Event()
+
+    def flood():
+        for i in range(6000):
+            futures.append(pull(c0, 0, 10_000 + i))
+        done.set()
+
+    threading.Thread(target=flood, daemon=True).start()
+    assert done.wait(90), f"submitting hung after {len(futures)} of 6000 requests"
+    for f in futures:
+        with pytest.raises(ServerError, match="which it has not pushed"):
+            f.result(timeout=30)
+    assert job.alive()

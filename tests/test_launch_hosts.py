@@ -212,3 +212,109 @@ def test_a_secret_file_reaches_the_process_as_a_0600_file_of_its_host(tmp_path):
     path = out.read_text().strip()
     assert path.startswith(("/dev/shm/ssdsgd-secret-", "/tmp/ssdsgd-secret-"))
     assert not os.path.exists(path)
+
+
+def _refusing_port():
+    """A bound, never listening socket: connecting to its port is refused while it lives."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s, s.getsockname()[1]
+
+
+def _waiting_entry(refusing_port, extra_env=None, args=("--stdin",), spec_extra=None):
+    """rank_entry.py as a worker whose scheduler port refuses: it waits in its check (up
+    to REFUSED_SECONDS) before any child starts."""
+    import json
+    import subprocess
+    spec = {"procs": [["worker", 0, [sys.executable, "-c", "pass"]]],
+            "env": {"SSDSGD_SCHEDULER_HOST": "127.0.0.1",
+                    "SSDSGD_SCHEDULER_PORT": str(refusing_port)},
+            "connect_timeout": 5, **(spec_extra or {})}
+    env = dict(os.environ, **(extra_env or {}))
+    if "--stdin" not in args:
+        env["SSDSGD_LAUNCH_SPEC"] = json.dumps(spec)
+    proc = subprocess.Popen([sys.executable, rank_entry.ENTRY_FILE, *args], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    if "--stdin" in args:
+        proc.stdin.write(json.dumps(spec) + "\n")
+        proc.stdin.flush()
+    return proc
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("stop", ["eof", "signal line"])
+def test_a_stop_while_the_scheduler_check_waits_ends_the_process_at_once(stop):
+    """Issue 9's race: the launcher stops the job (ssh: EOF on stdin, or a signal line)
+    while a process still waits for the scheduler's port, which may refuse for up to
+    REFUSED_SECONDS. The process must end at once, not outlive the job by minutes."""
+    import time
+    sock, port = _refusing_port()
+    proc = _waiting_entry(port)
+    try:
+        time.sleep(1.5)                      # inside the check: the port refuses
+        assert proc.poll() is None, proc.stderr.read()
+        t0 = time.monotonic()
+        if stop == "eof":
+            proc.stdin.close()
+        else:
+            proc.stdin.write("15\n")
+            proc.stdin.flush()
+        code = proc.wait(timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert code == 128 + signal.SIGTERM
+    finally:
+        sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            pytest.fail("rank_entry still ran 10 s after the launcher's stop")
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()
+
+
+@pytest.mark.system
+def test_a_lost_lifeline_while_the_scheduler_check_waits_ends_the_process_at_once():
+    """The same race for mpi/slurm, which have no stdin to watch: the process holds its
+    lifeline to the launcher from before the checks, and its closing (the launcher died,
+    even by SIGKILL) ends the process while it still waits for the scheduler."""
+    import socket
+    import time
+    sock, port = _refusing_port()
+    launcher = socket.create_server(("127.0.0.1", 0))
+    launcher.settimeout(10)
+    proc = _waiting_entry(port, {"MYRANK": "0"}, ("--rank-from", "MYRANK"),
+                          {"lifeline": list(launcher.getsockname()[:2])})
+    try:
+        held = []
+        deadline = time.monotonic() + 10
+        while not held and time.monotonic() < deadline:
+            try:
+                conn, _ = launcher.accept()      # a check's probe connects and closes;
+                conn.settimeout(1.0)             # the lifeline is the one that stays open
+                try:
+                    if conn.recv(1) == b"":
+                        conn.close()
+                        continue
+                except socket.timeout:
+                    held.append(conn)
+            except socket.timeout:
+                break
+        assert held, "rank_entry never held a lifeline to the launcher while checking"
+        time.sleep(1.0)
+        assert proc.poll() is None, proc.stderr.read()
+        t0 = time.monotonic()
+        held[0].close()
+        launcher.close()
+        code = proc.wait(timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert code == 128 + signal.SIGTERM
+    finally:
+        sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            pytest.fail("rank_entry still ran 10 s after its lifeline closed")
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()

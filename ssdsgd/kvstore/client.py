@@ -440,9 +440,9 @@ class WorkerClient:
         return fut
 
     def _wake(self):
-        """Wake the I/O thread (called holding ``_lock``). Never blocks: a full pipe means
-        a thousand wakes are unread already, and a blocked send holding the lock would
-        stop the I/O thread at its next use of the lock (seen with 2000 quick requests)."""
+        """Wake the I/O thread (called with ``_lock`` held: the socket is not thread-safe).
+        Never blocks: a full pipe means wake-ups are pending already, and blocking here
+        while the I/O thread waits for ``_lock`` to hand over a reply deadlocked both."""
         try:
             self._wake_out.send(b"", flags=zmq.NOBLOCK)
         except zmq.Again:

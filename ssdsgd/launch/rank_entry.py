@@ -17,7 +17,9 @@ command as its child and supervises it:
 
 * the child dies with this process (PR_SET_PDEATHSIG) and gets SIGTERM then SIGKILL when
   the launcher is gone: ssh closes stdin (EOF) when its launcher dies; mpi/slurm processes
-  hold a TCP "lifeline" connection to the launcher, which the kernel closes when it dies;
+  hold a TCP "lifeline" connection to the launcher, which the kernel closes when it dies.
+  Both are watched from before the checks, so a job stopped while this process still
+  waits for the scheduler's port ends it at once (not after REFUSED_SECONDS);
 * a line ``<signal number>`` on stdin (ssh) signals the child's process group;
 * with ``tag``, every output line goes to stdout as ``@@ssdsgd <index> o|e <text>`` and
   the end as ``@@ssdsgd <index> x <code> <host>``, so the launcher can split one mpirun's
@@ -211,14 +213,6 @@ class Supervisor:
         if self.stop_at is None:
             self.stop_at = time.monotonic()
 
-    def watch_socket(self, sock):
-        try:
-            while sock.recv(64):
-                pass
-        except OSError:
-            pass
-        self.terminate()
-
     def wait(self):
         while True:
             try:
@@ -229,20 +223,30 @@ class Supervisor:
                 _signal_group(self.child, signal.SIGKILL)
 
 
-class StdinWatch:
-    """ssh's stdin, read from before the checks on: a stop (a signal line, or EOF when the
-    launcher or its ssh is gone) that comes while this process is still checking or
-    waiting for the scheduler ends it at once; once the child runs, it goes to the
-    child (``sup``)."""
+class LauncherWatch:
+    """The launcher's signs of life, watched from before the checks on: ssh's stdin (a
+    signal line, or EOF when the launcher or its ssh is gone) and mpi/slurm's lifeline
+    socket (closed by the kernel when the launcher dies). A stop that comes while this
+    process still checks or waits for the scheduler ends it at once; once the child runs,
+    it goes to the child (``sup``)."""
 
     def __init__(self, secrets):
         self.sup, self.secrets, self.lock = None, secrets, threading.Lock()
+        self.lifeline = None
 
-    def run(self, stdin):
+    def run_stdin(self, stdin):
         for line in iter(stdin.readline, ""):
             text = line.strip()
             if text.lstrip("-").isdigit():
                 self.stop(abs(int(text)))
+        self.stop(None)
+
+    def run_socket(self, sock):
+        try:
+            while sock.recv(64):
+                pass
+        except OSError:
+            pass
         self.stop(None)
 
     def stop(self, sig):
@@ -256,6 +260,7 @@ class StdinWatch:
     def attach(self, sup):
         with self.lock:
             self.sup = sup
+
 
 def _background(target, *args):
     t = threading.Thread(target=target, args=args, daemon=True)
@@ -277,8 +282,9 @@ def write_secrets(files, env):
     return paths
 
 
-def prepare(spec, role, cmd):
-    """The child's environment, after the checks (EntryError when one fails)."""
+def prepare(spec, role, cmd, watch):
+    """The child's environment, after the checks (EntryError when one fails). The
+    lifeline is held (and watched) before the scheduler's check, which may wait long."""
     env = dict(os.environ)
     env.update(spec.get("env", {}))
     env.pop("SSDSGD_LAUNCH_SPEC", None)
@@ -287,6 +293,10 @@ def prepare(spec, role, cmd):
     timeout = float(spec.get("connect_timeout", 30))
     if spec.get("lifeline"):
         check_reach("the launcher", *spec["lifeline"], timeout, addr)
+        lifeline = socket.create_connection(tuple(spec["lifeline"]), timeout=10)
+        lifeline.settimeout(None)
+        _background(watch.run_socket, lifeline)
+        watch.lifeline = lifeline           # held open until this process ends
     if role != "scheduler":
         check_reach("the scheduler", env["SSDSGD_SCHEDULER_HOST"],
                     env["SSDSGD_SCHEDULER_PORT"], timeout, addr)
@@ -299,17 +309,15 @@ def run(spec, index, stdin):
     index, role, rank, cmd = choose(spec, index)
     out = Output(index, bool(spec.get("tag")))
     secrets = []
-    watch = StdinWatch(secrets) if stdin is not None else None
-    if watch is not None:
-        _background(watch.run, stdin)
+    watch = LauncherWatch(secrets)
+    if stdin is not None:
+        _background(watch.run_stdin, stdin)
     try:
         if spec.get("cwd"):
             os.chdir(spec["cwd"])
-        env = prepare(spec, role, cmd)
+        env = prepare(spec, role, cmd, watch)
         env.update(SSDSGD_ROLE=role, SSDSGD_RANK=str(rank))
         secrets.extend(write_secrets(spec.get("files") or {}, env))    # removed at the end
-        lifeline = (socket.create_connection(tuple(spec["lifeline"]), timeout=10)
-                    if spec.get("lifeline") else None)
         child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                  stdout=subprocess.PIPE if out.tag else None,
                                  stderr=subprocess.PIPE if out.tag else None,
@@ -320,7 +328,7 @@ def run(spec, index, stdin):
         out.end(CHECK_FAILED)
         return CHECK_FAILED
     try:
-        return _supervise(child, out, watch, lifeline)
+        return _supervise(child, out, watch)
     finally:
         _remove(secrets)
 
@@ -333,17 +341,13 @@ def _remove(paths):
             pass
 
 
-def _supervise(child, out, watch, lifeline):
+def _supervise(child, out, watch):
     sup = Supervisor(child)
     pumps = [_background(_pump, child.stdout, "o", out),
              _background(_pump, child.stderr, "e", out)] if out.tag else []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, _f: sup.terminate(signal.SIGTERM))
-    if watch is not None:
-        watch.attach(sup)
-    if lifeline is not None:
-        lifeline.settimeout(None)
-        _background(sup.watch_socket, lifeline)
+    watch.attach(sup)
     code = sup.wait()
     for t in pumps:
         t.join(timeout=5)
