@@ -6,9 +6,14 @@ import sys
 from .kvstore.env import EnvError, NodeEnv
 from .kvstore.scheduler import JobAborted, Scheduler
 from .kvstore.security import SecurityError
-from .kvstore.server import Server
 
-ROLES = {"scheduler": Scheduler, "server": Server}
+
+def _server(env):
+    from .kvstore.server import Server     # MXNet (its optimizers): servers only
+    return Server(env)
+
+
+ROLES = {"scheduler": Scheduler, "server": _server}
 
 
 def main():

@@ -98,6 +98,8 @@ class SSD_Sync(KVStoreBase):
         entries = _entries(key, value, out)
         if self._batch is not None:
             self._batch.extend(entries)
+        elif self._machine.can_defer(entries):    # queued on MXNet's engine, as ps-lite's
+            self._machine.step_deferred(entries, priority)
         else:
             self._machine.step(entries)
 
@@ -209,6 +211,7 @@ class SSD_Sync(KVStoreBase):
     # ---- lifecycle and metrics ----------------------------------------------------
     def barrier(self, value=0):
         """MXNet's barrier; also returns the largest ``value`` any worker passed."""
+        self._machine.raise_deferred()
         return self._client.barrier(value)
 
     _barrier = barrier

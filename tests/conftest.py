@@ -54,3 +54,36 @@ def procs():
 def node_env(port, num_workers=1, num_servers=1, **extra):
     return clean_env(SSDSGD_SCHEDULER_PORT=port, SSDSGD_NUM_WORKERS=num_workers,
                      SSDSGD_NUM_SERVERS=num_servers, **extra)
+
+
+# The digits job of the checkpoint tests (tests/test_resume.py, tests/test_recovery.py):
+# 2 workers x batch 16 (44 steps an epoch), 2 epochs, a checkpoint every epoch. Its
+# uninterrupted run is made once per session and algorithm and shared by both modules.
+DIGITS_EPOCHS = 2
+DIGITS_STEPS = 1437 // (2 * 16)
+
+
+def digits_job(algorithm):
+    """``--set`` arguments of the checkpoint tests' digits job (ssd: warm-up 29 steps)."""
+    overrides = {"data.batch_size": 16, "train.epochs": DIGITS_EPOCHS,
+                 "train.checkpoint_every": 1, "train.log_interval": 4}
+    overrides.update({"sync.warmup_steps": 29} if algorithm == "ssd" else
+                     {"sync.algorithm": "ssgd"})
+    return [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_digits(tmp_path_factory):
+    """algorithm -> the run directory of that job run once without interruption."""
+    from test_e2e_configs import dist, run_dir_of
+    done = {}
+
+    def get(algorithm):
+        if algorithm not in done:
+            root = tmp_path_factory.mktemp(f"uninterrupted-{algorithm}")
+            p = dist(["configs/digits.yaml", *digits_job(algorithm), "--set",
+                      f"output.dir={root}"])
+            assert p.returncode == 0, p.stderr[-3000:]
+            done[algorithm] = run_dir_of(root)
+        return done[algorithm]
+    return get

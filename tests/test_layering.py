@@ -53,3 +53,30 @@ def test_the_adapter_holds_no_wire_details():
     deps = _imports(PKG / "store.py")
     assert "kvstore.protocol" not in deps and "kvstore.sharding" not in deps, deps
     assert not any(d.startswith("train") or d.startswith("launch") for d in deps), deps
+
+
+def _run(code):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=PKG.parent, timeout=120)
+
+
+def test_the_launcher_and_the_scheduler_start_without_mxnet():
+    """They need none of it, and importing it costs 1-2 s of CPU per process per job."""
+    p = _run("import sys, ssdsgd.launch.cli, ssdsgd.node, ssdsgd.kvstore.scheduler; "
+             "print('mxnet' in sys.modules)")
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr[-2000:]
+
+
+def test_import_ssdsgd_registers_ssd_sync_before_or_after_mxnet():
+    """``import ssdsgd`` keeps its promise whichever comes first: MXNet already imported
+    (installed at once), or imported later (installed right after it, by the hook)."""
+    check = ("from mxnet import gluon, kvstore; import ssdsgd.integration as i; "
+             "assert 'ssd_sync' in kvstore.KVStoreBase.kv_registry; "
+             "assert gluon.trainer._create_kvstore is i._create_kvstore; "
+             "assert ssdsgd.SSD_Sync.__name__ == 'SSD_Sync'; print('ok')")
+    for first in ("import ssdsgd; import mxnet", "import mxnet; import ssdsgd",
+                  "import ssdsgd; from mxnet import gluon"):
+        p = _run(f"{first}; {check}")
+        assert p.stdout.strip() == "ok", (first, p.stderr[-2000:])

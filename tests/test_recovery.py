@@ -14,32 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from test_e2e_configs import PY, ROOT, clean_env, dist, records, run_dir_of, sets
+from conftest import DIGITS_EPOCHS as EPOCHS, DIGITS_STEPS as STEPS, digits_job
+from test_e2e_configs import PY, ROOT, clean_env, dist, records, sets
 from test_resume import children, params
 
 pytestmark = pytest.mark.system
 
-EPOCHS = 2
-STEPS = 1437 // (2 * 16)        # digits, 2 workers x 16: 44 steps per epoch
-JOBS = {"ssd": sets(data__batch_size=16, train__epochs=EPOCHS, train__log_interval=4,
-                    sync__warmup_steps=29),
-        "ssgd": sets(data__batch_size=16, train__epochs=EPOCHS, train__log_interval=4,
-                     sync__algorithm="ssgd")}
+JOBS = {"ssd": digits_job("ssd"), "ssgd": digits_job("ssgd")}
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The final weights and summary of each algorithm's job, run once, lazily."""
-    done = {}
-
-    def get(algorithm):
-        if algorithm not in done:
-            root = tmp_path_factory.mktemp(f"ref-{algorithm}")
-            p = dist(["configs/digits.yaml", *JOBS[algorithm], *sets(output__dir=root)])
-            assert p.returncode == 0, p.stderr[-3000:]
-            done[algorithm] = final(run_dir_of(root))
-        return done[algorithm]
-    return get
+@pytest.fixture
+def uninterrupted(uninterrupted_digits):
+    """The final weights and summary of each algorithm's job (run once per session)."""
+    return lambda algorithm: final(uninterrupted_digits(algorithm))
 
 
 def final(run: Path) -> tuple[dict, dict]:

@@ -1,7 +1,8 @@
 """Checkpoint and resume through ``launch/dist.py``: a job killed (SIGKILL, every
 process) after a checkpoint and continued with ``--resume RUN_DIR`` ends with exactly the
 weights of an uninterrupted one, ssgd and ssd (every worker's own state is saved with
-the checkpoint), from an epoch's end or mid-epoch (train.checkpoint_every_s)."""
+the checkpoint), from an epoch's end or mid-epoch (train.checkpoint_every_s). The
+uninterrupted runs are made once per session (conftest.uninterrupted_digits)."""
 import json
 import os
 import signal
@@ -13,15 +14,11 @@ import mxnet as mx
 import numpy as np
 import pytest
 
+from conftest import DIGITS_EPOCHS as EPOCHS, DIGITS_STEPS as STEPS, digits_job
 from ssdsgd import report
-from test_e2e_configs import PY, ROOT, clean_env, dist, records, run_dir_of, sets
+from test_e2e_configs import PY, ROOT, clean_env, dist, records, sets
 
 pytestmark = pytest.mark.system
-
-EPOCHS = 4
-STEPS = 1437 // (2 * 16)        # digits, 2 workers x 16: 44 steps per epoch
-JOB = dict(data__batch_size=16, train__epochs=EPOCHS, train__checkpoint_every=1,
-           train__log_interval=20)
 
 
 def children(pid: int) -> list[int]:
@@ -74,19 +71,19 @@ def params(path: Path) -> dict:
     return {k: v.asnumpy() for k, v in mx.nd.load(str(path)).items()}
 
 
-def killed_and_resumed(tmp_path, job, ready=lambda latest: True) -> tuple[Path, Path, dict]:
-    """Run ``job`` uninterrupted (A), and again killed after its first checkpoint (that
-    ``ready`` accepts) and resumed (B); returns (A, B, B's checkpoint record at the
-    kill)."""
-    done = dist(["configs/digits.yaml", *job, *sets(output__dir=tmp_path / "a")])
-    assert done.returncode == 0, done.stderr[-3000:]
-    a = run_dir_of(tmp_path / "a")
-    b = kill_job_after_first_checkpoint(["configs/digits.yaml", *job,
+def killed_and_resumed(tmp_path, uninterrupted_digits, algorithm, more=(), resume_args=(),
+                       ready=lambda latest: True) -> tuple[Path, Path, dict]:
+    """The uninterrupted run of the checkpoint tests' job (A, shared with
+    tests/test_recovery.py), and the same job (with ``more``: settings that change no
+    weight) killed after its first checkpoint that ``ready`` accepts and resumed (B);
+    returns (A, B, B's checkpoint record at the kill)."""
+    a = uninterrupted_digits(algorithm)
+    b = kill_job_after_first_checkpoint(["configs/digits.yaml", *digits_job(algorithm), *more,
                                          *sets(output__dir=tmp_path / "b")], tmp_path / "b",
                                         ready=ready)
     latest = json.loads((b / "checkpoints" / "latest.json").read_text())
     assert latest["next_epoch"] < EPOCHS and not (b / "summary.json").exists()  # mid-run
-    resumed = dist(["--resume", b])
+    resumed = dist(["--resume", b, *resume_args])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Traceback" not in resumed.stdout + resumed.stderr
     return a, b, latest
@@ -108,8 +105,8 @@ def after_resume(run: Path, rank: int = 0) -> list[dict]:
     return [r for r in records(run, rank, "train") if r["time"] > start["time"]]
 
 
-def test_killed_ssgd_job_resumes_to_the_same_weights(tmp_path):
-    a, b, latest = killed_and_resumed(tmp_path, sets(sync__algorithm="ssgd", **JOB))
+def test_killed_ssgd_job_resumes_to_the_same_weights(tmp_path, uninterrupted_digits):
+    a, b, latest = killed_and_resumed(tmp_path, uninterrupted_digits, "ssgd")
     assert_same_final_weights(a, b)
     for rank in (0, 1):
         starts = records(b, rank, "start")
@@ -123,17 +120,20 @@ def test_killed_ssgd_job_resumes_to_the_same_weights(tmp_path):
     assert [v["epoch"] for v in report.load_run(b)["val"]] == list(range(1, EPOCHS + 1))
 
 
-def test_killed_ssd_job_resumes_in_the_steps_delay_stage(tmp_path):
-    """ssd (the digits config's glu rule): the resumed job starts from the checkpoint's
-    global weights and continues the stage schedule at the checkpoint's step
-    (SSDSGD_START_STEP): no second warm-up (bit-exactness: the test below)."""
-    b = kill_job_after_first_checkpoint(["configs/digits.yaml", *sets(
-        sync__warmup_steps=30, **JOB), *sets(output__dir=tmp_path / "b")], tmp_path / "b")
-    latest = json.loads((b / "checkpoints" / "latest.json").read_text())
-    assert latest["next_epoch"] < EPOCHS and latest["step"] > 30      # in steps delay
-    # --set with --resume reaches the workers (through RUN_DIR/config.yaml)
-    resumed = dist(["--resume", b, "--set", "train.log_interval=11"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+def test_killed_ssd_job_resumes_to_the_same_weights(tmp_path, uninterrupted_digits):
+    """ssd, killed in the steps-delay stage right after a checkpoint whose step follows a
+    pull request (T_w = 29, k = 5: step 43 requests w_G(43), waited for at step 44, the
+    first step after the checkpoint): every worker's own state (local weights, the
+    pending pull, the glu state, the data position) is saved with the checkpoint, so the
+    resumed job ends with exactly the weights of the uninterrupted one. It continues the
+    stage schedule at the checkpoint's step (SSDSGD_START_STEP): no second warm-up; and
+    ``--set`` given with ``--resume`` reaches the workers (through RUN_DIR/config.yaml)."""
+    a, b, latest = killed_and_resumed(tmp_path, uninterrupted_digits, "ssd",
+                                      resume_args=("--set", "train.log_interval=11"))
+    assert latest["step"] == STEPS and latest["step"] > 29            # in steps delay
+    for rank in (0, 1):
+        assert (b / "checkpoints" / f"epoch-0000.worker-{rank}.npz").is_file()
+    assert_same_final_weights(a, b)
     summary = json.loads((b / "summary.json").read_text())
     assert summary["steps"] == EPOCHS * STEPS and summary["final_accuracy"] > 0.9
     for rank in (0, 1):
@@ -142,31 +142,18 @@ def test_killed_ssd_job_resumes_in_the_steps_delay_stage(tmp_path):
         assert {r["stage"] for r in after} == {"steps_delay"}         # no second warm-up
 
 
-def test_killed_ssd_job_resumes_to_the_same_weights(tmp_path):
-    """ssd, killed in the steps-delay stage right after a checkpoint whose step follows a
-    pull request (T_w = 29, k = 5: step 43 requests w_G(43), waited for at step 44, the
-    first step after the checkpoint): every worker's own state (local weights, the
-    pending pull, the glu state, the data position) is saved with the checkpoint, so the
-    resumed job ends with exactly the weights of the uninterrupted one."""
-    a, b, latest = killed_and_resumed(tmp_path, sets(sync__warmup_steps=29, **JOB))
-    assert latest["step"] == STEPS and latest["step"] > 29            # in steps delay
-    for rank in (0, 1):
-        assert (b / "checkpoints" / f"epoch-0000.worker-{rank}.npz").is_file()
-    assert_same_final_weights(a, b)
-    for rank in (0, 1):
-        assert {r["stage"] for r in after_resume(b, rank)} == {"steps_delay"}
-
-
-def test_killed_ssd_job_resumes_from_a_mid_epoch_checkpoint_to_the_same_weights(tmp_path):
+def test_killed_ssd_job_resumes_from_a_mid_epoch_checkpoint_to_the_same_weights(
+        tmp_path, uninterrupted_digits):
     """train.checkpoint_every_s: checkpoints mid-epoch too (at a step where every worker
     saved its state, decided by rank 0 at a barrier); killed after one and resumed, the
     job continues at that batch of that epoch and ends with the uninterrupted weights.
     Only the newest mid-epoch checkpoint's files are kept."""
-    # rank 0 slowed (30 ms a step, timing only: the weights do not depend on it) so that a
-    # 176-step job lasts long enough for a mid-epoch checkpoint to be seen and killed at
-    job = sets(sync__warmup_steps=29, train__checkpoint_every_s=1,
-               debug__slowdown="delay:0=0.03", **dict(JOB, train__log_interval=4))
-    a, b, latest = killed_and_resumed(tmp_path, job, ready=lambda r: r["next_batch"] > 0)
+    # rank 0 slowed (60 ms a step, timing only: the weights do not depend on it, nor on
+    # the checkpoints) so that the 88-step job lasts long enough for a mid-epoch
+    # checkpoint to be seen and killed at
+    more = sets(train__checkpoint_every_s=1, debug__slowdown="delay:0=0.06")
+    a, b, latest = killed_and_resumed(tmp_path, uninterrupted_digits, "ssd", more,
+                                      ready=lambda r: r["next_batch"] > 0)
     assert latest["params"].startswith("step-") and latest["step"] % STEPS == latest[
         "next_batch"] and latest["next_batch"] % 4 == 0
     assert_same_final_weights(a, b)

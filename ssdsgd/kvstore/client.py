@@ -72,15 +72,42 @@ class Gather:
     def wait(self):
         out, waited = {}, time.perf_counter()
         for fut in self.futures:
-            msg = self.client.wait(fut)
-            for name, value in (msg.meta or {}).items():
-                if value is not None:
-                    self.meta.setdefault(name, value)
-            lr = msg.meta.get("lr") if msg.meta else None
-            for rec, arrays in zip(msg.records, msg.tensors):
-                self._place(out, rec, arrays, lr)
+            self._take(out, self.client.wait(fut))
         self.client.stats["time_blocked"] += time.perf_counter() - waited
         return out
+
+    def then(self, callback):
+        """Without waiting: ``callback(replies, None)`` once every reply is in, or
+        ``callback(None, error)``, called once, on the thread that resolves the last
+        future (the I/O thread; the caller's if all are already resolved)."""
+        left, lock = [len(self.futures)], threading.Lock()
+
+        def one(_):
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            try:
+                out = {}
+                for fut in self.futures:
+                    self._take(out, fut.result())
+            except Exception as e:
+                callback(None, e)
+                return
+            callback(out, None)
+
+        if not self.futures:
+            callback({}, None)
+        for fut in self.futures:
+            fut.add_done_callback(one)
+
+    def _take(self, out, msg):
+        for name, value in (msg.meta or {}).items():
+            if value is not None:
+                self.meta.setdefault(name, value)
+        lr = msg.meta.get("lr") if msg.meta else None
+        for rec, arrays in zip(msg.records, msg.tensors):
+            self._place(out, rec, arrays, lr)
 
     def _place(self, out, rec, arrays, lr):
         key, off, n = int(rec["key"]), int(rec["offset"]), int(rec["count"])
@@ -129,6 +156,8 @@ class WorkerClient:
         self._lock = threading.Lock()
         self._failure = None
         self._stopping = False
+        self._ended = False      # the I/O thread has ended: no request can be answered
+        self._outbox = []        # push_then's (entries, callback), sent by the I/O thread
         self._ready = threading.Event()
         addr = f"inproc://ssdsgd-wake-{id(self)}"
         self._wake_in = self.ctx.socket(zmq.PAIR)
@@ -171,20 +200,44 @@ class WorkerClient:
         a quorum's newest closed round), with ``state`` also the optimizer state, lr and
         update count. With compression each key is coded with this worker's residual (so
         the arrays may be reused as soon as this returns)."""
-        keys = [self._key(key) for key, _ in grads]
         flags = (P.Flag.PULL if pull else P.Flag.NONE) | (P.Flag.STATE if state else P.Flag.NONE)
         if pull and latest:
             flags |= P.Flag.LATEST
-        entries = [(key, k.pushes, flat, flat.dtype) for (key, flat), k in zip(grads, keys)]
-        if self._residuals is not None:
-            entries = [(key, n, Coded(self.compression.type, self._residuals.encode(
-                key, flat, [(sl.offset, sl.count) for sl in self.placement[key]])), dtype)
-                for key, n, flat, dtype in entries]
+        entries, keys = self._push_entries(grads)
         gather = self.exchange(P.Kind.PUSH, entries, step=step, flags=flags, reply=pull,
                                every=self.quorum)
         for k in keys:
             k.pushes += 1
         return gather
+
+    def push_then(self, grads, callback):
+        """``push(step, grads, pull=True).then(callback)`` for callers that queue key by key
+        (``kv.pushpull`` outside a Trainer step): the entries wait in an outbox that the I/O
+        thread empties whenever it wakes, into one message per server (chunked), so the
+        keys queued while it was busy travel together and the servers answer them
+        together; ps-lite sends a message per key, which costs far more in Python."""
+        with self._lock:      # numbered and queued in one order, whichever thread calls
+            if self._failure is not None:
+                raise self._failure
+            if self._ended:
+                raise JobAborted("the worker's I/O thread has stopped; the job is over")
+            entries, keys = self._push_entries(grads)
+            for k in keys:
+                k.pushes += 1
+            wake = not self._outbox
+            self._outbox.append((entries, callback))
+            if wake:
+                self._wake()
+
+    def _push_entries(self, grads):
+        """A push's entries (compressed with this worker's residuals if set) and keys."""
+        keys = [self._key(key) for key, _ in grads]
+        entries = [(key, k.pushes, flat, flat.dtype) for (key, flat), k in zip(grads, keys)]
+        if self._residuals is not None:
+            entries = [(key, n, Coded(self.compression.type, self._residuals.encode(
+                key, flat, [(sl.offset, sl.count) for sl in self.placement[key]])), dtype)
+                for key, n, flat, dtype in entries]
+        return entries, keys
 
     def pull(self, keys, *, latest=False, state=False, final=False):
         """The weights of ``keys`` as of this worker's last push of each (or the latest).
@@ -376,6 +429,10 @@ class WorkerClient:
             raise self._failure
         fut = None
         with self._lock:
+            if self._failure is not None:   # _fail took the futures: none would resolve
+                raise self._failure
+            if self._ended:
+                raise JobAborted("the worker's I/O thread has stopped; the job is over")
             msg.req = next(self._req)
             msg.sender = self.rank
             frames = P.encode(msg)
@@ -430,6 +487,23 @@ class WorkerClient:
                 s.close()   # LINGER flushes queued pushes (bounded by the heartbeat timeout)
             link.sock.close(0)
             self._wake_in.close(0)
+            self._abandon()
+
+    def _abandon(self):
+        """The thread ends: fail what still waits for a reply (an engine operation waits
+        on its future's callback, not on ``wait``'s poll of the thread)."""
+        with self._lock:
+            self._ended = True
+            futures = list(self._futures.values()) + list(self._control.values())
+            self._futures, self._control = {}, {}
+            outbox, self._outbox = self._outbox, []
+        error = self._failure or JobAborted("the worker's I/O thread has stopped; the job "
+                                            "is over")
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(error)
+        for _, callback in outbox:
+            callback(None, error)
 
     def _connect(self):
         """Register with the scheduler and open a DEALER to every server."""
@@ -464,6 +538,7 @@ class WorkerClient:
                 while self._wake_in.poll(0):
                     self._wake_in.recv()
             self._send_queued(link, sockets)
+            self._send_outbox(sockets)
             if link.sock in events and self._on_scheduler(link):
                 return      # the scheduler acknowledged FINISH: no more heartbeats
             for server, s in enumerate(sockets):
@@ -479,11 +554,59 @@ class WorkerClient:
                 target, frames = self._commands.get_nowait()
             except queue.Empty:
                 return
-            sock = link.sock if target == "scheduler" else sockets[target]
-            sock.send_multipart(frames, copy=False)
-            self.stats["messages_sent"] += 1
-            self.stats["bytes_sent"] += sum(len(f) if isinstance(f, bytes) else f.nbytes
-                                            for f in frames)
+            self._sent(link.sock if target == "scheduler" else sockets[target], frames)
+
+    def _sent(self, sock, frames):
+        sock.send_multipart(frames, copy=False)
+        self.stats["messages_sent"] += 1
+        self.stats["bytes_sent"] += sum(len(f) if isinstance(f, bytes) else f.nbytes
+                                        for f in frames)
+
+    def _send_outbox(self, sockets):
+        """push_then's entries, one request per server for as many as can share one (a
+        key twice starts another), each callback called with the replies of its group."""
+        if not self._outbox:     # anything queued after this read wakes the thread again
+            return
+        with self._lock:
+            batch, self._outbox = self._outbox, []
+        group, seen = [], set()
+        for entries, callback in batch:
+            if any(e[0] in seen for e in entries):
+                self._send_group(group, sockets)
+                group, seen = [], set()
+            group.append((entries, callback))
+            seen.update(e[0] for e in entries)
+        if group:
+            self._send_group(group, sockets)
+
+    def _send_group(self, group, sockets):
+        entries = [e for es, _ in group for e in es]
+        futures = []
+        try:
+            messages = self._split(entries, self.env.chunk_bytes)
+            for server in sorted(messages):
+                for recs, tens, _ in messages[server]:
+                    msg = P.Message(P.Kind.PUSH, flags=P.Flag.PULL,
+                                    records=P.make_records(recs), tensors=tens)
+                    fut = concurrent.futures.Future()
+                    with self._lock:
+                        msg.req, msg.sender = next(self._req), self.rank
+                        self._futures[msg.req] = fut
+                    futures.append(fut)
+                    frames = P.encode(msg)
+                    P.check_size(frames, self.env.max_message_bytes)
+                    self._sent(sockets[server], frames)
+        except Exception as e:      # e.g. over the message limit: those callers fail
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(e)
+            for _, callback in group:
+                callback(None, e)
+            return
+        sizes = {key: sum(sl.count for sl in self.placement[key]) for key, _, _, _ in entries}
+        dtypes = {key: np.dtype(dtype) for key, _, _, dtype in entries}
+        Gather(self, futures, sizes, dtypes).then(
+            lambda replies, error: [callback(replies, error) for _, callback in group])
 
     def _on_scheduler(self, link):
         """A scheduler message: resolve the barrier or finish it answers. True after the

@@ -170,10 +170,11 @@ class Server:
         return tracker
 
     def _reply_bound(self):
-        """Replies a worker can legitimately have outstanding: every chunk of the steps it
-        may be ahead, plus a margin."""
+        """Replies a worker can legitimately have outstanding: for every step it may be
+        ahead, every chunk of a step's exchange, or one request per key (a script calling
+        ``kv.pushpull`` key by key has every key in flight, as with ps-lite); plus a margin."""
         chunks = 1 + self.model_bytes // max(1, self.env.chunk_bytes)
-        return (self.steps_ahead + 2) * (chunks + 1) + 64
+        return (self.steps_ahead + 2) * (chunks + 1 + len(self.shards)) + 64
 
     def _reclaim(self, shard):
         """Before ``shard.weight`` changes: replies holding a view of it take a copy (not
@@ -209,7 +210,7 @@ class Server:
         # before they change. Every worker waiting on the same step gets the same view.
         value = self._snapshots.get((shard.key, shard.version))
         if value is None:    # _apply leaves no MXNet work pending: the buffer is settled
-            value = hostcopy.host_view(shard.weight).reshape(-1)
+            value = hostcopy.raw_view(shard.weight, shard.dtype, shard.count)
             self._snapshots[(shard.key, shard.version)] = value
         shard.lent.append((reply, i))
         arrays = [value]
@@ -443,8 +444,8 @@ class Server:
         mx.nd.waitall()
         for shard, parts in zip(shards, grads):
             parts = parts if isinstance(parts, list) else [parts]
-            target = hostcopy.host_view(shard.weight if self.updater is None else shard.grad)
-            target = target.reshape(-1)
+            target = hostcopy.raw_view(shard.weight if self.updater is None else shard.grad,
+                                       shard.dtype, shard.count)
             if len(parts) == 1:
                 np.copyto(target, parts[0])
             else:

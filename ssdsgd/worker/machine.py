@@ -23,12 +23,13 @@ The machine speaks to the servers only through the client's API (``init``, ``pus
 ``pull``): it builds no message and never sees how keys are split over servers.
 """
 import dataclasses
+import math
 
 import mxnet as mx
 import numpy as np
 
 from ..glu.rules import make_local_rule
-from ..kvstore import hostcopy
+from ..kvstore import engineop, hostcopy
 from ..kvstore.client import KeyReply
 from ..kvstore.optimizer_spec import build
 from .schedule import Stage, plan
@@ -89,6 +90,8 @@ class StageMachine:
         self.groups = []             # preduce: (group number, members) of every group joined
         self.groups_done = False     # preduce: the final group (of every worker) is done
         self.final_done = False      # quorum: the final pull is answered
+        self.deferred = False        # steps queued on MXNet's engine since the last settle
+        self.deferred_error = None   # the first failure of one of them, raised next call
 
     # ---- set-up --------------------------------------------------------------------
     def set_optimizer(self, spec, updater=None):
@@ -105,6 +108,7 @@ class StageMachine:
 
     def init_keys(self, entries):
         """entries: (key, value NDArray, outs); rank 0's values win, everyone gets them."""
+        self.settle()
         for key, value, _ in entries:
             self.keys.setdefault(key, KeyRecord(value.shape)).shape = value.shape
         values = hostcopy.read([value for _, value, _ in entries]) \
@@ -119,6 +123,7 @@ class StageMachine:
     # ---- one training step ---------------------------------------------------------
     def step(self, entries):
         """entries: (key, grads, outs); outs None means write the result into grads."""
+        self.settle()
         blocked0 = self.client.stats["time_blocked"]
         if self.env.algorithm == "preduce":
             self._preduce_step(entries)
@@ -142,6 +147,109 @@ class StageMachine:
             self._steps_delay_step(entries, grads, reply)
         self.t += 1
         self.last_step_blocked = self.client.stats["time_blocked"] - blocked0
+
+    # ---- a synchronous step queued on MXNet's engine ----------------------------------
+    def can_defer(self, entries):
+        """ssgd and asgd steps of dense arrays can be engine operations (``step_deferred``);
+        ssd's steps-delay step and a quorum's rounds keep state on this thread."""
+        return (self.env.algorithm in ("ssgd", "asgd") and not self.quorum
+                and engineop.available()
+                and all(type(nd) is mx.nd.NDArray for _, grads, outs in entries   # dense
+                        for nd in list(grads) + list(outs or [])))
+
+    def step_deferred(self, entries, priority=0):
+        """A synchronous step queued on MXNet's engine, as ps-lite queues a pushpull: it
+        returns at once; the push leaves when the gradients are computed, and the outputs
+        (the gradients where ``outs`` is None) are pending until the I/O thread has written
+        w_G(t) into them. So a script calling pushpull key by key has all keys in flight
+        and waits once (``wait_to_read``, ``waitall``). A failure is raised at the next
+        call of the machine (``settle``); the outputs then keep their old values."""
+        self.raise_deferred()
+        for key, _, _ in entries:
+            if key not in self.keys:
+                raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
+        grads = {key: _device_sum(grad_list) for key, grad_list, _ in entries}
+        host = {}     # key -> (CPU array, dtype, size) of the gradient
+        for key, g in grads.items():
+            on_cpu, shape, dtype = hostcopy.describe(g)
+            if shape != self.keys[key].shape:
+                raise ValueError(f"key {key}: a gradient of shape {shape} for a key of shape "
+                                 f"{self.keys[key].shape}")
+            host[key] = (g if on_cpu else g.copyto(mx.cpu()), dtype, math.prod(shape))
+        targets, staged = self._deferred_targets(entries, host)
+        writes = {nd.handle.value: nd for _, dests in targets for nd, _ in dests}
+        reads = [nd for nd, _, _ in host.values() if nd.handle.value not in writes]
+        t = self.t
+
+        def run(done):
+            try:
+                self.client.push_then(
+                    [(key, hostcopy.raw_view(*host[key])) for key in host],
+                    lambda replies, error: self._deferred_done(t, targets, replies,
+                                                               error, done))
+            except Exception as e:
+                self._deferred_done(t, targets, None, e, done)
+
+        engineop.push(run, reads, list(writes.values()), priority)
+        for src, out in staged:
+            src.copyto(out)
+        self.deferred = True
+        self.counts[Stage(self.env.algorithm)] += 1      # ssgd or asgd: the stage's name
+        self.counts["pushes"] += 1
+        self.counts["pulls"] += 1
+        self.t += 1
+
+    def _deferred_targets(self, entries, host):
+        """(key, [(CPU array the reply is written into, its dtype)]) and (CPU array, GPU
+        output) pairs: an output on another device is copied from a CPU array after the
+        operation."""
+        targets, staged = [], []
+        for key, grad_list, outs in entries:
+            dests, stage = [], None
+            for out in (outs if outs is not None else grad_list):
+                on_cpu, shape, dtype = hostcopy.describe(out)
+                if shape != self.keys[key].shape:
+                    raise ValueError(f"key {key}: an output of shape {shape} for a key of "
+                                     f"shape {self.keys[key].shape}")
+                if on_cpu:
+                    dests.append((out, dtype))
+                    continue
+                if stage is None:      # one CPU array for all of the key's other outputs
+                    stage = mx.nd.empty(shape, ctx=mx.cpu(), dtype=dtype)
+                    dests.append((stage, dtype))
+                staged.append((stage, out))
+            targets.append((key, dests))
+        return targets, staged
+
+    def _deferred_done(self, t, targets, replies, error, done):
+        """On the I/O thread: the reply into the outputs, then the engine is told."""
+        try:
+            if error is None:
+                for key, dests in targets:
+                    reply = replies[key]
+                    self.keys[key].remember(reply, t)
+                    for nd, dtype in dests:
+                        hostcopy.fill(nd, reply.value, dtype, reply.value.size)
+        except Exception as e:
+            error = e
+        finally:
+            if error is not None and self.deferred_error is None:
+                self.deferred_error = error
+            done()
+
+    def raise_deferred(self):
+        """Raise the failure of a step queued on the engine (once)."""
+        error, self.deferred_error = self.deferred_error, None
+        if error is not None:
+            raise error
+
+    def settle(self):
+        """Wait for the steps queued on the engine (their replies are written by the I/O
+        thread, so this cannot wait on itself) and raise a failure among them."""
+        if self.deferred:
+            mx.nd.waitall()
+            self.deferred = False
+        self.raise_deferred()
 
     def _check_steps_delay(self, entries):
         if self.rule is None:
@@ -298,10 +406,12 @@ class StageMachine:
     def push(self, entries):
         """A push on its own (``kv.push``; ssgd/asgd only): no reply, no local update; a
         later ``pull`` waits until the step is applied."""
+        self.settle()
         self._push(entries, copy=True)
 
     def pull(self, keys_outs, latest=False):
         """Weights as of the last step this worker pushed (or the latest, if asked)."""
+        self.settle()
         replies = self.client.pull([key for key, _ in keys_outs], latest=latest).wait()
         hostcopy.write((out, replies[key].value) for key, outs in keys_outs for out in outs)
         return replies
@@ -310,6 +420,7 @@ class StageMachine:
         """End of training in the steps-delay stage: replace w_i by the global weights of
         the last step, so every worker ends with the same, global, model. preduce: the
         last group, of every worker, averages all their models."""
+        self.settle()
         if self.env.algorithm == "preduce":
             local = [(key, r.outs) for key, r in self.keys.items() if r.outs is not None]
             if local and not self.groups_done:
@@ -332,6 +443,7 @@ class StageMachine:
         with their steps, state, lr and version, its local weights w_i, the pull requested
         at t - 1 (waited for here: its reply is w_G(t - 1), and kept for step t) and the
         local rule's own state. Taken between two steps."""
+        self.settle()
         arrays, meta = {}, {"t": self.t, "keys": {}, "pending": None}
         if self.pending is not None:
             replies = self.pending.wait()
