@@ -119,6 +119,11 @@ class LocalRule:
               state=None, lr=None, num_update=None, local_weight=None, own_state=False):
         """Re-seed the rule for `key` from a pull reply (spec step 3)."""
 
+    def state_slots(self, key):
+        """The arrays a reset's exact state may be written into in place (then passed back
+        as ``state`` with ``own_state``), or None: the caller makes fresh ones."""
+        return None
+
     def update(self, key, weight, grad):
         """Apply d_i(t) to `weight` in place; `grad` is the raw (unrescaled) gradient."""
 
@@ -242,6 +247,11 @@ class GLURule(_UpdaterRule):
         self.needs_state = glu_state == 'exact'
         self.needs_local_weight = glu_state == 'corrected'
         self.nesterov = isinstance(opt, mx.optimizer.NAG)
+
+    def state_slots(self, key):
+        """exact: the key's current local state arrays; a reset overwrites all of them."""
+        previous = self.updater.states.get(key) if self.glu_state == 'exact' else None
+        return flatten_state(previous) if previous is not None else None
 
     def reset(self, key, global_weight, *, prev_global_weight=None, steps_between=None,
               state=None, lr=None, num_update=None, local_weight=None, own_state=False):

@@ -200,6 +200,14 @@ def encode(msg):
     return [header, records.tobytes(), meta] + frames
 
 
+def readdress(frames, req):
+    """``encode``'s frames with another request id in the header (the same reply to
+    several requests is encoded once)."""
+    fields = list(HEADER.unpack(frames[0]))
+    fields[6] = req
+    return [HEADER.pack(*fields)] + frames[1:]
+
+
 def _buffer(frame):
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 

@@ -127,6 +127,7 @@ class Server:
         self.compression = None   # the job's push compression (SET_COMPRESSION), if any
         self.pending_inits = []
         self._snapshots = {}   # (key, version) -> weights copied for replies, per message
+        self._encoded = {}     # a reply's records and lr -> its encoded frames, per message
         self.retired = []      # (old weight NDArray, trackers of replies still sending it)
         self.rank = -1
         self.num_workers = env.num_workers
@@ -143,10 +144,12 @@ class Server:
     # ---- replies -------------------------------------------------------------------
     def _send(self, ident, msg):
         """Send without ever waiting: a worker whose queue is full does not read (the job
-        cannot go on without it: Fatal); a stranger's reply is dropped."""
+        cannot go on without it: Fatal); a stranger's reply is dropped. ``msg``: a Message
+        or its encoded frames."""
         peer = self.peers.get(ident)
+        frames = msg if isinstance(msg, list) else P.encode(msg)
         try:
-            tracker = self.sock.send_multipart([ident] + P.encode(msg), copy=False, track=True,
+            tracker = self.sock.send_multipart([ident] + frames, copy=False, track=True,
                                                flags=zmq.NOBLOCK)
         except zmq.Again:
             if peer is not None:
@@ -229,14 +232,27 @@ class Server:
             reply.lr = float(self.optimizer.learning_rate)
         self._send_when_complete(reply)
 
+    def _forget_snapshots(self):
+        """After a message: the next may change the weights the snapshots view."""
+        self._snapshots.clear()
+        self._encoded.clear()
+
     def _send_when_complete(self, reply):
-        """Send ``reply`` once every one of its keys has its values."""
+        """Send ``reply`` once every one of its keys has its values. The N workers of a
+        step ask for the same keys at the same step: their replies are encoded once (the
+        records name the update count, so equal records mean equal values within one
+        message's handling) and differ only in the header's request id."""
         if reply.missing == 0:
             reply.peer.open -= 1
-            reply.tracker = self._send(reply.ident, P.Message(
-                P.Kind.REPLY, sender=self.rank, req=reply.req,
-                records=P.make_records(reply.records), tensors=reply.parts,
-                meta={"lr": reply.lr} if reply.lr is not None else None))
+            sig = (tuple(reply.records), reply.lr)
+            body = self._encoded.get(sig)
+            if body is None:
+                body = P.encode(P.Message(
+                    P.Kind.REPLY, sender=self.rank, req=reply.req,
+                    records=P.make_records(reply.records), tensors=reply.parts,
+                    meta={"lr": reply.lr} if reply.lr is not None else None))
+                self._encoded[sig] = body
+            reply.tracker = self._send(reply.ident, P.readdress(body, reply.req))
             if reply.tracker is None:          # not sent: nothing reads the views any more
                 reply.tracker = zmq.MessageTracker()
 
@@ -493,7 +509,7 @@ class Server:
                 if self._complete(shard.pending.get(shard.version, {}), shard.version):
                     nxt.append(shard)
             ready = nxt
-        self._snapshots.clear()
+        self._forget_snapshots()
 
     @staticmethod
     def _first_missing(shard, rank):
@@ -611,7 +627,7 @@ class Server:
         if actions is None:
             raise Fatal(f"server {self.rank} received round decisions without a quorum")
         self._execute(actions)
-        self._snapshots.clear()
+        self._forget_snapshots()
 
     def _check_average(self, msg):
         """An AVERAGE's group and its (shard, weights) records, before anything changes."""
@@ -740,7 +756,7 @@ class Server:
             self.log(f"internal error on {kind}: {e!r}")
             self._reject(ident, req, f"internal error on {kind}: {e!r}")
         finally:
-            self._snapshots.clear()
+            self._forget_snapshots()
 
     def run(self):
         topo = self.link.register()

@@ -332,7 +332,8 @@ class StageMachine:
             record = self.keys[key]
             if write_weights:
                 copies += [(out, record.value) for out in record.outs]
-            seeds.append(self._seed_arrays(record, copies))
+            seeds.append((write_weights and self._seed_in_place(key, record, copies))
+                         or self._seed_arrays(record, copies))
         hostcopy.write(copies)
         for key, (now, prev, state) in zip(keys, seeds):
             record = self.keys[key]
@@ -341,6 +342,17 @@ class StageMachine:
                             state=state, lr=record.lr, num_update=record.version,
                             local_weight=(local_weights or {}).get(key), own_state=True)
             record.seeded = True
+
+    def _seed_in_place(self, key, record, copies):
+        """exact, after the first reset: the pulled state goes straight into the local
+        optimizer's state arrays and w_G is the parameter just written (the same values
+        as fresh arrays, without making 2 NDArrays per key every k steps)."""
+        slots = self.rule.state_slots(key)
+        if not slots or record.state is None or len(slots) != len(record.state) or any(
+                a.dtype != v.dtype for a, v in zip(slots, record.state)):
+            return None
+        copies += zip(slots, record.state)
+        return record.outs[0], record.outs[0], list(slots)
 
     def _seed_arrays(self, record, copies):
         """Empty NDArrays for a reset's w_G(t_p), w_G(t_q) and state, their host values
