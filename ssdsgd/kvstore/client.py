@@ -59,6 +59,27 @@ class _Key:
     pushes: int = 0     # the per-key step of the next push
 
 
+PIECES = 4                 # a server's part of an exchange travels in at least this many
+PIECE_MIN = 192 << 10      # messages (pipelining), each at least this big (Python per message)
+
+
+def _cut(items, chunk_bytes):
+    """items: (record, tensors, bytes) -> [[records, tensors, bytes], ...] of about
+    ``chunk_bytes``, or fewer than PIECES pieces of the part (not below PIECE_MIN)."""
+    if chunk_bytes:
+        total = sum(nbytes for _, _, nbytes in items)
+        chunk_bytes = min(chunk_bytes, max(PIECE_MIN, -(-total // PIECES)))
+    chunks = [[[], [], 0]]
+    for rec, tensors, nbytes in items:
+        if chunk_bytes and chunks[-1][0] and chunks[-1][2] + nbytes > chunk_bytes:
+            chunks.append([[], [], 0])
+        chunk = chunks[-1]
+        chunk[0].append(rec)
+        chunk[1].append(tensors)
+        chunk[2] += nbytes
+    return chunks
+
+
 class Gather:
     """The replies of one request sent to several servers, reassembled per key.
 
@@ -393,25 +414,24 @@ class WorkerClient:
 
     def _split(self, entries, chunk_bytes):
         """{server: [[records, tensors, bytes], ...]}: each server's slices of the entries,
-        cut into messages of about ``chunk_bytes`` (None: one message per server)."""
+        cut into messages of about ``chunk_bytes`` (None: one message per server). A part
+        smaller than PIECES chunks is still cut into PIECES messages of at least PIECE_MIN
+        bytes: the server answers the first while the rest arrive, so a small model's
+        pushes and replies overlap on the link as ps-lite's per-key messages do."""
         per_server = {}
         for key, kstep, arrays, dtype in entries:
             coded = arrays if isinstance(arrays, Coded) else None
             arrays, itemsize = ([] if coded else _tensors(arrays)), np.dtype(dtype).itemsize
             for i, sl in enumerate(self.placement[key]):
-                chunks = per_server.setdefault(sl.server, [[[], [], 0]])
-                nbytes = coded.payloads[i].nbytes if coded else sl.count * itemsize
-                if chunk_bytes and chunks[-1][0] and chunks[-1][2] + nbytes > chunk_bytes:
-                    chunks.append([[], [], 0])
-                recs, tens, _ = chunk = chunks[-1]
-                chunk[2] += nbytes
+                items = per_server.setdefault(sl.server, [])
                 if coded:
-                    recs.append((key, kstep, sl.offset, sl.count, dtype, 1, coded.encoding))
-                    tens.append([coded.payloads[i]])
+                    items.append(((key, kstep, sl.offset, sl.count, dtype, 1, coded.encoding),
+                                  [coded.payloads[i]], coded.payloads[i].nbytes))
                     continue
-                recs.append((key, kstep, sl.offset, sl.count, dtype, len(arrays)))
-                tens.append([a[sl.offset:sl.offset + sl.count] for a in arrays])
-        return per_server
+                items.append(((key, kstep, sl.offset, sl.count, dtype, len(arrays)),
+                              [a[sl.offset:sl.offset + sl.count] for a in arrays],
+                              sl.count * itemsize))
+        return {server: _cut(items, chunk_bytes) for server, items in per_server.items()}
 
     def _send(self, kind, messages, *, step=0, flags=0, meta=None, reply=True):
         futures = []
