@@ -59,13 +59,13 @@ class _Key:
     pushes: int = 0     # the per-key step of the next push
 
 
-PIECES = 4                 # a server's part of an exchange travels in at least this many
-PIECE_MIN = 192 << 10      # messages (pipelining), each at least this big (Python per message)
+PIECES = 8                 # a server's part of an exchange travels in at least this many
+PIECE_MIN = 128 << 10      # messages (pipelining), each about this big or more (Python per message)
 
 
 def _cut(items, chunk_bytes):
     """items: (record, tensors, bytes) -> [[records, tensors, bytes], ...] of about
-    ``chunk_bytes``, or fewer than PIECES pieces of the part (not below PIECE_MIN)."""
+    ``chunk_bytes``, or of 1/PIECES of the part if that is smaller (not below PIECE_MIN)."""
     if chunk_bytes:
         total = sum(nbytes for _, _, nbytes in items)
         chunk_bytes = min(chunk_bytes, max(PIECE_MIN, -(-total // PIECES)))
@@ -415,8 +415,8 @@ class WorkerClient:
     def _split(self, entries, chunk_bytes):
         """{server: [[records, tensors, bytes], ...]}: each server's slices of the entries,
         cut into messages of about ``chunk_bytes`` (None: one message per server). A part
-        smaller than PIECES chunks is still cut into PIECES messages of at least PIECE_MIN
-        bytes: the server answers the first while the rest arrive, so a small model's
+        smaller than PIECES chunks is still cut into PIECES messages, of about PIECE_MIN
+        bytes or more: the server answers the first while the rest arrive, so a small model's
         pushes and replies overlap on the link as ps-lite's per-key messages do."""
         per_server = {}
         for key, kstep, arrays, dtype in entries:
