@@ -23,7 +23,7 @@ def _trainer_keys(net):
     return {i: order.index(p) for i, p in enumerate(trainer._params)}
 
 
-def _reference(n, quorum, staleness, delays, algorithm):
+def _reference(n, quorum, staleness, delays, algorithm, cosine=0):
     net = tiny.make_net()
     keys = _trainer_keys(net)
     params = tiny.params(net)
@@ -36,8 +36,10 @@ def _reference(n, quorum, staleness, delays, algorithm):
         return {i: params[j].grad().copy() for i, j in keys.items()}
 
     def make_optimizer():
+        sched = mx.lr_scheduler.CosineScheduler(max_update=cosine, base_lr=0.1,
+                                                final_lr=0.0) if cosine else None
         return mx.optimizer.create("sgd", learning_rate=0.1, momentum=0.9,
-                                   rescale_grad=1.0 / BATCH)
+                                   rescale_grad=1.0 / BATCH, lr_scheduler=sched)
 
     return keys, simulate_quorum(init, grad_fn, make_optimizer, n, STEPS,
                                  quorum=quorum_size(quorum, n), max_staleness=staleness,
@@ -50,8 +52,8 @@ def _delays(slowdown, n):
     return [Slowdown(slowdown, r, n).seconds(0) for r in range(n)]
 
 
-def _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm):
-    res = launch(n, s, ["--out", tmp_path, "--steps", STEPS],
+def _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm, cosine=0):
+    res = launch(n, s, ["--out", tmp_path, "--steps", STEPS, "--cosine", cosine],
                  env={"SSDSGD_SLOWDOWN": slowdown, "SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": WARMUP,
                       "SSDSGD_DELAY_STEPS": K, "SSDSGD_QUORUM": quorum,
                       # both sides the same local rule state: the default, exact (the simulator says estimate unless told)
@@ -68,25 +70,28 @@ def _close(actual, expected, what):
     np.testing.assert_allclose(actual, expected, rtol=2e-4, atol=2e-5, err_msg=what)
 
 
-# (algorithm, N, S, quorum, max_staleness): the last rank is a straggler (debug.slowdown
-# delay:R=SLOW), and there are as many fast workers as the quorum, so who is late is fixed
-# by the delays alone.
-CASES = [("ssgd", 3, 1, "majority", 1),
-         ("ssgd", 2, 2, "solo", 2),
-         ("ssgd", 4, 2, "3", 1),
-         ("ssd", 3, 2, "majority", 1),
-         ("ssd", 2, 1, "solo", 2),
-         ("ssd", 4, 1, "3", 1)]
+# (algorithm, N, S, quorum, max_staleness, cosine): the last rank is a straggler
+# (debug.slowdown delay:R=SLOW), and there are as many fast workers as the quorum, so who
+# is late is fixed by the delays alone. cosine > 0: a cosine lr schedule over that many
+# updates, which a quorum counts in global batches (more rounds close than there are
+# steps; a schedule of rounds would reach 0 early).
+CASES = [("ssgd", 3, 1, "majority", 1, 0),
+         ("ssgd", 2, 2, "solo", 2, STEPS),
+         ("ssgd", 4, 2, "3", 1, STEPS),
+         ("ssd", 3, 2, "majority", 1, STEPS),
+         ("ssd", 2, 1, "solo", 2, 0),
+         ("ssd", 4, 1, "3", 1, 0)]
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("algorithm,n,s,quorum,staleness", CASES,
-                         ids=[f"{c[0]}-n{c[1]}-s{c[2]}-q{c[3]}" for c in CASES])
+@pytest.mark.parametrize("algorithm,n,s,quorum,staleness,cosine", CASES,
+                         ids=[f"{c[0]}-n{c[1]}-s{c[2]}-q{c[3]}" + ("-cosine" if c[5] else "")
+                              for c in CASES])
 def test_stragglers_end_with_the_simulators_weights(tmp_path, algorithm, n, s, quorum,
-                                                    staleness):
+                                                    staleness, cosine):
     slowdown = f"delay:{n - 1}={SLOW}"
-    locals_, finals = _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm)
-    keys, ref = _reference(n, quorum, staleness, _delays(slowdown, n), algorithm)
+    locals_, finals = _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm, cosine)
+    keys, ref = _reference(n, quorum, staleness, _delays(slowdown, n), algorithm, cosine)
     # the straggler's pushes joined later rounds than the fast workers' of the same step
     assert any(len(r) < n for r in ref.rounds[:STEPS]), ref.rounds
     assert ref.applied == [STEPS] * n

@@ -33,6 +33,17 @@ class Ticket:
     reply = None
 
 
+class _ScheduleInBatches:
+    """The spec's lr under a quorum: the schedule at (pushes applied, this round's
+    included) / N, the global batches trained on, not at the round number."""
+
+    def __init__(self, inner, rounds):
+        self.inner, self.rounds = inner, rounds
+
+    def __call__(self, num_update):
+        return self.inner(self.rounds.pushes / self.rounds.n)
+
+
 class RoundServer:
     """The spec's rounds: Q distinct workers close a round (fewer once fewer can still
     come), at most one push per worker per round, a late push joins the open round, and a
@@ -41,6 +52,9 @@ class RoundServer:
     def __init__(self, server, num_workers, quorum, max_staleness, with_state):
         self.server, self.n, self.q, self.s = server, num_workers, quorum, max_staleness
         self.with_state = with_state
+        self.pushes = 0                 # applied so far: the lr schedule's clock is pushes / N
+        if quorum < num_workers and server.opt.lr_scheduler is not None:
+            server.opt.lr_scheduler = _ScheduleInBatches(server.opt.lr_scheduler, self)
         self.open, self.queued = {}, [deque() for _ in range(num_workers)]
         self.active, self.base = set(range(num_workers)), [-1] * num_workers
         self.asked, self.period = [-1] * num_workers, [1] * num_workers
@@ -78,6 +92,7 @@ class RoundServer:
             if not self._closes():
                 break
             ranks = sorted(self.open)
+            self.pushes += len(ranks)
             self.server.apply_step([self.open[r] for r in ranks])
             for r in ranks:
                 self.applied[r] += 1

@@ -13,6 +13,8 @@ import math
 import mxnet as mx
 import numpy as np
 
+from .batch_schedule import GlobalBatchSchedule
+
 # Constructor arguments that are not hyper-parameters, or that are sent separately.
 _SKIP = {"self", "param_idx2name", "sym", "param_dict", "lr_scheduler", "kwargs", "args"}
 # Scheduler attributes that MXNet renames or mutates while running.
@@ -62,6 +64,9 @@ def _registered_name(opt):
 
 
 def describe_scheduler(sched):
+    if isinstance(sched, GlobalBatchSchedule):   # a quorum server's: keep its clock too
+        return {**describe_scheduler(sched.inner), "pushes": int(sched.pushes),
+                "num_workers": int(sched.num_workers)}
     if sched is None:
         return None
     cls = type(sched)
@@ -175,6 +180,12 @@ def _check_spec(spec):
                                      f"got {sched!r:.60}")
         _check_params(getattr(mx.lr_scheduler, sched["class"]), sched.get("params", {}),
                       sched["class"])
+        clock = {f: sched[f] for f in ("pushes", "num_workers") if f in sched}
+        if clock and not (len(clock) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in clock.values())
+                and clock["pushes"] >= 0 and 1 <= clock["num_workers"] <= 1 << 20):
+            raise OptimizerSpecError(f"lr_scheduler's pushes and num_workers must be counts "
+                                     f"(num_workers >= 1), got {clock!r:.60}")
     for field in ("lr_mult", "wd_mult", "index_update_count"):
         table = spec.get(field, {})
         if not isinstance(table, dict) or not all(
@@ -218,7 +229,11 @@ def _create(spec):
         if sched:
             cls = getattr(mx.lr_scheduler, sched["class"])
             params["lr_scheduler"] = cls(**sched["params"])
+        if sched and "pushes" in sched:
+            inner = params["lr_scheduler"]
         opt = mx.optimizer.create(spec["name"], **params)
+        if sched and "pushes" in sched:      # after create: it sets base_lr on the inner one
+            opt.lr_scheduler = GlobalBatchSchedule(inner, sched["num_workers"], sched["pushes"])
         opt.lr_mult = {int(k): float(v) for k, v in spec.get("lr_mult", {}).items()}
         opt.wd_mult = {int(k): float(v) for k, v in spec.get("wd_mult", {}).items()}
         opt._index_update_count.update({int(k): int(v) for k, v in

@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from . import hostcopy
+from .batch_schedule import GlobalBatchSchedule
 from .compression import Compression, CompressionError
 from . import protocol as P
 from .env import NodeEnv
@@ -332,6 +333,18 @@ class Server:
         # same arithmetic as one update per key, far fewer engine calls.
         if optimizer.aggregate_num > 0:
             optimizer.aggregate_num = AGGREGATE_KEYS
+        sched = optimizer.lr_scheduler
+        if isinstance(sched, GlobalBatchSchedule) and sched.num_workers != self.num_workers:
+            raise RequestError(f"the lr schedule's clock counts pushes of "
+                               f"{sched.num_workers} workers; this job has {self.num_workers}")
+        if self.rounds is not None and sched is not None and \
+                not isinstance(sched, GlobalBatchSchedule):
+            # a quorum's rounds hold fewer than N pushes: count the schedule in global
+            # batches (from a step, where every worker has pushed that many times)
+            optimizer.lr_scheduler = GlobalBatchSchedule(
+                sched, self.num_workers, pushes=int(optimizer.num_update) * self.num_workers)
+        elif self.rounds is None and isinstance(sched, GlobalBatchSchedule):
+            optimizer.lr_scheduler = sched.inner     # Q = N: the update count is the clock
         self.optimizer = optimizer
         self.updater = mx.optimizer.get_updater(optimizer)
 
@@ -576,6 +589,9 @@ class Server:
 
     def _close_round(self, contributions):
         """Sum each key's pushes of the round in rank order, apply the optimizer once."""
+        if self.optimizer is not None and isinstance(self.optimizer.lr_scheduler,
+                                                     GlobalBatchSchedule):
+            self.optimizer.lr_scheduler.pushes += len(contributions)
         per_key = {}
         for _, item in contributions:
             for shard, grad in item:

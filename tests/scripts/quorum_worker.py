@@ -19,6 +19,8 @@ from ssdsgd.slowdown import Slowdown  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=8)
+p.add_argument("--cosine", type=int, default=0,
+               help="a cosine lr schedule over this many updates (0: a constant lr)")
 args = p.parse_args()
 
 rank = int(os.environ["SSDSGD_RANK"])
@@ -26,8 +28,11 @@ os.makedirs(args.out, exist_ok=True)
 net = tiny.make_net()
 kv = mx.kv.create("ssd_sync")
 slow = Slowdown(os.environ.get("SSDSGD_SLOWDOWN", "none"), rank, kv.num_workers)
-trainer = gluon.Trainer(net.collect_params(), "sgd",
-                        {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv)
+opt_params = {"learning_rate": 0.1, "momentum": 0.9}
+if args.cosine:
+    opt_params["lr_scheduler"] = mx.lr_scheduler.CosineScheduler(
+        max_update=args.cosine, base_lr=0.1, final_lr=0.0)
+trainer = gluon.Trainer(net.collect_params(), "sgd", opt_params, kvstore=kv)
 # Keys and optimizer on the servers before the clock starts; step() would first set the
 # optimizer's rescale_grad (1 / batch size) and then send it, so do that here too.
 trainer._optimizer.rescale_grad = 1.0 / tiny.batch(rank, 0)[0].shape[0]
