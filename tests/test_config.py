@@ -204,3 +204,39 @@ def test_new_run_dir_is_unique(tmp_path):
     a, b = new_run_dir(cfg), new_run_dir(cfg)
     assert a != b and a.is_dir() and b.is_dir()
     assert a.parent == tmp_path / "runs" and a.name.startswith("job-")
+
+
+# ---- the launcher's checks without MXNet -------------------------------------------------
+PREPARE_ONLY = """
+import sys
+from ssdsgd.launch import cli
+args = cli._config_parser().parse_args(sys.argv[1:])
+config, run_dir, length, env, runner = cli._prepare(args)
+assert length.total_steps == 440 and config.optimizer.name == "sgd", (length, config.optimizer.name)
+print("mxnet loaded" if "mxnet" in sys.modules else "mxnet not loaded")
+"""
+
+
+@pytest.mark.system
+def test_the_launchers_checks_do_not_load_mxnet(tmp_path):
+    """Every check the launcher makes before a process starts (config, data, the run
+    directory) runs without MXNet, as ssdsgd/__init__.py says: loading it took 1-3 s of
+    CPU before every job (most of a short test job's launcher time)."""
+    import subprocess
+    import sys
+    from ssdsgd.testing import clean_env
+    r = subprocess.run([sys.executable, "-c", PREPARE_ONLY, str(ROOT / "configs" / "digits.yaml"),
+                        "--set", f"output.dir={tmp_path}"], capture_output=True, text=True,
+                       cwd=ROOT, env=dict(clean_env(), PYTHONPATH=str(ROOT)), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "mxnet not loaded"
+
+
+def test_the_launchers_optimizer_names_are_mxnets_registry():
+    """The names the config accepts without MXNet are exactly those MXNet itself registers
+    (classes another module registered in this test process left out)."""
+    import mxnet as mx
+    from ssdsgd.config import MXNET_OPTIMIZERS
+    registry = mx.optimizer.Optimizer.opt_registry
+    assert MXNET_OPTIMIZERS == {name for name, cls in registry.items()
+                                if cls.__module__.startswith("mxnet.")}

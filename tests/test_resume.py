@@ -150,9 +150,11 @@ def test_killed_ssd_job_resumes_from_a_mid_epoch_checkpoint_to_the_same_weights(
     Only the newest mid-epoch checkpoint's files are kept."""
     # rank 0 slowed (60 ms a step, timing only: the weights do not depend on it, nor on
     # the checkpoints) so that the 88-step job lasts long enough for a mid-epoch
-    # checkpoint to be seen and killed at
+    # checkpoint to be seen and killed at; the resumed run needs no slowdown (the ~80
+    # steps left, 5 s at 60 ms)
     more = sets(train__checkpoint_every_s=1, debug__slowdown="delay:0=0.06")
     a, b, latest = killed_and_resumed(tmp_path, uninterrupted_digits, "ssd", more,
+                                      resume_args=sets(debug__slowdown="none"),
                                       ready=lambda r: r["next_batch"] > 0)
     assert latest["params"].startswith("step-") and latest["step"] % STEPS == latest[
         "next_batch"] and latest["next_batch"] % 4 == 0
