@@ -23,20 +23,38 @@ def _install():
 
 
 class _AfterMXNet(importlib.abc.MetaPathFinder):
-    """Finds ``mxnet`` as usual, and runs ``_install`` once its module has executed."""
+    """Runs ``_install`` once ``mxnet`` has executed -- but never in the middle of one of
+    ssdsgd's own modules: one that imports MXNet itself (``import ssdsgd.glu.rules`` as
+    a script's first import) would be half made when the install imports it. So the
+    finder also wraps the execution of ssdsgd's submodules, and the install runs when
+    MXNet is ready and none of them is executing."""
+
+    def __init__(self):
+        self.mxnet_ready, self.depth = False, 0
 
     def find_spec(self, name, path=None, target=None):
-        if name != "mxnet":
+        if name != "mxnet" and not name.startswith(__name__ + "."):
             return None
-        sys.meta_path.remove(self)           # once; and the real finder is asked below
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
+        spec = None
+        for finder in sys.meta_path:           # the real finders, in their order
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         execute = spec.loader.exec_module
 
         def exec_module(module):
-            execute(module)
-            _install()
+            self.depth += name != "mxnet"
+            try:
+                execute(module)
+            finally:
+                self.depth -= name != "mxnet"
+            self.mxnet_ready |= name == "mxnet"
+            if self.mxnet_ready and self.depth == 0 and self in sys.meta_path:
+                sys.meta_path.remove(self)     # once
+                _install()
         spec.loader.exec_module = exec_module
         return spec
 

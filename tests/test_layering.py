@@ -6,6 +6,8 @@ protocol. Nothing below imports from above, and only the client and the nodes sp
 protocol. settings.py (the one settings table) is a leaf every layer may read."""
 from pathlib import Path
 
+import pytest
+
 from test_packaging import _imports as _absolute_imports
 
 PKG = Path(__file__).resolve().parents[1] / "ssdsgd"
@@ -80,3 +82,18 @@ def test_import_ssdsgd_registers_ssd_sync_before_or_after_mxnet():
                   "import ssdsgd; from mxnet import gluon"):
         p = _run(f"{first}; {check}")
         assert p.stdout.strip() == "ok", (first, p.stderr[-2000:])
+
+
+@pytest.mark.parametrize("module", ["ssdsgd.glu", "ssdsgd.glu.rules", "ssdsgd.glu.simulate",
+                                    "ssdsgd.kvstore.optimizer_spec", "ssdsgd.store",
+                                    "ssdsgd.integration", "ssdsgd.worker.machine"])
+def test_any_module_imported_first_still_registers_ssd_sync(module):
+    """A module that imports MXNet itself, imported before anything else, used to run the
+    install in the middle of its own import (the hook fires inside it), and the install's
+    imports found it half made: ImportError. The install now waits for it to finish."""
+    check = ("import mxnet, ssdsgd; from mxnet import gluon, kvstore; "
+             "import ssdsgd.integration as i; "
+             "assert 'ssd_sync' in kvstore.KVStoreBase.kv_registry; "
+             "assert gluon.trainer._create_kvstore is i._create_kvstore; print('ok')")
+    p = _run(f"import {module}; {check}")
+    assert p.stdout.strip() == "ok", (module, p.stderr[-2000:])
