@@ -320,6 +320,11 @@ SETTINGS = (
             "data bytes", env="SSDSGD_MAX_MESSAGE_BYTES", min=1, max=1 << 62),
     Setting("chunk_bytes", int, 4 << 20, "a server's part of a step is sent in messages of "
             "about this size (pipelining)", env="SSDSGD_CHUNK_BYTES", min=1),
+    Setting("pipeline_pieces", int, 1, "a server's part of a step smaller than chunk_bytes "
+            "is still cut into this many messages (of >= 128 KB), so the server answers the "
+            "first while the rest arrive: pays on slow links, costs server CPU per message on "
+            "fast ones (docs/benchmarks/small_steps.md)", env="SSDSGD_PIPELINE_PIECES",
+            min=1, max=64),
     Setting("start_step", int, 0, "the worker's first global step (a resumed job continues "
             "the stage schedule; the launcher sets it from the checkpoint)",
             env="SSDSGD_START_STEP", min=0),

@@ -59,16 +59,15 @@ class _Key:
     pushes: int = 0     # the per-key step of the next push
 
 
-PIECES = 8                 # a server's part of an exchange travels in at least this many
-PIECE_MIN = 128 << 10      # messages (pipelining), each about this big or more (Python per message)
+PIECE_MIN = 128 << 10      # a pipelined piece is about this big or more (Python per message)
 
 
-def _cut(items, chunk_bytes):
+def _cut(items, chunk_bytes, pieces=1):
     """items: (record, tensors, bytes) -> [[records, tensors, bytes], ...] of about
-    ``chunk_bytes``, or of 1/PIECES of the part if that is smaller (not below PIECE_MIN)."""
+    ``chunk_bytes``, or of 1/pieces of the part if that is smaller (not below PIECE_MIN)."""
     if chunk_bytes:
         total = sum(nbytes for _, _, nbytes in items)
-        chunk_bytes = min(chunk_bytes, max(PIECE_MIN, -(-total // PIECES)))
+        chunk_bytes = min(chunk_bytes, max(PIECE_MIN, -(-total // pieces)))
     chunks = [[[], [], 0]]
     for rec, tensors, nbytes in items:
         if chunk_bytes and chunks[-1][0] and chunks[-1][2] + nbytes > chunk_bytes:
@@ -414,10 +413,12 @@ class WorkerClient:
 
     def _split(self, entries, chunk_bytes):
         """{server: [[records, tensors, bytes], ...]}: each server's slices of the entries,
-        cut into messages of about ``chunk_bytes`` (None: one message per server). A part
-        smaller than PIECES chunks is still cut into PIECES messages, of about PIECE_MIN
-        bytes or more: the server answers the first while the rest arrive, so a small model's
-        pushes and replies overlap on the link as ps-lite's per-key messages do."""
+        cut into messages of about ``chunk_bytes`` (None: one message per server). With
+        ``SSDSGD_PIPELINE_PIECES`` P > 1 a part smaller than P chunks is still cut into P
+        messages, of about PIECE_MIN bytes or more: the server answers the first while the
+        rest arrive, so a small model's pushes and replies overlap on the link as ps-lite's
+        per-key messages do. Off by default: measured, it pays at 100 Mbit/s and costs the
+        server's CPU per message at 10 Gbit/s (docs/benchmarks/small_steps.md)."""
         per_server = {}
         for key, kstep, arrays, dtype in entries:
             coded = arrays if isinstance(arrays, Coded) else None
@@ -431,7 +432,8 @@ class WorkerClient:
                 items.append(((key, kstep, sl.offset, sl.count, dtype, len(arrays)),
                               [a[sl.offset:sl.offset + sl.count] for a in arrays],
                               sl.count * itemsize))
-        return {server: _cut(items, chunk_bytes) for server, items in per_server.items()}
+        return {server: _cut(items, chunk_bytes, self.env.pipeline_pieces)
+                for server, items in per_server.items()}
 
     def _send(self, kind, messages, *, step=0, flags=0, meta=None, reply=True):
         futures = []
