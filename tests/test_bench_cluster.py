@@ -60,8 +60,11 @@ needs_netns = pytest.mark.usefixtures('netns_available')
 def bench_process(cmd):
     """``cmd`` (a ``python -m bench.cluster``) with its output merged; killed if still
     running when the block ends."""
+    # SIGINT as a terminal's Ctrl-C finds it: a suite started in the background (`&`, so
+    # SIGINT ignored, which children inherit) must not make Python ignore it in the bench
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         yield proc
     finally:
