@@ -117,6 +117,31 @@ def test_compressed_systems_and_their_bounds():
     assert plan.link_time(100_000_000, 1e9, 4, 1, plan.ssd(5)) == pytest.approx(3.2)
 
 
+def test_a_row_can_have_its_own_2bit_threshold_and_warmup():
+    """ssd-k5-2bit-t1-w4: the ssd row's own knobs, while the native + 2bit row keeps the
+    benchmark's --threshold and the other rows the experiment's warm-up."""
+    from bench.cluster import __main__ as cli
+    args = cli.parse_args(['--only', 'tta-comm'])
+    row = plan.system_by_key('ssd-k5-2bit-t1-w4')
+    assert (row.mode, row.k, row.compression, row.threshold, row.warmup) == (
+        'ssd', 5, '2bit', 1.0, 4)
+    assert row.key == 'ssd-k5-2bit-t1-w4' and 't=1' in row.label and 'warm-up 4' in row.label
+    assert row.warmup_or(args.tta_comm_warmup) == 4
+    assert cli.compression_params(row, args) == {'type': '2bit', 'threshold': 1.0}
+    assert plan.system_by_key('ssd-k10-2bit-w2').threshold == 0.0
+    assert cli.compression_params(plan.system_by_key('ssd-k10-2bit-w2'), args)[
+        'threshold'] == args.threshold == 0.5
+    assert cli.compression_params(plan.system_by_key('native-sync-2bit'), args)[
+        'threshold'] == 0.5
+    assert plan.system_by_key('ssd-k5-2bit-t0.25').threshold == 0.25
+    assert plan.system_by_key('ssd-k5').warmup_or(10) == 10
+    assert plan.system_by_key('ssd-k5-topk').compression == 'topk'   # not a threshold
+    for bad in ('ssgd-w4', 'native-sync-2bit-w4', 'ssd-k5-t1', 'ssd-k5-topk-t1',
+                'ssd-k5-2bit-t0', 'ssd-k5-2bit-tinf', 'ssd-k5-2bit-w1.5', 'ssd-k5-2bit-t-1'):
+        with pytest.raises(KeyError):
+            plan.system_by_key(bad)
+
+
 def test_hetero_rows_with_a_quorum_or_partial_reduce_are_the_tolerant_ones():
     rows = [plan.system_by_key(k) for k in plan.HETERO_SYSTEMS.split(',')]
     assert {r.key for r in rows if r.straggler_tolerant} == {

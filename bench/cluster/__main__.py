@@ -23,7 +23,9 @@ configured rate both ways. Three experiments (``--only``):
            without 2bit compression (native dist_sync + 2bit pushes and pulls itself)
 
 Systems are named native-sync, native-async, ssgd, asgd, ssd-kK, each optionally with a
-compression suffix: ssd-k5-2bit, ssgd-topk, native-sync-2bit (--threshold, --topk-ratio).
+compression suffix: ssd-k5-2bit, ssgd-topk, native-sync-2bit (--threshold, --topk-ratio);
+then a 2bit row's own threshold (-tT) and an ssd row's own warm-up steps (-wW), which
+override --threshold and the experiment's warm-up for that row only: ssd-k5-2bit-t1-w4.
 
 Results go to --out (docs/benchmarks/: cluster.md, cluster.json, PNG plots); every job's
 raw per-worker results and logs go to --raw. Needs root; without it, says so and exits 0.
@@ -261,10 +263,12 @@ class Bench:
         error's tail, or the summary of its workers' results."""
         from bench.cluster import runner
         self.job += 1
+        warmup = system.warmup_or(warmup)       # a row's own warm-up (-wW) wins
         tag = f'{self.job:03d}-{workload.model}-{int(rate)}-{system.key}-n{n}s{s}'
         out = self.raw / tag
         base = {'system': system.key, 'label': system.label, 'workload': workload.name,
-                'rate_bits': rate, 'workers': n, 'servers': s, 'k': system.k, 'steps': steps}
+                'rate_bits': rate, 'workers': n, 'servers': s, 'k': system.k, 'steps': steps,
+                'warmup': warmup, 'compression': compression_params(system, self.args)}
         skipped = self.memory_skip(system, workload, n, s)
         if skipped:
             return dict(base, status=skipped)
@@ -322,7 +326,7 @@ class Bench:
 def compression_params(system, args):
     """kv.set_gradient_compression's dict for ``system`` (None: uncompressed)."""
     if system.compression == '2bit':
-        return {'type': '2bit', 'threshold': args.threshold}
+        return {'type': '2bit', 'threshold': system.threshold or args.threshold}
     if system.compression == 'topk':
         return {'type': 'topk', 'ratio': args.topk_ratio}
     return None

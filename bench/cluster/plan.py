@@ -16,6 +16,7 @@ ssd_sync with one algorithm. A *workload* is what every worker does per step. Bo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 
@@ -29,6 +30,8 @@ class System:
     p: int = 0            # preduce: group size P
     compression: str = ''  # push compression type ('2bit', 'topk') or '' for none
     quorum: str = ''      # sync.quorum (majority, solo, an integer) or '' for all
+    threshold: float = 0.0  # 2bit threshold of this row (0: the benchmark's --threshold)
+    warmup: int = -1      # ssd warm-up steps of this row (-1: the experiment's)
 
     @property
     def synchronous(self):
@@ -61,6 +64,25 @@ class System:
             raise KeyError(f'quorum {quorum!r}: only for ssgd and ssd rows, not {self.key}')
         return replace(self, key=f'{self.key}-{quorum}', label=f'{self.label} + {quorum}',
                        quorum=quorum)
+
+    def with_threshold(self, threshold):
+        """This 2bit system with its own threshold (suffix -tT: ssd-k5-2bit-t1)."""
+        if self.compression != '2bit' or not 0 < threshold < math.inf:
+            raise KeyError(f'threshold {threshold:g}: only for a -2bit row, and > 0, '
+                           f'not {self.key}')
+        return replace(self, key=f'{self.key}-t{threshold:g}', threshold=threshold,
+                       label=f'{self.label} t={threshold:g}')
+
+    def with_warmup(self, steps):
+        """This ssd_sync system with its own warm-up steps (suffix -wW: ssd-k5-2bit-w4)."""
+        if self.kind != 'ssd' or self.mode != 'ssd':
+            raise KeyError(f'warm-up {steps}: only for ssd rows, not {self.key}')
+        return replace(self, key=f'{self.key}-w{steps}', warmup=steps,
+                       label=f'{self.label}, warm-up {steps}')
+
+    def warmup_or(self, default):
+        """The warm-up steps this row runs: its own, else ``default``."""
+        return default if self.warmup < 0 else self.warmup
 
     @property
     def straggler_tolerant(self):
@@ -97,8 +119,16 @@ def matrix_systems(ks=(2, 5, 10)):
 
 def system_by_key(key):
     """'native-sync', 'ssd-k5', ... with an optional compression suffix ('ssd-k5-2bit') or
-    quorum suffix ('ssd-k5-majority', 'ssgd-solo')."""
+    quorum suffix ('ssd-k5-majority', 'ssgd-solo'), then optionally a 2bit row's own
+    threshold ('-t1') and an ssd row's own warm-up ('-w4'): 'ssd-k5-2bit-t1-w4'."""
     base, _, kind = key.rpartition('-')
+    if base and kind[:1] in ('t', 'w') and _number(kind[1:]) is not None:
+        system = system_by_key(base)
+        if kind[0] == 'w' and kind[1:].isdigit():
+            return system.with_warmup(int(kind[1:]))
+        if kind[0] == 't':
+            return system.with_threshold(_number(kind[1:]))
+        raise KeyError(key)
     if kind in COMPRESSIONS:
         return system_by_key(base).compressed(kind)
     if kind in QUORUMS:
@@ -111,6 +141,13 @@ def system_by_key(key):
     if key.startswith('preduce-p') and key[9:].isdigit():
         return preduce(int(key[9:]))
     raise KeyError(key)
+
+
+def _number(text):
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 #: emulated workloads: the gluoncv model whose trainable parameter shapes are exchanged,
