@@ -272,7 +272,8 @@ def test_compression_rows_and_tta_comm(tmp_path):
     cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix,tta-comm',
            '--workloads', 'emulated:tiny@1gbit', '--workers', '2', '--servers', '1',
            '--systems', 'native-sync-2bit,ssgd,ssgd-2bit', '--steps', '3', '--warmup', '1',
-           '--tta-comm-systems', 'native-sync-2bit,ssd-k2-2bit', '--tta-comm-workers', '2',
+           '--tta-comm-systems', 'native-sync-2bit,ssd-k2-2bit,ssd-k2-2bit-t1-w1',
+           '--tta-comm-workers', '2',
            '--tta-comm-hidden', '64', '--tta-comm-epochs', '1', '--tta-comm-warmup', '2',
            '--tta-comm-target', '0.3', '--name', 'comp', '--out', str(out), '--raw', str(raw)]
     with bench_process(cmd) as proc:
@@ -291,7 +292,11 @@ def test_compression_rows_and_tta_comm(tmp_path):
         assert rows[key]['server_cpu_per_step_s'] > 0 and rows[key]['worker_cpu_per_step_s'] > 0
     assert rows['ssgd']['tx_bytes_per_step'] >= TINY_BYTES
     tc = results['tta_comm']
-    assert [r['system'] for r in tc['rows']] == ['native-sync-2bit', 'ssd-k2-2bit']
+    assert [r['system'] for r in tc['rows']] == ['native-sync-2bit', 'ssd-k2-2bit',
+                                                 'ssd-k2-2bit-t1-w1']
+    # a row's own threshold and warm-up; the others keep --threshold and --tta-comm-warmup
+    assert [(r['warmup'], r['compression']['threshold']) for r in tc['rows']] == [
+        (2, 0.5), (2, 0.5), (1, 1.0)]
     for r in tc['rows']:
         assert r['status'] == 'ok' and r['curve'] and r['steps'] == 1437 // (2 * 32), r
         assert [e[0] for e in r['curve']] == sorted(e[0] for e in r['curve'])
