@@ -142,6 +142,17 @@ def test_a_row_can_have_its_own_2bit_threshold_and_warmup():
             plan.system_by_key(bad)
 
 
+def test_tta_comm_seed_goes_to_every_worker():
+    from bench import cluster_worker
+    from bench.cluster import __main__ as cli
+    for argv, seed in (([], 0), (['--tta-comm-seed', '3'], 3)):
+        wargs = cli.tta_comm_worker_args(cli.parse_args(['--only', 'tta-comm'] + argv))
+        parsed = cluster_worker.parse_args(['--kvstore', 'ssd_sync', '--out', 'x'] +
+                                           [str(a) for a in wargs])
+        assert (parsed.seed, parsed.hidden, parsed.epochs, parsed.deferred_eval) == (
+            seed, 2048, 8, True)
+
+
 def test_tta_comm_checks_take_the_ssd_row_that_meets_the_most_targets():
     from bench.cluster import __main__ as cli
 

@@ -121,6 +121,9 @@ def parse_args(argv=None):
     p.add_argument('--tta-comm-epochs', type=int, default=8)
     p.add_argument('--tta-comm-lr', type=float, default=0.1)
     p.add_argument('--tta-comm-warmup', type=int, default=10)
+    p.add_argument('--tta-comm-seed', type=int, default=0,
+                   help="every row's --seed (initial weights and data order); rerun with "
+                   "others to see how far steps to the target move between seeds")
     p.add_argument('--tta-comm-systems',
                    default='native-sync,native-sync-2bit,ssgd,ssgd-2bit,ssd-k5,ssd-k10,'
                    'ssd-k5-2bit')
@@ -491,13 +494,19 @@ def run_tta_comm(bench, args, log):
                     f'digits, batch 32/worker, sgd lr {args.tta_comm_lr:g} momentum 0.9 wd '
                     f'1e-4 cosine over {args.tta_comm_epochs} epochs; ssd: warm-up '
                     f'{args.tta_comm_warmup} steps, glu_state '
-                    f'{args.glu_state or "(default)"}; 2bit threshold {args.threshold:g}'),
+                    f'{args.glu_state or "(default)"}; 2bit threshold {args.threshold:g}; '
+                    f'seed {args.tta_comm_seed}'),
            'rows': []}
-    wargs = ['--workload', 'digits', '--epochs', args.tta_comm_epochs, '--batch', 32,
-             '--lr', args.tta_comm_lr, '--eval-every', 2, '--hidden', h, '--deferred-eval']
     w = Workload(f'digits MLP {h}', 'digits', f'mlp{h}', 32, param_bytes=nbytes)
-    yield from tta_rows(bench, args, tta, w, _csv(args.tta_comm_systems), wargs,
-                        args.tta_comm_warmup, log)
+    yield from tta_rows(bench, args, tta, w, _csv(args.tta_comm_systems),
+                        tta_comm_worker_args(args), args.tta_comm_warmup, log)
+
+
+def tta_comm_worker_args(args):
+    """cluster_worker.py's arguments for every tta-comm row (the same for all rows)."""
+    return ['--workload', 'digits', '--epochs', args.tta_comm_epochs, '--batch', 32,
+            '--lr', args.tta_comm_lr, '--eval-every', 2, '--hidden', args.tta_comm_hidden,
+            '--deferred-eval', '--seed', args.tta_comm_seed]
 
 
 def tta_rows(bench, args, tta, workload, keys, wargs, warmup, log):
