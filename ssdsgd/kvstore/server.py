@@ -229,8 +229,12 @@ class Server:
             self._snapshots[(shard.key, shard.version)] = value
         shard.lent.append((reply, i))
         arrays = [value]
-        if reply.with_state:
-            arrays += self._state_arrays(shard)
+        if reply.with_state:   # copied once per step, however many workers ask for it
+            state = self._snapshots.get((shard.key, shard.version, "state"))
+            if state is None:
+                state = self._snapshots[(shard.key, shard.version, "state")] = \
+                    self._state_arrays(shard)
+            arrays += state
         # The record's step is the optimizer's update count for the key (what a worker's
         # local copy continues from); it equals the steps applied unless states were loaded.
         count = shard.version
