@@ -109,6 +109,12 @@ def test_compressed_systems_and_their_bounds():
     assert plan.system_by_key('ssgd-topk').compression == 'topk'
     with pytest.raises(KeyError):
         plan.system_by_key('ssd-k5-3bit')
+    # a row's own glu_state (the runner sets SSDSGD_GLU_STATE for it), ssd rows only
+    cor = plan.system_by_key('ssd-k5-2bit-corrected')
+    assert (cor.k, cor.compression, cor.glu_state) == (5, '2bit', 'corrected')
+    assert cor.key == 'ssd-k5-2bit-corrected' and 'corrected' in cor.label
+    with pytest.raises(KeyError):
+        plan.system_by_key('ssgd-corrected')
     # 100 MB, 4 workers, 1 server at 1 Gbit/s: 2bit pushes are 1/16 as big, so ssd k=5's
     # uncompressed pulls (1/5 of the model per step) bind: 3.2 s x 0.2; a synchronous
     # system still pulls the whole model every step

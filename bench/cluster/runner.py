@@ -149,6 +149,8 @@ def _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes, ssd_en
         env['SSDSGD_GROUP_SIZE'] = str(system.p)
     if system.quorum:
         env['SSDSGD_QUORUM'] = system.quorum
+    if system.glu_state:
+        env['SSDSGD_GLU_STATE'] = system.glu_state
     with open(log_path, 'w') as f:
         def log(text):
             f.write(f'[launcher] {text}\n')
