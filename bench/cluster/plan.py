@@ -32,6 +32,7 @@ class System:
     quorum: str = ''      # sync.quorum (majority, solo, an integer) or '' for all
     threshold: float = 0.0  # 2bit threshold of this row (0: the benchmark's --threshold)
     warmup: int = -1      # ssd warm-up steps of this row (-1: the experiment's)
+    glu_state: str = ''   # ssd: the row's glu_state, or '' for --glu-state / the default
 
     @property
     def synchronous(self):
@@ -84,6 +85,13 @@ class System:
         """The warm-up steps this row runs: its own, else ``default``."""
         return default if self.warmup < 0 else self.warmup
 
+    def with_glu_state(self, state):
+        """This ssd row with ``glu_state: state`` (docs/glu.md), whatever --glu-state says."""
+        if self.kind != 'ssd' or self.mode != 'ssd':
+            raise KeyError(f'glu_state {state!r}: only for ssd rows, not {self.key}')
+        return replace(self, key=f'{self.key}-{state}', label=f'{self.label} ({state})',
+                       glu_state=state)
+
     @property
     def straggler_tolerant(self):
         """Does not wait for the slowest worker (issue 11's tolerant rows)."""
@@ -92,6 +100,7 @@ class System:
 
 COMPRESSIONS = ('2bit', 'topk')
 QUORUMS = ('majority', 'solo')
+GLU_STATES = ('exact', 'corrected', 'estimate')
 
 
 NATIVE_SYNC = System('native-sync', 'native dist_sync', 'native', 'dist_sync')
@@ -120,8 +129,11 @@ def matrix_systems(ks=(2, 5, 10)):
 def system_by_key(key):
     """'native-sync', 'ssd-k5', ... with an optional compression suffix ('ssd-k5-2bit') or
     quorum suffix ('ssd-k5-majority', 'ssgd-solo'), then optionally a 2bit row's own
-    threshold ('-t1') and an ssd row's own warm-up ('-w4'): 'ssd-k5-2bit-t1-w4'."""
+    threshold ('-t1') and an ssd row's own warm-up ('-w4'), and a glu_state suffix last:
+    'ssd-k5-2bit-t1-w4', 'ssd-k5-2bit-corrected'."""
     base, _, kind = key.rpartition('-')
+    if kind in GLU_STATES:
+        return system_by_key(base).with_glu_state(kind)
     if base and kind[:1] in ('t', 'w') and _number(kind[1:]) is not None:
         system = system_by_key(base)
         if kind[0] == 'w' and kind[1:].isdigit():
