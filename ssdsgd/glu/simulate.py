@@ -173,13 +173,13 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
 # CLI: a digits MLP trained in-process, one accuracy per (rule, k) and for ssgd.
 
 def _digits(seed):
-    """x_train, x_test, y_train, y_test: scikit-learn's stratified 75/25 split."""
     import numpy as np
-    from ..data.digits import load_digits, stratified_split
-    x, y = load_digits()
-    x, yf = (x / 16.0).astype(np.float32), y.astype(np.float32)
-    train, test = stratified_split(y, 0.25, seed)
-    return x[train], x[test], yf[train], yf[test]
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    return train_test_split(x, y.astype(np.float32), test_size=0.25, random_state=seed,
+                            stratify=y)
 
 
 def _mlp(hidden, seed):
