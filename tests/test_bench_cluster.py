@@ -109,6 +109,12 @@ def test_compressed_systems_and_their_bounds():
     assert plan.system_by_key('ssgd-topk').compression == 'topk'
     with pytest.raises(KeyError):
         plan.system_by_key('ssd-k5-3bit')
+    # a row's own glu_state (the runner sets SSDSGD_GLU_STATE for it), ssd rows only
+    cor = plan.system_by_key('ssd-k5-2bit-corrected')
+    assert (cor.k, cor.compression, cor.glu_state) == (5, '2bit', 'corrected')
+    assert cor.key == 'ssd-k5-2bit-corrected' and 'corrected' in cor.label
+    with pytest.raises(KeyError):
+        plan.system_by_key('ssgd-corrected')
     # 100 MB, 4 workers, 1 server at 1 Gbit/s: 2bit pushes are 1/16 as big, so ssd k=5's
     # uncompressed pulls (1/5 of the model per step) bind: 3.2 s x 0.2; a synchronous
     # system still pulls the whole model every step
@@ -332,3 +338,25 @@ def test_cluster_shapes_both_directions():
         assert r.stdout.strip() == '111', r     # ECONNREFUSED: host 1 answered (no listener)
         assert c.names[0] in netns.list_namespaces()
     assert ours(os.getpid()) == []
+
+
+def test_comm_bound_checks_judge_every_ssd_k5_2bit_row():
+    """Each ssd k=5 + 2bit row (the default glu_state and one of its own) is judged
+    against both native rows of the same invocation."""
+    from types import SimpleNamespace
+    from bench.cluster.__main__ import comm_bound_checks
+    rows = [{'system': 'native-sync', 'samples_per_s': 10.0},
+            {'system': 'native-sync-2bit', 'samples_per_s': 20.0},
+            {'system': 'ssd-k5-2bit', 'glu_state': '', 'samples_per_s': 29.0},
+            {'system': 'ssd-k5-2bit-corrected', 'glu_state': 'corrected',
+             'samples_per_s': 31.0}]
+    group = {'workload': 'emulated ResNet-50', 'rate_bits': 1e9, 'workers': 4,
+             'servers': 1, 'rows': rows}
+    args = SimpleNamespace(compute_ratio=1.0, compute_ref='1gbit')
+    checks = {c['what']: (c['measured'], c['met']) for c in comm_bound_checks([group], args)}
+    assert checks['ssd k=5 + 2bit throughput / native dist_sync'] == ('2.90', False)
+    assert checks['ssd k=5 + 2bit (corrected) throughput / native dist_sync'] == ('3.10', True)
+    assert checks['ssd k=5 + 2bit (corrected) throughput / native dist_sync + 2bit '
+                  '(push/pull)'] == ('1.55', True)
+    assert checks['ssd k=5 + 2bit throughput / native dist_sync + 2bit (push/pull)'] == \
+        ('1.45', False)

@@ -9,10 +9,10 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from ssdsgd.kvstore.compression import (Compression, CompressionError, Residuals,
-                                        decode, dequantize_2bit, mxnet_stof,
-                                        parse_setting, payload_nbytes, quantize_2bit,
-                                        strtof)
+from ssdsgd.kvstore.compression import (MAX_SUMMED, Compression, CompressionError,
+                                        Packed2bit, Residuals, decode, dequantize_2bit,
+                                        mxnet_stof, parse_setting, payload_nbytes,
+                                        quantize_2bit, strtof, sum_2bit, summable)
 from ssdsgd.testing import mxnet_compression
 
 needs_symbols = pytest.mark.skipif(not mxnet_compression.available(),
@@ -233,6 +233,35 @@ def test_bad_data_is_refused():
         res.encode(0, np.zeros(5, np.float32))
     with pytest.raises(CompressionError, match="is 4 bytes, got 8"):
         decode(spec, np.zeros(8, np.uint8), 16)
+
+
+@pytest.mark.parametrize("threshold", [0.5, 2.75, 0.25])
+@pytest.mark.parametrize("parts", [1, 2, 4, 7, MAX_SUMMED])
+@pytest.mark.parametrize("size", [1, 17, 100_003])
+def test_counting_sum_equals_decoding_and_adding_in_rank_order(threshold, parts, size):
+    """The server sums a step's 2bit pushes by counting codes; where ``summable`` says so
+    this is bit for bit what decoding each push and adding them in rank order gives."""
+    spec = Compression.from_params({"type": "2bit", "threshold": threshold})
+    t = spec.server_threshold
+    assert summable(t, parts)
+    packs = [spec.receive(quantize_2bit(g, np.zeros(size, np.float32), spec.threshold), size)
+             for g in (grads(size, threshold, 1, seed=s)[0] for s in range(parts))]
+    assert all(isinstance(p, Packed2bit) for p in packs)
+    expected = packs[0].decode()
+    for p in packs[1:]:
+        expected = expected + p.decode()
+    out = np.full(size, np.nan, np.float32)
+    sum_2bit(packs, out)
+    np.testing.assert_array_equal(bits(out), bits(expected))
+    assert np.abs(out).max() > 0
+
+
+def test_counting_sum_is_refused_where_order_could_round():
+    """t = 0.1: 3t is not a float32, so a sum's last bit could depend on the order; the
+    server then decodes and adds in rank order (``summable`` is False)."""
+    assert not summable(0.1, 3)
+    assert summable(0.1, 2)                 # 2t is t with the exponent raised
+    assert not summable(0.5, MAX_SUMMED + 1)  # a lane of the counter would carry
 
 
 # --- topk ------------------------------------------------------------------------------

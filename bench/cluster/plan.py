@@ -29,6 +29,7 @@ class System:
     p: int = 0            # preduce: group size P
     compression: str = ''  # push compression type ('2bit', 'topk') or '' for none
     quorum: str = ''      # sync.quorum (majority, solo, an integer) or '' for all
+    glu_state: str = ''   # ssd: the row's glu_state, or '' for --glu-state / the default
 
     @property
     def synchronous(self):
@@ -62,6 +63,13 @@ class System:
         return replace(self, key=f'{self.key}-{quorum}', label=f'{self.label} + {quorum}',
                        quorum=quorum)
 
+    def with_glu_state(self, state):
+        """This ssd row with ``glu_state: state`` (docs/glu.md), whatever --glu-state says."""
+        if self.kind != 'ssd' or self.mode != 'ssd':
+            raise KeyError(f'glu_state {state!r}: only for ssd rows, not {self.key}')
+        return replace(self, key=f'{self.key}-{state}', label=f'{self.label} ({state})',
+                       glu_state=state)
+
     @property
     def straggler_tolerant(self):
         """Does not wait for the slowest worker (issue 11's tolerant rows)."""
@@ -70,6 +78,7 @@ class System:
 
 COMPRESSIONS = ('2bit', 'topk')
 QUORUMS = ('majority', 'solo')
+GLU_STATES = ('exact', 'corrected', 'estimate')
 
 
 NATIVE_SYNC = System('native-sync', 'native dist_sync', 'native', 'dist_sync')
@@ -96,9 +105,12 @@ def matrix_systems(ks=(2, 5, 10)):
 
 
 def system_by_key(key):
-    """'native-sync', 'ssd-k5', ... with an optional compression suffix ('ssd-k5-2bit') or
-    quorum suffix ('ssd-k5-majority', 'ssgd-solo')."""
+    """'native-sync', 'ssd-k5', ... with an optional compression suffix ('ssd-k5-2bit'),
+    quorum suffix ('ssd-k5-majority', 'ssgd-solo') or glu_state suffix last
+    ('ssd-k5-2bit-corrected')."""
     base, _, kind = key.rpartition('-')
+    if kind in GLU_STATES:
+        return system_by_key(base).with_glu_state(kind)
     if kind in COMPRESSIONS:
         return system_by_key(base).compressed(kind)
     if kind in QUORUMS:

@@ -249,6 +249,12 @@ class WorkerClient:
             if wake:
                 self._wake()
 
+    @property
+    def codes_pushes(self):
+        """Are pushes compressed? Then ``push`` has read the gradients when it returns,
+        and the caller may hand it views of buffers it rewrites later (no copy)."""
+        return self._residuals is not None
+
     def _push_entries(self, grads):
         """A push's entries (compressed with this worker's residuals if set) and keys."""
         keys = [self._key(key) for key, _ in grads]

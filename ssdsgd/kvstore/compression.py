@@ -26,6 +26,7 @@ for bigger ones, so it costs O(n) and is the same on every run.
 import dataclasses
 import difflib
 import fractions
+import functools
 import math
 
 import numpy as np
@@ -164,7 +165,7 @@ class Compression:
         """The dict form (what ``from_params`` accepts back; scalars only, for the wire)."""
         return {"type": self.type, **{name: getattr(self, name) for name in PARAMS[self.type]}}
 
-    @property
+    @functools.cached_property
     def server_threshold(self):
         """The value servers decode +-t with: MXNet sends it as std::to_string(float)."""
         return float(strtof("%f" % self.threshold))
@@ -176,6 +177,13 @@ class Compression:
     def decode(self, payload, count):
         """What a server adds up for one push: ``count`` float32 values."""
         return decode(self, payload, count)
+
+    def receive(self, payload, count):
+        """A server's checked push: 2bit stays packed (a ``Packed2bit``, summed by
+        ``sum_2bit`` with its step's other pushes), topk is decoded."""
+        if self.type == "2bit":
+            return Packed2bit(check_2bit(payload, count), count, self.server_threshold)
+        return self.decode(payload, count)
 
 
 def parse_setting(text):
@@ -250,14 +258,20 @@ def _lut_2bit(threshold):
 _LUTS = {}
 
 
-def dequantize_2bit(packed, count, threshold):
-    """Decode ``count`` float32 values (+t, -t or 0) from MXNet's packed 2bit codes."""
+def check_2bit(packed, count):
+    """``packed`` as flat bytes, if it is the size of ``count`` elements' 2bit codes."""
     packed = np.asarray(packed)
     if packed.dtype != np.uint8 or packed.ndim != 1:
         raise CompressionError(f"2bit data must be flat bytes, got {packed.dtype}{packed.shape}")
     if packed.size != 4 * (-(-count // 16)):
         raise CompressionError(f"2bit data for {count} elements is {4 * (-(-count // 16))} "
                                f"bytes, got {packed.size}")
+    return packed
+
+
+def dequantize_2bit(packed, count, threshold):
+    """Decode ``count`` float32 values (+t, -t or 0) from MXNet's packed 2bit codes."""
+    packed = check_2bit(packed, count)
     lut = _LUTS.get(threshold)
     if lut is None:
         lut = _LUTS[threshold] = _lut_2bit(threshold)
@@ -265,6 +279,67 @@ def dequantize_2bit(packed, count, threshold):
     for start in range(0, count, CHUNK):
         stop = min(count, start + CHUNK)
         out[start:stop] = lut[packed[start // 4:-(-stop // 4)]].view(np.float32)[:stop - start]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed2bit:
+    """One push's checked 2bit codes, kept packed until its step is summed."""
+    payload: np.ndarray
+    count: int
+    threshold: float
+
+    def decode(self):
+        return dequantize_2bit(self.payload, self.count, self.threshold)
+
+
+#: lanes per uint32 counter word hold sums of (digit + 1) <= 2 * parts: at most 127 parts
+MAX_SUMMED = 127
+
+
+def _count_lut_2bit():
+    """byte -> uint32 whose byte j is code j's digit + 1 (-t: 0, 0: 1, +t: 2), so that a
+    little-endian word's bytes follow the elements' order."""
+    digit1 = np.array([1, 1, 0, 2], np.uint32)   # codes 0b00, 0b01 (unused), 0b10, 0b11
+    byte = np.arange(256)
+    return sum(digit1[(byte >> (6 - 2 * j)) & 3] << np.uint32(8 * j)
+               for j in range(4)).astype("<u4")
+
+
+_COUNT_LUT = _count_lut_2bit()
+
+
+@functools.lru_cache(maxsize=64)
+def summable(threshold, parts):
+    """Can ``parts`` pushes of +-t or 0 be summed by counting? Yes when every c * t,
+    |c| <= parts, is a float32: then each partial sum of a rank-order addition is exact,
+    and equals the count times t. (True for MXNet's default 0.5 and any power of two.)"""
+    t = float(np.float32(threshold))
+    return 0 < parts <= MAX_SUMMED and all(float(np.float32(c * t)) == c * t
+                                           for c in range(1, parts + 1))
+
+
+def sum_2bit(packs, out):
+    """out[:] = the sum of ``packs`` (Packed2bit of one key slice) decoded, without
+    decoding each: four codes per byte are counted in the four 8-bit lanes of a uint32
+    word (one table lookup and one add per byte and push), then each count c becomes
+    c * t. The caller checks ``summable``: then this equals adding
+    the decoded pushes in any order, bit for bit."""
+    first = packs[0]
+    counts = np.zeros(first.payload.size, "<u4")
+    for start in range(0, counts.size, CHUNK // 4):    # cache-sized passes
+        stop = start + CHUNK // 4
+        lanes = counts[start:stop]
+        for p in packs:
+            lanes += _COUNT_LUT[p.payload[start:stop]]
+    t, n = np.float32(first.threshold), np.float32(len(packs))
+    lanes = counts.view(np.uint8)
+    for start in range(0, first.count, CHUNK):    # (lane - parts) * t: c * t, one rounding
+        stop = min(first.count, start + CHUNK)
+        part = out[start:stop]
+        np.copyto(part, lanes[start:stop], casting="unsafe")
+        part -= n
+        part *= t
     return out
 
 

@@ -29,7 +29,7 @@ import zmq
 
 from . import hostcopy
 from .batch_schedule import GlobalBatchSchedule
-from .compression import Compression, CompressionError
+from .compression import Compression, CompressionError, Packed2bit, sum_2bit, summable
 from . import protocol as P
 from .env import NodeEnv
 from .groups import mean
@@ -108,6 +108,17 @@ class Averaging:
 
     def __init__(self, members):
         self.members, self.parts, self.waiting = members, {}, {}
+
+
+def _summable_2bit(parts):
+    """Are ``parts`` all 2bit pushes whose sum counting gives exactly (``summable``)?"""
+    return all(isinstance(p, Packed2bit) for p in parts) and \
+        summable(parts[0].threshold, len(parts))
+
+
+def _decoded(parts):
+    """``parts`` with every packed push decoded (the float32 values the server adds)."""
+    return [p.decode() if isinstance(p, Packed2bit) else p for p in parts]
 
 
 class Server:
@@ -218,8 +229,12 @@ class Server:
             self._snapshots[(shard.key, shard.version)] = value
         shard.lent.append((reply, i))
         arrays = [value]
-        if reply.with_state:
-            arrays += self._state_arrays(shard)
+        if reply.with_state:   # copied once per step, however many workers ask for it
+            state = self._snapshots.get((shard.key, shard.version, "state"))
+            if state is None:
+                state = self._snapshots[(shard.key, shard.version, "state")] = \
+                    self._state_arrays(shard)
+            arrays += state
         # The record's step is the optimizer's update count for the key (what a worker's
         # local copy continues from); it equals the steps applied unless states were loaded.
         count = shard.version
@@ -392,7 +407,7 @@ class Server:
             raise RequestError(f"key {shard.key}: a {encoding} push, but the job's compression "
                                f"is {self.compression.type if self.compression else 'none'}")
         try:
-            return self.compression.decode(arrays[0], shard.count)
+            return self.compression.receive(arrays[0], shard.count)
         except CompressionError as e:
             raise RequestError(f"key {shard.key}: {e}") from None
 
@@ -459,7 +474,7 @@ class Server:
         grads = shard.pending.pop(shard.version)
         parts = [grads[r] for r in sorted(grads)]
         if len(parts) < self.num_workers:      # a worker left: keep the mean gradient
-            return [np.sum(parts, axis=0) * np.float32(self.num_workers / len(parts))]
+            return [np.sum(_decoded(parts), axis=0) * np.float32(self.num_workers / len(parts))]
         return parts
 
     def _apply(self, shards, grads):
@@ -475,6 +490,10 @@ class Server:
             parts = parts if isinstance(parts, list) else [parts]
             target = hostcopy.raw_view(shard.weight if self.updater is None else shard.grad,
                                        shard.dtype, shard.count)
+            if _summable_2bit(parts):
+                sum_2bit(parts, target)
+                continue
+            parts = _decoded(parts)
             if len(parts) == 1:
                 np.copyto(target, parts[0])
             else:

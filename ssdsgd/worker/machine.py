@@ -137,7 +137,8 @@ class StageMachine:
         # A synchronous step waits for every server's reply, and a server replies only
         # after it has received this push: the gradients' own buffers can be sent as they
         # are. A steps-delay step returns while the push may still be on the wire and the
-        # next backward pass rewrites the gradients, so it sends a copy.
+        # next backward pass rewrites the gradients, so it sends a copy (unless the push
+        # is compressed: then the client codes the gradients before ``push`` returns).
         grads, reply = self._push(entries, copy=not p.synchronous, pull=p.request_pull,
                                   state=self._wants_state(p))
         self.counts[p.stage] += 1
@@ -274,7 +275,8 @@ class StageMachine:
         """Spec step 2, shared by every stage and ``kv.push``: push g_i(t), each key's
         gradients summed over the worker's devices. Returns them and the pull's reply."""
         grads = {key: _device_sum(grad_list) for key, grad_list, _ in entries}
-        flats = hostcopy.read(list(grads.values()), copy=copy)
+        flats = hostcopy.read(list(grads.values()),
+                              copy=copy and not self.client.codes_pushes)
         reply = self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state)
         self.counts["pushes"] += 1
         if pull:
