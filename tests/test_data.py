@@ -100,7 +100,8 @@ def test_digits_dataset_is_the_former_scikit_learn_split():
 
 @pytest.mark.system
 def test_digits_worker_does_not_import_scikit_learn():
-    """A second of import per worker process, in every job the tests start."""
+    """Loading the digits imports no scikit-learn module of its own (MXNet, imported
+    by a worker, still brings sklearn.base)."""
     import subprocess
     import sys
     code = ("import sys; from ssdsgd.data.digits import DigitsDataset; DigitsDataset(); "
