@@ -44,12 +44,11 @@ QUICK = dict(lrs=[0.05], ks=[5, 10], seeds=1, steps=120, short=60, warmup=20)
 
 def digits():
     """The fixed 75/25 stratified split (seed 0) of sklearn's digits, pixels in [0, 1]."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    x, y = load_digits(return_X_y=True)
+    from ssdsgd.data.digits import load_digits, stratified_split
+    x, y = load_digits()
     x = (x / 16.0).astype(np.float32)
-    return train_test_split(x, y.astype(np.int64), test_size=0.25, random_state=0,
-                            stratify=y)
+    train, test = stratified_split(y, 0.25, 0)
+    return x[train], x[test], y[train], y[test]
 
 
 def shapes(hidden):

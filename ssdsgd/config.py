@@ -140,6 +140,8 @@ class TrainConfig:
 class OutputConfig:
     dir: str = _f("runs", doc="runs root; each run gets its own subdirectory")
     name: Optional[str] = _f(None, doc="run name prefix; default: the config file's stem")
+    plots: bool = _f(True, doc="the launcher draws RUN_DIR/plots/*.png at the end of the job "
+                               "(matplotlib: about 1 s of CPU)")
 
 
 @dataclass

@@ -167,10 +167,11 @@ def plot(runs: list[dict], out_dir) -> list[Path]:
     return paths
 
 
-def finished_run(run_dir, out_dir=None) -> list[str]:
+def finished_run(run_dir, out_dir=None, plots=True) -> list[str]:
     """For the launcher at the end of a job: write the run's two plots (default
-    ``RUN_DIR/plots/``) and return the lines to print: the final test accuracy, then
-    ``plot: PATH`` for each plot."""
+    ``RUN_DIR/plots/``; none without ``plots``, which spares importing matplotlib) and
+    return the lines to print: the final test accuracy, then ``plot: PATH`` for each
+    plot."""
     run = load_run(run_dir)
     acc = run["final_accuracy"]
     summary_path = Path(run_dir) / "summary.json"
@@ -190,8 +191,9 @@ def finished_run(run_dir, out_dir=None) -> list[str]:
         facts.append(f"debug.slowdown {summary['debug_slowdown']}")
     lines = [text + (f" ({', '.join(facts)})" if facts else "") +
              (f"; summary: {summary_path}" if summary else "")]
-    for p in plot([run], Path(out_dir) if out_dir else Path(run_dir) / "plots"):
-        lines.append(f"plot: {p}")
+    if plots:
+        for p in plot([run], Path(out_dir) if out_dir else Path(run_dir) / "plots"):
+            lines.append(f"plot: {p}")
     return lines
 
 

@@ -73,7 +73,7 @@ def test_resume_of_a_finished_job_through_the_launcher_is_refused(tmp_path):
     done = subprocess.run(
         [PY, "launch/dist.py", "configs/digits.yaml", *sets(
             train__epochs=1, train__checkpoint_every=1, sync__warmup_steps=5,
-            output__dir=root)], capture_output=True, text=True, cwd=ROOT, env=clean_env(),
+            output__dir=root, output__plots="false")], capture_output=True, text=True, cwd=ROOT, env=clean_env(),
         timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     run = run_dir_of(root)

@@ -173,7 +173,8 @@ def _digits_job(out, compression):
            if not k.startswith(('SSDSGD_', 'DMLC_'))}
     p = subprocess.run([sys.executable, 'launch/dist.py', 'configs/digits.yaml',
                         '--set', 'train.epochs=6', '--set', 'sync.warmup_steps=44',
-                        '--set', f'sync.compression={compression}', '--set', f'output.dir={out}'],
+                        '--set', f'sync.compression={compression}', '--set', f'output.dir={out}',
+                        '--set', 'output.plots=false'],
                        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     run, = [d for d in Path(out).iterdir() if d.is_dir()]

@@ -65,6 +65,54 @@ def test_digits_split_and_normalization():
     assert np.array_equal(ds.y_test, again.y_test)  # fixed split
 
 
+@pytest.mark.parametrize("test_size, seed", [(N_TEST, 0), (0.25, 0), (0.25, 1), (0.25, 7),
+                                             (0.1, 3), (101, 5)])
+def test_digits_numpy_split_is_scikit_learns(test_size, seed):
+    """The numpy transcription picks the same rows as train_test_split(stratify=y), in
+    the same order (every accuracy figure of the project was measured on that split)."""
+    from sklearn.datasets import load_digits as sk_load_digits
+    from sklearn.model_selection import train_test_split
+    from ssdsgd.data.digits import load_digits, stratified_split
+    x, y = load_digits()
+    sk_x, sk_y = sk_load_digits(return_X_y=True)
+    assert np.array_equal(x, sk_x) and np.array_equal(y, sk_y) and x.dtype == sk_x.dtype
+    rows = np.arange(len(y))
+    sk_train, sk_test = train_test_split(rows, test_size=test_size, random_state=seed,
+                                         stratify=y)
+    train, test = stratified_split(y, test_size, seed)
+    assert np.array_equal(train, sk_train) and np.array_equal(test, sk_test)
+
+
+def test_digits_dataset_is_the_former_scikit_learn_split():
+    from sklearn.datasets import load_digits as sk_load_digits
+    from sklearn.model_selection import train_test_split
+    digits = sk_load_digits()
+    x = (digits.data.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    y = digits.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=N_TEST, random_state=0,
+                                              stratify=y)
+    mean, std = x_tr.mean(), x_tr.std()
+    ds = DigitsDataset()
+    assert np.array_equal(ds.y_train, y_tr) and np.array_equal(ds.y_test, y_te)
+    assert np.array_equal(ds.x_train, (x_tr - mean) / std)
+    assert np.array_equal(ds.x_test, (x_te - mean) / std)
+
+
+@pytest.mark.system
+def test_digits_worker_does_not_import_scikit_learn():
+    """Loading the digits imports no scikit-learn module of its own (MXNet, imported
+    by a worker, still brings sklearn.base)."""
+    import subprocess
+    import sys
+    code = ("import sys; from ssdsgd.data.digits import DigitsDataset; DigitsDataset(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'sklearn'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ,
+                                           "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_loader_threads_give_the_same_batches_as_inline():
     ds = Cifar10Like(n=64)
     inline = list(Loader(ds, seed=3, threads=0).epoch(2, 1, 2, 8))

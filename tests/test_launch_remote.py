@@ -32,7 +32,8 @@ needs_mpirun = pytest.mark.skipif(not shutil.which("mpirun"),
 LAUNCHERS = ["ssh", pytest.param("mpi", marks=needs_mpirun)]
 
 EPOCHS = 2
-SSGD = dict(sync__algorithm="ssgd", train__epochs=EPOCHS, train__checkpoint_every=1)
+SSGD = dict(sync__algorithm="ssgd", train__epochs=EPOCHS, train__checkpoint_every=1,
+            output__plots="false")     # the README test checks the plots
 LEFT_S = 30           # no process of the job may be left on any host after this
 
 

@@ -71,6 +71,21 @@ def test_report_default_output_dir(tmp_path, capsys):
     assert (tmp_path / "report" / "accuracy_vs_epoch.png").exists()
 
 
+def test_finished_run_draws_the_plots_unless_told_not_to(tmp_path):
+    """The launcher's end-of-job lines; output.plots false leaves out the plots (and
+    matplotlib, about 1 s of CPU per job) but not the accuracy line."""
+    run = fake_run(tmp_path, "x", "ssd", [0.5, 0.75])
+    without = report.finished_run(run, plots=False)
+    assert len(without) == 1 and without[0].startswith("test accuracy 0.7500 (")
+    assert not (run / "plots").exists()
+    lines = report.finished_run(run)
+    assert lines[0] == without[0]
+    assert lines[1:] == [f"plot: {run / 'plots' / n}"
+                         for n in ("accuracy_vs_time.png", "accuracy_vs_epoch.png")]
+    assert all((run / "plots" / n).stat().st_size > 5000
+               for n in ("accuracy_vs_time.png", "accuracy_vs_epoch.png"))
+
+
 def test_resumed_run_continues_the_clock(tmp_path):
     run = tmp_path / "r"
     w = MetricsWriter(run, 0)

@@ -177,7 +177,7 @@ def test_killed_quorum_job_resumes_and_finishes(tmp_path):
     epochs, steps = 3, 1437 // (3 * 16)             # 29 steps per epoch
     job = sets(cluster__workers=3, sync__quorum="majority", sync__warmup_steps=20,
                debug__slowdown="delay:2=0.01", data__batch_size=16, train__epochs=epochs,
-               train__checkpoint_every=1, train__log_interval=10)
+               train__checkpoint_every=1, train__log_interval=10, output__plots="false")
     b = kill_job_after_first_checkpoint(["configs/digits.yaml", *job,
                                          *sets(output__dir=tmp_path / "b")], tmp_path / "b")
     latest = json.loads((b / "checkpoints" / "latest.json").read_text())

@@ -95,6 +95,7 @@ class FakeClient:
         self.pushes, self.log = {}, []
         self.last_push, self.received = None, -1
         self.ahead = []     # per push: steps beyond the last global weights received
+        self.codes_pushes = False   # pushes are kept, uncompressed, until the server reads them
 
     def init(self, keys, values=None):
         with self.server.cond:

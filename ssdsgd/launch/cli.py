@@ -136,11 +136,12 @@ def _prepare(args):
     return config, run_dir, length, env, runner
 
 
-def _report(run_dir, seconds):
-    """The finished job's accuracy line and plots (ssdsgd.report.finished_run)."""
+def _report(run_dir, seconds, plots):
+    """The finished job's accuracy line and, with ``output.plots``, its plots
+    (ssdsgd.report.finished_run)."""
     from ..report import ReportError, finished_run
     try:
-        lines = finished_run(run_dir)
+        lines = finished_run(run_dir, plots=plots)
     except (ReportError, ImportError, OSError, ValueError) as e:
         lines = [f"no result to report ({e})"]
     lines[0] += f"; job {seconds:.1f} s"
@@ -182,7 +183,7 @@ def _config_form(argv):
         print(f"[launcher] {_restart_line(attempt + 1, restarts, failures, whence or 'from the start (no checkpoint yet)')}",
               file=sys.stderr, flush=True)
     if code == 0:
-        _report(run_dir, time.monotonic() - t0)
+        _report(run_dir, time.monotonic() - t0, config.output.plots)
     return _gave_up(code, restarts)
 
 
