@@ -17,6 +17,7 @@ from ..settings import to_env
 from .local import LAUNCHERS
 
 GRACE_SECONDS = 5.0
+SETTLE_SECONDS = 3.0   # after a failure, for the others to report it and exit
 
 
 def free_port(host="127.0.0.1"):
@@ -174,6 +175,8 @@ def _watch(procs, interrupted, progress, log, failures=None, continue_without_wo
             failed.sort(key=lambda p: p.role != "worker")   # usually the root cause
             log(", ".join(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}"
                           for p in failed) + "; stopping the job")
+            if all(p.role == "worker" and p.poll() > 0 for p in failed):
+                _settle(procs)     # a worker that raised has reported why (not one killed)
             if failures is not None:
                 failed.sort(key=lambda p: p.poll() > 0)        # killed ones first
                 failures.extend(f"{p.role if p.role == 'scheduler' else f'{p.role} {p.rank}'}"
@@ -191,6 +194,15 @@ def _watch(procs, interrupted, progress, log, failures=None, continue_without_wo
         if progress is not None:
             progress.poll()
         time.sleep(0.1)
+
+
+def _settle(procs):
+    """A failed worker has usually told the scheduler why; the scheduler then tells every
+    node, and each says so and exits. Give them SETTLE_SECONDS to do it before they are
+    stopped, or a node killed first never names the cause."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
 
 
 def _stop_all(runner, procs):
