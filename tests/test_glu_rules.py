@@ -5,7 +5,8 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from ssdsgd.glu.rules import correction_gain, flatten_state, make_local_rule, period_model
+from ssdsgd.glu.rules import (BLOCK, corrected_into, correction_gain, flatten_state,
+                              make_local_rule, period_model, velocity_into)
 
 N, RESCALE, KEY = 4, 1 / 8, 3
 W0 = np.array([0.5, -1.0, 2.0], dtype=np.float32)
@@ -284,6 +285,23 @@ def test_corrected_needs_the_local_weights_after_its_first_reset():
     rule.update(KEY, w, nd(G))
     with pytest.raises(ValueError, match='local_weight'):
         rule.reset(KEY, nd(W0), prev_global_weight=nd(W0), steps_between=3, lr=0.1)
+
+
+@pytest.mark.parametrize('size', [5, BLOCK, 2 * BLOCK + 7])
+def test_the_in_place_seeds_equal_the_formulas_on_mxnet_bit_for_bit(size):
+    """The worker and the simulator seed in place on numpy, block by block; the numbers
+    are MXNet's whole-array float32 operations' (the earlier implementation's), so a
+    seed does not change with the block size or the library that computes it."""
+    rng = np.random.default_rng(size)
+    g, p, w, m = (rng.standard_normal(size).astype(np.float32) for _ in range(4))
+    gain, k = correction_gain(0.9, 5), 5
+    out = np.full(size, np.nan, np.float32)
+    velocity_into(out, g, p, k)
+    np.testing.assert_array_equal(out, ((nd(g) - nd(p)) / k).asnumpy())
+    seed, local = m.copy(), w.copy()
+    corrected_into(seed, g, local, gain)
+    np.testing.assert_array_equal(seed, (nd(m) + gain * (nd(g) - nd(w))).asnumpy())
+    np.testing.assert_array_equal(local, w)       # w_i is read, not written
 
 
 @pytest.mark.parametrize("name,make,state", [

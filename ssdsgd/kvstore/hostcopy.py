@@ -6,6 +6,7 @@ nothing is pending on any array, so the bytes can be copied straight into each a
 buffer (0.8 ms for those 160 instead of 15 ms). Arrays on other devices (GPUs) or with
 other storage types take MXNet's ordinary path.
 """
+import contextlib
 import ctypes
 import math
 
@@ -95,6 +96,22 @@ def write(pairs):
             fill(nd, value, dtype, size)
     for nd, value in other:
         nd[:] = np.asarray(value).reshape(nd.shape)
+
+
+@contextlib.contextmanager
+def edit(nds):
+    """Flat numpy arrays through which ``nds`` are changed in place: views of the dense CPU
+    arrays' own buffers after one engine synchronisation (no MXNet operation may touch
+    them inside the block), copies of the others, written back when the block ends."""
+    infos = [_dense_cpu(nd) for nd in nds]
+    if any(info is not None for info in infos):
+        mx.nd.waitall()
+    views = [raw_view(nd, *info) if info else nd.asnumpy().reshape(-1)
+             for nd, info in zip(nds, infos)]
+    yield views
+    for nd, info, view in zip(nds, infos, views):
+        if info is None:
+            nd[:] = view.reshape(nd.shape)
 
 
 def fill(nd, value, dtype=None, size=None):

@@ -317,60 +317,34 @@ class StageMachine:
         replies, self.pending = self.pending.wait(), None
         for key, reply in replies.items():
             self.keys[key].remember(reply, self._dated(reply, self.t - 1))
-        # 'corrected' seeds from w_i as it was before the reset overwrites it (the copies
-        # are engine operations: the write below waits for them before it overwrites).
-        local = {key: self.keys[key].outs[0].copy() for key in replies} \
-            if self.rule.needs_local_weight else {}
-        self._reset(list(replies), local, write_weights=True)
+        self._reset(list(replies), write_weights=True)
 
-    def _reset(self, keys, local_weights=None, write_weights=False):
-        """Spec step 3 for ``keys``: (with ``write_weights``) w_i <- w_G, then re-seed the
-        local rule from the global model; ``local_weights``: key -> w_i from before the
-        reset ('corrected'). Every host-to-NDArray copy of the step (weights, global
-        snapshots, state) is one ``hostcopy.write``: one engine synchronisation for all
-        keys, not one per array (``mx.nd.array`` waits on the engine for each)."""
-        copies, seeds = [], []
-        for key in keys:
-            record = self.keys[key]
-            if write_weights:
-                copies += [(out, record.value) for out in record.outs]
-            seeds.append((write_weights and self._seed_in_place(key, record, copies))
-                         or self._seed_arrays(record, copies))
-        hostcopy.write(copies)
-        for key, (now, prev, state) in zip(keys, seeds):
-            record = self.keys[key]
-            between = record.pulled_at - record.prev_pulled_at
-            self.rule.reset(key, now, prev_global_weight=prev, steps_between=max(between, 1),
-                            state=state, lr=record.lr, num_update=record.version,
-                            local_weight=(local_weights or {}).get(key), own_state=True)
-            record.seeded = True
-
-    def _seed_in_place(self, key, record, copies):
-        """exact, after the first reset: the pulled state goes straight into the local
-        optimizer's state arrays and w_G is the parameter just written (the same values
-        as fresh arrays, without making 2 NDArrays per key every k steps)."""
-        slots = self.rule.state_slots(key)
-        if not slots or record.state is None or len(slots) != len(record.state) or any(
-                a.dtype != v.dtype for a, v in zip(slots, record.state)):
-            return None
-        copies += zip(slots, record.state)
-        return record.outs[0], record.outs[0], list(slots)
-
-    def _seed_arrays(self, record, copies):
-        """Empty NDArrays for a reset's w_G(t_p), w_G(t_q) and state, their host values
-        appended to ``copies``. The previous snapshot only where a rule reads it."""
-        shape, ctx = record.outs[0].shape, record.outs[0].context   # ctypes calls: once
-
-        def nd(value):
-            a = mx.nd.empty(shape, ctx=ctx, dtype=value.dtype)
-            copies.append((a, value))
-            return a
-
-        now = nd(record.value)
-        state = [nd(s) for s in record.state] if self.rule.needs_state else None
-        between = record.pulled_at - record.prev_pulled_at
-        prev = nd(record.prev_value) if between > 0 and not self.rule.needs_state else now
-        return now, prev, state
+    def _reset(self, keys, write_weights=False):
+        """Spec step 3 for ``keys``: re-seed the local rule from the global model and (with
+        ``write_weights``) w_i <- w_G. Both happen in place in host memory, through views
+        of the rule's state arrays and of the parameters taken after one engine
+        synchronisation (``hostcopy.edit``): no array is made and the pulled bytes are
+        copied once. The rule reads w_i ('corrected') before w_G overwrites it."""
+        records = [self.keys[key] for key in keys]
+        slots = [self.rule.state_arrays(key, r.outs[0]) for key, r in zip(keys, records)]
+        edited = [s for key_slots in slots for s in key_slots]
+        if write_weights:
+            edited += [r.outs[0] for r in records]
+        with hostcopy.edit(edited) as views:
+            views = iter(views)
+            slot_views = [[next(views) for _ in key_slots] for key_slots in slots]
+            for key, r, key_slots in zip(keys, records, slot_views):
+                local = next(views) if write_weights else None
+                between = r.pulled_at - r.prev_pulled_at
+                self.rule.reseed(key, key_slots, r.value,
+                                 prev_global_weight=r.prev_value if between > 0 else r.value,
+                                 steps_between=max(between, 1), state=r.state, lr=r.lr,
+                                 num_update=r.version, local_weight=local)
+                if write_weights:
+                    local[...] = r.value
+                r.seeded = True
+        if write_weights:
+            hostcopy.write((out, r.value) for r in records for out in r.outs[1:])
 
     def _fetch_state(self, entries):
         """The servers' optimizer state, lr and update count for keys that enter the
