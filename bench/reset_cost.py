@@ -1,4 +1,4 @@
-"""What the worker's reset (spec step 3) costs on ResNet-50 shapes, in process.
+"""What the worker's reset (spec step 3) costs on ResNet-50 (or -20) shapes, in process.
 
 Times ``StageMachine._reset_to_pulled`` -- the code a steps-delay step runs right after a
 pull -- with the real local rule (GLURule through ``make_local_rule``) and real CPU
@@ -9,7 +9,8 @@ glu_state is first reset once (the key's first reset makes the local state), the
 The floor printed with it is one numpy memcpy of the bytes a reset must write (w_G into
 the parameters and the momentum into the local state), into existing arrays.
 
-    nice -n 19 python -m bench.reset_cost [--repeats 5] [--states exact,corrected,estimate]
+    nice -n 19 python -m bench.reset_cost [--model resnet50|resnet20] [--repeats 5]
+        [--states exact,corrected,estimate]
 """
 import argparse
 import math
@@ -27,13 +28,18 @@ from ssdsgd.worker.machine import KeyRecord, StageMachine
 from .common import machine_info
 
 
-def resnet50_shapes():
-    """Trainable parameter shapes of gluoncv's resnet50_v1 (bench/cluster's emulated
-    ResNet-50: 193 arrays, 25.6 M floats)."""
+MODELS = {'resnet50': ('resnet50_v1', (1, 3, 224, 224)),      # bench/cluster's emulated
+          'resnet20': ('cifar_resnet20_v1', (1, 3, 32, 32))}   # workloads, same shapes
+
+
+def model_shapes(model):
+    """Trainable parameter shapes of the gluoncv model (resnet50: 193 arrays, 25.6 M
+    floats; resnet20: 65 arrays, 0.27 M floats)."""
     from gluoncv import model_zoo
-    net = model_zoo.get_model('resnet50_v1', pretrained=False)
+    name, data_shape = MODELS[model]
+    net = model_zoo.get_model(name, pretrained=False)
     net.initialize(mx.init.Zero())
-    net(mx.nd.zeros((1, 3, 224, 224)))
+    net(mx.nd.zeros(data_shape))
     return [p.shape for p in net.collect_params().values() if p.grad_req != 'null']
 
 
@@ -118,22 +124,23 @@ def time_floor(shapes, repeats):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--repeats', type=int, default=5)
+    ap.add_argument('--model', default='resnet50', choices=sorted(MODELS))
     ap.add_argument('--states', default='exact,corrected,estimate',
                     help='comma-separated glu_state values')
     args = ap.parse_args(argv)
     info = machine_info()
-    shapes = resnet50_shapes()
+    shapes = model_shapes(args.model)
     size = sum(math.prod(s) for s in shapes)
-    print(f"reset cost, ResNet-50 shapes: {len(shapes)} keys, {size / 1e6:.1f} M floats "
+    print(f"reset cost, {args.model} shapes: {len(shapes)} keys, {size / 1e6:.1f} M floats "
           f"({size * 4 / 1e6:.1f} MB); git {info.get('git', '?')}, load "
           f"{info.get('loadavg_start')}, median of {args.repeats}")
     floor = statistics.median(time_floor(shapes, args.repeats))
-    print(f"{'floor: memcpy of w_G and the momentum':<40}{floor:>8.3f} s")
+    print(f"{'floor: memcpy of w_G and the momentum':<40}{floor * 1e3:>8.1f} ms")
     for glu_state in args.states.split(','):
         times = time_resets(glu_state, shapes, args.repeats)
         med = statistics.median(times)
-        print(f"{'reset, glu_state ' + glu_state:<40}{med:>8.3f} s  ({med / floor:.1f}x "
-              f"floor; min {min(times):.3f}, max {max(times):.3f})")
+        print(f"{'reset, glu_state ' + glu_state:<40}{med * 1e3:>8.1f} ms ({med / floor:.1f}x "
+              f"floor; min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})")
 
 
 if __name__ == '__main__':
