@@ -287,6 +287,11 @@ SETTINGS = (
             "per epoch)", path="sync.warmup_epochs", min=0.0, optional=True),
     Setting("delay_steps", int, 5, "k: pull period in steps", env="SSDSGD_DELAY_STEPS",
             path="sync.delay_steps", min=1),
+    Setting("pull_schedule", str, "aligned", "when in each period of k steps a worker pulls "
+            "(ssd): aligned (the spec: every worker at the same step) or staggered (worker i "
+            "floor(i k / N) steps earlier, so the N pulls do not cross the servers' links as "
+            "one burst; docs/spec/staggered_pulls.md)", env="SSDSGD_PULL_SCHEDULE",
+            path="sync.pull_schedule", choices=("aligned", "staggered")),
     Setting("local_rule", str, "glu", "the worker's local update between pulls (docs/glu.md)",
             env="SSDSGD_LOCAL_RULE", path="sync.local_rule", choices=("glu", "sgd", "none")),
     Setting("glu_state", str, "exact", "glu's optimizer state at a reset: the servers' exact "
@@ -394,7 +399,17 @@ def _quorum_and_continue(values: Mapping, label: Callable[[str], str]) -> Option
     return None
 
 
-CROSS_CHECKS = (_heartbeats, _group_size, _slowdown_ranks, _quorum_and_continue)
+def _staggered_and_quorum(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """A quorum dates pulls by the rounds closed, not by each worker's steps, so a worker's
+    own pull offset has no meaning there (docs/spec/staggered_pulls.md)."""
+    if values.get("pull_schedule") == "staggered" and values.get("quorum") not in (None, "all"):
+        return (f"{label('pull_schedule')}: staggered works with {label('quorum')}: all only, "
+                f"got {values['quorum']!r}")
+    return None
+
+
+CROSS_CHECKS = (_heartbeats, _group_size, _slowdown_ranks, _quorum_and_continue,
+                _staggered_and_quorum)
 
 
 def cross_check(values: Mapping, label: Callable[[str], str]) -> None:

@@ -115,6 +115,15 @@ def test_compressed_systems_and_their_bounds():
     assert cor.key == 'ssd-k5-2bit-corrected' and 'corrected' in cor.label
     with pytest.raises(KeyError):
         plan.system_by_key('ssgd-corrected')
+    # staggered pulls (the runner sets SSDSGD_PULL_SCHEDULE), ssd rows only, any order
+    # against the glu_state suffix
+    st = plan.system_by_key('ssd-k5-2bit-staggered-corrected')
+    assert (st.k, st.compression, st.glu_state, st.staggered) == (5, '2bit', 'corrected', True)
+    other = plan.system_by_key('ssd-k5-2bit-corrected-staggered')
+    assert (other.glu_state, other.staggered, other.k) == ('corrected', True, 5)
+    assert 'staggered' in st.label and not cor.staggered
+    with pytest.raises(KeyError):
+        plan.system_by_key('native-sync-staggered')
     # 100 MB, 4 workers, 1 server at 1 Gbit/s: 2bit pushes are 1/16 as big, so ssd k=5's
     # uncompressed pulls (1/5 of the model per step) bind: 3.2 s x 0.2; a synchronous
     # system still pulls the whole model every step

@@ -180,7 +180,8 @@ def test_sync_env_matches_design_doc_names(tmp_path):
     assert sync_env(cfg) == {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_GROUP_SIZE": "2",
                              "SSDSGD_WARMUP_STEPS": "7",
                              "SSDSGD_DELAY_STEPS": "3", "SSDSGD_LOCAL_RULE": "sgd",
-                             "SSDSGD_GLU_STATE": "exact", "SSDSGD_LR_LOCAL": "0.5"}
+                             "SSDSGD_GLU_STATE": "exact", "SSDSGD_LR_LOCAL": "0.5",
+                             "SSDSGD_PULL_SCHEDULE": "aligned"}
     assert "SSDSGD_LR_LOCAL" not in sync_env(parse_config(MINIMAL))
     cfg = parse_config(merged(cluster={"workers": 3, "servers": 2, "heartbeat_timeout": 5}))
     assert cluster_env(cfg) == {"SSDSGD_NUM_WORKERS": "3", "SSDSGD_NUM_SERVERS": "2",

@@ -85,7 +85,8 @@ def _trainer_keys(net):
     return {i: order.index(p) for i, p in enumerate(trainer._params)}
 
 
-def _reference(rule, k, n, opt, warmup=WARMUP, algorithm="ssd", compression="none"):
+def _reference(rule, k, n, opt, warmup=WARMUP, algorithm="ssd", compression="none",
+               pull_schedule="aligned"):
     net = tiny.make_net()
     keys = _trainer_keys(net)
     params = tiny.params(net)
@@ -104,10 +105,12 @@ def _reference(rule, k, n, opt, warmup=WARMUP, algorithm="ssd", compression="non
     return keys, simulate(init, grad_fn, make_optimizer, n, STEPS, algorithm=algorithm,
                           warmup_steps=warmup, delay_steps=k, local_rule=local_rule,
                           glu_state=glu_state or "estimate",
-                          compression=COMPRESSIONS[compression])
+                          compression=COMPRESSIONS[compression],
+                          pull_schedule=pull_schedule)
 
 
-def _run(tmp_path, rule, k, n, s, opt, warmup=WARMUP, algorithm="ssd", compression="none"):
+def _run(tmp_path, rule, k, n, s, opt, warmup=WARMUP, algorithm="ssd", compression="none",
+         pull_schedule="aligned"):
     local_rule, _, glu_state = rule.partition("-")
     extra = (["--compression", json.dumps(COMPRESSIONS[compression])]
              if COMPRESSIONS[compression] else [])
@@ -116,6 +119,7 @@ def _run(tmp_path, rule, k, n, s, opt, warmup=WARMUP, algorithm="ssd", compressi
                  env={"SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": warmup,
                       "SSDSGD_DELAY_STEPS": k, "SSDSGD_LOCAL_RULE": local_rule,
                       "SSDSGD_GLU_STATE": glu_state or "estimate",
+                      "SSDSGD_PULL_SCHEDULE": pull_schedule,
                       "SSDSGD_BIGARRAY_BOUND": 100})   # the 16x12 weight spans both servers
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return ([load_npz(tmp_path / f"local-rank{r}.npz") for r in range(n)],
@@ -165,3 +169,21 @@ def test_without_warmup_exact_glu_state_equals_the_simulation(tmp_path):
     for i, j in keys.items():
         _close(locals_[0][f"p{j}"], ref.worker_weights[0][i].asnumpy(), f"local weights of key {i}")
         _close(finals[0][f"p{j}"], ref.global_weights[i].asnumpy(), f"final weights of key {i}")
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("rule,opt,compression", [("glu-corrected", "sgd", "2bit"),
+                                                  ("glu-exact", "adam", "none")])
+def test_staggered_pulls_equal_the_simulation(tmp_path, rule, opt, compression):
+    """docs/spec/staggered_pulls.md: worker i pulls floor(i k / N) steps earlier in each
+    period; 3 workers, k = 5 (offsets 0, 1, 3), 2 servers (a key split over both)."""
+    n, k = 3, 5
+    locals_, finals = _run(tmp_path, rule, k, n, 2, opt, compression=compression,
+                           pull_schedule="staggered")
+    keys, ref = _reference(rule, k, n, opt, compression=compression, pull_schedule="staggered")
+    for r in range(n):
+        for i, j in keys.items():
+            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
+                   f"worker {r} local weights of key {i}")
+            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
+                   f"worker {r} final global weights of key {i}")

@@ -342,3 +342,54 @@ def test_steps_delay_without_the_optimizer_on_the_kvstore_fails():
     job.machines[0].rule = None       # what a Trainer with update_on_kvstore=False leaves
     with pytest.raises(RuntimeError, match="update_on_kvstore"):
         job.step()
+
+
+# ---- staggered pulls (docs/spec/staggered_pulls.md) ---------------------------------------
+def test_staggered_pulls_spread_each_period_over_the_workers():
+    T_w, k, n, steps = 2, 5, 4, 12
+    job = Job(n, algorithm="ssd", warmup_steps=T_w, delay_steps=k, local_rule="glu",
+              glu_state="exact", pull_schedule="staggered").run(steps)
+    requested = [[t for e in c.log if e[0] == "push" for t, pull in [(e[1], e[2])]
+                  if pull and t >= T_w] for c in job.clients]
+    # o_i = floor(i k / N) = 0, 1, 2, 3: worker i requests when (t - T_w + o_i) mod k = k - 1
+    assert requested == [[6, 11], [5, 10], [4, 9], [3, 8]]
+    steps_with_a_pull = [t for r in requested for t in r]
+    assert len(steps_with_a_pull) == len(set(steps_with_a_pull))   # never two at one step
+    # each worker still waits for its pull one step after requesting it
+    for c, r in zip(job.clients, requested):
+        assert [asof for _, during, asof in (e for e in c.log if e[0] == "wait")
+                if asof is not None and asof >= T_w] == r[:-1] + ([r[-1]] if r[-1] < steps - 1
+                                                                  else [])
+
+
+@pytest.mark.parametrize("glu_state,k,n", [("exact", 3, 2), ("corrected", 5, 4),
+                                           ("estimate", 2, 3)])
+def test_staggered_weights_equal_the_simulation(glu_state, k, n):
+    steps, T_w = 13, 2
+    job = Job(n, algorithm="ssd", warmup_steps=T_w, delay_steps=k, local_rule="glu",
+              glu_state=glu_state, pull_schedule="staggered").run(steps)
+    ref = simulate(_init(), _grad_fn, job.make_optimizer, n, steps, algorithm="ssd",
+                   warmup_steps=T_w, delay_steps=k, local_rule="glu", glu_state=glu_state,
+                   pull_schedule="staggered")
+    aligned = simulate(_init(), _grad_fn, job.make_optimizer, n, steps, algorithm="ssd",
+                       warmup_steps=T_w, delay_steps=k, local_rule="glu", glu_state=glu_state)
+    for i in range(n):
+        for key in SHAPES:
+            np.testing.assert_array_equal(job.weights[i][key].asnumpy(),
+                                          ref.worker_weights[i][key].asnumpy(),
+                                          err_msg=f"worker {i} local weights of key {key}")
+    # the schedule matters: some worker's model differs from the aligned schedule's
+    assert any(not np.array_equal(ref.worker_weights[i][key].asnumpy(),
+                                  aligned.worker_weights[i][key].asnumpy())
+               for i in range(1, n) for key in SHAPES)
+    for i in range(n):
+        job.machines[i].finish()
+        for key in SHAPES:
+            np.testing.assert_array_equal(job.weights[i][key].asnumpy(),
+                                          ref.global_weights[key].asnumpy())
+
+
+def test_staggered_pulls_refuse_a_quorum():
+    from ssdsgd.settings import SettingError
+    with pytest.raises(SettingError, match="staggered works with SSDSGD_QUORUM: all only"):
+        _env(num_workers=3, pull_schedule="staggered", quorum="majority")

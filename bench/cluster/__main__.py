@@ -712,6 +712,8 @@ def comm_bound_checks(matrix, args):
         if key != 'ssd-k5-2bit' and not key.startswith('ssd-k5-2bit-'):
             continue
         state = f" ({c5['glu_state']})" if c5.get('glu_state') else ''
+        if c5.get('pull_schedule') == 'staggered':
+            state += ' (staggered pulls)'
         for base, name, want in ((nat, 'native dist_sync', 3.0),
                                  (nat2, 'native dist_sync + 2bit (push/pull)', 1.5)):
             r = c5['samples_per_s'] / base['samples_per_s'] if ok(c5) and ok(base) else None

@@ -33,6 +33,7 @@ class System:
     threshold: float = 0.0  # 2bit threshold of this row (0: the benchmark's --threshold)
     warmup: int = -1      # ssd warm-up steps of this row (-1: the experiment's)
     glu_state: str = ''   # ssd: the row's glu_state, or '' for --glu-state / the default
+    staggered: bool = False  # ssd: sync.pull_schedule staggered (docs/spec/staggered_pulls.md)
 
     @property
     def synchronous(self):
@@ -92,6 +93,14 @@ class System:
         return replace(self, key=f'{self.key}-{state}', label=f'{self.label} ({state})',
                        glu_state=state)
 
+    def with_staggered_pulls(self):
+        """This ssd row with its workers' pulls spread over each period (suffix
+        -staggered: ssd-k5-2bit-staggered)."""
+        if self.kind != 'ssd' or self.mode != 'ssd':
+            raise KeyError(f'staggered pulls: only for ssd rows, not {self.key}')
+        return replace(self, key=f'{self.key}-staggered', staggered=True,
+                       label=f'{self.label}, staggered pulls')
+
     @property
     def straggler_tolerant(self):
         """Does not wait for the slowest worker (issue 11's tolerant rows)."""
@@ -130,10 +139,13 @@ def system_by_key(key):
     """'native-sync', 'ssd-k5', ... with an optional compression suffix ('ssd-k5-2bit') or
     quorum suffix ('ssd-k5-majority', 'ssgd-solo'), then optionally a 2bit row's own
     threshold ('-t1') and an ssd row's own warm-up ('-w4'), and a glu_state suffix last:
-    'ssd-k5-2bit-t1-w4', 'ssd-k5-2bit-corrected'."""
+    'ssd-k5-2bit-t1-w4', 'ssd-k5-2bit-corrected'; '-staggered' anywhere after the
+    compression: 'ssd-k5-2bit-staggered-corrected'."""
     base, _, kind = key.rpartition('-')
     if kind in GLU_STATES:
         return system_by_key(base).with_glu_state(kind)
+    if kind == 'staggered':
+        return system_by_key(base).with_staggered_pulls()
     if base and kind[:1] in ('t', 'w') and _number(kind[1:]) is not None:
         system = system_by_key(base)
         if kind[0] == 'w' and kind[1:].isdigit():

@@ -97,8 +97,9 @@ class Pusher:
 
 def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorithm='ssd',
              warmup_steps=0, delay_steps=1, local_rule='glu', glu_state='estimate',
-             lr_local=None, compression=None, on_step=None):
+             lr_local=None, compression=None, on_step=None, pull_schedule='aligned'):
     """Run the spec for `steps` global steps; grad_fn(worker, step, weights) -> raw grads.
+    pull_schedule: 'aligned' (the spec) or 'staggered' (docs/spec/staggered_pulls.md).
     compression: None, kv.set_gradient_compression's dict, or a Compression.
     on_step(t, global_weights), if given, sees w_G(t) right after the server applied step t
     (for learning curves; it must not modify the arrays)."""
@@ -110,6 +111,10 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
         raise ValueError(f"delay_steps must be >= 1; got {delay_steps}")
     k, T_w = delay_steps, (steps if algorithm == 'ssgd' else warmup_steps)
     N = num_workers
+    if pull_schedule not in ('aligned', 'staggered'):
+        raise ValueError(f"pull_schedule must be aligned or staggered; got {pull_schedule!r}")
+    # Worker i requests o_i steps earlier in each period (staggered: o_i = floor(i k / N)).
+    offsets = [i * k // N if pull_schedule == 'staggered' else 0 for i in range(N)]
     server = Server(init_weights, make_optimizer)
     pushers = [Pusher(compression) for _ in range(N)]
     workers = [{key: w.copy() for key, w in init_weights.items()} for _ in range(N)]
@@ -159,8 +164,8 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
             # 4. local update with g_i(t).
             for key in workers[i]:
                 rules[i].update(key, workers[i][key], grads[i][key])
-            # 5. request the global weights as of step t.
-            if (t - T_w) % k == k - 1:
+            # 5. request the global weights as of step t (o_i steps earlier if staggered).
+            if (t - T_w + offsets[i]) % k == k - 1:
                 if reply_t is None:
                     reply_t = server.pull(with_state)
                 pending[i] = reply_t

@@ -32,7 +32,7 @@ from ..glu.rules import make_local_rule
 from ..kvstore import engineop, hostcopy
 from ..kvstore.client import KeyReply
 from ..kvstore.optimizer_spec import build
-from .schedule import Stage, plan
+from .schedule import Stage, plan, pull_offset
 
 
 def _device_sum(nd_list):
@@ -86,6 +86,11 @@ class StageMachine:
         # update count (rounds, not this worker's steps), and the end waits for every
         # worker (final pull).
         self.quorum = bool(getattr(client, "quorum", False))
+        if self.quorum and env.pull_schedule != "aligned":
+            raise ValueError("SSDSGD_PULL_SCHEDULE: staggered works with SSDSGD_QUORUM=all only")
+        # This worker's place in each pull period (0 unless the pulls are staggered).
+        self.offset = pull_offset(client.rank, client.num_workers, env.delay_steps,
+                                  env.pull_schedule) if env.algorithm == "ssd" else 0
         self.updater = None          # preduce: the Trainer's optimizer, run on this worker
         self.groups = []             # preduce: (group number, members) of every group joined
         self.groups_done = False     # preduce: the final group (of every worker) is done
@@ -130,7 +135,8 @@ class StageMachine:
             self.t += 1
             self.last_step_blocked = self.client.stats["time_blocked"] - blocked0
             return
-        p = plan(self.t, self.env.algorithm, self.env.warmup_steps, self.env.delay_steps)
+        p = plan(self.t, self.env.algorithm, self.env.warmup_steps, self.env.delay_steps,
+                 self.offset)
         if not p.synchronous:
             self._check_steps_delay(entries)
             self._fetch_state(entries)
@@ -496,7 +502,7 @@ class StageMachine:
         stats.update(self.counts)
         stats["step"] = self.t
         stats["stage"] = plan(max(self.t - 1, 0), self.env.algorithm, self.env.warmup_steps,
-                              self.env.delay_steps).stage
+                              self.env.delay_steps, self.offset).stage
         stats["last_step_blocked"] = self.last_step_blocked
         stats["left"] = list(self.client.left)
         return stats
