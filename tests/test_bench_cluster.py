@@ -435,3 +435,10 @@ def test_comm_bound_checks_judge_every_ssd_k5_2bit_row():
                   '(push/pull)'] == ('1.55', True)
     assert checks['ssd k=5 + 2bit throughput / native dist_sync + 2bit (push/pull)'] == \
         ('1.45', False)
+    # rows without steady-state figures get no steady-state check; rows with them do
+    assert not any('steady-state' in what for what in checks)
+    rows[0]['steady_samples_per_s'], rows[3]['steady_samples_per_s'] = 10.0, 35.0
+    checks = {c['what']: (c['measured'], c['met']) for c in comm_bound_checks([group], args)}
+    assert checks['ssd k=5 + 2bit (corrected) steady-state throughput / native dist_sync '
+                  'steady state'] == ('3.50', True)
+    assert not any(w.startswith('ssd k=5 + 2bit steady') for w in checks)
