@@ -393,3 +393,17 @@ def test_staggered_pulls_refuse_a_quorum():
     from ssdsgd.settings import SettingError
     with pytest.raises(SettingError, match="staggered works with SSDSGD_QUORUM: all only"):
         _env(num_workers=3, pull_schedule="staggered", quorum="majority")
+
+
+def test_a_resumed_staggered_job_keeps_each_workers_phase():
+    """The offsets are a function of rank, N and k, so a job resumed at step 7 requests
+    on the same steps as the uninterrupted one."""
+    whole = Job(3, algorithm="ssd", warmup_steps=2, delay_steps=3, local_rule="glu",
+                pull_schedule="staggered").run(12)
+    resumed = Job(3, algorithm="ssd", warmup_steps=2, delay_steps=3, local_rule="glu",
+                  pull_schedule="staggered", start_step=7).run(5)
+
+    def requests(job):
+        return [[e[1] for e in c.log if e[0] == "push" and e[2] and e[1] >= 7]
+                for c in job.clients]
+    assert requests(resumed) == requests(whole) == [[7, 10], [9], [8, 11]]
