@@ -130,6 +130,14 @@ def test_compressed_systems_and_their_bounds():
     assert plan.link_time(100_000_000, 1e9, 4, 1, k5) == pytest.approx(0.64)
     assert plan.link_time(100_000_000, 1e9, 4, 1, nat) == pytest.approx(3.2)
     assert plan.link_time(100_000_000, 1e9, 4, 1, plan.ssd(5)) == pytest.approx(3.2)
+    # with glu_state exact (the default, or the row's own) a pull carries the momentum
+    # too: twice the pull bytes, so k=5 + 2bit's pulls take 0.4 of the model per step
+    assert k5.resolved('exact').state_pulls and not k5.resolved('corrected').state_pulls
+    assert plan.link_time(100_000_000, 1e9, 4, 1, k5.resolved('exact')) == pytest.approx(1.28)
+    assert not cor.resolved('exact').state_pulls         # the row's own glu_state wins
+    assert plan.link_time(100_000_000, 1e9, 4, 1, plan.ssd(1).resolved('exact')) == \
+        pytest.approx(6.4)                                # k = 1: 2 models pulled a step
+    assert not nat.resolved('exact').state_pulls          # native rows pull weights only
 
 
 def test_a_row_can_have_its_own_2bit_threshold_and_warmup():

@@ -371,13 +371,15 @@ def run_matrix(bench, args, workloads, log):
     groups = []
     systems = plan.matrix_systems([int(k) for k in _csv(args.ks)])
     if args.systems:
-        systems = [plan.system_by_key(key) for key in _csv(args.systems)]
+        systems = [plan.system_by_key(key).resolved(default_glu_state(args))
+                   for key in _csv(args.systems)]
     n, s = args.workers, args.servers
     for workload, rates in workloads:
         for rate in rates:
             bench.cluster.shape(rate, args.latency_ms)
             g = {'workload': workload.name, 'workload_desc': workload.describe(),
-                 'rate_bits': rate, 'workers': n, 'servers': s, 'rows': []}
+                 'rate_bits': rate, 'workers': n, 'servers': s, 'rows': [],
+                 'glu_state': default_glu_state(args)}
             log(f'--- {workload.describe()} @ {netns.rate_label(rate)}, {n} workers, '
                 f'{s} server(s)')
             if workload.kind == 'real':
@@ -413,11 +415,18 @@ def compute_only_row(bench, args, workload, rate, n, s, log):
     return row
 
 
+def default_glu_state(args):
+    """The glu_state of ssd rows without one of their own: --glu-state, else the code's."""
+    from ssdsgd.settings import BY_NAME
+    return args.glu_state or BY_NAME['glu_state'].default
+
+
 def add_bounds_and_speedups(g, workload, rate, b):
     n, s = g['workers'], g['servers']
     for r in g['rows']:
-        system = plan.system_by_key(r['system'])
-        rb = plan.bound(workload, rate, n, s, system=system)[0] if system.compression else b
+        system = plan.system_by_key(r['system']).resolved(g.get('glu_state', 'exact'))
+        rb = plan.bound(workload, rate, n, s, system=system)[0] \
+            if system.compression or system.state_pulls else b
         if workload.kind == 'real' and r.get('compute_per_step_s'):
             # compute alone, as fast as it ran in this very row (the load from
             # other processes changes between rows)

@@ -34,6 +34,7 @@ class System:
     warmup: int = -1      # ssd warm-up steps of this row (-1: the experiment's)
     glu_state: str = ''   # ssd: the row's glu_state, or '' for --glu-state / the default
     staggered: bool = False  # ssd: sync.pull_schedule staggered (docs/spec/staggered_pulls.md)
+    state_pulls: bool = False  # ssd: pulls carry the momentum too (glu_state exact; resolved)
 
     @property
     def synchronous(self):
@@ -44,6 +45,19 @@ class System:
     @property
     def pulls_per_step(self):
         return 1.0 / self.k if self.kind == 'ssd' and self.mode == 'ssd' else 1.0
+
+    @property
+    def pull_fraction(self):
+        """Bytes pulled per step per model byte: an exact glu_state pull carries the
+        momentum SGD's state beside the weights (twice the bytes)."""
+        return self.pulls_per_step * (2.0 if self.state_pulls else 1.0)
+
+    def resolved(self, default_glu_state):
+        """This system with ``state_pulls`` set from its glu_state (or, if it has none,
+        the job's: ``--glu-state`` or the code's default)."""
+        exact = self.kind == 'ssd' and self.mode == 'ssd' and \
+            (self.glu_state or default_glu_state) == 'exact'
+        return replace(self, state_pulls=exact)
 
     @property
     def push_fraction(self):
@@ -211,13 +225,14 @@ def push_time(param_bytes, rate_bits):
 
 
 def link_time(param_bytes, rate_bits, num_workers, num_servers, system=None):
-    """Seconds per step on the busiest link. Uncompressed: the pushes (pulls travel the
-    other way and are never more). With ``system`` compressed: pushes are
-    push_fraction as big, so the uncompressed pulls (pulls_per_step of the model) may
-    bind instead."""
+    """Seconds per step on the busiest link: the pushes (push_fraction of the model with
+    compression) or the pulls, which travel the other way (pull_fraction of the model:
+    pulls_per_step, twice that when they carry the momentum), whichever is more. Pulls
+    are averaged over the period (the bound of staggered pulls; aligned pulls come as
+    one burst per period, docs/spec/staggered_pulls.md)."""
     scale = 1.0
-    if system is not None and system.compression:
-        scale = max(system.push_fraction, system.pulls_per_step)
+    if system is not None:
+        scale = max(system.push_fraction, system.pull_fraction)
     return max(num_workers / num_servers, 1.0) * push_time(param_bytes, rate_bits) * scale
 
 
