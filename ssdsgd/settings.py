@@ -416,10 +416,18 @@ def _staggered_and_quorum(values: Mapping, label: Callable[[str], str]) -> Optio
 
 def _relay_and_continue(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
     """A relayed reply passes through other workers: a dead one would leave the rest of its
-    chain waiting while the job goes on without it (docs/spec/pull_relay.md)."""
-    if values.get("pull_relay") == "chain" and values.get("on_worker_failure") == "continue":
+    chain waiting while the job goes on without it; and a quorum answers every worker on
+    its own, so there is nothing to relay (docs/spec/pull_relay.md)."""
+    if values.get("pull_relay") != "chain":
+        return None
+    if values.get("on_worker_failure") == "continue":
         return (f"{label('pull_relay')}: chain works with {label('on_worker_failure')}: "
                 "abort or restart only (a dead worker would break the chain of the others)")
+    quorum, n = values.get("quorum"), values.get("num_workers")
+    if quorum not in (None, "all") and n is not None and not _quorum(quorum) and \
+            quorum_size(quorum, n) < n:
+        return (f"{label('pull_relay')}: chain works with {label('quorum')}: all only, got "
+                f"{quorum!r} (a quorum's replies go to each worker on its own)")
     return None
 
 

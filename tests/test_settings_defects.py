@@ -173,6 +173,10 @@ def test_relayed_pulls_are_refused_when_dead_workers_are_left_behind():
     for failure in ("abort", "restart"):
         raw["cluster"]["on_worker_failure"] = failure
         assert parse_config(raw).sync.pull_relay == "chain"
+    raw["sync"]["quorum"] = "majority"
+    with pytest.raises(ConfigError, match=r"sync.pull_relay: chain works with sync.quorum: "
+                                          r"all only, got 'majority'"):
+        parse_config(raw)
     with pytest.raises(EnvError, match="SSDSGD_PULL_RELAY: chain works with "
                                        "SSDSGD_ON_WORKER_FAILURE: abort or restart only"):
         NodeEnv.from_environ({"SSDSGD_PULL_RELAY": "chain", "SSDSGD_ON_WORKER_FAILURE":
