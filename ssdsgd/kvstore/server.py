@@ -180,7 +180,7 @@ class Server:
         if peer is not None:
             peer.inflight = [t for t in peer.inflight if not t.done]
             peer.inflight.append(tracker)
-            if len(peer.inflight) > self._reply_bound():
+            if len(peer.inflight) > self._unsent_bound():
                 raise Fatal(f"worker {peer.rank} does not read its replies ("
                             f"{len(peer.inflight)} unsent); stopping the job")
         return tracker
@@ -191,6 +191,14 @@ class Server:
         ``kv.pushpull`` key by key has every key in flight, as with ps-lite); plus a margin."""
         chunks = 1 + self.model_bytes // max(1, self.env.chunk_bytes)
         return (self.steps_ahead + 2) * (chunks + 1 + len(self.shards)) + 64
+
+    def _unsent_bound(self):
+        """Messages to one worker that ZeroMQ may still be sending: its replies, and the
+        pieces of relayed replies (up to FRAGMENT_SHARE + 1 per reply, or one per
+        FRAGMENT_MAX bytes of weights and state; docs/spec/pull_relay.md)."""
+        chunks = 1 + self.model_bytes // max(1, self.env.chunk_bytes)
+        pieces = chunks * (P.FRAGMENT_SHARE + 1) + 2 * self.model_bytes // P.FRAGMENT_MAX
+        return self._reply_bound() + (self.steps_ahead + 2) * pieces
 
     def _reclaim(self, shard):
         """Before ``shard.weight`` changes: replies holding a view of it take a copy (not
