@@ -24,6 +24,7 @@ import numpy as np
 
 from ..kvstore import hostcopy
 from ..kvstore.optimizer_spec import flatten_state, unflatten_state
+from ..kvstore.update_groups import size_groups
 from ..settings import BY_NAME
 
 RULES = BY_NAME['local_rule'].choices
@@ -205,15 +206,17 @@ class _UpdaterRule(LocalRule):
         self.updater(key, grad, weight)
 
     def update_many(self, keys, weights, grads):
-        """One Updater call per lr: MXNet's SGD then runs ``multi_sgd_mom_update`` on up to
-        ``AGGREGATE`` keys per operator call instead of one call per key, bit for bit the
-        same weights (tests/test_glu_rules.py); other optimizers loop inside the Updater."""
+        """One Updater call per lr and group of similar sizes (kvstore.update_groups):
+        MXNet's SGD then runs ``multi_sgd_mom_update`` on up to ``AGGREGATE`` keys per
+        operator call instead of one call per key, bit for bit the same weights
+        (tests/test_glu_rules.py); other optimizers loop inside the Updater."""
         by_lr = {}
         for key, weight, grad in zip(keys, weights, grads):
             by_lr.setdefault(self._key_lr(key), []).append((key, grad, weight))
         for lr, items in by_lr.items():
             self.opt.lr = lr
-            self.updater(*map(list, zip(*items)))
+            for group in size_groups([w.size for _, _, w in items], AGGREGATE):
+                self.updater(*map(list, zip(*(items[i] for i in group))))
 
     def state_dict(self, arrays):
         """The lr of each key, the local optimizer's state per key and its update counts

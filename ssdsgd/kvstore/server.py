@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from . import hostcopy
+from .update_groups import size_groups
 from .batch_schedule import GlobalBatchSchedule
 from .compression import Compression, CompressionError, Packed2bit, sum_2bit, summable
 from . import protocol as P
@@ -404,8 +405,9 @@ class Server:
         self._send(ident, P.Message(P.Kind.ACK, sender=self.rank, req=msg.req))
 
     def _use_optimizer(self, optimizer):
-        # Multi-tensor updates (MXNet's own multi_* kernels) for all keys of a step: the
-        # same arithmetic as one update per key, far fewer engine calls.
+        # Multi-tensor updates (MXNet's own multi_* kernels) for the keys of a step, in
+        # calls of similar sizes (update_groups): the same arithmetic as one update per
+        # key, far fewer engine calls.
         if optimizer.aggregate_num > 0:
             optimizer.aggregate_num = AGGREGATE_KEYS
         sched = optimizer.lr_scheduler
@@ -545,8 +547,9 @@ class Server:
                 for g in parts[2:]:
                     target += g
         if self.updater is not None:   # without an optimizer the store keeps the sum (MXNet's rule)
-            self.updater([s.key for s in shards], [s.grad for s in shards],
-                         [s.weight for s in shards])
+            for group in size_groups([s.count for s in shards], AGGREGATE_KEYS):
+                self.updater([shards[i].key for i in group], [shards[i].grad for i in group],
+                             [shards[i].weight for i in group])
             mx.nd.waitall()   # once per step: replies then read the weights' buffers directly
         for shard in shards:
             shard.version += 1
