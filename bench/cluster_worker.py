@@ -449,6 +449,7 @@ def run_digits(args, kv):
                     evals.append((step, time.time() - t_start, job.evaluate()))
     job.mx.nd.waitall()
     t_end, cpu_s = time.time(), time.process_time() - cpu0
+    metrics = kv_metrics(kv)
     evals += [(s, t, job.evaluate_snapshot(w)) for s, t, w in snaps]
     closed = False
     if kv is not None and hasattr(kv, 'average_all') and kv.algorithm == 'preduce':
@@ -466,7 +467,9 @@ def run_digits(args, kv):
             evals.append((step, time.time() - t_start, job.evaluate()))
     return {'t_start': t_start, 't_end': t_end, 'cpu_s': cpu_s, 'steps': step,
             'steps_per_epoch': job.spe, 'closed': closed,
-            'batch': args.batch, 'evals': evals, 'param_bytes': job.param_bytes()}
+            'batch': args.batch, 'evals': evals, 'param_bytes': job.param_bytes(),
+            'kv_metrics_end': {k: v for k, v in (metrics or {}).items()
+                               if isinstance(v, (int, float, str))}}
 
 
 def main(argv=None):

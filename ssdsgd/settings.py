@@ -292,6 +292,12 @@ SETTINGS = (
             "floor(i k / N) steps earlier, so the N pulls do not cross the servers' links as "
             "one burst; docs/spec/staggered_pulls.md)", env="SSDSGD_PULL_SCHEDULE",
             path="sync.pull_schedule", choices=("aligned", "staggered")),
+    Setting("pull_relay", str, "off", "how the weights that several workers pull at the same "
+            "step reach them: off (every worker gets its copy from the servers, as ps-lite "
+            "does) or chain (a server sends one copy, to the lowest rank; each worker passes "
+            "it on to the next, so a server's link carries one copy instead of N; same "
+            "bytes, same results; docs/spec/pull_relay.md)", env="SSDSGD_PULL_RELAY",
+            path="sync.pull_relay", choices=("off", "chain")),
     Setting("local_rule", str, "glu", "the worker's local update between pulls (docs/glu.md)",
             env="SSDSGD_LOCAL_RULE", path="sync.local_rule", choices=("glu", "sgd", "none")),
     Setting("glu_state", str, "exact", "glu's optimizer state at a reset: the servers' exact "
@@ -408,8 +414,25 @@ def _staggered_and_quorum(values: Mapping, label: Callable[[str], str]) -> Optio
     return None
 
 
+def _relay_and_continue(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """A relayed reply passes through other workers: a dead one would leave the rest of its
+    chain waiting while the job goes on without it; and a quorum answers every worker on
+    its own, so there is nothing to relay (docs/spec/pull_relay.md)."""
+    if values.get("pull_relay") != "chain":
+        return None
+    if values.get("on_worker_failure") == "continue":
+        return (f"{label('pull_relay')}: chain works with {label('on_worker_failure')}: "
+                "abort or restart only (a dead worker would break the chain of the others)")
+    quorum, n = values.get("quorum"), values.get("num_workers")
+    if quorum not in (None, "all") and n is not None and not _quorum(quorum) and \
+            quorum_size(quorum, n) < n:
+        return (f"{label('pull_relay')}: chain works with {label('quorum')}: all only, got "
+                f"{quorum!r} (a quorum's replies go to each worker on its own)")
+    return None
+
+
 CROSS_CHECKS = (_heartbeats, _group_size, _slowdown_ranks, _quorum_and_continue,
-                _staggered_and_quorum)
+                _staggered_and_quorum, _relay_and_continue)
 
 
 def cross_check(values: Mapping, label: Callable[[str], str]) -> None:

@@ -13,7 +13,7 @@ from conftest import PY, ROOT, SCRIPTS, load_npz
 from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore.security import JobKeys
 
-LISTENING = re.compile(r"\[(scheduler|server \d+)\] .*listening on ([\d.]+):(\d+)")
+LISTENING = re.compile(r"\[(scheduler|server \d+|worker \d+)\] .*listening on ([\d.]+):(\d+)")
 
 
 class LiveJob:
@@ -44,7 +44,8 @@ class LiveJob:
         return "\n".join(self.lines)
 
     def address(self, node="server 0", timeout=120):
-        """tcp://host:port where ``node`` ('scheduler', 'server 0') listens."""
+        """tcp://host:port where ``node`` ('scheduler', 'server 0', 'worker 1': its pull
+        relay) listens."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for line in list(self.lines):

@@ -138,6 +138,20 @@ def test_compressed_systems_and_their_bounds():
     assert plan.link_time(100_000_000, 1e9, 4, 1, plan.ssd(1).resolved('exact')) == \
         pytest.approx(6.4)                                # k = 1: 2 models pulled a step
     assert not nat.resolved('exact').state_pulls          # native rows pull weights only
+    # relayed pulls (the runner sets SSDSGD_PULL_RELAY): a server sends each pull once and
+    # every worker's uplink carries it on beside its pushes (docs/spec/pull_relay.md)
+    rel = plan.system_by_key('ssd-k5-2bit-w4-relay').resolved('exact')
+    assert (rel.relay, rel.warmup, rel.k, rel.state_pulls) == (True, 4, 5, True)
+    assert plan.system_by_key('ssgd-relay').relay and 'relayed' in rel.label
+    assert plan.link_time(100_000_000, 1e9, 4, 1, rel) == pytest.approx(0.8 * (1 / 16 + 0.4))
+    # ssgd + 2bit: a server's uplink carried 4 pulls a step; relayed, a worker's uplink
+    # carries one pull and its 2bit push
+    assert plan.link_time(100_000_000, 1e9, 4, 1, plan.system_by_key('ssgd-2bit')) == \
+        pytest.approx(3.2)
+    assert plan.link_time(100_000_000, 1e9, 4, 1, plan.system_by_key('ssgd-2bit-relay')) == \
+        pytest.approx(0.8 * (1 + 1 / 16))
+    with pytest.raises(KeyError):
+        plan.system_by_key('native-sync-relay')
 
 
 def test_a_row_can_have_its_own_2bit_threshold_and_warmup():

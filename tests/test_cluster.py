@@ -85,8 +85,8 @@ def _wait_for(path, timeout=60):
     return int(path.read_text())
 
 
-def _start_long_job(tmp_path, extra_env=(), script_args=()):
-    cmd = [PY, str(ROOT / "launch" / "dist.py"), "-n", "2", "-s", "1"]
+def _start_long_job(tmp_path, extra_env=(), script_args=(), n=2):
+    cmd = [PY, str(ROOT / "launch" / "dist.py"), "-n", str(n), "-s", "1"]
     for kv in extra_env:
         cmd += ["--env", kv]
     cmd += ["--", PY, str(SCRIPTS / "ssd_worker.py"), "--out", str(tmp_path), "--steps",
@@ -105,8 +105,8 @@ def _finish(job, timeout):
     return out, err
 
 
-def _no_leftovers(tmp_path):
-    for r in range(2):
+def _no_leftovers(tmp_path, n=2):
+    for r in range(n):
         pid = int((tmp_path / f"pid-rank{r}").read_text())
         deadline = time.monotonic() + 10
         while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
@@ -139,6 +139,23 @@ def test_hung_worker_is_detected_by_heartbeats_and_named(tmp_path):
     assert "worker 1" in err and "presumed dead" in err, err[-2000:]
     assert time.monotonic() - started < 30
     _no_leftovers(tmp_path)
+
+
+def test_a_hung_worker_in_the_middle_of_a_pull_relay_is_named_and_nothing_waits(tmp_path):
+    """docs/spec/pull_relay.md: every reply to workers 1 and 2 passes through worker 1
+    (chain 0 -> 1 -> 2); when it stops, worker 2 waits for pieces that never come, until
+    the heartbeats name worker 1 and the job ends."""
+    job = _start_long_job(tmp_path, ["SSDSGD_HEARTBEAT_TIMEOUT=3", "SSDSGD_ALGORITHM=ssgd",
+                                     "SSDSGD_PULL_RELAY=chain"], ["--stop-at", "5"], n=3)
+    for r in range(3):
+        _wait_for(tmp_path / f"pid-rank{r}")
+    started = time.monotonic()
+    out, err = _finish(job, 40)
+    assert job.returncode != 0
+    assert "worker 1" in err and "presumed dead" in err, err[-2000:]
+    assert "pull relay listening" in err
+    assert time.monotonic() - started < 30
+    _no_leftovers(tmp_path, 3)
 
 
 def test_port_in_use_is_a_clear_error(tmp_path):

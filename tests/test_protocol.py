@@ -134,3 +134,80 @@ def test_compressed_gradients_of_the_wrong_size_are_rejected(encoding, count, nb
 def test_a_compressed_record_takes_one_byte_tensor():
     with pytest.raises(P.ProtocolError, match="one uint8 tensor"):
         P.encode(_compressed_push("2bit", np.zeros(1, np.float32), 16))
+
+
+@pytest.mark.parametrize("relay,ok", [
+    ([[1, 7], [2, 8]], True), ([], True),
+    ([[1]], False), ([["1", 7]], False), ([[1, 0]], False), ([[-1, 7]], False),
+    ([[1, 1 << 32]], False), ("1,7", False), ([[1, 7.0]], False), ([[True, 7]], False)])
+def test_a_pieces_relay_chain_is_type_checked(relay, ok):
+    """sync.pull_relay: chain (docs/spec/pull_relay.md): [[worker rank, request id], ...]."""
+    if ok:
+        P.check_meta(P.Kind.FRAGMENT, {"of": 2, "relay": relay})
+    else:
+        with pytest.raises(P.ProtocolError, match="relay"):
+            P.check_meta(P.Kind.FRAGMENT, {"of": 2, "relay": relay})
+    with pytest.raises(P.ProtocolError, match="unexpected meta field 'relay'"):
+        P.check_meta(P.Kind.REPLY, {"relay": relay})
+
+
+def _relayed_reply():
+    values = [np.arange(5, dtype=np.float32), np.arange(400_000, dtype=np.float32),
+              np.ones(300_000, np.float32)]
+    recs = P.make_records([(3, 9, 0, 5, np.float32, 1), (4, 9, 0, 400_000, np.float32, 1),
+                           (5, 9, 0, 150_000, np.float32, 2)])
+    frames = P.encode(P.Message(P.Kind.REPLY, sender=1, req=0, records=recs,
+                                tensors=[[values[0]], [values[1]],
+                                         [values[2][:150_000], values[2][150_000:]]],
+                                meta={"lr": 0.5}))
+    return values, frames
+
+
+def test_a_relayed_reply_travels_in_pieces_and_is_rebuilt():
+    values, frames = _relayed_reply()
+    pieces = P.fragments(frames, 11, 1, {"relay": [[2, 12], [3, 13]]}, size=1 << 20)
+    assert len(pieces) == 3              # 2.8 MB of data in pieces of at most 1 MB, no copy
+    assert any(np.shares_memory(np.asarray(p[3]), frames[3]) for p in pieces)
+    # by default about 1/8 of the reply a piece (at least 128 KB, at most 2 MB)
+    assert len(P.fragments(frames, 11, 1)) == 8
+    assert len(P.fragments(frames[:3] + [frames[3][:1000]], 11, 1)) == 1
+    # worker 1 passes each piece on to worker 2 as it arrives: request id and chain change
+    passed = []
+    for p in pieces:
+        meta = P.decode(p).meta
+        passed.append(P.forward(p, 12, dict(meta, relay=meta["relay"][1:])))
+    assert all(a[3:] == b[3:] for a, b in zip(passed, pieces))
+    rebuilt = None
+    for frames_ in passed:
+        msg = P.decode(frames_)
+        P.check_meta(msg.kind, msg.meta)
+        assert (msg.kind, msg.req, msg.sender, msg.meta["relay"]) == \
+            (P.Kind.FRAGMENT, 12, 1, [[3, 13]])
+        if msg.step == 0:
+            part = P.Reassembly(msg, 10 << 20)
+        rebuilt = part.add(msg, frames_[3:])
+    reply = P.decode(rebuilt)
+    assert (reply.kind, reply.sender, reply.meta) == (P.Kind.REPLY, 1, {"lr": 0.5})
+    np.testing.assert_array_equal(reply.tensors[1][0], values[1])
+    np.testing.assert_array_equal(np.concatenate(reply.tensors[2]), values[2])
+
+
+@pytest.mark.parametrize("fault,error", [
+    ("order", "fragment 1 of 3 arrived; expected 0"),
+    ("missing first", "fragment 1 of a reply arrived before its first"),
+    ("too big", "exceeds the limit"),
+    ("more bytes", "more than the .* bytes the first announced"),
+    ("fewer bytes", "carried .* of the .* bytes the first announced")])
+def test_bad_pieces_of_a_relayed_reply_are_named(fault, error):
+    _, frames = _relayed_reply()
+    pieces = [P.fragments(frames, 11, 1, size=1 << 20)[i] for i in range(3)]
+    msgs = [P.decode(p) for p in pieces]
+    with pytest.raises(P.ProtocolError, match=error):
+        if fault == "missing first":
+            P.Reassembly(msgs[1], 10 << 20)
+        part = P.Reassembly(msgs[0], (1 << 20) if fault == "too big" else 10 << 20)
+        if fault == "order":
+            part.add(msgs[1], pieces[1][3:])
+        part.add(msgs[0], pieces[0][3:] + (pieces[1][3:] if fault == "more bytes" else []))
+        part.add(msgs[1], pieces[1][3:])
+        part.add(msgs[2], pieces[2][3:-1] if fault == "fewer bytes" else pieces[2][3:])

@@ -84,9 +84,13 @@ def _attack(address, configure, frames, results, name):
 @pytest.mark.system
 @pytest.mark.parametrize("secure", [False, True], ids=["plain", "curve"])
 def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secure):
-    job = LiveJob(tmp_path, steps=STEPS, env=JOB_ENV, secure=secure)
+    # with the pulls relayed (docs/spec/pull_relay.md) a worker listens too; the relayed
+    # job must still end on the undisturbed (unrelayed) job's weights
+    job = LiveJob(tmp_path, steps=STEPS, env=dict(JOB_ENV, SSDSGD_PULL_RELAY="chain"),
+                  secure=secure)
     try:
         scheduler, server = job.address("scheduler"), job.address("server 0")
+        relay = job.address("worker 1")
         keyfile = next(line for line in job.lines if "listening" in line)
         assert ("encrypted (CURVE)" if secure else "not encrypted") in keyfile
         register = P.control(P.Kind.REGISTER, {"role": "worker", "rank": 1,
@@ -94,12 +98,15 @@ def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secur
         push = P.encode(P.Message(P.Kind.PUSH, flags=P.Flag.PULL, sender=1, req=3,
                                   records=P.make_records([(0, 50, 0, 4, F32, 1)]),
                                   tensors=[[np.full(4, 1e6, F32)]]))
+        forged = P.encode(P.Message(P.Kind.REPLY, sender=0, req=5,
+                                    records=P.make_records([(0, 50, 0, 4, F32, 1)]),
+                                    tensors=[[np.full(4, 1e6, F32)]]))
         # "its own CURVE key" knows the job's server key (public, as if published): the
         # test reads it from the job's file
         results, threads = {}, []
         for name, configure in _attackers(secure, job_keys(job) if secure else None):
             for where, address, frames in (("scheduler", scheduler, register),
-                                           ("server", server, push)):
+                                           ("server", server, push), ("relay", relay, forged)):
                 t = threading.Thread(target=_attack, args=(address, configure, frames, results,
                                                            f"{name} -> {where}"))
                 t.start()

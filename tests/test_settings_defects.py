@@ -160,3 +160,26 @@ def test_continue_without_a_dead_worker_is_refused_with_a_partial_quorum():
         parse_config(raw)
     raw["cluster"]["workers"] = 2           # majority of 2 is all: nothing partial
     assert parse_config(raw).sync.quorum == "majority"
+
+
+def test_relayed_pulls_are_refused_when_dead_workers_are_left_behind():
+    """docs/spec/pull_relay.md: a relayed reply passes through other workers, so a job
+    that continues without a dead worker would leave the rest of its chain waiting."""
+    raw = {"cluster": {"workers": 4, "on_worker_failure": "continue"},
+           "sync": {"pull_relay": "chain"}, **MINIMAL}
+    with pytest.raises(ConfigError, match=r"sync.pull_relay: chain works with "
+                                          r"cluster.on_worker_failure: abort or restart only"):
+        parse_config(raw)
+    for failure in ("abort", "restart"):
+        raw["cluster"]["on_worker_failure"] = failure
+        assert parse_config(raw).sync.pull_relay == "chain"
+    raw["sync"]["quorum"] = "majority"
+    with pytest.raises(ConfigError, match=r"sync.pull_relay: chain works with sync.quorum: "
+                                          r"all only, got 'majority'"):
+        parse_config(raw)
+    with pytest.raises(EnvError, match="SSDSGD_PULL_RELAY: chain works with "
+                                       "SSDSGD_ON_WORKER_FAILURE: abort or restart only"):
+        NodeEnv.from_environ({"SSDSGD_PULL_RELAY": "chain", "SSDSGD_ON_WORKER_FAILURE":
+                              "continue", "SSDSGD_SCHEDULER_HOST": "127.0.0.1",
+                              "SSDSGD_SCHEDULER_PORT": "9000", "SSDSGD_ROLE": "worker",
+                              "SSDSGD_NUM_WORKERS": "2", "SSDSGD_NUM_SERVERS": "1"})

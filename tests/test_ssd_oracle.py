@@ -110,7 +110,7 @@ def _reference(rule, k, n, opt, warmup=WARMUP, algorithm="ssd", compression="non
 
 
 def _run(tmp_path, rule, k, n, s, opt, warmup=WARMUP, algorithm="ssd", compression="none",
-         pull_schedule="aligned"):
+         pull_schedule="aligned", pull_relay="off"):
     local_rule, _, glu_state = rule.partition("-")
     extra = (["--compression", json.dumps(COMPRESSIONS[compression])]
              if COMPRESSIONS[compression] else [])
@@ -119,7 +119,7 @@ def _run(tmp_path, rule, k, n, s, opt, warmup=WARMUP, algorithm="ssd", compressi
                  env={"SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": warmup,
                       "SSDSGD_DELAY_STEPS": k, "SSDSGD_LOCAL_RULE": local_rule,
                       "SSDSGD_GLU_STATE": glu_state or "estimate",
-                      "SSDSGD_PULL_SCHEDULE": pull_schedule,
+                      "SSDSGD_PULL_SCHEDULE": pull_schedule, "SSDSGD_PULL_RELAY": pull_relay,
                       "SSDSGD_BIGARRAY_BOUND": 100})   # the 16x12 weight spans both servers
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return ([load_npz(tmp_path / f"local-rank{r}.npz") for r in range(n)],
@@ -187,3 +187,30 @@ def test_staggered_pulls_equal_the_simulation(tmp_path, rule, opt, compression):
                    f"worker {r} local weights of key {i}")
             _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
                    f"worker {r} final global weights of key {i}")
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm,rule,opt,compression", [
+    ("ssd", "glu-exact", "sgd", "2bit"), ("ssgd", "glu-exact", "adam", "none")])
+def test_relayed_pulls_equal_the_simulation(tmp_path, algorithm, rule, opt, compression):
+    """docs/spec/pull_relay.md: with sync.pull_relay chain a server sends a reply that
+    several workers wait for once, and the workers pass it on; the weights are the
+    simulator's, and the chain really carried them (3 workers, 2 servers, k = 2)."""
+    n, k = 3, 2
+    locals_, finals = _run(tmp_path, rule, k, n, 2, opt, compression=compression,
+                           algorithm=algorithm, pull_relay="chain")
+    keys, ref = _reference(rule, k, n, opt, compression=compression, algorithm=algorithm)
+    for r in range(n):
+        for i, j in keys.items():
+            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
+                   f"worker {r} local weights of key {i}")
+            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
+                   f"worker {r} final global weights of key {i}")
+    stats = [json.loads((tmp_path / f"info-rank{r}.json").read_text())["metrics"]
+             for r in range(n)]
+    relayed_in = [m["replies_relayed_in"] for m in stats]
+    relayed_out = [m["replies_relayed_out"] for m in stats]
+    # the chain is 0 -> 1 -> 2 for every reply the three wait for together
+    assert relayed_in[0] == 0 and relayed_out[2] == 0, (relayed_in, relayed_out)
+    assert relayed_in[1] == relayed_out[0] == relayed_in[2] == relayed_out[1] > 0, \
+        (relayed_in, relayed_out)

@@ -25,7 +25,10 @@ configured rate both ways. Three experiments (``--only``):
 Systems are named native-sync, native-async, ssgd, asgd, ssd-kK, each optionally with a
 compression suffix: ssd-k5-2bit, ssgd-topk, native-sync-2bit (--threshold, --topk-ratio);
 then a 2bit row's own threshold (-tT) and an ssd row's own warm-up steps (-wW), which
-override --threshold and the experiment's warm-up for that row only: ssd-k5-2bit-t1-w4.
+override --threshold and the experiment's warm-up for that row only: ssd-k5-2bit-t1-w4;
+then, for ssd rows, a glu_state (-exact, -corrected, -estimate) and -staggered
+(docs/spec/staggered_pulls.md), and for ssgd and ssd rows -relay (sync.pull_relay: chain,
+docs/spec/pull_relay.md), in any order: ssd-k10-2bit-w4-relay, ssgd-relay.
 
 Results go to --out (docs/benchmarks/: cluster.md, cluster.json, PNG plots); every job's
 raw per-worker results and logs go to --raw. Needs root; without it, says so and exits 0.
@@ -723,6 +726,8 @@ def comm_bound_checks(matrix, args):
         state = f" ({c5['glu_state']})" if c5.get('glu_state') else ''
         if c5.get('pull_schedule') == 'staggered':
             state += ' (staggered pulls)'
+        if c5.get('pull_relay') == 'chain':
+            state += ' (relayed pulls)'
         for base, name, want in ((nat, 'native dist_sync', 3.0),
                                  (nat2, 'native dist_sync + 2bit (push/pull)', 1.5)):
             r = c5['samples_per_s'] / base['samples_per_s'] if ok(c5) and ok(base) else None

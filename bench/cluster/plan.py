@@ -35,6 +35,7 @@ class System:
     glu_state: str = ''   # ssd: the row's glu_state, or '' for --glu-state / the default
     staggered: bool = False  # ssd: sync.pull_schedule staggered (docs/spec/staggered_pulls.md)
     state_pulls: bool = False  # ssd: pulls carry the momentum too (glu_state exact; resolved)
+    relay: bool = False   # ssgd/ssd: sync.pull_relay chain (docs/spec/pull_relay.md)
 
     @property
     def synchronous(self):
@@ -115,6 +116,14 @@ class System:
         return replace(self, key=f'{self.key}-staggered', staggered=True,
                        label=f'{self.label}, staggered pulls')
 
+    def with_relay(self):
+        """This ssgd or ssd row with its pulls relayed from worker to worker (suffix
+        -relay: ssd-k10-2bit-w4-relay)."""
+        if self.kind != 'ssd' or self.mode not in ('ssgd', 'ssd'):
+            raise KeyError(f'relayed pulls: only for ssgd and ssd rows, not {self.key}')
+        return replace(self, key=f'{self.key}-relay', relay=True,
+                       label=f'{self.label}, relayed pulls')
+
     @property
     def straggler_tolerant(self):
         """Does not wait for the slowest worker (issue 11's tolerant rows)."""
@@ -154,12 +163,14 @@ def system_by_key(key):
     quorum suffix ('ssd-k5-majority', 'ssgd-solo'), then optionally a 2bit row's own
     threshold ('-t1') and an ssd row's own warm-up ('-w4'), and a glu_state suffix last:
     'ssd-k5-2bit-t1-w4', 'ssd-k5-2bit-corrected'; '-staggered' anywhere after the
-    compression: 'ssd-k5-2bit-staggered-corrected'."""
+    compression: 'ssd-k5-2bit-staggered-corrected'; '-relay' likewise (ssgd rows too)."""
     base, _, kind = key.rpartition('-')
     if kind in GLU_STATES:
         return system_by_key(base).with_glu_state(kind)
     if kind == 'staggered':
         return system_by_key(base).with_staggered_pulls()
+    if kind == 'relay':
+        return system_by_key(base).with_relay()
     if base and kind[:1] in ('t', 'w') and _number(kind[1:]) is not None:
         system = system_by_key(base)
         if kind[0] == 'w' and kind[1:].isdigit():
@@ -229,11 +240,16 @@ def link_time(param_bytes, rate_bits, num_workers, num_servers, system=None):
     compression) or the pulls, which travel the other way (pull_fraction of the model:
     pulls_per_step, twice that when they carry the momentum), whichever is more. Pulls
     are averaged over the period (the bound of staggered pulls; aligned pulls come as
-    one burst per period, docs/spec/staggered_pulls.md)."""
-    scale = 1.0
-    if system is not None:
-        scale = max(system.push_fraction, system.pull_fraction)
-    return max(num_workers / num_servers, 1.0) * push_time(param_bytes, rate_bits) * scale
+    one burst per period, docs/spec/staggered_pulls.md). Relayed pulls (docs/spec/
+    pull_relay.md) leave a server once, and each worker's uplink carries them on beside
+    its own pushes."""
+    fan = max(num_workers / num_servers, 1.0)
+    scale = fan
+    if system is not None and system.relay:
+        scale = max(fan * system.push_fraction, system.push_fraction + system.pull_fraction)
+    elif system is not None:
+        scale = fan * max(system.push_fraction, system.pull_fraction)
+    return push_time(param_bytes, rate_bits) * scale
 
 
 def bound(workload, rate_bits, num_workers, num_servers, compute_s=None, system=None):

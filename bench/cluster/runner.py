@@ -153,6 +153,8 @@ def _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes, ssd_en
         env['SSDSGD_GLU_STATE'] = system.glu_state
     if system.staggered:
         env['SSDSGD_PULL_SCHEDULE'] = 'staggered'
+    if system.relay:
+        env['SSDSGD_PULL_RELAY'] = 'chain'
     with open(log_path, 'w') as f:
         def log(text):
             f.write(f'[launcher] {text}\n')
@@ -253,7 +255,8 @@ def summarize(results, system, workload, rate_bits, num_workers, num_servers, bo
         'system': system.key, 'label': system.label, 'workload': workload.name,
         'rate_bits': rate_bits, 'workers': num_workers, 'servers': num_servers,
         'k': system.k, 'glu_state': system.glu_state,
-        'pull_schedule': 'staggered' if system.staggered else 'aligned', 'steps': steps, 'wall_s': wall,
+        'pull_schedule': 'staggered' if system.staggered else 'aligned',
+        'pull_relay': 'chain' if system.relay else 'off', 'steps': steps, 'wall_s': wall,
         'samples_per_s': samples / wall if wall > 0 else None,
         'step_s': wall / steps if steps else None,
         'compute_per_step_s': sum(r['compute_s'] for r in results) / len(results) / steps,

@@ -37,7 +37,8 @@ import zmq
 
 from . import protocol as P
 from .compression import CompressionError
-from .scheduler import JobAborted, SchedulerLink
+from .scheduler import JobAborted, SchedulerLink, bind_router
+from .security import Guard
 from .sharding import Placement
 from ..settings import quorum_size
 
@@ -167,7 +168,8 @@ class WorkerClient:
         self.env = env
         self.ctx = zmq.Context.instance()
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
-                      "messages_received": 0, "time_blocked": 0.0}
+                      "messages_received": 0, "time_blocked": 0.0,
+                      "replies_relayed_in": 0, "replies_relayed_out": 0}
         self._commands = queue.SimpleQueue()
         self._futures = {}       # request id -> Future of a server's reply
         self._control = {}       # scheduler reply kind (BARRIER, ACK) -> Future
@@ -178,6 +180,13 @@ class WorkerClient:
         self._stopping = False
         self._ended = False      # the I/O thread has ended: no request can be answered
         self._outbox = []        # push_then's (entries, callback), sent by the I/O thread
+        # sync.pull_relay: chain (docs/spec/pull_relay.md), set up by the I/O thread
+        self._relay_in = None    # ROUTER: replies other workers pass on to this one
+        self._relay_out = {}     # worker rank -> DEALER to its relay
+        self._relay_ranks = {}   # connection id of a worker of the job -> its rank
+        self._reply_from = {}    # request id -> server, of requests whose reply may be relayed
+        self._pieces = {}        # request id -> P.Reassembly of its relayed reply
+        self._guard = None
         self._ready = threading.Event()
         addr = f"inproc://ssdsgd-wake-{id(self)}"
         self._wake_in = self.ctx.socket(zmq.PAIR)
@@ -198,6 +207,7 @@ class WorkerClient:
         # message per server, to every server, so every server counts the same pushes.
         self.quorum = (env.algorithm != "asgd"
                        and quorum_size(env.quorum, self.num_workers) < self.num_workers)
+        self.relays = self.topology.get("relays") if not self.quorum else None
         self.compression = None   # pushes are compressed with it (set_compression)
         self.left = []            # workers that left the job (cluster.on_worker_failure)
         self._residuals = None    # this worker's error feedback, one residual per key
@@ -404,6 +414,9 @@ class WorkerClient:
                 messages.setdefault(server, [[[], [], 0]])
         sizes = {key: sum(sl.count for sl in self.placement[key]) for key, _, _, _ in entries}
         dtypes = {key: np.dtype(dtype) for key, _, _, dtype in entries}
+        if self.relays and reply and not every and (
+                kind == P.Kind.PULL or (kind == P.Kind.PUSH and flags & P.Flag.PULL)):
+            flags |= P.Flag.RELAY
         futures = self._send(kind, messages, step=step, flags=flags, meta=meta, reply=reply)
         return Gather(self, futures, sizes, dtypes) if reply else None
 
@@ -468,6 +481,8 @@ class WorkerClient:
             if want_reply:
                 fut = concurrent.futures.Future()
                 self._futures[msg.req] = fut
+                if msg.flags & P.Flag.RELAY:
+                    self._reply_from[msg.req] = target
             self._commands.put((target, frames))
             self._wake()
         return fut
@@ -511,8 +526,12 @@ class WorkerClient:
         except Exception as e:  # a bug here must not leave the main thread waiting
             self._fail(JobAborted(f"the worker's I/O thread failed: {e!r}"))
         finally:
-            for s in sockets:
+            for s in sockets + list(self._relay_out.values()):
                 s.close()   # LINGER flushes queued pushes (bounded by the heartbeat timeout)
+            if self._relay_in is not None:
+                self._relay_in.close(0)
+            if self._guard is not None:
+                self._guard.close()
             link.sock.close(0)
             self._wake_in.close(0)
             self._abandon()
@@ -534,11 +553,25 @@ class WorkerClient:
             callback(None, error)
 
     def _connect(self):
-        """Register with the scheduler and open a DEALER to every server."""
-        link = SchedulerLink(self.ctx, self.env, "worker")
+        """Register with the scheduler (with the address of this worker's pull relay, if
+        it has one) and open a DEALER to every server."""
+        host = port = None
+        if self.env.pull_relay == "chain":
+            self._guard = Guard.from_env(self.env, lambda text: print(
+                f"ssdsgd worker: {text}", file=sys.stderr, flush=True))
+            self._relay_in, port = bind_router(
+                self.ctx, self.env.node_host, 0, "a worker's pull relay", self._guard,
+                maxmsgsize=P.frame_limit(self.env.max_message_bytes))
+            host = self.env.node_host
+            print(f"ssdsgd worker: pull relay listening on {host}:{port}; "
+                  f"{self._guard.describe()}", file=sys.stderr, flush=True)
+        link = SchedulerLink(self.ctx, self.env, "worker", host, port, self._guard)
         sockets = []
         try:
             self.topology = link.register()
+            self._link_id = link.routing_id
+            self._relay_ranks = {bytes.fromhex(h): r
+                                 for r, h in enumerate(self.topology.get("workers", []))}
             for host, port in self.topology["servers"]:
                 s = self.ctx.socket(zmq.DEALER)
                 sockets.append(s)
@@ -559,6 +592,8 @@ class WorkerClient:
         poller = zmq.Poller()
         for s in [self._wake_in, link.sock] + sockets:
             poller.register(s, zmq.POLLIN)
+        if self._relay_in is not None:
+            poller.register(self._relay_in, zmq.POLLIN)
         wait_ms = max(1, int(self.env.heartbeat_interval * 1000 / 2))
         while True:
             events = dict(poller.poll(wait_ms))
@@ -572,6 +607,8 @@ class WorkerClient:
             for server, s in enumerate(sockets):
                 if s in events:
                     self._receive(s, server)
+            if self._relay_in in events:
+                self._receive_relayed()
             link.tick()
             if self._stopping:
                 return
@@ -587,8 +624,9 @@ class WorkerClient:
     def _sent(self, sock, frames):
         sock.send_multipart(frames, copy=False)
         self.stats["messages_sent"] += 1
-        self.stats["bytes_sent"] += sum(len(f) if isinstance(f, bytes) else f.nbytes
-                                        for f in frames)
+        self.stats["bytes_sent"] += sum(
+            len(f) if isinstance(f, bytes) else len(f.buffer) if isinstance(f, zmq.Frame)
+            else f.nbytes for f in frames)
 
     def _send_outbox(self, sockets):
         """push_then's entries, one request per server for as many as can share one (a
@@ -661,19 +699,110 @@ class WorkerClient:
             self.stats["bytes_received"] += sum(len(f.buffer) for f in frames)
             try:
                 msg = P.decode(frames)
+                if msg.kind == P.Kind.FRAGMENT:
+                    P.check_meta(msg.kind, msg.meta)
             except P.ProtocolError as e:
                 raise JobAborted(f"server {server} sent a malformed message: {e}") from None
-            with self._lock:
-                fut = self._futures.pop(msg.req, None)
-            if fut is None:
-                if msg.kind == P.Kind.ERROR:   # refused a message that wanted no reply
-                    raise JobAborted(f"server {server} refused a message of this worker: "
-                                     f"{msg.meta.get('error')}")
-                continue
-            if msg.kind == P.Kind.ERROR:
-                fut.set_exception(ServerError(f"server {server}: {msg.meta.get('error')}"))
+            if msg.kind == P.Kind.FRAGMENT:
+                self._on_fragment(frames, msg, server, f"server {server}")
             else:
-                fut.set_result(msg)
+                self._deliver(msg, server)
+
+    def _deliver(self, msg, server):
+        """A server's answer (received from it, or relayed) to the future that waits."""
+        with self._lock:
+            fut = self._futures.pop(msg.req, None)
+            self._reply_from.pop(msg.req, None)
+        if fut is None:
+            if msg.kind == P.Kind.ERROR:   # refused a message that wanted no reply
+                raise JobAborted(f"server {server} refused a message of this worker: "
+                                 f"{msg.meta.get('error')}")
+            return
+        if msg.kind == P.Kind.ERROR:
+            fut.set_exception(ServerError(f"server {server}: {msg.meta.get('error')}"))
+        else:
+            fut.set_result(msg)
+
+    # ---- sync.pull_relay: chain (docs/spec/pull_relay.md) ------------------------------
+    def _receive_relayed(self):
+        """Replies another worker of the job passes on. Only the job's processes can
+        connect (the guard); a message from one of them that is not a server's reply to a
+        request this worker sent to that server is a fault of the job: it aborts."""
+        while True:
+            try:
+                frames = self._relay_in.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident, frames = frames[0].bytes, frames[1:]
+            rank = self._relay_ranks.get(ident)
+            if rank is None:
+                continue         # not a worker of this job (a reconnect or a stranger)
+            self.stats["messages_received"] += 1
+            self.stats["bytes_received"] += sum(len(f.buffer) for f in frames)
+            self.stats["replies_relayed_in"] += 1
+            try:
+                msg = P.decode(frames, max_bytes=self.env.max_message_bytes)
+                P.check_meta(msg.kind, msg.meta)
+            except P.ProtocolError as e:
+                raise JobAborted(f"worker {rank} relayed a malformed message: {e}") from None
+            if msg.kind != P.Kind.FRAGMENT:
+                raise JobAborted(f"worker {rank} relayed a {msg.kind.name}; only pieces of "
+                                 "a server's reply are relayed")
+            self._on_fragment(frames, msg, msg.sender, f"worker {rank}")
+
+    def _on_fragment(self, frames, msg, server, source):
+        """A piece of a relayed reply: passed on first, then added to its reply; the
+        reply is delivered once its last piece is in. Only pieces of a reply to a request
+        this worker sent to that server are taken (bounded: one buffer per request)."""
+        with self._lock:
+            expected = self._reply_from.get(msg.req)
+        if expected is None or expected != msg.sender:
+            raise JobAborted(f"{source} sent a piece of server {msg.sender}'s reply to "
+                             f"request {msg.req}, which this worker did not send to that "
+                             "server")
+        if msg.meta.get("relay"):
+            self._forward(frames, msg)
+        try:
+            part = self._pieces.get(msg.req)
+            if part is None:
+                part = self._pieces[msg.req] = P.Reassembly(msg, self.env.max_message_bytes)
+            whole = part.add(msg, frames[3:])
+            if whole is None:
+                return
+            del self._pieces[msg.req]
+            reply = P.decode(whole, max_bytes=self.env.max_message_bytes)
+            P.check_meta(reply.kind, reply.meta)
+        except P.ProtocolError as e:
+            raise JobAborted(f"{source} sent a malformed piece of a reply: {e}") from None
+        if reply.kind != P.Kind.REPLY or reply.sender != msg.sender:
+            raise JobAborted(f"{source} relayed a {reply.kind.name} of server {reply.sender} "
+                             f"as server {msg.sender}'s reply")
+        reply.req = msg.req        # the pieces' request id is this worker's
+        self._deliver(reply, server)
+
+    def _forward(self, frames, msg):
+        """Pass a piece of a relayed reply on to the next worker of its chain, before
+        using it."""
+        (rank, req), rest = msg.meta["relay"][0], msg.meta["relay"][1:]
+        if rank == self.rank or rank >= self.num_workers or not self.relays \
+                or self.relays[rank] is None:
+            raise JobAborted(f"server {msg.sender} asked this worker to relay its reply to "
+                             f"worker {rank}, which has no pull relay")
+        sock = self._relay_out.get(rank)
+        if sock is None:
+            sock = self._relay_out[rank] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
+            sock.setsockopt(zmq.ROUTING_ID, self._link_id)
+            if self._guard is not None:
+                self._guard.client(sock)
+            host, port = self.relays[rank]
+            sock.connect(f"tcp://{host}:{port}")
+        meta = {k: v for k, v in msg.meta.items() if k != "relay"}
+        if rest:
+            meta["relay"] = rest
+        self._sent(sock, P.forward(frames, req, meta))
+        self.stats["replies_relayed_out"] += 1
 
     def _fail(self, exc):
         self._failure = exc

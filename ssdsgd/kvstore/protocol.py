@@ -48,12 +48,17 @@ MAX_META_BYTES = 1 << 20
 MAX_META_DEPTH = 8       # nesting of JSON objects/lists (an optimizer description needs 5)
 MAX_KEYS = 1 << 16        # key records per message (a model has a few hundred arrays)
 MAX_TENSORS_PER_KEY = 8
+# A relayed reply's pieces (each hop passes one on as it arrives): about 1/8 of the reply,
+# so a chain of N workers takes about (1 + (N - 1) / 8) times one copy's time on a link;
+# not below 128 KB (Python's cost per message), not above 2 MB.
+FRAGMENT_MIN, FRAGMENT_MAX, FRAGMENT_SHARE = 128 << 10, 2 << 20, 8
 
 
 class Kind(enum.IntEnum):
     """Message kinds. Scheduler control first, then worker <-> server data."""
     REGISTER = 1      # node -> scheduler: {role, rank, host, port, pid, routing_id}
-    TOPOLOGY = 2      # scheduler -> node: {rank, num_workers, num_servers, servers, workers}
+    TOPOLOGY = 2      # scheduler -> node: {rank, num_workers, num_servers, servers, workers,
+                      # relays}
     BARRIER = 3       # node -> scheduler, and the release back
     HEARTBEAT = 4     # node -> scheduler, and the echo back
     FINISH = 5        # worker -> scheduler: done, stop watching me
@@ -75,6 +80,8 @@ class Kind(enum.IntEnum):
     REPLY = 20        # server -> worker: values (and state) for a request id
     ACK = 21
     ERROR = 22        # {error}: the request was rejected; the server keeps serving
+    FRAGMENT = 23     # server -> worker -> worker (sync.pull_relay: chain): a byte range of
+                      # a relayed REPLY's frames; step: its index; {of, sizes, relay}
 
 
 class Flag(enum.IntFlag):
@@ -84,6 +91,8 @@ class Flag(enum.IntFlag):
     LATEST = 4        # PUSH with PULL, quorum: reply with the newest closed round
     FINAL = 8         # PULL, quorum: this worker is done; reply with the final weights
     PAUSE = 16        # PULL (no keys), quorum: this worker enters a barrier (rounds.pause)
+    RELAY = 32        # PUSH with PULL, PULL: the reply may come through another worker
+                      # (sync.pull_relay: chain; docs/spec/pull_relay.md)
 
 
 DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f8"), 2: np.dtype("<f2"),
@@ -208,6 +217,84 @@ def readdress(frames, req):
     return [HEADER.pack(*fields)] + frames[1:]
 
 
+def forward(frames, req, meta):
+    """A received piece of a relayed reply for the next worker of its chain
+    (docs/spec/pull_relay.md): that worker's request id in the header, ``meta`` (the rest
+    of the chain) re-encoded; the key table and the data frames are the received ones,
+    sent on without a copy."""
+    fields = list(HEADER.unpack(bytes(_buffer(frames[0]))))
+    fields[6] = req
+    raw = json.dumps(meta, separators=(",", ":"), allow_nan=True).encode() if meta else b""
+    return [HEADER.pack(*fields), frames[1], raw] + list(frames[3:])
+
+
+def fragments(frames, req, sender, meta=None, size=None):
+    """``encode``'s frames of a REPLY as FRAGMENT messages of at most ``size`` data bytes
+    (default: ``FRAGMENT_*``'s rule), views of the frames (no copy). The first carries
+    every frame's size, so the last worker of a chain can rebuild the frames
+    (``Reassembly``); ``meta`` (the chain) goes with every piece."""
+    views = [memoryview(_buffer(f)).cast("B") for f in frames]
+    total = sum(len(v) for v in views)
+    if size is None:
+        size = min(FRAGMENT_MAX, max(FRAGMENT_MIN, -(-total // FRAGMENT_SHARE)))
+    count = max(1, -(-total // size))
+    out, frame, pos = [], 0, 0
+    for index in range(count):
+        left, data = min(size, total - index * size), []
+        while left:
+            take = min(left, len(views[frame]) - pos)
+            if take:
+                data.append(views[frame][pos:pos + take])
+            pos, left = pos + take, left - take
+            if pos == len(views[frame]):
+                frame, pos = frame + 1, 0
+        head = dict(meta or {}, of=count)
+        if index == 0:
+            head["sizes"] = [len(v) for v in views]
+        raw = json.dumps(head, separators=(",", ":")).encode()
+        out.append([HEADER.pack(MAGIC, VERSION, int(Kind.FRAGMENT), 0, sender, index, req, 0,
+                                len(data)), b"", raw] + data)
+    return out
+
+
+class Reassembly:
+    """One relayed reply's FRAGMENT messages, in order, back into its frames: a bounded
+    buffer (the first piece states the size; at most ``max_bytes``), every piece checked
+    against what the first announced."""
+
+    def __init__(self, msg, max_bytes):
+        if msg.step != 0 or "sizes" not in msg.meta:
+            raise ProtocolError(f"fragment {msg.step} of a reply arrived before its first")
+        self.sizes, self.count = msg.meta["sizes"], msg.meta["of"]
+        total = sum(self.sizes)
+        if max_bytes and total > max_bytes + (1 << 20):
+            raise ProtocolError(f"a fragmented reply of {total} bytes exceeds the limit "
+                                f"{max_bytes}")
+        self.buf, self.pos, self.next = np.empty(total, np.uint8), 0, 0
+
+    def add(self, msg, data):
+        """The frames once ``msg`` (the pieces' next, with ``data``, its data frames) was
+        the last piece; else None."""
+        if msg.step != self.next or msg.meta["of"] != self.count:
+            raise ProtocolError(f"fragment {msg.step} of {msg.meta['of']} arrived; expected "
+                                f"{self.next} of {self.count}")
+        for d in data:
+            b = _buffer(d)
+            if self.pos + len(b) > self.buf.size:
+                raise ProtocolError(f"fragments carry more than the {self.buf.size} bytes "
+                                    "the first announced")
+            self.buf[self.pos:self.pos + len(b)] = np.frombuffer(b, np.uint8)
+            self.pos += len(b)
+        self.next += 1
+        if self.next < self.count:
+            return None
+        if self.pos != self.buf.size:
+            raise ProtocolError(f"fragments carried {self.pos} of the {self.buf.size} bytes "
+                                "the first announced")
+        ends = np.cumsum([0] + self.sizes)
+        return [self.buf[a:b] for a, b in zip(ends[:-1], ends[1:])]
+
+
 def _buffer(frame):
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
@@ -231,7 +318,7 @@ def decode(frames, *, max_bytes=None):
             kind = Kind(kind)
         except ValueError:
             raise ProtocolError(f"unknown message kind {kind}") from None
-        if flags & ~int(Flag.PULL | Flag.STATE | Flag.LATEST | Flag.FINAL | Flag.PAUSE):
+        if flags & ~int(Flag.PULL | Flag.STATE | Flag.LATEST | Flag.FINAL | Flag.PAUSE | Flag.RELAY):
             raise ProtocolError(f"unknown flag bits {flags:#x}")
         records = _key_table(frames, nkeys, nframes)
         meta = _meta(bytes(_buffer(frames[2])))
@@ -382,6 +469,10 @@ _ROLE = (lambda v: v in ("server", "worker") if isinstance(v, str) else False,
 _RANKS = (lambda v: isinstance(v, list) and 1 <= len(v) <= MAX_RANK
            and all(_int_in(0, MAX_RANK)(r) for r in v) and v == sorted(set(v)),
            "a non-empty increasing list of worker ranks")
+_RELAY_TO = (lambda v: isinstance(v, list) and len(v) <= MAX_RANK and all(
+    isinstance(p, list) and len(p) == 2 and _int_in(0, MAX_RANK)(p[0])
+    and _int_in(1, (1 << 32) - 1)(p[1]) for p in v),
+    "a list of [worker rank, request id]")
 _GROUP = (lambda v: v in ("worker", "server", "all") if isinstance(v, str) else False,
           "'worker', 'server' or 'all'")
 
@@ -398,7 +489,10 @@ META = {
                     "servers": ((lambda v: isinstance(v, list) and all(map(_address, v)),
                                  "a list of [host, port]"), True),
                     "workers": ((lambda v: isinstance(v, list) and all(_ID[0](x) for x in v),
-                                 "a list of connection ids"), False)},
+                                 "a list of connection ids"), False),
+                    "relays": ((lambda v: isinstance(v, list) and all(
+                        x is None or _address(x) for x in v),
+                        "a list of [host, port] or null, one per worker"), False)},
     Kind.BARRIER: {"group": (_GROUP, False),
                    "value": ((_int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
     Kind.READY: {"final": ((lambda v: isinstance(v, bool), "true or false"), False)},
@@ -419,6 +513,10 @@ META = {
     Kind.REPLY: {"lr": ((_optional(is_number), "a finite number or null"), False),
                  "optimizer": ((_optional(_OBJ[0]), "a JSON object or null"), False)},
     Kind.ERROR: {"error": (_STR, True)},
+    Kind.FRAGMENT: {"of": (_COUNT, True), "relay": (_RELAY_TO, False),
+                    "sizes": ((lambda v: isinstance(v, list) and 3 <= len(v) <= MAX_KEYS + 3
+                               and all(_int_in(0, 1 << 62)(x) for x in v),
+                               "a list of frame sizes"), False)},
 }
 
 

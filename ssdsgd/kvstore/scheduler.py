@@ -116,15 +116,19 @@ class Scheduler:
                 self.nodes[i]["rank"] = r if r in taken else next(free)
         by_rank = lambda role: sorted((n for n in self.nodes.values() if n["role"] == role),
                                       key=lambda n: n["rank"])
-        self._check_reachable(by_rank("server"))
+        relaying = [n for n in by_rank("worker") if n["port"]]   # sync.pull_relay: chain
+        self._check_reachable(by_rank("server") + relaying)
         addresses = [[n["host"], n["port"]] for n in by_rank("server")]
         workers = [n["routing_id"] for n in by_rank("worker")]
+        topology = {"num_workers": self.env.num_workers, "num_servers": self.env.num_servers,
+                    "servers": addresses, "workers": workers}
+        if relaying:
+            topology["relays"] = [[n["host"], n["port"]] if n["port"] else None
+                                  for n in by_rank("worker")]
         now = time.monotonic()
         for ident, n in self.nodes.items():
             n["last_seen"] = now
-            self._send(ident, P.Kind.TOPOLOGY, {
-                "rank": n["rank"], "num_workers": self.env.num_workers,
-                "num_servers": self.env.num_servers, "servers": addresses, "workers": workers})
+            self._send(ident, P.Kind.TOPOLOGY, dict(topology, rank=n["rank"]))
         self.started = True
         self.log(f"all {len(self.nodes)} nodes registered; job started")
 
@@ -155,6 +159,9 @@ class Scheduler:
                                   f"{self.nodes[ident]['role']}")
         if role == "server" and not (meta.get("host") and meta.get("port")):
             raise P.ProtocolError("a server registers the host and port it listens on")
+        if role == "worker" and bool(meta.get("host")) != bool(meta.get("port")):
+            raise P.ProtocolError("a worker that relays pulls registers both the host and "
+                                  "the port it listens on")
         if role == "worker" and not meta.get("routing_id"):
             raise P.ProtocolError("a worker registers the id of its connections to the servers")
         if role == "worker" and any(n.get("routing_id") == meta["routing_id"]
@@ -389,9 +396,9 @@ class SchedulerLink:
         """Block until the scheduler sends the topology; returns it (a dict)."""
         meta = {"role": self.role, "rank": self.env.rank, "pid": os.getpid(),
                 "hostname": socket.gethostname()[:255]}
-        if self.role == "server":
+        if self.role == "server" or self.port:   # a worker's port: its pull relay
             meta.update(host=self.host, port=self.port)
-        else:
+        if self.role == "worker":
             meta["routing_id"] = self.routing_id.hex()
         self.send(P.Kind.REGISTER, meta)
         deadline = time.monotonic() + max(60.0, 4 * self.env.heartbeat_timeout) + 10

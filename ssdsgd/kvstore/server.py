@@ -91,10 +91,10 @@ class KeyShard:
 class Reply:
     """A reply being assembled: values snapshotted per key as their step is applied."""
     __slots__ = ("ident", "req", "records", "parts", "missing", "with_state", "lr", "tracker",
-                 "peer")
+                 "peer", "relay")
 
-    def __init__(self, ident, req, n, with_state, peer):
-        self.ident, self.req, self.with_state = ident, req, with_state
+    def __init__(self, ident, req, n, with_state, peer, relay=False):
+        self.ident, self.req, self.with_state, self.relay = ident, req, with_state, relay
         self.records, self.parts, self.missing, self.lr = [None] * n, [None] * n, n, None
         self.tracker = None       # set once sent: ZeroMQ is done with the buffers when done
         self.peer = peer
@@ -140,6 +140,7 @@ class Server:
         self.pending_inits = []
         self._snapshots = {}   # (key, version) -> weights copied for replies, per message
         self._encoded = {}     # a reply's records and lr -> its encoded frames, per message
+        self._relayed = []     # complete replies that may travel through a chain of workers
         self.retired = []      # (old weight NDArray, trackers of replies still sending it)
         self.rank = -1
         self.num_workers = env.num_workers
@@ -179,7 +180,7 @@ class Server:
         if peer is not None:
             peer.inflight = [t for t in peer.inflight if not t.done]
             peer.inflight.append(tracker)
-            if len(peer.inflight) > self._reply_bound():
+            if len(peer.inflight) > self._unsent_bound():
                 raise Fatal(f"worker {peer.rank} does not read its replies ("
                             f"{len(peer.inflight)} unsent); stopping the job")
         return tracker
@@ -190,6 +191,14 @@ class Server:
         ``kv.pushpull`` key by key has every key in flight, as with ps-lite); plus a margin."""
         chunks = 1 + self.model_bytes // max(1, self.env.chunk_bytes)
         return (self.steps_ahead + 2) * (chunks + 1 + len(self.shards)) + 64
+
+    def _unsent_bound(self):
+        """Messages to one worker that ZeroMQ may still be sending: its replies, and the
+        pieces of relayed replies (up to FRAGMENT_SHARE + 1 per reply, or one per
+        FRAGMENT_MAX bytes of weights and state; docs/spec/pull_relay.md)."""
+        chunks = 1 + self.model_bytes // max(1, self.env.chunk_bytes)
+        pieces = chunks * (P.FRAGMENT_SHARE + 1) + 2 * self.model_bytes // P.FRAGMENT_MAX
+        return self._reply_bound() + (self.steps_ahead + 2) * pieces
 
     def _reclaim(self, shard):
         """Before ``shard.weight`` changes: replies holding a view of it take a copy (not
@@ -250,8 +259,39 @@ class Server:
 
     def _forget_snapshots(self):
         """After a message: the next may change the weights the snapshots view."""
+        self._send_relayed()
         self._snapshots.clear()
         self._encoded.clear()
+
+    def _send_relayed(self):
+        """sync.pull_relay: chain (docs/spec/pull_relay.md). The replies that one message
+        completed and that carry the same records and lr go out once, to the lowest rank
+        of them, with the rest of the chain: [[rank, request id], ...] in rank order. Each
+        worker forwards it to the next, so this server's link carries one copy, not N. It
+        travels as FRAGMENT messages (the REPLY's frames cut into pieces, its own request id
+        0): a hop passes each piece on as it arrives, so the chain pipelines."""
+        groups = {}
+        for reply in self._relayed:
+            groups.setdefault((tuple(reply.records), reply.lr), []).append(reply)
+        self._relayed = []
+        for (records, lr), replies in groups.items():
+            replies.sort(key=lambda r: r.peer.rank)
+            meta = {"lr": lr} if lr is not None else {}
+            if len(replies) > 1:
+                meta["relay"] = [[r.peer.rank, r.req] for r in replies[1:]]
+            head = replies[0]
+            chain = meta.pop("relay", None)
+            body = P.encode(P.Message(
+                P.Kind.REPLY, sender=self.rank, req=head.req if chain is None else 0,
+                records=P.make_records(records), tensors=head.parts, meta=meta or None))
+            if chain is None:
+                pieces = [body]
+            else:      # in pieces, so that each hop passes on the first while the rest come
+                pieces = P.fragments(body, head.req, self.rank, {"relay": chain})
+            trackers = [t for t in (self._send(head.ident, p) for p in pieces) if t is not None]
+            tracker = zmq.MessageTracker(*trackers)
+            for reply in replies:     # every reply's views are lent until these are sent
+                reply.tracker = tracker
 
     def _send_when_complete(self, reply):
         """Send ``reply`` once every one of its keys has its values. The N workers of a
@@ -260,6 +300,9 @@ class Server:
         message's handling) and differ only in the header's request id."""
         if reply.missing == 0:
             reply.peer.open -= 1
+            if reply.relay:
+                self._relayed.append(reply)
+                return
             sig = (tuple(reply.records), reply.lr)
             body = self._encoded.get(sig)
             if body is None:
@@ -277,7 +320,8 @@ class Server:
         if peer.open >= self._reply_bound():
             raise RequestError(f"{peer.open} requests of worker {peer.rank} are already "
                                f"waiting; a worker has at most {self._reply_bound()}")
-        return Reply(ident, msg.req, n, with_state, peer)
+        return Reply(ident, msg.req, n, with_state, peer,
+                     relay=bool(msg.flags & P.Flag.RELAY) and self.rounds is None)
 
     # ---- validation ----------------------------------------------------------------
     def _shard_for(self, rec, *, with_values):
