@@ -88,3 +88,19 @@ def uninterrupted_digits(tmp_path_factory):
             done[algorithm] = run_dir_of(root)
         return done[algorithm]
     return get
+
+
+# The README's main command, shortened (digits, ssd, 6 epochs, warm-up 44), run once at a
+# terminal: tests/test_e2e_configs.py checks its screen and run, and
+# tests/test_compression_oracle.py compares the bytes of the same job compressed to it.
+DIGITS_DEMO = {"train.epochs": 6, "sync.warmup_steps": 44}
+
+
+@pytest.fixture(scope="session")
+def digits_demo_on_a_terminal(tmp_path_factory):
+    """(exit code, everything it wrote, output.dir) of the shortened main command."""
+    from test_e2e_configs import dist_on_a_terminal
+    out = tmp_path_factory.mktemp("digits-demo")
+    args = [a for k, v in DIGITS_DEMO.items() for a in ("--set", f"{k}={v}")]
+    code, raw = dist_on_a_terminal(["configs/digits.yaml", *args, "--set", f"output.dir={out}"])
+    return code, raw, out

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import DIGITS_EPOCHS, DIGITS_STEPS
 from ssdsgd import checkpoint as C
 from ssdsgd import train as T
 from ssdsgd.data import DataError
-from test_e2e_configs import PY, ROOT, clean_env, run_dir_of, sets
+from test_e2e_configs import PY, ROOT, clean_env
 from test_train import cfg_with, digits_job, no_role  # noqa: F401 - fixture
 
 
@@ -66,25 +67,21 @@ def test_resume_of_a_finished_run_by_hand_is_refused(tmp_path, no_role, capsys):
 
 
 @pytest.mark.system
-def test_resume_of_a_finished_job_through_the_launcher_is_refused(tmp_path):
+def test_resume_of_a_finished_job_through_the_launcher_is_refused(uninterrupted_digits):
     """``launch/dist.py --resume RUN`` of a job that ran to its end: exit 2, one line
-    naming the run, before any process starts; the run directory is left as it was."""
-    root = tmp_path / "runs"
-    done = subprocess.run(
-        [PY, "launch/dist.py", "configs/digits.yaml", *sets(
-            train__epochs=1, train__checkpoint_every=1, sync__warmup_steps=5,
-            output__dir=root, output__plots="false")], capture_output=True, text=True, cwd=ROOT, env=clean_env(),
-        timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run = run_dir_of(root)
+    naming the run, before any process starts; the run directory is left as it was. The
+    finished job is the checkpoint tests' digits job (ssd, a checkpoint every epoch), run
+    once per session for tests/test_resume.py and tests/test_recovery.py too."""
+    run = uninterrupted_digits("ssd")
     before = snapshot(run)
     assert json.loads(before["summary.json"])["final_accuracy"] > 0.5
+    steps = DIGITS_EPOCHS * DIGITS_STEPS
     again = subprocess.run([PY, "launch/dist.py", "--resume", str(run), "--set",
                             "train.log_interval=5"], capture_output=True, text=True,
                            cwd=ROOT, env=clean_env(), timeout=150)
     assert again.returncode == 2
     assert again.stdout == ""                        # no process was started
     assert again.stderr.strip().splitlines() == [
-        f"launch/dist.py: error: {run}: the run is finished (22 of 22 steps done); "
+        f"launch/dist.py: error: {run}: the run is finished ({steps} of {steps} steps done); "
         "nothing to resume (--set train.epochs=N with a larger N continues it)"]
     assert snapshot(run) == before

@@ -16,10 +16,11 @@ from pathlib import Path
 import mxnet as mx
 import numpy as np
 import pytest
+import yaml
 
 import push_pull_train as PP
 import train_small as T
-from conftest import launch
+from conftest import DIGITS_DEMO, launch
 from ssdsgd.glu.simulate import simulate
 from ssdsgd.testing import run_native
 
@@ -171,8 +172,8 @@ def _digits_job(out, compression):
     import subprocess
     env = {k: v for k, v in __import__('os').environ.items()
            if not k.startswith(('SSDSGD_', 'DMLC_'))}
-    p = subprocess.run([sys.executable, 'launch/dist.py', 'configs/digits.yaml',
-                        '--set', 'train.epochs=6', '--set', 'sync.warmup_steps=44',
+    demo = [a for k, v in DIGITS_DEMO.items() for a in ('--set', f'{k}={v}')]
+    p = subprocess.run([sys.executable, 'launch/dist.py', 'configs/digits.yaml', *demo,
                         '--set', f'sync.compression={compression}', '--set', f'output.dir={out}',
                         '--set', 'output.plots=false'],
                        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
@@ -181,10 +182,15 @@ def _digits_job(out, compression):
     return json.loads((run / 'summary.json').read_text())
 
 
-def test_sync_compression_in_the_digits_config(tmp_path):
+def test_sync_compression_in_the_digits_config(tmp_path, digits_demo_on_a_terminal):
     """configs/digits.yaml (ssd, 2 workers) with sync.compression=topk:0.1 still learns, and
-    its workers send far fewer bytes than the same job uncompressed."""
-    plain = _digits_job(tmp_path / 'plain', 'none')
+    its workers send far fewer bytes than the same job uncompressed (the README's shortened
+    main command, which tests/test_e2e_configs.py runs too: compression none by default)."""
+    code, raw, out = digits_demo_on_a_terminal
+    assert code == 0, raw[-4000:]
+    run, = [d for d in Path(out).iterdir() if d.is_dir()]
+    plain = json.loads((run / 'summary.json').read_text())
+    assert yaml.safe_load((run / 'config.yaml').read_text())['sync']['compression'] == 'none'
     topk = _digits_job(tmp_path / 'topk', 'topk:0.1')
     assert topk['final_accuracy'] >= 0.94, topk['final_accuracy']
     # pushes are ~1/5, pulls (every k = 5 steps after warm-up) unchanged

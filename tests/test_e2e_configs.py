@@ -196,16 +196,15 @@ def screen(raw: str) -> list[str]:
 
 
 @pytest.mark.system
-def test_digits_main_command_on_a_terminal(tmp_path):
+def test_digits_main_command_on_a_terminal(digits_demo_on_a_terminal):
     """The README's main command, shortened, at a terminal: it trains through scheduler,
     server and two workers under one progress bar (the processes' lines scroll above
     it), and ends with the test accuracy and the paths of its plots."""
-    code, raw = dist_on_a_terminal(["configs/digits.yaml", *sets(
-        train__epochs=6, sync__warmup_steps=44, output__dir=tmp_path)])
+    code, raw, out = digits_demo_on_a_terminal     # train.epochs=6, sync.warmup_steps=44
     lines = screen(raw)
     assert code == 0, "\n".join(lines[-40:])
     assert "Traceback" not in raw
-    run = run_dir_of(tmp_path)
+    run = run_dir_of(out)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_accuracy"] >= 0.95 and summary["steps"] == 132
     assert summary["algorithm"] == "ssd" and summary["workers_reporting"] == 2

@@ -64,6 +64,46 @@ def _run(code):
                           cwd=PKG.parent, timeout=120)
 
 
+CHECK_FIRST = ("from mxnet import gluon, kvstore; import ssdsgd.integration as i; "
+               "assert 'ssd_sync' in kvstore.KVStoreBase.kv_registry; "
+               "assert gluon.trainer._create_kvstore is i._create_kvstore; "
+               "assert ssdsgd.SSD_Sync.__name__ == 'SSD_Sync'; print('ok')")
+ORDERS = ("import ssdsgd; import mxnet", "import mxnet; import ssdsgd",
+          "import ssdsgd; from mxnet import gluon")
+CHECK_ANY = ("import mxnet, ssdsgd; from mxnet import gluon, kvstore; "
+             "import ssdsgd.integration as i; "
+             "assert 'ssd_sync' in kvstore.KVStoreBase.kv_registry; "
+             "assert gluon.trainer._create_kvstore is i._create_kvstore; print('ok')")
+MODULES = ["ssdsgd.glu", "ssdsgd.glu.rules", "ssdsgd.glu.simulate",
+           "ssdsgd.kvstore.optimizer_spec", "ssdsgd.store", "ssdsgd.integration",
+           "ssdsgd.worker.machine"]
+
+
+@pytest.fixture(scope="module")
+def imports_run():
+    """code -> (returncode, stdout, stderr) of every fresh interpreter the registration
+    tests below need, all started at once: each spends seconds importing MXNet, and
+    waiting for them one after another cost ~40 s of the suite."""
+    import subprocess
+    import sys
+    codes = [f"{first}; {CHECK_FIRST}" for first in ORDERS] + \
+        [f"import {module}; {CHECK_ANY}" for module in MODULES]
+    procs = {code: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=PKG.parent)
+             for code in codes}
+    results = {}
+    try:
+        for code, proc in procs.items():
+            out, err = proc.communicate(timeout=180)
+            results[code] = (proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
 def test_the_launcher_and_the_scheduler_start_without_mxnet():
     """They need none of it, and importing it costs 1-2 s of CPU per process per job."""
     p = _run("import sys, ssdsgd.launch.cli, ssdsgd.node, ssdsgd.kvstore.scheduler; "
@@ -71,29 +111,18 @@ def test_the_launcher_and_the_scheduler_start_without_mxnet():
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr[-2000:]
 
 
-def test_import_ssdsgd_registers_ssd_sync_before_or_after_mxnet():
+def test_import_ssdsgd_registers_ssd_sync_before_or_after_mxnet(imports_run):
     """``import ssdsgd`` keeps its promise whichever comes first: MXNet already imported
     (installed at once), or imported later (installed right after it, by the hook)."""
-    check = ("from mxnet import gluon, kvstore; import ssdsgd.integration as i; "
-             "assert 'ssd_sync' in kvstore.KVStoreBase.kv_registry; "
-             "assert gluon.trainer._create_kvstore is i._create_kvstore; "
-             "assert ssdsgd.SSD_Sync.__name__ == 'SSD_Sync'; print('ok')")
-    for first in ("import ssdsgd; import mxnet", "import mxnet; import ssdsgd",
-                  "import ssdsgd; from mxnet import gluon"):
-        p = _run(f"{first}; {check}")
-        assert p.stdout.strip() == "ok", (first, p.stderr[-2000:])
+    for first in ORDERS:
+        _, stdout, stderr = imports_run[f"{first}; {CHECK_FIRST}"]
+        assert stdout.strip() == "ok", (first, stderr[-2000:])
 
 
-@pytest.mark.parametrize("module", ["ssdsgd.glu", "ssdsgd.glu.rules", "ssdsgd.glu.simulate",
-                                    "ssdsgd.kvstore.optimizer_spec", "ssdsgd.store",
-                                    "ssdsgd.integration", "ssdsgd.worker.machine"])
-def test_any_module_imported_first_still_registers_ssd_sync(module):
+@pytest.mark.parametrize("module", MODULES)
+def test_any_module_imported_first_still_registers_ssd_sync(imports_run, module):
     """A module that imports MXNet itself, imported before anything else, used to run the
     install in the middle of its own import (the hook fires inside it), and the install's
     imports found it half made: ImportError. The install now waits for it to finish."""
-    check = ("import mxnet, ssdsgd; from mxnet import gluon, kvstore; "
-             "import ssdsgd.integration as i; "
-             "assert 'ssd_sync' in kvstore.KVStoreBase.kv_registry; "
-             "assert gluon.trainer._create_kvstore is i._create_kvstore; print('ok')")
-    p = _run(f"import {module}; {check}")
-    assert p.stdout.strip() == "ok", (module, p.stderr[-2000:])
+    _, stdout, stderr = imports_run[f"import {module}; {CHECK_ANY}"]
+    assert stdout.strip() == "ok", (module, stderr[-2000:])

@@ -13,7 +13,10 @@ from ssdsgd.glu.preduce import arrival_groups, simulate_preduce
 
 pytestmark = pytest.mark.system
 
-N, STEPS, SLOW, DELAY = 4, 6, 3, 3.0
+# DELAY: the straggler's sleep before each step. The check on order needs it late by more
+# than the two steps (and averages) the three others take to form the first two groups,
+# tens of ms, a few hundred on a loaded 2-core machine; 3 s cost 12 s more per case.
+N, STEPS, SLOW, DELAY = 4, 6, 3, 1.0
 
 
 def simulated(groups):
@@ -36,7 +39,7 @@ def simulated(groups):
 @pytest.mark.parametrize("servers", [1, 2])
 def test_a_late_worker_does_not_hold_groups_up_and_the_weights_are_the_simulators(
         tmp_path, servers):
-    """Worker 3 sleeps 3 s before each step: the first groups are the others', and every
+    """Worker 3 sleeps DELAY (1 s) before each step: the first groups are the others', and every
     worker's weights (before and after the final group of all four) are exactly the
     simulator's for the groups the scheduler formed."""
     res = launch(N, servers, ["--out", tmp_path, "--steps", STEPS,

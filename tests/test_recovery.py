@@ -51,11 +51,19 @@ def role_of(pid: int) -> tuple[str, int] | None:
     return env.get("SSDSGD_ROLE"), int(env.get("SSDSGD_RANK", -1))
 
 
-# Rank 0 slowed by 30 ms a step (timing only: no weight depends on it) in the jobs to be
-# killed, so that the kill lands before the end: at full speed the 8 steps between the
-# step seen in the metrics and the end took less than the kill did (seen in CI: the
-# scheduler killed after step 88, the run finished, nothing to restart).
-PACE = sets(debug__slowdown="delay:0=0.03")
+# Rank 0 slowed by 10 ms a step (timing only: no weight depends on it) in the jobs to be
+# killed, and the kill step drawn from the first 16 of the second epoch, so that the kill
+# lands before the end: at full speed the 8 steps between the step seen in the metrics and
+# the end took less than the kill did (seen in CI: the scheduler killed after step 88, the
+# run finished, nothing to restart). Now >= 28 steps x >= 10 ms are left (0.28 s, more
+# than the 8 x 30 ms before), and the pace, paid by every step before and after the
+# restart, costs ~1 s a test instead of ~3 s.
+PACE = sets(debug__slowdown="delay:0=0.01")
+
+
+def kill_step(seed) -> int:
+    """A seeded step after the first checkpoint (step STEPS), >= 28 steps before the end."""
+    return random.Random(seed).randint(STEPS + 2, STEPS + 16)
 
 
 def start(args, root: Path):
@@ -86,7 +94,7 @@ def wait_for_step(proc, root: Path, step: int, timeout=240) -> Path:
 def test_a_killed_process_is_restarted_and_the_job_ends_as_if_uninterrupted(
         tmp_path, uninterrupted, role, algorithm):
     rng = random.Random(f"{role}-{algorithm}")
-    step = rng.randint(STEPS + 2, 2 * STEPS - 8)       # after the first checkpoint
+    step = kill_step(f"{role}-{algorithm}")
     rank = rng.choice([0, 1]) if role == "worker" else 0
     reference = uninterrupted(algorithm)
     root = tmp_path / "runs"
@@ -130,8 +138,7 @@ def test_a_killed_launcher_leaves_nothing_and_resume_ends_as_if_uninterrupted(
     args = ["configs/digits.yaml", *JOBS["ssd"], *sets(output__dir=root)]
     proc, log = start(args, root)
     try:
-        run = wait_for_step(proc, root, random.Random("launcher").randint(STEPS + 2,
-                                                                          2 * STEPS - 8))
+        run = wait_for_step(proc, root, kill_step("launcher"))
         kids = children(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -156,7 +163,7 @@ def test_with_continue_a_killed_worker_leaves_and_the_job_finishes(tmp_path, alg
     step it names, the job finishes all its steps with one worker, and summary.json says
     who left and from which step."""
     root = tmp_path / "runs"
-    step = random.Random(f"continue-{algorithm}").randint(STEPS + 2, 2 * STEPS - 8)
+    step = kill_step(f"continue-{algorithm}")
     proc, log = start(["configs/digits.yaml", *JOBS[algorithm], *sets(
         output__dir=root, cluster__on_worker_failure="continue",
         cluster__heartbeat_interval=0.2, cluster__heartbeat_timeout=1.0)], root)

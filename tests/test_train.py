@@ -139,19 +139,27 @@ def test_cifar_pipeline_smoke(tmp_path, no_role):
 @pytest.mark.system
 def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
     bad = digits_job(tmp_path, "bad", sync={"delay_steps": 0})
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SSDSGD_", "DMLC_"))}
-    p = subprocess.run([PY, "-m", "ssdsgd.train", str(bad)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=120)
-    assert p.returncode == 2
-    assert p.stderr.strip().splitlines() == [
-        f"error: sync.delay_steps: expected an integer >= 1, got 0 ({bad})"]
     nodata = digits_job(tmp_path, "nodata", model={"name": "cifar_resnet20_v1"},
                         data={"dataset": "cifar10", "path": str(tmp_path / "absent")})
-    p = subprocess.run([PY, "-m", "ssdsgd.train", str(nodata), "--run-dir",
-                        str(tmp_path / "r")], capture_output=True, text=True, cwd=ROOT,
-                       env=env, timeout=120)
-    assert p.returncode == 2
-    assert p.stderr.strip().splitlines()[-1] == (
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SSDSGD_", "DMLC_"))}
+    # both at once: each spends seconds importing MXNet before it reads its config
+    bad_p, nodata_p = (subprocess.Popen([PY, "-m", "ssdsgd.train", *args], cwd=ROOT, env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+                       for args in ([str(bad)], [str(nodata), "--run-dir", str(tmp_path / "r")]))
+    try:
+        _, bad_err = bad_p.communicate(timeout=120)
+        _, nodata_err = nodata_p.communicate(timeout=120)
+    finally:
+        for p in (bad_p, nodata_p):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert bad_p.returncode == 2
+    assert bad_err.strip().splitlines() == [
+        f"error: sync.delay_steps: expected an integer >= 1, got 0 ({bad})"]
+    assert nodata_p.returncode == 2
+    assert nodata_err.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'absent'}: CIFAR-10 data directory not found (data.path)")
 
 
