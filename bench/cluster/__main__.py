@@ -129,7 +129,7 @@ def parse_args(argv=None):
                    "others to see how far steps to the target move between seeds")
     p.add_argument('--tta-comm-systems',
                    default='native-sync,native-sync-2bit,ssgd,ssgd-2bit,ssd-k5,ssd-k10,'
-                   'ssd-k5-2bit,ssd-k10-2bit-w4')
+                   'ssd-k5-2bit,ssd-k10-2bit-w4,ssd-k10-2bit-w4-relay')
     p.add_argument('--latency-ms', type=float, default=0.0,
                    help='added round-trip latency per link (needs netem in the kernel)')
     p.add_argument('--mtu', type=int, default=1500)
