@@ -127,7 +127,7 @@ class Gather:
             if value is not None:
                 self.meta.setdefault(name, value)
         lr = msg.meta.get("lr") if msg.meta else None
-        for rec, arrays in zip(msg.records, msg.tensors):
+        for rec, arrays in zip(P.rows(msg.records), msg.tensors):
             self._place(out, rec, arrays, lr)
 
     def _place(self, out, rec, arrays, lr):

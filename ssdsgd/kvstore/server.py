@@ -73,8 +73,8 @@ class Peer:
 
 class KeyShard:
     """The server's part of one key: a flat slice of the weights and its aggregation."""
-    __slots__ = ("key", "offset", "count", "dtype", "weight", "grad", "version", "pending",
-                 "waiting", "lent")
+    __slots__ = ("key", "offset", "count", "dtype", "_weight", "_weight_view", "grad",
+                 "_grad_view", "version", "pending", "waiting", "lent")
 
     def __init__(self, key, offset, values):
         self.key = key
@@ -83,10 +83,32 @@ class KeyShard:
         self.dtype = values.dtype
         self.weight = mx.nd.array(values, dtype=values.dtype)
         self.grad = mx.nd.zeros(values.shape, dtype=values.dtype)   # staging for the sum
+        self._grad_view = None
         self.version = 0          # steps applied
         self.pending = {}         # step -> {rank: gradient}
         self.waiting = {}         # step -> [Reply] to complete when that step is applied
         self.lent = []            # replies holding a view of ``weight``: unsent, or trackers
+
+    # Views of the two buffers, made once per array (a key of a key-by-key script is a few
+    # KB: making them per step cost as much as the sum). Only while no MXNet operation on
+    # the array is pending (after ``mx.nd.waitall()``).
+    @property
+    def weight(self):
+        return self._weight
+
+    @weight.setter
+    def weight(self, nd):      # _reclaim moves the weights to a copy
+        self._weight, self._weight_view = nd, None
+
+    def weight_view(self):
+        if self._weight_view is None:
+            self._weight_view = hostcopy.raw_view(self._weight, self.dtype, self.count)
+        return self._weight_view
+
+    def grad_view(self):
+        if self._grad_view is None:
+            self._grad_view = hostcopy.raw_view(self.grad, self.dtype, self.count)
+        return self._grad_view
 
 
 class Reply:
@@ -235,7 +257,7 @@ class Server:
         # before they change. Every worker waiting on the same step gets the same view.
         value = self._snapshots.get((shard.key, shard.version))
         if value is None:    # _apply leaves no MXNet work pending: the buffer is settled
-            value = hostcopy.raw_view(shard.weight, shard.dtype, shard.count)
+            value = shard.weight_view()
             self._snapshots[(shard.key, shard.version)] = value
         shard.lent.append((reply, i))
         arrays = [value]
@@ -347,7 +369,7 @@ class Server:
         """Each key is declared once, by worker 0's values (the model it declares); the
         other workers' INITs wait for them, holding no tensors."""
         new = {}
-        for rec, arrays in zip(msg.records, msg.tensors):
+        for rec, arrays in zip(P.rows(msg.records), msg.tensors):
             key = int(rec["key"])
             if key in self.shards or key in new or not arrays:
                 continue
@@ -378,7 +400,7 @@ class Server:
         self.pending_inits = still
 
     def _reply_now(self, ident, msg, with_state):
-        shards = [self._shard_for(rec, with_values=False) for rec in msg.records]
+        shards = [self._shard_for(rec, with_values=False) for rec in P.rows(msg.records)]
         reply = self._new_reply(ident, msg, len(shards), with_state)
         if not shards:
             reply.peer.open -= 1
@@ -462,7 +484,7 @@ class Server:
         if len(np.unique(msg.records["key"])) != len(msg.records):
             raise RequestError("a push names a key twice")
         shards = []
-        for rec, arrays in zip(msg.records, msg.tensors):
+        for rec, arrays in zip(P.rows(msg.records), msg.tensors):
             shard = self._shard_for(rec, with_values=not rec["encoding"])
             step = int(rec["step"])
             if len(arrays) != 1:
@@ -534,8 +556,7 @@ class Server:
         mx.nd.waitall()
         for shard, parts in zip(shards, grads):
             parts = parts if isinstance(parts, list) else [parts]
-            target = hostcopy.raw_view(shard.weight if self.updater is None else shard.grad,
-                                       shard.dtype, shard.count)
+            target = shard.weight_view() if self.updater is None else shard.grad_view()
             if _summable_2bit(parts):
                 sum_2bit(parts, target)
                 continue
@@ -598,12 +619,12 @@ class Server:
         return t
 
     def on_pull(self, ident, msg):
-        shards = [self._shard_for(rec, with_values=False) for rec in msg.records]
+        shards = [self._shard_for(rec, with_values=False) for rec in P.rows(msg.records)]
         if msg.flags & P.Flag.PAUSE:
             return self._pause(ident, msg, shards)
         if self.rounds is not None:
             return self._pull_from_rounds(ident, msg, shards)
-        for rec, shard in zip(msg.records, shards):
+        for rec, shard in zip(P.rows(msg.records), shards):
             step = int(rec["step"])
             if self.sync and step >= shard.version and msg.sender not in shard.pending.get(step, ()):
                 raise RequestError(f"key {shard.key}: worker {msg.sender} pulls step {step}, "
@@ -613,7 +634,7 @@ class Server:
         if not shards:
             reply.peer.open -= 1
             self._send(ident, P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req))
-        for i, (rec, shard) in enumerate(zip(msg.records, shards)):
+        for i, (rec, shard) in enumerate(zip(P.rows(msg.records), shards)):
             step = int(rec["step"])
             if self.sync and step >= shard.version:     # "as of step t": wait for it
                 shard.waiting.setdefault(step, []).append((reply, i))
@@ -731,7 +752,7 @@ class Server:
         if len(np.unique(msg.records["key"])) != len(msg.records):
             raise RequestError("an AVERAGE names a key twice")
         shards = []
-        for rec, arrays in zip(msg.records, msg.tensors):
+        for rec, arrays in zip(P.rows(msg.records), msg.tensors):
             shard = self._shard_for(rec, with_values=True)
             if len(arrays) != 1 or rec["encoding"]:
                 raise RequestError(f"key {shard.key}: an AVERAGE carries the weights, once")
@@ -789,7 +810,7 @@ class Server:
         if updater is None:
             raise RequestError("SET_STATE before any optimizer was set")
         states = {}
-        for rec, arrays in zip(msg.records, msg.tensors):
+        for rec, arrays in zip(P.rows(msg.records), msg.tensors):
             shard = self._shard_for(rec, with_values=True)
             template = optimizer.create_state_multi_precision(shard.key, shard.weight)
             want = len(flatten_state(template))
