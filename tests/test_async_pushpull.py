@@ -44,6 +44,16 @@ def test_many_keys_pushed_and_pulled_one_by_one_get_the_sums(tmp_path, procs):
         assert "900 ssgd steps" in out, out      # one step per call, as before
 
 
+def test_outputs_and_gradients_may_change_between_rounds(tmp_path, procs):
+    """The worker keeps a key's engine operation while the script passes the same arrays:
+    new arrays, and a pull into the gradient itself (no out=), must still get the sums."""
+    job = Job(tmp_path, procs, workers=2, start_workers=False)
+    results = finish(workers(job, procs, "--keys", 30, "--rounds", 4, "--vary"))
+    for code, out, err in results:
+        assert code == 0, out + err[-3000:]
+        assert out.count("30 sums ok") == 4, out
+
+
 def test_pushpull_returns_before_the_reply_exists(tmp_path, procs):
     """Rank 1 pushes a round only after rank 0's pushpull calls of that round have
     returned, so no reply can exist when they return: a synchronous pushpull would wait

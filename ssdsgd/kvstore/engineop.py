@@ -88,18 +88,34 @@ def _execute(_run_context, on_complete, op_id):
         done()
 
 
+class Arrays:
+    """The read and written arrays of an operation, as the engine's C call takes them,
+    built once for arrays that are queued again and again (kv.pushpull key by key: the
+    same gradient and output every round); it keeps them alive."""
+    __slots__ = ("keep", "const", "n_const", "mutable", "n_mutable")
+
+    def __init__(self, reads, writes):
+        self.keep = list(reads) + list(writes)
+        self.const = (ctypes.c_void_p * len(reads))(*[nd.handle.value for nd in reads])
+        self.mutable = (ctypes.c_void_p * len(writes))(*[nd.handle.value for nd in writes])
+        self.n_const, self.n_mutable = len(reads), len(writes)
+
+
 def push(run, reads, writes, priority=0):
     """Queue ``run(done)`` with CPU NDArrays ``reads`` (read) and ``writes`` (written);
     ``run`` must see to it that ``done()`` is called once ``writes`` hold their values
     (or the operation failed), else every later access of ``writes`` waits forever."""
+    push_arrays(run, Arrays(reads, writes), priority)
+
+
+def push_arrays(run, arrays, priority=0):
+    """``push`` with the arrays of an ``Arrays`` (no array may be in both lists)."""
     op_id = next(_ids)
-    _ops[op_id] = (run, list(reads) + list(writes))
-    const = (ctypes.c_void_p * len(reads))(*[nd.handle.value for nd in reads])
-    mutable = (ctypes.c_void_p * len(writes))(*[nd.handle.value for nd in writes])
+    _ops[op_id] = (run, arrays)
     try:
         check_call(_PUSH(
-            _execute, op_id, None, _CPU_P, const, len(reads), mutable, len(writes),
-            _ASYNC_PROP_P, priority, _NAME, False))
+            _execute, op_id, None, _CPU_P, arrays.const, arrays.n_const, arrays.mutable,
+            arrays.n_mutable, _ASYNC_PROP_P, priority, _NAME, False))
     except BaseException:
         _ops.pop(op_id, None)
         raise

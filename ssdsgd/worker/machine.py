@@ -23,7 +23,6 @@ The machine speaks to the servers only through the client's API (``init``, ``pus
 ``pull``): it builds no message and never sees how keys are split over servers.
 """
 import dataclasses
-import math
 
 import mxnet as mx
 import numpy as np
@@ -32,14 +31,8 @@ from ..glu.rules import make_local_rule
 from ..kvstore import engineop, hostcopy
 from ..kvstore.client import KeyReply
 from ..kvstore.optimizer_spec import build
+from .deferred import KeyOp, device_sum, engine_arrays
 from .schedule import Stage, plan, pull_offset
-
-
-def _device_sum(nd_list):
-    """The worker's gradient of a key: the sum over its devices."""
-    if len(nd_list) == 1:
-        return nd_list[0]
-    return mx.nd.add_n(*[x.as_in_context(nd_list[0].context) for x in nd_list])
 
 
 @dataclasses.dataclass
@@ -58,6 +51,9 @@ class KeyRecord:
     state: list | None = None
     lr: float | None = None
     version: int | None = None
+    # The last pushpull queued on the engine for this key (deferred.KeyOp), reused while
+    # the caller passes the same arrays; it keeps them alive until the next call.
+    deferred: object = None
 
     def remember(self, reply, step):
         """A reply as of ``step`` becomes the newest global weights."""
@@ -172,71 +168,49 @@ class StageMachine:
         and waits once (``wait_to_read``, ``waitall``). A failure is raised at the next
         call of the machine (``settle``); the outputs then keep their old values."""
         self.raise_deferred()
-        for key, _, _ in entries:
-            if key not in self.keys:
-                raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
-        grads = {key: _device_sum(grad_list) for key, grad_list, _ in entries}
-        host = {}     # key -> (CPU array, dtype, size) of the gradient
-        for key, g in grads.items():
-            on_cpu, shape, dtype = hostcopy.describe(g)
-            if shape != self.keys[key].shape:
-                raise ValueError(f"key {key}: a gradient of shape {shape} for a key of shape "
-                                 f"{self.keys[key].shape}")
-            host[key] = (g if on_cpu else g.copyto(mx.cpu()), dtype, math.prod(shape))
-        targets, staged = self._deferred_targets(entries, host)
-        writes = {nd.handle.value: nd for _, dests in targets for nd, _ in dests}
-        reads = [nd for nd, _, _ in host.values() if nd.handle.value not in writes]
+        ops = [self._key_op(key, grad_list, outs) for key, grad_list, outs in entries]
+        if len(ops) > 1 and len({op.key for op in ops}) < len(ops):
+            raise ValueError("a key appears twice in one pushpull")
         t = self.t
 
         def run(done):
             try:
                 self.client.push_then(
-                    [(key, hostcopy.raw_view(*host[key])) for key in host],
-                    lambda replies, error: self._deferred_done(t, targets, replies,
-                                                               error, done))
+                    [(op.key, op.grad_view()) for op in ops],
+                    lambda replies, error: self._deferred_done(t, ops, replies, error, done))
             except Exception as e:
-                self._deferred_done(t, targets, None, e, done)
+                self._deferred_done(t, ops, None, e, done)
 
-        engineop.push(run, reads, list(writes.values()), priority)
-        for src, out in staged:
-            src.copyto(out)
+        engineop.push_arrays(run, engine_arrays(ops), priority)
+        for op in ops:
+            for src, out in op.staged:
+                src.copyto(out)
         self.deferred = True
         self.counts[Stage(self.env.algorithm)] += 1      # ssgd or asgd: the stage's name
         self.counts["pushes"] += 1
         self.counts["pulls"] += 1
         self.t += 1
 
-    def _deferred_targets(self, entries, host):
-        """(key, [(CPU array the reply is written into, its dtype)]) and (CPU array, GPU
-        output) pairs: an output on another device is copied from a CPU array after the
-        operation."""
-        targets, staged = [], []
-        for key, grad_list, outs in entries:
-            dests, stage = [], None
-            for out in (outs if outs is not None else grad_list):
-                on_cpu, shape, dtype = hostcopy.describe(out)
-                if shape != self.keys[key].shape:
-                    raise ValueError(f"key {key}: an output of shape {shape} for a key of "
-                                     f"shape {self.keys[key].shape}")
-                if on_cpu:
-                    dests.append((out, dtype))
-                    continue
-                if stage is None:      # one CPU array for all of the key's other outputs
-                    stage = mx.nd.empty(shape, ctx=mx.cpu(), dtype=dtype)
-                    dests.append((stage, dtype))
-                staged.append((stage, out))
-            targets.append((key, dests))
-        return targets, staged
+    def _key_op(self, key, grad_list, outs):
+        """The key's ``KeyOp`` for these arrays: the last one if they are the same."""
+        record = self.keys.get(key)
+        if record is None:
+            raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
+        op = record.deferred
+        if op is not None and op.matches(grad_list, outs):
+            return op
+        op = KeyOp(key, record.shape, grad_list, outs)
+        record.deferred = op if op.reusable else None
+        return op
 
-    def _deferred_done(self, t, targets, replies, error, done):
+    def _deferred_done(self, t, ops, replies, error, done):
         """On the I/O thread: the reply into the outputs, then the engine is told."""
         try:
             if error is None:
-                for key, dests in targets:
-                    reply = replies[key]
-                    self.keys[key].remember(reply, t)
-                    for nd, dtype in dests:
-                        hostcopy.fill(nd, reply.value, dtype, reply.value.size)
+                for op in ops:
+                    reply = replies[op.key]
+                    self.keys[op.key].remember(reply, t)
+                    op.write(reply.value)
         except Exception as e:
             error = e
         finally:
@@ -280,7 +254,7 @@ class StageMachine:
     def _push(self, entries, *, copy, pull=False, state=False):
         """Spec step 2, shared by every stage and ``kv.push``: push g_i(t), each key's
         gradients summed over the worker's devices. Returns them and the pull's reply."""
-        grads = {key: _device_sum(grad_list) for key, grad_list, _ in entries}
+        grads = {key: device_sum(grad_list) for key, grad_list, _ in entries}
         flats = hostcopy.read(list(grads.values()),
                               copy=copy and not self.client.codes_pushes)
         reply = self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state)
@@ -376,7 +350,7 @@ class StageMachine:
                                "default (True)")
         for key, grad_list, outs in entries:
             self.keys[key].outs = outs
-            self.updater(key, _device_sum(grad_list), outs[0])
+            self.updater(key, device_sum(grad_list), outs[0])
         self.counts[Stage.PREDUCE] += 1
         self._average([(key, outs) for key, _, outs in entries], final=False)
 

@@ -8,7 +8,11 @@ one wait. Prints one line per check; exit code 0 only if every sum is right.
 --die DIR    rank 0 writes DIR/pending once its pushpulls are queued (the test then
              kills the server; rank 1 never pushes, it waits in a barrier), waits for
              its outputs and makes one more kvstore call, which must raise: prints
-             'error: <type>: <message>'."""
+             'error: <type>: <message>'.
+--vary       the arrays change between rounds, as a script may: every third key is
+             pulled into its gradient (no out=), and from the second round on every
+             third key gets fresh gradient and output arrays each round (the worker
+             keeps each key's engine operation while the arrays stay the same)."""
 import argparse
 import os
 import sys
@@ -24,6 +28,7 @@ p.add_argument("--elems", type=int, default=64)
 p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--hold")
 p.add_argument("--die")
+p.add_argument("--vary", action="store_true")
 args = p.parse_args()
 
 
@@ -53,8 +58,15 @@ for rnd in range(args.rounds):
         sys.exit(0)
     if args.hold and kv.rank == 1:
         wait_for(os.path.join(args.hold, str(rnd)), f"rank 0's round {rnd}")
-    for key, g, out in zip(keys, grads, outs):
-        kv.pushpull(key, g, out=out)
+    results = outs
+    if args.vary:
+        if rnd:
+            for i in range(1, len(keys), 3):
+                grads[i] = mx.nd.array(grads[i].asnumpy())
+                outs[i] = mx.nd.zeros(args.elems)
+        results = [g if i % 3 == 0 else out for i, (g, out) in enumerate(zip(grads, outs))]
+    for i, (key, g, out) in enumerate(zip(keys, grads, outs)):
+        kv.pushpull(key, g, out=None if args.vary and i % 3 == 0 else out)
     if args.hold and kv.rank == 0:
         open(os.path.join(args.hold, str(rnd)), "w").close()
         print(f"round {rnd}: pushpull returned before any reply", flush=True)
@@ -70,7 +82,7 @@ for rnd in range(args.rounds):
             sys.exit(3)
         print("no error", flush=True)
         sys.exit(0)
-    got = np.stack([out.asnumpy() for out in outs])
+    got = np.stack([out.asnumpy() for out in results])
     # 2 workers: (1 + 2) (i + 1) + 2 rnd
     want = np.array([[3 * (i + 1) + 2 * rnd] * args.elems for i in range(len(keys))], np.float32)
     if not np.array_equal(got, want):

@@ -1,0 +1,106 @@
+"""One key's part of a pushpull queued on MXNet's engine (``StageMachine.step_deferred``).
+
+A script that calls ``kv.pushpull`` key by key passes the same gradient and output arrays
+every round, and an NDArray's device, shape, dtype and buffer never change while it
+exists. So what the queued operation needs -- which arrays it reads and writes, as the
+engine's C call takes them, and numpy views of their buffers -- is worked out once per
+key and kept while the caller passes the same arrays (``KeyOp.matches``): about a third of
+a key's Python cost on the calling thread, and a plain numpy copy of the reply instead of
+one through ctypes on the I/O thread.
+"""
+import math
+
+import mxnet as mx
+import numpy as np
+
+from ..kvstore import engineop, hostcopy
+
+
+def device_sum(nd_list):
+    """The worker's gradient of a key: the sum over its devices."""
+    if len(nd_list) == 1:
+        return nd_list[0]
+    return mx.nd.add_n(*[x.as_in_context(nd_list[0].context) for x in nd_list])
+
+
+class KeyOp:
+    """The arrays of one key's queued pushpull.
+
+    ``grad``: the CPU array the push reads (the gradient, or its sum over devices or its
+    copy from a GPU); ``dests``: the CPU arrays the reply is written into; ``staged``:
+    (CPU array, output on another device) pairs copied after the operation. Views of the
+    CPU buffers are taken inside the operation (``grad_view``, ``write``), where the
+    engine guarantees nothing else touches those arrays."""
+    __slots__ = ("key", "grad_list", "outs", "grad", "dtype", "size", "dests", "staged",
+                 "reusable", "arrays", "_grad_view", "_dest_views")
+
+    def __init__(self, key, shape, grad_list, outs):
+        self.key, self.grad_list, self.outs = key, tuple(grad_list), \
+            None if outs is None else tuple(outs)
+        grad = device_sum(grad_list)
+        on_cpu, got, self.dtype = hostcopy.describe(grad)
+        if got != shape:
+            raise ValueError(f"key {key}: a gradient of shape {got} for a key of shape {shape}")
+        self.size = math.prod(shape)
+        self.grad = grad if on_cpu else grad.copyto(mx.cpu())
+        self.dests, self.staged = [], []
+        stage = None
+        for out in (outs if outs is not None else grad_list):
+            on_cpu, got, dtype = hostcopy.describe(out)
+            if got != shape:
+                raise ValueError(f"key {key}: an output of shape {got} for a key of shape "
+                                 f"{shape}")
+            if on_cpu:
+                self.dests.append((out, dtype))
+                continue
+            if stage is None:       # one CPU array for all of the key's other outputs
+                stage = mx.nd.empty(shape, ctx=mx.cpu(), dtype=dtype)
+                self.dests.append((stage, dtype))
+            self.staged.append((stage, out))
+        # Kept for the next call only if it holds no array made for this call.
+        self.reusable = len(self.grad_list) == 1 and on_cpu and self.grad is grad_list[0] \
+            and not self.staged
+        self.arrays = engineop.Arrays(*_reads_writes([self])) if self.reusable else None
+        self._grad_view = self._dest_views = None
+
+    def matches(self, grad_list, outs):
+        """Does a call with these arrays queue what this op does?"""
+        if len(grad_list) != 1 or grad_list[0] is not self.grad_list[0]:
+            return False
+        if outs is None or self.outs is None:
+            return outs is None and self.outs is None
+        return len(outs) == len(self.outs) and all(a is b for a, b in zip(outs, self.outs))
+
+    def grad_view(self):
+        """A flat view of the gradient's buffer (inside the operation only)."""
+        if self._grad_view is None or not self.reusable:
+            self._grad_view = hostcopy.raw_view(self.grad, self.dtype, self.size)
+        return self._grad_view
+
+    def write(self, value):
+        """The reply's values into every destination (inside the operation only)."""
+        if value.size != self.size:
+            raise ValueError(f"key {self.key}: a reply of {value.size} values for a key of "
+                             f"{self.size}")
+        if self._dest_views is None or not self.reusable:
+            self._dest_views = [hostcopy.raw_view(nd, dtype, self.size)
+                                for nd, dtype in self.dests]
+        for view in self._dest_views:
+            np.copyto(view, value, casting="unsafe")
+
+
+def _reads_writes(ops):
+    """The arrays an operation for ``ops`` reads and writes (an array written is not also
+    listed as read: the engine takes each array once)."""
+    writes = {nd.handle.value: nd for op in ops for nd, _ in op.dests}
+    reads = {nd.handle.value: nd for op in ops if op.grad.handle.value not in writes
+             for nd in (op.grad,)}
+    return list(reads.values()), list(writes.values())
+
+
+def engine_arrays(ops):
+    """The ``engineop.Arrays`` of one operation for ``ops`` (built once for a lone
+    reusable op)."""
+    if len(ops) == 1 and ops[0].arrays is not None:
+        return ops[0].arrays
+    return engineop.Arrays(*_reads_writes(ops))
