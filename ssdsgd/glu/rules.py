@@ -2,7 +2,9 @@
 
 A rule turns the worker's raw gradient into the local step d_i(t) between two resets.
 It never re-implements an update formula: `glu` runs a local copy of the server's own
-MXNet optimizer (through MXNet's Updater), `sgd` runs MXNet's stateless SGD. What this
+MXNet optimizer (through MXNet's Updater; for SGD on dense float32 keys, MXNet's own
+multi-tensor SGD operator called directly with the optimizer's own lrs and wds:
+``_sgd_call``), `sgd` runs MXNet's stateless SGD. What this
 module adds is only the re-seeding at a reset: the lr, the update count and the state.
 The state comes from the server (`exact`) or is estimated at no extra bytes: `estimate`
 (the mean global velocity of the last period) or `corrected` (the worker's own momentum
