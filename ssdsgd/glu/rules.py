@@ -4,7 +4,7 @@ A rule turns the worker's raw gradient into the local step d_i(t) between two re
 It never re-implements an update formula: `glu` runs a local copy of the server's own
 MXNet optimizer (through MXNet's Updater; for SGD on dense float32 keys, MXNet's own
 multi-tensor SGD operator called directly with the optimizer's own lrs and wds:
-``_sgd_call``), `sgd` runs MXNet's stateless SGD. What this
+``kvstore.update_groups.sgd_call``), `sgd` runs MXNet's stateless SGD. What this
 module adds is only the re-seeding at a reset: the lr, the update count and the state.
 The state comes from the server (`exact`) or is estimated at no extra bytes: `estimate`
 (the mean global velocity of the last period) or `corrected` (the worker's own momentum
@@ -26,7 +26,7 @@ import numpy as np
 
 from ..kvstore import hostcopy
 from ..kvstore.optimizer_spec import flatten_state, unflatten_state
-from ..kvstore.update_groups import size_groups
+from ..kvstore.update_groups import sgd_call, size_groups
 from ..settings import BY_NAME
 
 RULES = BY_NAME['local_rule'].choices
@@ -193,7 +193,7 @@ class _UpdaterRule(LocalRule):
         self.lr_local = lr_local
         self._lr = {}
         self._sizes = {}     # key -> (weight array, its element count)
-        self._plain = {}     # key -> (weight, grad, dense float32?, device id): _sgd_call
+        self._plain = {}     # key -> what update_groups.sgd_call learnt of its arrays
 
     def reseed(self, key, slots, global_weight, *, prev_global_weight=None,
                steps_between=None, state=None, lr=None, num_update=None, local_weight=None):
@@ -221,7 +221,7 @@ class _UpdaterRule(LocalRule):
             self.opt.lr = lr
             for group in size_groups([self._size(key, w) for key, _, w in items], AGGREGATE):
                 keys_, grads_, weights_ = map(list, zip(*(items[i] for i in group)))
-                if not self._sgd_call(keys_, grads_, weights_):
+                if not sgd_call(self.opt, self.updater, keys_, grads_, weights_, self._plain):
                     self.updater(keys_, grads_, weights_)
 
     def _size(self, key, weight):
@@ -231,50 +231,6 @@ class _UpdaterRule(LocalRule):
         if known is None or known[0] is not weight:
             known = self._sizes[key] = (weight, weight.size)
         return known[1]
-
-    def _sgd_call(self, keys, grads, weights):
-        """MXNet's ``Updater(keys, grads, weights)`` for ``SGD`` on dense float32 arrays
-        whose state exists, without its checks of every array's storage type, dtype and
-        device (ctypes calls that release the GIL: with the I/O thread busy each could wait
-        for it; ~40 % of the local update's time on ResNet-20's 65 keys). The same
-        bookkeeping (``_update_count``, ``_get_lrs``, ``_get_wds``) and the same operator
-        with the same arguments as ``SGD._update_impl``'s aggregated path, so the same
-        weights bit for bit (tests/test_glu_rules.py). False: not this case, use the
-        Updater."""
-        opt, updater = self.opt, self.updater
-        if type(opt) is not mx.optimizer.SGD:
-            return False
-        states, device = [], None
-        for key, grad, weight in zip(keys, grads, weights):
-            state = updater.states.get(key)
-            if (opt.momentum > 0 and state is None) or not updater.states_synced.get(key):
-                return False
-            plain = self._plain.get(key)
-            if plain is None or plain[0] is not weight or plain[1] is not grad:
-                plain = self._plain[key] = (
-                    weight, grad, weight.stype == "default" and grad.stype == "default"
-                    and weight.dtype == np.float32 and grad.dtype == np.float32,
-                    weight.context.device_id)
-            if not plain[2] or (device is not None and plain[3] != device):
-                return False
-            device = plain[3]
-            states.append(state)
-        opt._set_current_context(device)          # noqa: SLF001 - as the Updater does
-        opt._update_count(keys)                   # noqa: SLF001
-        kwargs = {"rescale_grad": opt.rescale_grad}
-        if opt.clip_gradient:
-            kwargs["clip_gradient"] = opt.clip_gradient
-        if opt.momentum > 0:
-            mx.nd.multi_sgd_mom_update(
-                *[a for trio in zip(weights, grads, states) for a in trio], out=weights,
-                num_weights=len(weights), lrs=opt._get_lrs(keys), wds=opt._get_wds(keys),  # noqa: SLF001
-                momentum=opt.momentum, **kwargs)
-        else:
-            mx.nd.multi_sgd_update(
-                *[a for pair in zip(weights, grads) for a in pair], out=weights,
-                num_weights=len(weights), lrs=opt._get_lrs(keys), wds=opt._get_wds(keys),  # noqa: SLF001
-                **kwargs)
-        return True
 
     def state_dict(self, arrays):
         """The lr of each key, the local optimizer's state per key and its update counts

@@ -28,7 +28,7 @@ import numpy as np
 import zmq
 
 from . import hostcopy
-from .update_groups import size_groups
+from .update_groups import sgd_call, size_groups
 from .batch_schedule import GlobalBatchSchedule
 from .compression import Compression, CompressionError, Packed2bit, sum_2bit, summable
 from . import protocol as P
@@ -446,6 +446,7 @@ class Server:
             optimizer.lr_scheduler = sched.inner     # Q = N: the update count is the clock
         self.optimizer = optimizer
         self.updater = mx.optimizer.get_updater(optimizer)
+        self._sgd_seen = {}       # update_groups.sgd_call's knowledge of the arrays
 
     def on_set_compression(self, ident, msg):
         """Every worker sends the job's compression; they must agree (as they do when the
@@ -569,8 +570,12 @@ class Server:
                     target += g
         if self.updater is not None:   # without an optimizer the store keeps the sum (MXNet's rule)
             for group in size_groups([s.count for s in shards], AGGREGATE_KEYS):
-                self.updater([shards[i].key for i in group], [shards[i].grad for i in group],
-                             [shards[i].weight for i in group])
+                keys, grads, weights = ([shards[i].key for i in group],
+                                        [shards[i].grad for i in group],
+                                        [shards[i].weight for i in group])
+                if not sgd_call(self.optimizer, self.updater, keys, grads, weights,
+                                self._sgd_seen):
+                    self.updater(keys, grads, weights)
             mx.nd.waitall()   # once per step: replies then read the weights' buffers directly
         for shard in shards:
             shard.version += 1
