@@ -54,11 +54,14 @@ class Setting:
     launcher: Optional[str] = None      # set by the launcher: the option that decides it
     validate: Optional[Callable[[Any], Optional[str]]] = None  # a str's form: error or None
     int_text: bool = False              # a str setting that also takes an integer
+    form: Optional[str] = None          # what a validated str accepts, for the docs
 
     def expects(self) -> str:
         """What the setting accepts, as the end of "expected ..."."""
         if self.choices:
             return "one of " + ", ".join(map(str, self.choices))
+        if self.form:
+            return self.form
         what = {int: "an integer", float: "a number", str: "a non-empty string",
                 bool: "true or false"}[self.type]
         bounds = " and ".join(f"{op} {bound!r}" for op, bound in (
@@ -218,6 +221,18 @@ def _quorum(text: str) -> Optional[str]:
     return "expected all, majority, solo or an integer >= 1"
 
 
+def _pieces(text: str) -> Optional[str]:
+    """pipeline_pieces' form: auto or an integer 1..64."""
+    if text == "auto" or (text.isdigit() and 1 <= int(text) <= 64):
+        return None
+    return "expected auto or an integer >= 1 and <= 64"
+
+
+def pipeline_pieces(text: str) -> Optional[int]:
+    """The fixed count, or None for auto."""
+    return None if text == "auto" else int(text)
+
+
 def quorum_size(text: str, num_workers: int) -> int:
     """Q, the distinct workers that close a round (docs/spec/quorum.md): N for all,
     floor(N/2) + 1 for majority, 1 for solo, min(Q, N) for an integer."""
@@ -314,6 +329,7 @@ SETTINGS = (
     Setting("quorum", str, "all", "a round closes once this many distinct workers pushed "
             "to it (docs/spec/quorum.md): all (dist_sync), majority, solo or an integer Q",
             env="SSDSGD_QUORUM", path="sync.quorum", validate=_quorum,
+            form="all, majority, solo or an integer >= 1",
             int_text=True),
     Setting("max_staleness", int, 4, "with a quorum: a round closes only if every worker "
             "not in it holds weights at most this many of its pull periods old (rounds in "
@@ -331,11 +347,13 @@ SETTINGS = (
             "data bytes", env="SSDSGD_MAX_MESSAGE_BYTES", min=1, max=1 << 62),
     Setting("chunk_bytes", int, 4 << 20, "a server's part of a step is sent in messages of "
             "about this size (pipelining)", env="SSDSGD_CHUNK_BYTES", min=1),
-    Setting("pipeline_pieces", int, 1, "a server's part of a step smaller than chunk_bytes "
-            "is still cut into this many messages (of >= 128 KB), so the server answers the "
-            "first while the rest arrive: pays on slow links, costs server CPU per message on "
-            "fast ones (docs/benchmarks/small_steps.md)", env="SSDSGD_PIPELINE_PIECES",
-            min=1, max=64),
+    Setting("pipeline_pieces", str, "auto", "a server's part of a step smaller than "
+            "chunk_bytes is still cut into this many messages (of >= 128 KB), so the server "
+            "answers the first while the rest arrive: pays on slow links, costs server CPU per "
+            "message on fast ones; auto: each worker times its first steps with 1, 4 and 8 "
+            "and keeps the fastest (docs/benchmarks/small_steps.md)",
+            env="SSDSGD_PIPELINE_PIECES", validate=_pieces, int_text=True,
+            form="auto or an integer >= 1 and <= 64"),
     Setting("start_step", int, 0, "the worker's first global step (a resumed job continues "
             "the stage schedule; the launcher sets it from the checkpoint)",
             env="SSDSGD_START_STEP", min=0),

@@ -39,8 +39,9 @@ from . import protocol as P
 from .compression import CompressionError
 from .scheduler import JobAborted, SchedulerLink, bind_router
 from .security import Guard
+from .piece_tuner import PieceTuner
 from .sharding import Placement
-from ..settings import quorum_size
+from ..settings import pipeline_pieces, quorum_size
 
 
 class ServerError(RuntimeError):
@@ -211,6 +212,9 @@ class WorkerClient:
         self.compression = None   # pushes are compressed with it (set_compression)
         self.left = []            # workers that left the job (cluster.on_worker_failure)
         self._residuals = None    # this worker's error feedback, one residual per key
+        # SSDSGD_PIPELINE_PIECES: fixed, or timed on this worker's pulling pushes (auto)
+        self.pieces = PieceTuner(pipeline_pieces(env.pipeline_pieces))
+        self.stats["pipeline_pieces"] = self.pieces.value
 
     # ---- the API -----------------------------------------------------------------------
     def init(self, keys, values=None):
@@ -231,6 +235,9 @@ class WorkerClient:
         update count. With compression each key is coded with this worker's residual (so
         the arrays may be reused as soon as this returns)."""
         flags = (P.Flag.PULL if pull else P.Flag.NONE) | (P.Flag.STATE if state else P.Flag.NONE)
+        if pull and not self.quorum:        # a timed step (a quorum's pushes are not cut)
+            self.pieces.mark()
+            self.stats["pipeline_pieces"] = self.pieces.value
         if pull and latest:
             flags |= P.Flag.LATEST
         entries, keys = self._push_entries(grads)
@@ -279,6 +286,9 @@ class WorkerClient:
         """The weights of ``keys`` as of this worker's last push of each (or the latest).
         ``final`` (quorum): this worker is done; the reply waits for every worker's end
         and holds the final weights (sent to every server: each must hear it)."""
+        if not (latest or final or self.quorum):       # kv.pull after kv.push: a timed step
+            self.pieces.mark()
+            self.stats["pipeline_pieces"] = self.pieces.value
         entries = []
         for key in keys:
             k = self._key(key)
@@ -433,11 +443,11 @@ class WorkerClient:
     def _split(self, entries, chunk_bytes):
         """{server: [[records, tensors, bytes], ...]}: each server's slices of the entries,
         cut into messages of about ``chunk_bytes`` (None: one message per server). With
-        ``SSDSGD_PIPELINE_PIECES`` P > 1 a part smaller than P chunks is still cut into P
+        pieces P > 1 (``self.pieces``) a part smaller than P chunks is still cut into P
         messages, of about PIECE_MIN bytes or more: the server answers the first while the
         rest arrive, so a small model's pushes and replies overlap on the link as ps-lite's
-        per-key messages do. Off by default: measured, it pays at 100 Mbit/s and costs the
-        server's CPU per message at 10 Gbit/s (docs/benchmarks/small_steps.md)."""
+        per-key messages do. It pays on slow links and costs the server's CPU per message on
+        fast ones, so by default each worker picks P by timing its steps (piece_tuner)."""
         per_server = {}
         for key, kstep, arrays, dtype in entries:
             coded = arrays if isinstance(arrays, Coded) else None
@@ -451,7 +461,7 @@ class WorkerClient:
                 items.append(((key, kstep, sl.offset, sl.count, dtype, len(arrays)),
                               [a[sl.offset:sl.offset + sl.count] for a in arrays],
                               sl.count * itemsize))
-        return {server: _cut(items, chunk_bytes, self.env.pipeline_pieces)
+        return {server: _cut(items, chunk_bytes, self.pieces.value)
                 for server, items in per_server.items()}
 
     def _send(self, kind, messages, *, step=0, flags=0, meta=None, reply=True):

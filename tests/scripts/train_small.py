@@ -43,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument('--bn', action='store_true', help='add a BatchNorm after the first Dense')
     p.add_argument('--batch', type=int, default=16, help='per-worker batch size')
     p.add_argument('--seed', type=int, default=0, help='seed for mx.random and np.random')
+    p.add_argument('--hidden', type=int, default=HIDDEN, help='units of the hidden layer')
     return p.parse_args(argv)
 
 
@@ -77,16 +78,16 @@ def batches(x, y, batch, steps):
         yield mx.nd.array(x[idx]), mx.nd.array(y[idx])
 
 
-def make_net(bn):
+def make_net(bn, hidden=HIDDEN):
     net = gluon.nn.Sequential()
     with net.name_scope():
         if bn:
-            net.add(gluon.nn.Dense(HIDDEN, in_units=NUM_FEATURES, use_bias=False),
-                    gluon.nn.BatchNorm(in_channels=HIDDEN),
+            net.add(gluon.nn.Dense(hidden, in_units=NUM_FEATURES, use_bias=False),
+                    gluon.nn.BatchNorm(in_channels=hidden),
                     gluon.nn.Activation('relu'))
         else:
-            net.add(gluon.nn.Dense(HIDDEN, in_units=NUM_FEATURES, activation='relu'))
-        net.add(gluon.nn.Dense(NUM_CLASSES, in_units=HIDDEN))
+            net.add(gluon.nn.Dense(hidden, in_units=NUM_FEATURES, activation='relu'))
+        net.add(gluon.nn.Dense(NUM_CLASSES, in_units=hidden))
     net.initialize(mx.init.Xavier(magnitude=2.0))
     return net
 
@@ -113,7 +114,7 @@ def main(argv=None):
     rank, num_workers = kv.rank, kv.num_workers
     x, y = shard(*make_data(), rank, num_workers)
 
-    net = make_net(args.bn)
+    net = make_net(args.bn, args.hidden)
     init_arrays, _ = snapshot(net)
     trainer = gluon.Trainer(net.collect_params(), 'sgd',
                             {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4},
@@ -137,7 +138,8 @@ def main(argv=None):
             'kvstore_type': kv.type, 'steps': args.steps, 'batch': args.batch,
             'bn': args.bn, 'seed': args.seed, 'pid': os.getpid(),
             'update_on_kvstore': trainer._update_on_kvstore,
-            'losses': losses, 'params': info}
+            'losses': losses, 'params': info,
+            'kv_metrics': kv.metrics() if hasattr(kv, 'metrics') else None}
     (out / f'meta-rank{rank}.json').write_text(json.dumps(meta, indent=1))
 
     if hasattr(kv, 'close'):
