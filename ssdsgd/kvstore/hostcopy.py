@@ -70,48 +70,84 @@ def _dense_cpu(nd):
     return (dtype, math.prod(shape)) if on_cpu else None
 
 
-def read(nds, copy=True):
+class Views:
+    """What ``read``, ``write`` and ``edit`` learn of an array, kept per slot (a name the
+    caller gives, e.g. a key's gradient) while the same NDArray object comes back.
+
+    A Trainer passes the same parameter, gradient and state arrays every step, and an
+    NDArray's device, shape, dtype and buffer never change; asking MXNet for them (about
+    4 us an array) cost a steps-delay step of ResNet-20 shapes ~130 asks, most of a reset.
+    A slot holds its last array, so the view of its buffer stays valid, and forgets it
+    when another array comes: at most one array per slot is kept alive. Slot None (an
+    array made afresh each step, e.g. a sum over devices) and arrays on other devices
+    are not kept."""
+
+    def __init__(self):
+        self._memo = {}         # slot -> [array, (dtype, size) or None, view or None]
+
+    def _entry(self, slot, nd):
+        entry = self._memo.get(slot) if slot is not None else None
+        if entry is None or entry[0] is not nd:
+            entry = [nd, _dense_cpu(nd), None]
+            if slot is not None and entry[1] is not None:   # other devices: not kept
+                self._memo[slot] = entry
+        return entry
+
+
+def _entries(nds, views, slots):
+    """[array, info, view] per array: from ``views`` by slot, or worked out afresh."""
+    if views is None:
+        return [[nd, _dense_cpu(nd), None] for nd in nds]
+    return [views._entry(slot, nd) for slot, nd in zip(slots, nds)]   # noqa: SLF001
+
+
+def _view(entry):
+    """The host view of a dense CPU entry's buffer (after an engine synchronisation)."""
+    if entry[2] is None:
+        entry[2] = raw_view(entry[0], *entry[1])
+    return entry[2]
+
+
+def read(nds, copy=True, views=None, slots=None):
     """Flat numpy copies of ``nds``; with ``copy=False``, views of the CPU arrays' own
-    buffers where possible (the caller must not let MXNet write them while in use)."""
-    infos = [_dense_cpu(nd) for nd in nds]
-    if any(info is not None for info in infos):
+    buffers where possible (the caller must not let MXNet write them while in use).
+    ``views`` and ``slots``: a ``Views`` and each array's slot in it."""
+    entries = _entries(nds, views, slots)
+    if any(e[1] is not None for e in entries):
         mx.nd.waitall()
     take = np.array if copy else np.asarray
-    return [take(raw_view(nd, *info)) if info else nd.asnumpy().reshape(-1)
-            for nd, info in zip(nds, infos)]
+    return [take(_view(e)) if e[1] else e[0].asnumpy().reshape(-1) for e in entries]
 
 
-def write(pairs):
+def write(pairs, views=None, slots=None):
     """pairs: iterable of (NDArray, numpy array with the same number of elements)."""
-    direct, other = [], []
-    for nd, value in pairs:
-        info = _dense_cpu(nd)
-        if info:
-            direct.append((nd, value, info))
-        else:
-            other.append((nd, value))
-    if direct:
+    pairs = list(pairs)
+    entries = _entries([nd for nd, _ in pairs], views, slots)
+    if any(e[1] is not None for e in entries):
         mx.nd.waitall()
-        for nd, value, (dtype, size) in direct:
-            fill(nd, value, dtype, size)
-    for nd, value in other:
-        nd[:] = np.asarray(value).reshape(nd.shape)
+    for e, (nd, value) in zip(entries, pairs):
+        if e[1] is None:
+            nd[:] = np.asarray(value).reshape(nd.shape)
+            continue
+        view, value = _view(e), np.asarray(value)
+        if value.size != view.size:
+            raise ValueError(f"cannot copy {value.size} elements into an array of {view.size}")
+        view[...] = value.reshape(-1)
 
 
 @contextlib.contextmanager
-def edit(nds):
+def edit(nds, views=None, slots=None):
     """Flat numpy arrays through which ``nds`` are changed in place: views of the dense CPU
     arrays' own buffers after one engine synchronisation (no MXNet operation may touch
     them inside the block), copies of the others, written back when the block ends."""
-    infos = [_dense_cpu(nd) for nd in nds]
-    if any(info is not None for info in infos):
+    entries = _entries(nds, views, slots)
+    if any(e[1] is not None for e in entries):
         mx.nd.waitall()
-    views = [raw_view(nd, *info) if info else nd.asnumpy().reshape(-1)
-             for nd, info in zip(nds, infos)]
-    yield views
-    for nd, info, view in zip(nds, infos, views):
-        if info is None:
-            nd[:] = view.reshape(nd.shape)
+    flat = [_view(e) if e[1] else e[0].asnumpy().reshape(-1) for e in entries]
+    yield flat
+    for e, view in zip(entries, flat):
+        if e[1] is None:
+            e[0][:] = view.reshape(e[0].shape)
 
 
 def fill(nd, value, dtype=None, size=None):

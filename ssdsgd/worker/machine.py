@@ -93,6 +93,10 @@ class StageMachine:
         self.final_done = False      # quorum: the final pull is answered
         self.deferred = False        # steps queued on MXNet's engine since the last settle
         self.deferred_error = None   # the first failure of one of them, raised next call
+        # What hostcopy learnt of each key's gradient, weights and local state arrays, kept
+        # while the Trainer passes the same ones (slots: ("g", key), ("w", key, device),
+        # ("s", key, i)).
+        self.views = hostcopy.Views()
 
     # ---- set-up --------------------------------------------------------------------
     def set_optimizer(self, spec, updater=None):
@@ -255,8 +259,10 @@ class StageMachine:
         """Spec step 2, shared by every stage and ``kv.push``: push g_i(t), each key's
         gradients summed over the worker's devices. Returns them and the pull's reply."""
         grads = {key: device_sum(grad_list) for key, grad_list, _ in entries}
-        flats = hostcopy.read(list(grads.values()),
-                              copy=copy and not self.client.codes_pushes)
+        one_device = {key for key, grad_list, _ in entries if len(grad_list) == 1}
+        flats = hostcopy.read(list(grads.values()), copy=copy and not self.client.codes_pushes,
+                              views=self.views, slots=[("g", key) if key in one_device else None
+                                                       for key in grads])
         reply = self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state)
         self.counts["pushes"] += 1
         if pull:
@@ -270,8 +276,12 @@ class StageMachine:
             self.keys[key].remember(replies[key], self._dated(replies[key], self.t))
             if self.quorum and outs is not None:    # the final pull writes them
                 self.keys[key].outs = outs
-        hostcopy.write((out, replies[key].value) for key, grad_list, outs in entries
-                       for out in (outs if outs is not None else grad_list))
+        pairs, slots = [], []
+        for key, grad_list, outs in entries:
+            for device, out in enumerate(outs if outs is not None else grad_list):
+                pairs.append((out, replies[key].value))
+                slots.append(("w" if outs is not None else "g", key, device))
+        hostcopy.write(pairs, views=self.views, slots=slots)
 
     def _steps_delay_step(self, entries, grads, reply):
         """Spec steps 3-5 after the push (which carried the pull request of step 5)."""
@@ -308,9 +318,12 @@ class StageMachine:
         records = [self.keys[key] for key in keys]
         slots = [self.rule.state_arrays(key, r.outs[0]) for key, r in zip(keys, records)]
         edited = [s for key_slots in slots for s in key_slots]
+        names = [("s", key, i) for key, key_slots in zip(keys, slots)
+                 for i in range(len(key_slots))]
         if write_weights:
             edited += [r.outs[0] for r in records]
-        with hostcopy.edit(edited) as views:
+            names += [("w", key, 0) for key in keys]
+        with hostcopy.edit(edited, views=self.views, slots=names) as views:
             views = iter(views)
             slot_views = [[next(views) for _ in key_slots] for key_slots in slots]
             for key, r, key_slots in zip(keys, records, slot_views):
