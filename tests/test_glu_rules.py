@@ -5,6 +5,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 
+from ssdsgd.glu.host_sgd import HOST_MAX, HostSGD
 from ssdsgd.glu.rules import (BLOCK, corrected_into, correction_gain, flatten_state,
                               make_local_rule, period_model, velocity_into)
 
@@ -338,3 +339,68 @@ def test_update_many_equals_one_update_per_key_bit_for_bit(name, make, state):
         results.append([w.asnumpy() for w in ws])
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("clip", [None, 0.7])
+def test_host_sgd_is_mxnets_kernel_bit_for_bit(clip):
+    """The local rule's numpy SGD (host_sgd) against MXNet's Updater, over hyperparameters
+    whose products round (no power-of-two scales), wd 0 included, keys up to HOST_MAX
+    elements and weights, gradients and momenta with exact zeros: the same bits, sign of
+    zero included."""
+    rng = np.random.default_rng(1)
+    sizes = [1, 7, 300, 4096, HOST_MAX]
+    for trial in range(5):
+        hyper = dict(learning_rate=float(10 ** rng.uniform(-4, 0)),
+                     wd=0.0 if trial == 0 else float(10 ** rng.uniform(-6, -2)),
+                     momentum=float(rng.uniform(0.5, 0.99)),
+                     rescale_grad=float(1 / rng.integers(3, 1000)))
+        if clip:
+            hyper["clip_gradient"] = clip
+        init = [rng.standard_normal(n).astype(np.float32) * 10 ** rng.uniform(-3, 1)
+                for n in sizes]
+        for w in init:
+            w[::5] = 0.0
+        grads = [[(rng.standard_normal(n) * 10 ** rng.uniform(-3, 3)).astype(np.float32)
+                  for n in sizes] for _ in range(3)]
+        for step in grads:
+            step[0][:] = 0.0
+        results = []
+        for host in (False, True):
+            opt = mx.optimizer.SGD(**hyper)
+            updater = mx.optimizer.get_updater(opt)
+            ws = [nd(w) for w in init]
+            for key, w in enumerate(ws):
+                updater.states[key] = opt.create_state_multi_precision(key, w)
+                updater.states_synced[key] = True
+            rule = HostSGD()
+            keys = list(range(len(ws)))
+            for step in grads:
+                gs = [nd(g) for g in step]
+                if host:
+                    assert all(rule.take(updater, k, w, g) for k, w, g in zip(keys, ws, gs))
+                    rule.update(opt, updater, keys, ws, gs)
+                else:
+                    for k, w, g in zip(keys, ws, gs):
+                        updater(k, g, w)
+            results.append([a.asnumpy().view(np.int32) for key in keys
+                            for a in (ws[key], updater.states[key])])
+        for mx_bits, host_bits in zip(*results):
+            np.testing.assert_array_equal(host_bits, mx_bits, err_msg=str(hyper))
+
+
+def test_host_sgd_leaves_big_keys_and_other_optimizers_to_mxnet():
+    opt = mx.optimizer.SGD(momentum=0.9)
+    updater = mx.optimizer.get_updater(opt)
+    big, small = mx.nd.zeros(HOST_MAX + 1), mx.nd.zeros(10)
+    for key, w in enumerate((big, small)):
+        updater.states[key] = opt.create_state_multi_precision(key, w)
+        updater.states_synced[key] = True
+    rule = HostSGD()
+    assert not rule.take(updater, 0, big, mx.nd.zeros(HOST_MAX + 1))
+    assert rule.take(updater, 1, small, mx.nd.zeros(10))
+    assert not rule.take(updater, 2, small, mx.nd.zeros(10))          # no state yet
+    assert not rule.take(updater, 1, small.astype("float16"), mx.nd.zeros(10))
+    assert HostSGD.applies(opt)
+    assert not HostSGD.applies(mx.optimizer.SGD(momentum=0.0))        # another kernel
+    assert not HostSGD.applies(mx.optimizer.NAG(momentum=0.9))
+    assert not HostSGD.applies(mx.optimizer.SGD(momentum=0.9, multi_precision=True))

@@ -27,6 +27,7 @@ import numpy as np
 from ..kvstore import hostcopy
 from ..kvstore.optimizer_spec import flatten_state, unflatten_state
 from ..kvstore.update_groups import sgd_call, size_groups
+from .host_sgd import HostSGD
 from ..settings import BY_NAME
 
 RULES = BY_NAME['local_rule'].choices
@@ -194,6 +195,7 @@ class _UpdaterRule(LocalRule):
         self._lr = {}
         self._sizes = {}     # key -> (weight array, its element count)
         self._plain = {}     # key -> what update_groups.sgd_call learnt of its arrays
+        self._host = HostSGD()   # small dense CPU keys of SGD with momentum: numpy
 
     def reseed(self, key, slots, global_weight, *, prev_global_weight=None,
                steps_between=None, state=None, lr=None, num_update=None, local_weight=None):
@@ -213,12 +215,24 @@ class _UpdaterRule(LocalRule):
         """One Updater call per lr and group of similar sizes (kvstore.update_groups):
         MXNet's SGD then runs ``multi_sgd_mom_update`` on up to ``AGGREGATE`` keys per
         operator call instead of one call per key, bit for bit the same weights
-        (tests/test_glu_rules.py); other optimizers loop inside the Updater."""
+        (tests/test_glu_rules.py); other optimizers loop inside the Updater. SGD with
+        momentum updates its small CPU keys in numpy instead (``host_sgd``), also bit
+        for bit."""
         by_lr = {}
+        host = self._host if HostSGD.applies(self.opt) else None
         for key, weight, grad in zip(keys, weights, grads):
             by_lr.setdefault(self._key_lr(key), []).append((key, grad, weight))
         for lr, items in by_lr.items():
             self.opt.lr = lr
+            if host is not None:        # small keys in numpy (host_sgd), the rest below
+                small, rest = [], []
+                for key, grad, weight in items:
+                    (small if host.take(self.updater, key, weight, grad) else rest).append(
+                        (key, grad, weight))
+                if small:
+                    host.update(self.opt, self.updater, [k for k, _, _ in small],
+                                [w for _, _, w in small], [g for _, g, _ in small])
+                items = rest
             for group in size_groups([self._size(key, w) for key, _, w in items], AGGREGATE):
                 keys_, grads_, weights_ = map(list, zip(*(items[i] for i in group)))
                 if not sgd_call(self.opt, self.updater, keys_, grads_, weights_, self._plain):

@@ -85,6 +85,10 @@ class Views:
     def __init__(self):
         self._memo = {}         # slot -> [array, (dtype, size) or None, view or None]
 
+    def info(self, slot, nd):
+        """(numpy dtype, size) of a dense CPU array, None for another device or storage."""
+        return self._entry(slot, nd)[1]
+
     def _entry(self, slot, nd):
         entry = self._memo.get(slot) if slot is not None else None
         if entry is None or entry[0] is not nd:
