@@ -341,12 +341,12 @@ def test_update_many_equals_one_update_per_key_bit_for_bit(name, make, state):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("clip", [None, 0.7])
+@pytest.mark.parametrize("clip", [None, 0.7, -1.0])
 def test_host_sgd_is_mxnets_kernel_bit_for_bit(clip):
     """The local rule's numpy SGD (host_sgd) against MXNet's Updater, over hyperparameters
     whose products round (no power-of-two scales), wd 0 included, keys up to HOST_MAX
     elements and weights, gradients and momenta with exact zeros: the same bits, sign of
-    zero included."""
+    zero included. A negative clip_gradient means no clipping, as in MXNet's kernel."""
     rng = np.random.default_rng(1)
     sizes = [1, 7, 300, 4096, HOST_MAX]
     for trial in range(5):
@@ -354,7 +354,7 @@ def test_host_sgd_is_mxnets_kernel_bit_for_bit(clip):
                      wd=0.0 if trial == 0 else float(10 ** rng.uniform(-6, -2)),
                      momentum=float(rng.uniform(0.5, 0.99)),
                      rescale_grad=float(1 / rng.integers(3, 1000)))
-        if clip:
+        if clip is not None:
             hyper["clip_gradient"] = clip
         init = [rng.standard_normal(n).astype(np.float32) * 10 ** rng.uniform(-3, 1)
                 for n in sizes]

@@ -56,7 +56,9 @@ class HostSGD:
         opt._update_count(keys)                   # noqa: SLF001 - as the Updater does
         lrs, wds = opt._get_lrs(keys), opt._get_wds(keys)   # noqa: SLF001
         momentum, rescale = np.float32(opt.momentum), np.float32(opt.rescale_grad)
-        clip = np.float32(opt.clip_gradient) if opt.clip_gradient else None
+        # SGD passes clip_gradient when it is set and not 0; the kernel clips when >= 0
+        clip = opt.clip_gradient
+        clip = np.float32(clip) if clip and clip >= 0 else None
         arrays, slots = [], []
         for key, weight, grad in zip(keys, weights, grads):
             arrays += [weight, grad, updater.states[key]]
