@@ -22,7 +22,7 @@ import numpy as np
 
 from ssdsgd.kvstore.client import KeyReply
 from ssdsgd.kvstore.env import NodeEnv
-from ssdsgd.kvstore.optimizer_spec import describe
+from ssdsgd.mxglue.optimizer_spec import describe
 from ssdsgd.worker.machine import KeyRecord, StageMachine
 
 from .common import machine_info

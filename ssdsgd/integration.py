@@ -32,7 +32,7 @@ from mxnet import gluon
 
 from .kvstore.client import ServerError, WorkerClient
 from .kvstore.env import EnvError, NodeEnv
-from .kvstore.optimizer_spec import OptimizerSpecError
+from .mxglue.optimizer_spec import OptimizerSpecError
 from .kvstore.scheduler import JobAborted
 from .worker.machine import StageMachine
 

@@ -16,7 +16,7 @@ from mxnet.kvstore import KVStoreBase
 
 from .integration import NAME, PROCESS
 from .kvstore.compression import Compression, CompressionError
-from .kvstore.optimizer_spec import build, describe, flatten_state, unflatten_state
+from .mxglue.optimizer_spec import build, describe, flatten_state, unflatten_state
 
 
 def _as_list(x):

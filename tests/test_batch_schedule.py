@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from ssdsgd.glu.simulate_quorum import simulate_quorum
-from ssdsgd.kvstore.batch_schedule import GlobalBatchSchedule
-from ssdsgd.kvstore.optimizer_spec import OptimizerSpecError, build, describe
+from ssdsgd.mxglue.batch_schedule import GlobalBatchSchedule
+from ssdsgd.mxglue.optimizer_spec import OptimizerSpecError, build, describe
 
 
 def _cosine(n=20):

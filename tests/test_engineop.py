@@ -1,4 +1,4 @@
-"""kvstore/engineop.py: an asynchronous operation on MXNet's engine, completed from another
+"""mxglue/engineop.py: an asynchronous operation on MXNet's engine, completed from another
 thread (in process, real MXNet engine)."""
 import threading
 import time
@@ -6,7 +6,7 @@ import time
 import mxnet as mx
 import numpy as np
 
-from ssdsgd.kvstore import engineop, hostcopy
+from ssdsgd.mxglue import engineop, hostcopy
 
 
 def test_an_operation_returns_at_once_and_its_output_is_pending_until_done():

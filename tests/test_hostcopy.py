@@ -1,10 +1,10 @@
-"""ssdsgd.kvstore.hostcopy: host views and copies of CPU NDArrays, in process."""
+"""ssdsgd.mxglue.hostcopy: host views and copies of CPU NDArrays, in process."""
 import threading
 
 import mxnet as mx
 import numpy as np
 
-from ssdsgd.kvstore import engineop, hostcopy
+from ssdsgd.mxglue import engineop, hostcopy
 
 
 def test_edit_waits_for_pending_writes_and_changes_the_arrays_in_place():

@@ -33,9 +33,26 @@ def test_the_settings_table_is_a_leaf():
     assert _imports(PKG / "settings.py") == set()
 
 
+# The transport's imports of the policies that issue 23 moves behind a policy interface;
+# an entry here is a known violation to remove, never one to add.
+NOT_YET_POLICIES = {"kvstore.server": {"sync.rounds", "sync.groups"},
+                    "kvstore.scheduler": {"sync.groups"}}
+
+
+def test_the_mxnet_helpers_are_a_leaf():
+    for module, deps in _graph("mxglue").items():
+        assert all(d.startswith(("mxglue", "settings")) for d in deps), (module, deps)
+
+
+def test_the_policies_know_no_transport():
+    for module, deps in _graph("sync").items():
+        assert all(d.startswith(("sync", "mxglue", "settings")) for d in deps), (module, deps)
+
+
 def test_the_transport_imports_nothing_from_above():
     for module, deps in _graph("kvstore").items():
-        assert all(d.startswith(("kvstore", "settings")) for d in deps), (module, deps)
+        deps = deps - NOT_YET_POLICIES.get(module, set())
+        assert all(d.startswith(("kvstore", "mxglue", "settings")) for d in deps), (module, deps)
     graph = _graph("kvstore")
     assert "kvstore.server" not in graph["kvstore.client"]
     for node in ("kvstore.server", "kvstore.scheduler"):
@@ -43,8 +60,9 @@ def test_the_transport_imports_nothing_from_above():
 
 
 def test_the_stage_machine_and_the_local_rules_stay_below_the_adapter():
-    for folder, allowed in (("worker", ("worker", "glu", "kvstore", "settings")),
-                            ("glu", ("glu", "kvstore", "settings"))):
+    for folder, allowed in (("worker", ("worker", "glu", "kvstore", "mxglue", "sync",
+                                        "settings")),
+                            ("glu", ("glu", "kvstore", "mxglue", "sync", "settings"))):
         for module, deps in _graph(folder).items():
             assert all(d.startswith(allowed) for d in deps), (module, deps)
     assert "kvstore.protocol" not in _graph("worker")["worker.machine"], \
@@ -75,7 +93,7 @@ CHECK_ANY = ("import mxnet, ssdsgd; from mxnet import gluon, kvstore; "
              "assert 'ssd_sync' in kvstore.KVStoreBase.kv_registry; "
              "assert gluon.trainer._create_kvstore is i._create_kvstore; print('ok')")
 MODULES = ["ssdsgd.glu", "ssdsgd.glu.rules", "ssdsgd.glu.simulate",
-           "ssdsgd.kvstore.optimizer_spec", "ssdsgd.store", "ssdsgd.integration",
+           "ssdsgd.mxglue.optimizer_spec", "ssdsgd.store", "ssdsgd.integration",
            "ssdsgd.worker.machine"]
 
 

@@ -3,7 +3,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from ssdsgd.kvstore.optimizer_spec import (OptimizerSpecError, build, describe, flatten_state,
+from ssdsgd.mxglue.optimizer_spec import (OptimizerSpecError, build, describe, flatten_state,
                                            unflatten_state)
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ssdsgd.glu.preduce import arrival_groups, simulate_preduce
-from ssdsgd.kvstore.groups import GroupError, GroupGenerator, mean, replay
+from ssdsgd.sync.groups import GroupError, GroupGenerator, mean, replay
 from ssdsgd.settings import SettingError, read_env
 from test_simulate import grad_fn, init_weights, make_sgd
 

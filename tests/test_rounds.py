@@ -1,4 +1,4 @@
-"""The quorum round rules (ssdsgd/kvstore/rounds.py) in process: what closes a round, where a
+"""The quorum round rules (ssdsgd/sync/rounds.py) in process: what closes a round, where a
 late push goes, the staleness bound, the end, and followers replaying the leader."""
 import random
 
@@ -8,7 +8,7 @@ import pytest
 import tiny
 from ssdsgd.glu.simulate import simulate
 from ssdsgd.glu.simulate_quorum import simulate_quorum
-from ssdsgd.kvstore.rounds import RoundError, Rounds
+from ssdsgd.sync.rounds import RoundError, Rounds
 from ssdsgd.settings import SettingError, quorum_size
 
 

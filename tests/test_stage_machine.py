@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from ssdsgd.glu.simulate import simulate
-from ssdsgd.kvstore import hostcopy
+from ssdsgd.mxglue import hostcopy
 from ssdsgd.kvstore.client import KeyReply
 from ssdsgd.kvstore.env import NodeEnv
-from ssdsgd.kvstore.optimizer_spec import build, describe, flatten_state
+from ssdsgd.mxglue.optimizer_spec import build, describe, flatten_state
 from ssdsgd.worker.machine import StageMachine
 from ssdsgd.worker.schedule import Stage
 

@@ -1,10 +1,10 @@
-"""Keys in multi-tensor optimizer calls of similar sizes (ssdsgd.kvstore.update_groups):
+"""Keys in multi-tensor optimizer calls of similar sizes (ssdsgd.mxglue.update_groups):
 bounded work per call, and the same weights as one call for all keys and one per key."""
 import mxnet as mx
 import numpy as np
 import pytest
 
-from ssdsgd.kvstore.update_groups import SLACK, size_groups
+from ssdsgd.mxglue.update_groups import SLACK, size_groups
 
 MLP = [(2048, 64), (2048,), (2048, 2048), (2048,), (10, 2048), (10,)]
 

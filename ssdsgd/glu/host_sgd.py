@@ -21,7 +21,7 @@ without momentum (another kernel) and multi-precision.
 import mxnet as mx
 import numpy as np
 
-from ..kvstore import hostcopy
+from ..mxglue import hostcopy
 
 HOST_MAX = 1 << 16      # elements: above this, MXNet's one-pass kernel costs less
 

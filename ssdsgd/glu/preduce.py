@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mxnet as mx
 
-from ..kvstore.groups import Group, mean, replay
+from ..sync.groups import Group, mean, replay
 
 
 @dataclass

@@ -4,7 +4,7 @@ A rule turns the worker's raw gradient into the local step d_i(t) between two re
 It never re-implements an update formula: `glu` runs a local copy of the server's own
 MXNet optimizer (through MXNet's Updater; for SGD on dense float32 keys, MXNet's own
 multi-tensor SGD operator called directly with the optimizer's own lrs and wds:
-``kvstore.update_groups.sgd_call``), `sgd` runs MXNet's stateless SGD. What this
+``mxglue.update_groups.sgd_call``), `sgd` runs MXNet's stateless SGD. What this
 module adds is only the re-seeding at a reset: the lr, the update count and the state.
 The state comes from the server (`exact`) or is estimated at no extra bytes: `estimate`
 (the mean global velocity of the last period) or `corrected` (the worker's own momentum
@@ -24,9 +24,9 @@ import functools
 import mxnet as mx
 import numpy as np
 
-from ..kvstore import hostcopy
-from ..kvstore.optimizer_spec import flatten_state, unflatten_state
-from ..kvstore.update_groups import sgd_call, size_groups
+from ..mxglue import hostcopy
+from ..mxglue.optimizer_spec import flatten_state, unflatten_state
+from ..mxglue.update_groups import sgd_call, size_groups
 from .host_sgd import HostSGD
 from ..settings import BY_NAME
 
@@ -212,7 +212,7 @@ class _UpdaterRule(LocalRule):
         self.updater(key, grad, weight)
 
     def update_many(self, keys, weights, grads):
-        """One Updater call per lr and group of similar sizes (kvstore.update_groups):
+        """One Updater call per lr and group of similar sizes (mxglue.update_groups):
         MXNet's SGD then runs ``multi_sgd_mom_update`` on up to ``AGGREGATE`` keys per
         operator call instead of one call per key, bit for bit the same weights
         (tests/test_glu_rules.py); other optimizers loop inside the Updater. SGD with

@@ -8,7 +8,7 @@ being that worker's next message -- its pushes of steps 0 .. steps-1, then its f
 pull. Or ``delays``: each worker's seconds per step, from which the order is made on a
 virtual clock (the order injected delays produce; returned in the result).
 
-A transcription of the spec, sharing nothing with ssdsgd.kvstore.rounds: the server's
+A transcription of the spec, sharing nothing with ssdsgd.sync.rounds: the server's
 round rules, and every worker's steps as the stage machine runs them (a worker blocked
 on a reply cannot send its next message; an order that asks it to is an error).
 """

@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
 from .env import NodeEnv
-from .groups import GroupError, GroupGenerator
+from ..sync.groups import GroupError, GroupGenerator
 from .security import Guard
 
 

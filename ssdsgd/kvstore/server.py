@@ -9,7 +9,7 @@ applied, so it is exactly w_G(t) however far other workers have run ahead.
 ``asgd``: every push is applied on arrival (``dist_async``'s semantics).
 
 With a quorum (``sync.quorum`` below N, docs/spec/quorum.md) a round closes on Q workers'
-pushes instead: ``ssdsgd.kvstore.rounds`` decides (server 0, relayed to the others by the
+pushes instead: ``ssdsgd.sync.rounds`` decides (server 0, relayed to the others by the
 scheduler) and this module executes its decisions: sum a round's pushes in rank order,
 apply the optimizer once, answer the replies it releases.
 
@@ -27,15 +27,15 @@ import mxnet as mx
 import numpy as np
 import zmq
 
-from . import hostcopy
-from .update_groups import sgd_call, size_groups
-from .batch_schedule import GlobalBatchSchedule
+from ..mxglue import hostcopy
+from ..mxglue.update_groups import sgd_call, size_groups
+from ..mxglue.batch_schedule import GlobalBatchSchedule
 from .compression import Compression, CompressionError, Packed2bit, sum_2bit, summable
 from . import protocol as P
 from .env import NodeEnv
-from .groups import mean
-from .optimizer_spec import OptimizerSpecError, build, describe, flatten_state, unflatten_state
-from .rounds import RoundError, Rounds
+from ..sync.groups import mean
+from ..mxglue.optimizer_spec import OptimizerSpecError, build, describe, flatten_state, unflatten_state
+from ..sync.rounds import RoundError, Rounds
 from .scheduler import JobAborted, Rejections, SchedulerLink, bind_router
 from .security import Guard
 from ..settings import quorum_size
@@ -646,7 +646,7 @@ class Server:
             else:
                 self._snapshot(reply, i, shard)
 
-    # ---- quorum rounds (docs/spec/quorum.md; the decisions are ssdsgd.kvstore.rounds') ----
+    # ---- quorum rounds (docs/spec/quorum.md; the decisions are ssdsgd.sync.rounds') ----
     def _push_to_round(self, ident, msg):
         """One push is one contribution (the client sends it unchunked, to every server)."""
         shards = self._check_push(msg)

@@ -13,7 +13,7 @@ import math
 import mxnet as mx
 import numpy as np
 
-from ..kvstore import engineop, hostcopy
+from ..mxglue import engineop, hostcopy
 
 
 def device_sum(nd_list):

@@ -28,9 +28,9 @@ import mxnet as mx
 import numpy as np
 
 from ..glu.rules import make_local_rule
-from ..kvstore import engineop, hostcopy
+from ..mxglue import engineop, hostcopy
 from ..kvstore.client import KeyReply
-from ..kvstore.optimizer_spec import build
+from ..mxglue.optimizer_spec import build
 from .deferred import KeyOp, device_sum, engine_arrays
 from .schedule import Stage, plan, pull_offset
 
