@@ -143,3 +143,20 @@ def test_compression_with_preduce_is_a_one_line_error():
                                            r"preduce .*got '2bit'$"):
         S.cross_check({"algorithm": "preduce", "compression": "2bit", "num_workers": 4,
                        "group_size": 2}, lambda name: S.BY_NAME[name].path)
+
+
+def test_a_worker_at_a_barrier_is_away_and_the_groups_shrink_without_it():
+    """A checkpoint's barrier: workers 0 and 1 wait there, so they cannot report ready;
+    worker 2, ready, must not wait for them (a group of one continues at once). After the
+    barrier they are back and groups of P form again."""
+    gen = GroupGenerator(3, 2)
+    assert members(gen.arrive(0) + gen.arrive(1)) == [(0, 1)]
+    assert gen.arrive(2) == []
+    assert gen.wait_at_barrier(0) == []
+    assert members(gen.wait_at_barrier(1)) == [(2,)]
+    assert gen.wait_at_barrier(2) == []
+    gen.barrier_released()
+    assert gen.arrive(0) == [] and members(gen.arrive(2)) == [(0, 2)]
+    assert gen.arrive(1) == []
+    with pytest.raises(GroupError, match="barrier"):
+        gen.wait_at_barrier(1)                     # ready for a group and at a barrier at once

@@ -203,6 +203,12 @@ class Scheduler:
                     self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
                 waiting.clear()
                 self.barrier_values.pop(group)
+                if self.groups is not None:
+                    self.groups.barrier_released()
+            elif self.groups is not None and node["role"] == "worker":
+                # preduce: a worker at the barrier reports no ready until it releases,
+                # so the ready ones must not wait for it (sync/groups.py)
+                self._group_event(self.groups.wait_at_barrier, node["rank"])
         elif msg.kind == P.Kind.MEMBERSHIP and node["role"] == "server":
             self._removal_answer(ident, msg.meta)
         elif msg.kind == P.Kind.ROUND:
@@ -223,8 +229,12 @@ class Scheduler:
         if self.groups is None or node["role"] != "worker":
             raise P.ProtocolError(f"READY from a {node['role']} in a job whose algorithm is "
                                   f"{self.env.algorithm}, not preduce")
+        self._group_event(self.groups.arrive, node["rank"], final)
+
+    def _group_event(self, event, *args):
+        """Feed the group generator one event; tell each member of a group it formed."""
         try:
-            formed = self.groups.arrive(node["rank"], final)
+            formed = event(*args)
         except GroupError as e:
             raise P.ProtocolError(str(e)) from None
         by_rank = {n["rank"]: i for i, n in self.nodes.items() if n["role"] == "worker"}
@@ -255,6 +265,8 @@ class Scheduler:
                 for i in waiting:
                     self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
                 waiting.clear()
+                if self.groups is not None:
+                    self.groups.barrier_released()
 
     def _removal_answer(self, ident, meta):
         """A server's first missing step of a removed worker; once every server has

@@ -21,6 +21,10 @@ conflict. The choice among ready workers is ssdsgd's own, deterministic rule:
 * P shrinks to the number of active workers once others have finished (a group of one
   continues at once); when every worker has finished, one last group of all N averages
   every model: the job's final model.
+* a worker waiting at a barrier (a checkpoint's) is away: it cannot report ready until
+  every worker has reached the barrier, so it is not active until the barrier releases.
+  Without this a ready worker waited for a group with workers that waited for it at the
+  barrier: the job hung at its first checkpoint whenever P < N.
 """
 import dataclasses
 
@@ -45,6 +49,7 @@ class GroupGenerator:
         self.n, self.p = num_workers, group_size
         self.ready = []        # ranks waiting for a group, in the order they reported
         self.finished = set()  # ranks that reported their final ready
+        self.away = set()      # ranks waiting at a barrier (not ready until it releases)
         self.last = {}         # rank -> members of its last group
         self.met = {}          # (i, j), i < j -> number of the last group holding both
         self.repeats = {}      # rank -> how many of its last groups in a row were repeats
@@ -57,12 +62,25 @@ class GroupGenerator:
             raise GroupError(f"worker {rank} is not one of the {self.n} workers")
         if rank in self.ready or rank in self.finished:
             raise GroupError(f"worker {rank} reported ready twice without being grouped")
+        if rank in self.away:
+            raise GroupError(f"worker {rank} reported ready while waiting at a barrier")
         (self.finished.add if final else self.ready.append)(rank)
         return self._form()
 
+    def wait_at_barrier(self, rank):
+        """Worker ``rank`` waits at a barrier; the groups formed now that it is away."""
+        if rank in self.ready:
+            raise GroupError(f"worker {rank} waits at a barrier while ready for a group")
+        self.away.add(rank)
+        return self._form()
+
+    def barrier_released(self):
+        """Every worker passed the barrier: they are active again."""
+        self.away.clear()
+
     def _form(self):
         groups = []
-        active = self.n - len(self.finished)
+        active = self.n - len(self.finished | self.away)
         while active and len(self.ready) >= min(self.p, active):
             members = self._choose(min(self.p, active), active)
             if members is None:
