@@ -62,6 +62,9 @@ class _Key:
 
 
 PIECE_MIN = 128 << 10      # a pipelined piece is about this big or more (Python per message)
+# Messages the I/O thread reads from one socket in one turn: then it serves the others
+# (heartbeats, its servers' replies), so no peer can hold it by sending without pause.
+RECV_PER_TURN = 64
 
 
 def _cut(items, chunk_bytes, pieces=1):
@@ -608,8 +611,11 @@ class WorkerClient:
         while True:
             events = dict(poller.poll(wait_ms))
             if self._wake_in in events:
-                while self._wake_in.poll(0):
-                    self._wake_in.recv()
+                for _ in range(RECV_PER_TURN):
+                    try:
+                        self._wake_in.recv(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
             self._send_queued(link, sockets)
             self._send_outbox(sockets)
             if link.sock in events and self._on_scheduler(link):
@@ -700,7 +706,7 @@ class WorkerClient:
         return msg.kind == P.Kind.ACK
 
     def _receive(self, sock, server):
-        while True:
+        for _ in range(RECV_PER_TURN):
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -738,7 +744,7 @@ class WorkerClient:
         """Replies another worker of the job passes on. Only the job's processes can
         connect (the guard); a message from one of them that is not a server's reply to a
         request this worker sent to that server is a fault of the job: it aborts."""
-        while True:
+        for _ in range(RECV_PER_TURN):
             try:
                 frames = self._relay_in.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
