@@ -12,12 +12,20 @@ import sys
 import threading
 import time
 
+from ..kvstore import job_status
 from ..kvstore.security import KeyFile
 from ..settings import to_env
 from .local import LAUNCHERS
 
 GRACE_SECONDS = 5.0
 SETTLE_SECONDS = 3.0   # after a failure, for the others to report it and exit
+# a worker exited 0 while the scheduler has not started the job: this long for the
+# scheduler's record to catch up before the worker counts as one that never joined
+JOIN_CONFIRM_SECONDS = 2.0
+NEVER_JOINED = ("exited 0 without joining the job (it never registered with the "
+                "scheduler, so it trained alone, if at all): the script must `import ssdsgd` "
+                "and create its store with kvstore='ssd_sync' (MXNet's own local store, "
+                "which a missing import gives, trains each worker alone)")
 
 
 def free_port(host="127.0.0.1"):
@@ -77,6 +85,9 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     # a 0600 file whose path every process gets (kvstore/security.py).
     keys = KeyFile(getattr(runner, "secure", False))
     env.update(keys.env)
+    # the scheduler's record for this loop (kvstore/job_status.py), beside the keys
+    status = JobStatus(os.path.join(keys.dir, "status.json"))
+    env.update(to_env(status_file=status.path))
     procs, pumps = [], []
     with _signals_recorded() as interrupted:
         try:
@@ -84,7 +95,7 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
                                procs, pumps, (stdout, stderr), log):
                 return 2
             return _watch(procs, interrupted, progress, log, failures,
-                          continue_without_workers)
+                          continue_without_workers, status)
         finally:
             _stop_all(runner, procs)
             keys.remove()
@@ -157,43 +168,112 @@ def _left_behind(failed, left, log):
     return True
 
 
-def _watch(procs, interrupted, progress, log, failures=None, continue_without_workers=False):
-    """Poll until a signal arrives (130/143), a process fails (1), or every worker has
-    exited 0 and the scheduler and servers have followed (0; after a grace period they
-    are stopped)."""
+class JobStatus:
+    """What the scheduler recorded (kvstore/job_status.py), read by the watch loop: None
+    fields where there is no record (a scheduler on another host, or none yet)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def read(self):
+        if not self.path:
+            return {}
+        try:
+            return job_status.read(self.path) or {}
+        except job_status.StatusError:
+            return {}
+
+    def finished(self, proc):
+        """A worker whose FINISH the scheduler received: its part of the job is done."""
+        return proc.role == "worker" and proc.rank in self.read().get("finished", ())
+
+    def never_joined(self, workers, num_workers):
+        """The workers that exited 0 and never registered, once the record says the job
+        did not start; [] while it may still start or when there is no record."""
+        record = self.read()
+        if not record or record["started"]:
+            return []
+        joined = set(record["workers"])
+        return [p for p in workers if p.poll() == 0 and p.rank not in joined
+                and p.rank < num_workers]
+
+    def abort_reason(self):
+        return self.read().get("abort")
+
+
+def _label(p):
+    return p.role if p.role == "scheduler" else f"{p.role} {p.rank}"
+
+
+def _watch(procs, interrupted, progress, log, failures=None, continue_without_workers=False,
+           status=None):
+    """Poll until a signal arrives (130/143), a process fails (1), a worker exits 0
+    without having joined (1), or every worker has exited 0 and the scheduler and servers
+    have followed (0; if they do not, they are stopped and the job fails: 1)."""
+    status = status or JobStatus(None)
     workers = [p for p in procs if p.role == "worker"]
     others = [p for p in procs if p.role != "worker"]
-    done_at, left = None, []
+    done_at, left, alone_since, finished_late = None, [], None, set()
     while True:
         if interrupted:
             log(f"{signal.Signals(interrupted[0]).name}: stopping every process")
             return 130 if interrupted[0] == signal.SIGINT else 143
-        failed = [p for p in procs if p.poll() not in (None, 0) and p not in left]
+        failed = [p for p in procs if p.poll() not in (None, 0) and p not in left
+                  and p not in finished_late]
+        for p in [p for p in failed if status.finished(p)]:
+            log(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())} after it finished its "
+                "part of the job; the job's result is complete")
+            finished_late.add(p)
+            failed.remove(p)
         if failed and continue_without_workers and _left_behind(failed, left, log):
             failed = []
         if failed:
-            failed.sort(key=lambda p: p.role != "worker")   # usually the root cause
-            log(", ".join(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}"
-                          for p in failed) + "; stopping the job")
-            if all(p.role == "worker" and p.poll() > 0 for p in failed):
-                _settle(procs)     # a worker that raised has reported why (not one killed)
-            if failures is not None:
-                failed.sort(key=lambda p: p.poll() > 0)        # killed ones first
-                failures.extend(f"{p.role if p.role == 'scheduler' else f'{p.role} {p.rank}'}"
-                                f" on {p.host or socket.gethostname()} "
-                                f"{_describe_exit(p.poll())}" for p in failed)
-            return 1
-        if all(p.poll() == 0 for p in workers if p not in left):
+            return _failed(failed, procs, status, log, failures)
+        alone = status.never_joined(workers, len(workers))
+        alone_since = (alone_since or time.monotonic()) if alone else None
+        if alone and time.monotonic() - alone_since > JOIN_CONFIRM_SECONDS:
+            return _lines_and_failure([f"{p.name} {NEVER_JOINED}" for p in alone], log,
+                                      failures)
+        if all(p.poll() == 0 or p in finished_late for p in workers if p not in left):
             done_at = done_at or time.monotonic()
-            late = [p.name for p in others if p.poll() is None]
+            late = [p for p in others if p.poll() is None]
             if not late:
                 return 0
             if time.monotonic() - done_at > GRACE_SECONDS + 10:
-                log(f"workers finished but {', '.join(late)} did not exit; stopping them")
-                return 0
+                return _lines_and_failure([
+                    f"{', '.join(p.name for p in late)} did not exit after every worker "
+                    "finished (not a clean end of the job); stopping them"], log, failures)
         if progress is not None:
             progress.poll()
         time.sleep(0.1)
+
+
+def _lines_and_failure(lines, log, failures):
+    for line in lines:
+        log(line)
+    if failures is not None:
+        failures.extend(lines)
+    return 1
+
+
+def _failed(failed, procs, status, log, failures):
+    """A process failed: say which (the scheduler's own reason first: after a heartbeat
+    timeout the first process to exit is rarely the one that stopped), give the others
+    time to report, and return 1."""
+    failed.sort(key=lambda p: p.role != "worker")   # usually the root cause
+    log(", ".join(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}"
+                  for p in failed) + "; stopping the job")
+    if all(p.role == "worker" and p.poll() > 0 for p in failed):
+        _settle(procs)     # a worker that raised has reported why (not one killed)
+    reason = status.abort_reason()
+    if reason:
+        log(f"the scheduler aborted the job: {reason}")
+    if failures is not None:
+        failed.sort(key=lambda p: p.poll() > 0)        # killed ones first
+        failures.extend(([f"the scheduler aborted the job: {reason}"] if reason else [])
+                        + [f"{_label(p)} on {p.host or socket.gethostname()} "
+                           f"{_describe_exit(p.poll())}" for p in failed])
+    return 1
 
 
 def _settle(procs):
