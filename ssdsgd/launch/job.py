@@ -15,7 +15,9 @@ import time
 from ..kvstore import job_status
 from ..kvstore.security import KeyFile
 from ..settings import to_env
+from .janitor import Janitor
 from .local import LAUNCHERS
+from .remote import LaunchError
 
 GRACE_SECONDS = 5.0
 SETTLE_SECONDS = 3.0   # after a failure, for the others to report it and exit
@@ -55,6 +57,25 @@ def _describe_exit(code):
     return f"exited with code {code}"
 
 
+def check_port(port, runner):
+    """A scheduler port given by the user, checked before anything starts: in use, it
+    would be found only once the scheduler fails to bind, after every process started.
+    A port on another host (a remote scheduler) is left to the scheduler."""
+    if not port:
+        return
+    host = runner.scheduler_host if not isinstance(runner, str) else "127.0.0.1"
+    if getattr(runner, "site", None) is not None and not runner.site.local:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)    # as ZeroMQ binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise LaunchError(f"--port {port}: the scheduler's port is in use on {host} "
+                              f"({e.strerror}); pick another or leave --port out for a free "
+                              "one") from None
+
+
 def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0.1"):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
     env.update(to_env(scheduler_host=scheduler_host, scheduler_port=port,
@@ -84,6 +105,7 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     # Only this job's processes may join it: fresh keys (CURVE with ``runner.secure``),
     # a 0600 file whose path every process gets (kvstore/security.py).
     keys = KeyFile(getattr(runner, "secure", False))
+    janitor = Janitor(keys.dir)       # gone with the launcher, even after a SIGKILL
     env.update(keys.env)
     # the scheduler's record for this loop (kvstore/job_status.py), beside the keys
     status = JobStatus(os.path.join(keys.dir, "status.json"))
@@ -99,6 +121,7 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
         finally:
             _stop_all(runner, procs)
             keys.remove()
+            janitor.close()
             for t in pumps:
                 t.join(timeout=2)
             if progress is not None:
