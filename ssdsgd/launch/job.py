@@ -207,8 +207,11 @@ class JobStatus:
             return {}
 
     def finished(self, proc):
-        """A worker whose FINISH the scheduler received: its part of the job is done."""
-        return proc.role == "worker" and proc.rank in self.read().get("finished", ())
+        """A worker killed by a signal after the scheduler received its FINISH: its part
+        of the job was done. (A non-zero exit code is the worker's own word that it
+        failed, FINISH or not.)"""
+        return (proc.role == "worker" and (proc.poll() or 0) < 0
+                and proc.rank in self.read().get("finished", ()))
 
     def never_joined(self, workers, num_workers):
         """The workers that exited 0 and never registered, once the record says the job
