@@ -49,7 +49,14 @@ class Node:
         if os.environ.get("DMLC_ROLE"):
             raise RuntimeError("DMLC_ROLE is set: this process is configured for MXNet's own "
                                "ps-lite, not ssdsgd; unset it (ssdsgd uses SSDSGD_* variables)")
-        self.env = NodeEnv.from_environ()
+        try:
+            self.env = NodeEnv.from_environ()
+        except EnvError as e:
+            if os.environ.get("SSDSGD_ROLE"):
+                raise
+            raise EnvError(f"{e}; this process was not started by ssdsgd's launcher: run "
+                           "the script as python launch/dist.py -n N -s S -- python "
+                           "SCRIPT ...") from None
         if self.env.role != "worker":
             raise RuntimeError(f"ssd_sync is created by workers; SSDSGD_ROLE is {self.env.role}")
         self.client = WorkerClient(self.env)

@@ -15,6 +15,10 @@ job's average throughput (the sum of the workers' ``end`` records).
 On a tty, other output must not be written through the bar's line: ``mon.sink(stream)``
 is a file-like object for the launcher's output prefixer that writes whole lines above
 the bar (clear, write, redraw). Without a tty it returns ``stream`` itself.
+
+A resumed run (``start_step``: the checkpoint's step) appends to the same files: what they
+hold already is the interrupted run's, which may have gone past the checkpoint, so the
+monitor starts after it, at ``start_step``.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from ssdsgd.metrics import worker_files
 
 class ProgressMonitor:
     def __init__(self, run_dir, total_steps: int | None = None, tty: bool = False,
-                 interval: float = 10.0, stream=None):
+                 interval: float = 10.0, stream=None, start_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.tty = tty
@@ -45,6 +49,18 @@ class ProgressMonitor:
         self._closed = False
         self._lock = threading.RLock()   # the bar vs lines written by other threads
         self._last_line = None
+        if start_step is not None:
+            self._skip_to(start_step)
+
+    def _skip_to(self, start_step: int) -> None:
+        """Ignore what the files hold now (an earlier run's records); every worker that
+        wrote one starts at ``start_step``."""
+        for rank, path in worker_files(self.run_dir).items():
+            try:
+                self._offsets[path] = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            self.workers[rank] = {"step": start_step}
 
     # -- reading
     def _read_new(self, path: Path) -> list[dict]:

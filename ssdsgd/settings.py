@@ -361,6 +361,10 @@ SETTINGS = (
             "each job; only processes holding it can connect (unset: anyone can; "
             "docs/reliability.md)", env="SSDSGD_SECRET_FILE", optional=True,
             launcher="a fresh file per job, CURVE keys with --secure"),
+    Setting("status_file", str, None, "where the scheduler records who registered, who "
+            "finished and why it aborted, for the launcher's exit code (unset: nowhere)",
+            env="SSDSGD_STATUS_FILE", optional=True,
+            launcher="a file beside the job's keys"),
     # --- debugging
     Setting("slowdown", str, "none", "straggler injection, off by default (none): "
             "factor:RANK=F[,...] (compute F times as long), delay:RANK=SECONDS[,...] or "

@@ -318,8 +318,9 @@ def run_epoch(run: Run, epoch: int) -> None:
         figures = train_step(run, x, y)
         run.speed.update(*figures)
         whole.update(*figures)
-        if (batch + 1) % c.train.log_interval == 0 or run.step == run.length.total_steps:
-            log_interval(run, epoch, batch + 1)
+        if ((batch + 1) % c.train.log_interval == 0 or run.step == run.length.total_steps
+                or batch + 1 == run.length.steps_per_epoch < c.train.log_interval):
+            log_interval(run, epoch, batch + 1)   # an epoch shorter than log_interval: once
         if run.step >= run.length.total_steps:
             break
         if (batch + 1 < run.length.steps_per_epoch and (batch + 1) % c.train.log_interval == 0

@@ -137,6 +137,9 @@ def test_hung_worker_is_detected_by_heartbeats_and_named(tmp_path):
     out, err = _finish(job, 40)
     assert job.returncode != 0
     assert "worker 1" in err and "presumed dead" in err, err[-2000:]
+    # the launcher's own line names the stopped worker, not the first process to exit
+    assert any(ln.startswith("[launcher] the scheduler aborted the job: worker 1 ")
+               and "presumed dead" in ln for ln in err.splitlines()), err[-2000:]
     assert time.monotonic() - started < 30
     _no_leftovers(tmp_path)
 

@@ -58,7 +58,7 @@ def test_sigkill_of_the_launcher_ends_every_child(tmp_path):
             assert time.monotonic() < deadline, "the job did not start training in time"
             time.sleep(0.2)
         kids = children(proc.pid)
-        assert len(kids) == 4            # scheduler, server, 2 workers
+        assert len(kids) == 5   # scheduler, server, 2 workers, the key directory's janitor
         proc.kill()
         proc.wait(timeout=10)
         t0 = time.monotonic()

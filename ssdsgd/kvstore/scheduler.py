@@ -17,7 +17,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import protocol as P
+from . import job_status, protocol as P
 from .env import NodeEnv
 from ..sync.groups import GroupError, GroupGenerator
 from .security import Guard
@@ -143,7 +143,16 @@ class Scheduler:
                             f"scheduler cannot reach ({getattr(e, 'strerror', None) or e}); "
                             "set its address with --interface or SSDSGD_NODE_HOST")
 
+    def _record(self, abort=None):
+        """The launcher's view of the job (kvstore/job_status.py)."""
+        workers = [n for n in self.nodes.values() if n["role"] == "worker"]
+        job_status.write(self.env.status_file, started=self.started,
+                         workers=[n["asked_rank"] for n in workers],
+                         finished=[n["asked_rank"] for n in workers if n["finished"]],
+                         abort=abort)
+
     def _abort(self, reason):
+        self._record(abort=reason)
         for ident in self.nodes:
             self._send(ident, P.Kind.ABORT, {"reason": reason})
         time.sleep(0.2)  # let the ABORTs leave before the context is torn down
@@ -178,6 +187,7 @@ class Scheduler:
         if (len(self._members("server")) == self.env.num_servers
                 and len(self._members("worker")) == self.env.num_workers):
             self._assign_ranks()
+        self._record()
 
     def _handle(self, ident, msg):
         node = self.nodes.get(ident)
@@ -220,6 +230,7 @@ class Scheduler:
                 self._abort(f"{node_name(node)} failed: {msg.meta['error']}")
             self._send(ident, P.Kind.ACK)
             node["finished"] = True
+            self._record()
         else:
             raise P.ProtocolError(f"unexpected {msg.kind.name} at the scheduler")
 

@@ -1,4 +1,4 @@
-"""``python launch/dist.py``: start a whole ssdsgd job on this machine.
+"""``python launch/dist.py``: start a whole ssdsgd job on this machine or several.
 
 Two forms:
 
@@ -11,11 +11,12 @@ the cluster and synchronization taken from the config; the second is MXNet's
 """
 import argparse
 import os
+import re
 import sys
 import time
 
 from ..settings import SettingError, check_launch_env, to_env
-from .job import run_job
+from .job import check_port, run_job
 from .launchers import make_launcher
 from .remote import LaunchError, add_arguments, options_from
 
@@ -23,13 +24,39 @@ from .remote import LaunchError, add_arguments, options_from
 # cluster.on_worker_failure: restart with cluster.max_restarts 0 restarts this many times
 DEFAULT_RESTARTS = 3
 
+# what --help shows first: both forms, as plain text (the module docstring is reST)
+USAGE_TEXT = """Start an ssdsgd job: scheduler, servers and workers, here or on several hosts.
+
+  python launch/dist.py CONFIG.yaml [--set KEY=VALUE ...] [--resume RUN_DIR] [options]
+      runs ssdsgd's training program (python -m ssdsgd.train) on every worker, with the
+      cluster and the synchronization taken from the config (see configs/)
+
+  python launch/dist.py -n N [-s S] [--env KEY=VALUE ...] [options] -- COMMAND ...
+      MXNet's tools/launch.py form: starts COMMAND (your script, which imports ssdsgd and
+      uses kvstore='ssd_sync') as each of the N workers, with S servers (default 1);
+      a bare 'python' or 'python3' in COMMAND is this launcher's own interpreter
+
+The options below apply to both forms; -n/-s/--env belong to the second."""
+
+# a bare interpreter name in the command: the launcher's own interpreter (its venv)
+BARE_PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
+
+
+def resolve_python(cmd):
+    """``-- python script.py`` runs this launcher's interpreter, not the first ``python``
+    on PATH (which may lack MXNet); a path (``/usr/bin/python3``, ``./python``) is kept."""
+    if cmd and BARE_PYTHON.fullmatch(cmd[0]):
+        return [sys.executable] + list(cmd[1:])
+    return list(cmd)
+
 
 def _command_form(argv):
     if "--" not in argv:
         raise SystemExit("launch/dist.py: give a CONFIG.yaml, or -n N -s S -- COMMAND ...")
     i = argv.index("--")
     opts, cmd = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="launch/dist.py", description=USAGE_TEXT,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--num-workers", type=int, required=True)
     p.add_argument("-s", "--num-servers", type=int, default=1)
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
@@ -50,10 +77,12 @@ def _command_form(argv):
         if not sep or not key:
             p.error(f"--env {item!r}: expected KEY=VALUE")
         extra[key] = value
+    cmd = resolve_python(cmd)
     try:    # before anything starts: no --env for what the launcher sets, no bad values
         check_launch_env(extra, to_env(num_workers=args.num_workers, scheduler_port=args.port
                                        or None, num_servers=args.num_servers), os.environ)
         runner = make_launcher(options_from(args, extra), args.num_workers, args.num_servers)
+        check_port(args.port, runner)
     except (SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
@@ -77,7 +106,8 @@ def _gave_up(code, restarts):
 
 
 def _config_parser():
-    p = argparse.ArgumentParser(prog="launch/dist.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="launch/dist.py", description=USAGE_TEXT,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="the job's YAML file (see configs/); omitted "
                    "with --resume (RUN_DIR/config.yaml is used)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -127,13 +157,30 @@ def _prepare(args):
     args.launcher = args.launcher or config.cluster.launcher
     runner = make_launcher(options_from(args), config.cluster.workers, config.cluster.servers,
                            config.cluster.hosts)
-    if not args.resume:
-        run_dir = str(new_run_dir(config))
-    if args.launcher != "local":        # the same path on every host
-        run_dir = os.path.abspath(run_dir)
-    if not args.resume or args.overrides:   # the workers read the run's config file
-        save_config(config, os.path.join(run_dir, "config.yaml"))
-    return config, run_dir, length, env, runner
+    check_port(args.port, runner)       # before the run directory exists
+    _warn_whole_warmup(config, env, length)
+    try:
+        if not args.resume:
+            run_dir = str(new_run_dir(config))
+        if args.launcher != "local":        # the same path on every host
+            run_dir = os.path.abspath(run_dir)
+        if not args.resume or args.overrides:   # the workers read the run's config file
+            save_config(config, os.path.join(run_dir, "config.yaml"))
+    except OSError as e:      # a full or read-only output.dir: one line, exit 2
+        raise LaunchError(f"cannot write the run directory under output.dir="
+                          f"{config.output.dir}: {e.strerror or e} "
+                          f"({e.filename or config.output.dir})") from None
+    return config, run_dir, length, env, runner, info
+
+
+def _warn_whole_warmup(config, env, length):
+    """SSD-SGD whose synchronous warm-up is as long as the run never delays a pull."""
+    warmup = int(env.get("SSDSGD_WARMUP_STEPS") or 0)
+    if config.sync.algorithm == "ssd" and warmup >= length.total_steps:
+        print(f"[launcher] warning: the warm-up ({warmup} steps, sync.warmup_steps or "
+              f"sync.warmup_epochs) covers the whole run ({length.total_steps} steps): every "
+              "step is synchronous SGD and the steps-delay stage never starts", file=sys.stderr,
+              flush=True)
 
 
 def _report(run_dir, seconds, plots):
@@ -159,7 +206,7 @@ def _config_form(argv):
     if args.max_restarts is not None and args.max_restarts < 0:
         p.error("--max-restarts must be >= 0")
     try:
-        config, run_dir, length, env, runner = _prepare(args)
+        config, run_dir, length, env, runner, info = _prepare(args)
     except (ConfigError, DataError, SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
@@ -169,9 +216,14 @@ def _config_form(argv):
         restarts = DEFAULT_RESTARTS
     print(f"[launcher] run directory: {run_dir}", flush=True)
     t0, resume, code = time.monotonic(), bool(args.resume), 1
+    start = info["step"] if info else 0
     for attempt in range(restarts + 1):
         failures = []
-        code = _run_training(config, run_dir, length, env, runner, args.port, resume, failures)
+        code = _run_training(config, run_dir, length, env, runner, args.port, resume, failures,
+                             start)
+        if code in (130, 143):
+            _interrupted(run_dir)
+            break
         if code != 1 or attempt == restarts:
             break
         try:
@@ -180,6 +232,7 @@ def _config_form(argv):
             print(f"[launcher] cannot restart: {e}", file=sys.stderr, flush=True)
             return 1
         resume = whence is not None
+        start = int(env.get("SSDSGD_START_STEP") or 0)
         print(f"[launcher] {_restart_line(attempt + 1, restarts, failures, whence or 'from the start (no checkpoint yet)')}",
               file=sys.stderr, flush=True)
     if code == 0:
@@ -187,15 +240,26 @@ def _config_form(argv):
     return _gave_up(code, restarts)
 
 
-def _run_training(config, run_dir, length, env, runner, port, resume, failures):
+def _interrupted(run_dir):
+    """Ctrl-C or SIGTERM: where the run is and how to continue it."""
+    if os.path.exists(os.path.join(run_dir, "checkpoints", "latest.json")):
+        how = f"continue it with: python launch/dist.py --resume {run_dir}"
+    else:
+        how = "it has no checkpoint yet; start it again to run it"
+    print(f"[launcher] stopped; the run directory is {run_dir}; {how}", file=sys.stderr,
+          flush=True)
+
+
+def _run_training(config, run_dir, length, env, runner, port, resume, failures, start=0):
     """One run of the training program on every worker (resumed from RUN_DIR's last
-    checkpoint with ``resume``) under a progress bar; its exit code."""
+    checkpoint, step ``start``, with ``resume``) under a progress bar; its exit code."""
     from ..progress import ProgressMonitor
     cmd = [sys.executable, "-m", "ssdsgd.train", os.path.join(run_dir, "config.yaml"),
            "--run-dir", run_dir]
     if resume:
         cmd += ["--resume", run_dir]
-    progress = ProgressMonitor(run_dir, length.total_steps, tty=sys.stderr.isatty())
+    progress = ProgressMonitor(run_dir, length.total_steps, tty=sys.stderr.isatty(),
+                               start_step=start if resume else None)
     return run_job(config.cluster.workers, config.cluster.servers, cmd, env,
                    port=port or None, launcher=runner, progress=progress,
                    stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr),

@@ -12,12 +12,22 @@ import sys
 import threading
 import time
 
+from ..kvstore import job_status
 from ..kvstore.security import KeyFile
 from ..settings import to_env
+from .janitor import Janitor
 from .local import LAUNCHERS
+from .remote import LaunchError
 
 GRACE_SECONDS = 5.0
 SETTLE_SECONDS = 3.0   # after a failure, for the others to report it and exit
+# a worker exited 0 while the scheduler has not started the job: this long for the
+# scheduler's record to catch up before the worker counts as one that never joined
+JOIN_CONFIRM_SECONDS = 2.0
+NEVER_JOINED = ("exited 0 without joining the job (it never registered with the "
+                "scheduler, so it trained alone, if at all): the script must `import ssdsgd` "
+                "and create its store with kvstore='ssd_sync' (MXNet's own local store, "
+                "which a missing import gives, trains each worker alone)")
 
 
 def free_port(host="127.0.0.1"):
@@ -45,6 +55,25 @@ def _describe_exit(code):
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def check_port(port, runner):
+    """A scheduler port given by the user, checked before anything starts: in use, it
+    would be found only once the scheduler fails to bind, after every process started.
+    A port on another host (a remote scheduler) is left to the scheduler."""
+    if not port:
+        return
+    host = runner.scheduler_host if not isinstance(runner, str) else "127.0.0.1"
+    if getattr(runner, "site", None) is not None and not runner.site.local:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)    # as ZeroMQ binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise LaunchError(f"--port {port}: the scheduler's port is in use on {host} "
+                              f"({e.strerror}); pick another or leave --port out for a free "
+                              "one") from None
 
 
 def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0.1"):
@@ -76,7 +105,11 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     # Only this job's processes may join it: fresh keys (CURVE with ``runner.secure``),
     # a 0600 file whose path every process gets (kvstore/security.py).
     keys = KeyFile(getattr(runner, "secure", False))
+    janitor = Janitor(keys.dir)       # gone with the launcher, even after a SIGKILL
     env.update(keys.env)
+    # the scheduler's record for this loop (kvstore/job_status.py), beside the keys
+    status = JobStatus(os.path.join(keys.dir, "status.json"))
+    env.update(to_env(status_file=status.path))
     procs, pumps = [], []
     with _signals_recorded() as interrupted:
         try:
@@ -84,10 +117,11 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
                                procs, pumps, (stdout, stderr), log):
                 return 2
             return _watch(procs, interrupted, progress, log, failures,
-                          continue_without_workers)
+                          continue_without_workers, status)
         finally:
             _stop_all(runner, procs)
             keys.remove()
+            janitor.close()
             for t in pumps:
                 t.join(timeout=2)
             if progress is not None:
@@ -157,43 +191,115 @@ def _left_behind(failed, left, log):
     return True
 
 
-def _watch(procs, interrupted, progress, log, failures=None, continue_without_workers=False):
-    """Poll until a signal arrives (130/143), a process fails (1), or every worker has
-    exited 0 and the scheduler and servers have followed (0; after a grace period they
-    are stopped)."""
+class JobStatus:
+    """What the scheduler recorded (kvstore/job_status.py), read by the watch loop: None
+    fields where there is no record (a scheduler on another host, or none yet)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def read(self):
+        if not self.path:
+            return {}
+        try:
+            return job_status.read(self.path) or {}
+        except job_status.StatusError:
+            return {}
+
+    def finished(self, proc):
+        """A worker killed by a signal after the scheduler received its FINISH: its part
+        of the job was done. (A non-zero exit code is the worker's own word that it
+        failed, FINISH or not.)"""
+        return (proc.role == "worker" and (proc.poll() or 0) < 0
+                and proc.rank in self.read().get("finished", ()))
+
+    def never_joined(self, workers, num_workers):
+        """The workers that exited 0 and never registered, once the record says the job
+        did not start; [] while it may still start or when there is no record."""
+        record = self.read()
+        if not record or record["started"]:
+            return []
+        joined = set(record["workers"])
+        return [p for p in workers if p.poll() == 0 and p.rank not in joined
+                and p.rank < num_workers]
+
+    def abort_reason(self):
+        return self.read().get("abort")
+
+
+def _label(p):
+    return p.role if p.role == "scheduler" else f"{p.role} {p.rank}"
+
+
+def _watch(procs, interrupted, progress, log, failures=None, continue_without_workers=False,
+           status=None):
+    """Poll until a signal arrives (130/143), a process fails (1), a worker exits 0
+    without having joined (1), or every worker has exited 0 and the scheduler and servers
+    have followed (0; if they do not, they are stopped and the job fails: 1)."""
+    status = status or JobStatus(None)
     workers = [p for p in procs if p.role == "worker"]
     others = [p for p in procs if p.role != "worker"]
-    done_at, left = None, []
+    done_at, left, alone_since, finished_late = None, [], None, set()
     while True:
         if interrupted:
             log(f"{signal.Signals(interrupted[0]).name}: stopping every process")
             return 130 if interrupted[0] == signal.SIGINT else 143
-        failed = [p for p in procs if p.poll() not in (None, 0) and p not in left]
+        failed = [p for p in procs if p.poll() not in (None, 0) and p not in left
+                  and p not in finished_late]
+        for p in [p for p in failed if status.finished(p)]:
+            log(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())} after it finished its "
+                "part of the job; the job's result is complete")
+            finished_late.add(p)
+            failed.remove(p)
         if failed and continue_without_workers and _left_behind(failed, left, log):
             failed = []
         if failed:
-            failed.sort(key=lambda p: p.role != "worker")   # usually the root cause
-            log(", ".join(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}"
-                          for p in failed) + "; stopping the job")
-            if all(p.role == "worker" and p.poll() > 0 for p in failed):
-                _settle(procs)     # a worker that raised has reported why (not one killed)
-            if failures is not None:
-                failed.sort(key=lambda p: p.poll() > 0)        # killed ones first
-                failures.extend(f"{p.role if p.role == 'scheduler' else f'{p.role} {p.rank}'}"
-                                f" on {p.host or socket.gethostname()} "
-                                f"{_describe_exit(p.poll())}" for p in failed)
-            return 1
-        if all(p.poll() == 0 for p in workers if p not in left):
+            return _failed(failed, procs, status, log, failures)
+        alone = status.never_joined(workers, len(workers))
+        alone_since = (alone_since or time.monotonic()) if alone else None
+        if alone and time.monotonic() - alone_since > JOIN_CONFIRM_SECONDS:
+            return _lines_and_failure([f"{p.name} {NEVER_JOINED}" for p in alone], log,
+                                      failures)
+        if all(p.poll() == 0 or p in finished_late for p in workers if p not in left):
             done_at = done_at or time.monotonic()
-            late = [p.name for p in others if p.poll() is None]
+            late = [p for p in others if p.poll() is None]
             if not late:
                 return 0
             if time.monotonic() - done_at > GRACE_SECONDS + 10:
-                log(f"workers finished but {', '.join(late)} did not exit; stopping them")
-                return 0
+                return _lines_and_failure([
+                    f"{', '.join(p.name for p in late)} did not exit after every worker "
+                    "finished (not a clean end of the job); stopping them"], log, failures)
         if progress is not None:
             progress.poll()
         time.sleep(0.1)
+
+
+def _lines_and_failure(lines, log, failures):
+    for line in lines:
+        log(line)
+    if failures is not None:
+        failures.extend(lines)
+    return 1
+
+
+def _failed(failed, procs, status, log, failures):
+    """A process failed: say which (the scheduler's own reason first: after a heartbeat
+    timeout the first process to exit is rarely the one that stopped), give the others
+    time to report, and return 1."""
+    failed.sort(key=lambda p: p.role != "worker")   # usually the root cause
+    log(", ".join(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}"
+                  for p in failed) + "; stopping the job")
+    if all(p.role == "worker" and p.poll() > 0 for p in failed):
+        _settle(procs)     # a worker that raised has reported why (not one killed)
+    reason = status.abort_reason()
+    if reason:
+        log(f"the scheduler aborted the job: {reason}")
+    if failures is not None:
+        failed.sort(key=lambda p: p.poll() > 0)        # killed ones first
+        failures.extend(([f"the scheduler aborted the job: {reason}"] if reason else [])
+                        + [f"{_label(p)} on {p.host or socket.gethostname()} "
+                           f"{_describe_exit(p.poll())}" for p in failed])
+    return 1
 
 
 def _settle(procs):

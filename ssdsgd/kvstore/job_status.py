@@ -1,0 +1,55 @@
+"""The scheduler's record of the job for its launcher: who registered, whether the job
+started, which workers finished, why it was aborted.
+
+The launcher sees only exit codes. A worker that exits 0 without ever joining the job
+(a script without ``import ssdsgd`` trains on MXNet's local store, alone) looks like a
+success; one killed after it finished looks like a failure; the first process to exit
+after a heartbeat timeout is rarely the one that stopped. The scheduler knows each of
+these, so it writes them to a small JSON file (``SSDSGD_STATUS_FILE``, in the launcher's
+private key directory) that the launcher reads when it decides the job's exit code.
+"""
+import json
+import os
+
+# what a reader accepts: the file is the scheduler's, but a reader still checks its form
+_FIELDS = {"started": bool, "workers": list, "finished": list, "abort": (str, type(None))}
+
+
+class StatusError(ValueError):
+    """The status file exists but is not what a scheduler writes."""
+
+
+def write(path, *, started, workers, finished, abort=None):
+    """Replace ``path`` atomically (a reader never sees half a file). ``workers``: the
+    ranks the registered workers asked for (their launcher ranks); ``finished``: those
+    whose FINISH arrived."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    data = {"started": bool(started), "workers": sorted(workers),
+            "finished": sorted(finished), "abort": abort}
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass    # the launcher then judges by exit codes alone, as before
+
+
+def read(path):
+    """The last status written, or None if there is none (no file: a remote scheduler,
+    or one that never got so far)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise StatusError(f"{path}: {e}") from None
+    if not isinstance(data, dict) or any(
+            not isinstance(data.get(k), t) for k, t in _FIELDS.items()):
+        raise StatusError(f"{path}: not a scheduler's status")
+    for k in ("workers", "finished"):
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in data[k]):
+            raise StatusError(f"{path}: {k} must be ranks")
+    return data

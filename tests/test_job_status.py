@@ -1,0 +1,32 @@
+"""kvstore/job_status.py in process: what the scheduler writes is what the launcher reads,
+and a file of another form is refused, not trusted."""
+import json
+
+import pytest
+
+from ssdsgd.kvstore import job_status
+
+
+def test_written_status_reads_back(tmp_path):
+    path = tmp_path / "status.json"
+    job_status.write(str(path), started=True, workers=[1, 0], finished=[1], abort=None)
+    assert job_status.read(str(path)) == {"started": True, "workers": [0, 1],
+                                          "finished": [1], "abort": None}
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_no_file_is_no_record(tmp_path):
+    assert job_status.read(str(tmp_path / "none.json")) is None
+
+
+@pytest.mark.parametrize("data", [[], {"started": "yes", "workers": [], "finished": [],
+                                       "abort": None},
+                                  {"started": False, "workers": ["0"], "finished": [],
+                                   "abort": None},
+                                  {"started": False, "workers": [True], "finished": [],
+                                   "abort": None}])
+def test_a_file_of_another_form_is_refused(tmp_path, data):
+    path = tmp_path / "status.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(job_status.StatusError):
+        job_status.read(str(path))
