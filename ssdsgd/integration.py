@@ -32,6 +32,7 @@ from mxnet import gluon
 
 from .kvstore.client import ServerError, WorkerClient
 from .kvstore.env import EnvError, NodeEnv
+from .mxglue.state_file import StateFileError
 from .mxglue.optimizer_spec import OptimizerSpecError
 from .kvstore.scheduler import JobAborted
 from .worker.machine import StageMachine
@@ -39,7 +40,7 @@ from .worker.machine import StageMachine
 NAME = "ssd_sync"   # what users pass as kvstore=; MXNet registers SSD_Sync under it
 
 # ssdsgd's own errors already say what went wrong and which peer or setting caused it.
-ONE_LINE_ERRORS = (JobAborted, ServerError, EnvError, OptimizerSpecError)
+ONE_LINE_ERRORS = (JobAborted, ServerError, EnvError, OptimizerSpecError, StateFileError)
 
 
 class Node:

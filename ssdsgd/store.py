@@ -16,6 +16,7 @@ from mxnet.kvstore import KVStoreBase
 
 from .integration import NAME, PROCESS
 from .kvstore.compression import Compression, CompressionError
+from .mxglue import state_file
 from .mxglue.optimizer_spec import build, describe, flatten_state, unflatten_state
 
 
@@ -145,35 +146,38 @@ class SSD_Sync(KVStoreBase):
         self._client.barrier()   # no worker pushes before every server has the optimizer
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
-        """Gather the servers' optimizer state into a file in MXNet's own format."""
+        """Gather the servers' optimizer state into ``fname``: arrays and the optimizer's
+        description, never a pickle (mxglue/state_file.py; ``dump_optimizer`` is accepted
+        for MXNet's signature: the description is always written)."""
         if self._updater is None:
             raise RuntimeError("set_optimizer must be called before save_optimizer_states")
         if self._env.algorithm == "preduce":     # each worker's own optimizer state
-            with open(fname, "wb") as f:
-                f.write(self._updater.get_states(dump_optimizer=dump_optimizer))
+            states = {key: [a.asnumpy() for a in flatten_state(state)]
+                      for key, state in self._updater.states.items()}
+            state_file.save(fname, describe(self._updater.optimizer), states)
             return
         request = self._client.get_state()
         replies = request.wait()
-        spec = request.meta.get("optimizer")
-        optimizer = build(spec) if spec else self._updater.optimizer
-        optimizer.param_dict = self._updater.optimizer.param_dict
-        updater = mx.optimizer.get_updater(optimizer)
-        for key, reply in replies.items():
-            shape = self._machine.shape(key)
-            template = optimizer.create_state_multi_precision(key, mx.nd.zeros(shape))
-            arrays = [mx.nd.array(a.reshape(shape)) for a in reply.state]
-            updater.states[key] = unflatten_state(template, arrays)
-            updater.states_synced[key] = True
-        with open(fname, "wb") as f:
-            f.write(updater.get_states(dump_optimizer=dump_optimizer))
+        spec = request.meta.get("optimizer") or describe(self._updater.optimizer)
+        states = {key: [np.asarray(a).reshape(self._machine.shape(key)) for a in reply.state]
+                  for key, reply in replies.items()}
+        state_file.save(fname, spec, states)
 
     def load_optimizer_states(self, fname):
-        """Read a file written by save_optimizer_states (or MXNet) and send it to the servers."""
+        """Read a file written by save_optimizer_states and send it to the servers; a
+        pickle (MXNet's own format) is refused in one line, never loaded."""
         if self._updater is None:
             raise RuntimeError("set_optimizer must be called before load_optimizer_states")
-        updater = mx.optimizer.get_updater(self._updater.optimizer)
-        with open(fname, "rb") as f:
-            updater.set_states(f.read())     # a local file the user chose, as MXNet does
+        spec, arrays = state_file.load(fname)
+        optimizer = build(spec)                       # MXNet's classes, checked
+        optimizer.param_dict = self._updater.optimizer.param_dict
+        updater = mx.optimizer.get_updater(optimizer)
+        for key, parts in arrays.items():
+            template = optimizer.create_state_multi_precision(
+                key, mx.nd.zeros(parts[0].shape if parts else (1,)))
+            updater.states[key] = unflatten_state(template, [mx.nd.array(a, dtype=a.dtype)
+                                                             for a in parts])
+            updater.states_synced[key] = True
         self._updater = updater
         if self._env.algorithm == "preduce":
             self._machine.set_optimizer(None, updater)
