@@ -194,3 +194,71 @@ def test_killed_quorum_job_resumes_and_finishes(tmp_path):
         after = after_resume(b, rank)
         assert after and after[-1]["step"] == epochs * steps, (rank, after[-1:])
         assert {r["stage"] for r in after} == {"steps_delay"}
+
+
+class _RunsCommand:
+    """A pickle that runs a shell command when it is loaded (what an attacker who can
+    write the run directory would put in a checkpoint's optimizer states)."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_pickled_optimizer_state_file_is_refused_and_never_run(tmp_path):
+    """Issue 30, item 1: a checkpoint's STEM.states replaced by a pickle of os.system ran
+    the command in both workers at --resume. The states are arrays + JSON now; the pickle
+    is refused in one line and its command does not run."""
+    import pickle
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_RunsCommand(f"touch {marker}"))
+    pickle.loads(payload)                        # the payload is live: loaded, it runs
+    assert marker.exists()
+    marker.unlink()
+    run = kill_job_after_first_checkpoint(
+        ["configs/digits.yaml", *digits_job("ssgd"), *sets(output__dir=tmp_path / "b")],
+        tmp_path / "b")
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    states = run / "checkpoints" / latest["states"]
+    assert states.read_bytes()[:4] == b"PK\x03\x04"        # what is saved: an .npz
+    states.write_bytes(payload)
+    resumed = dist(["--resume", run])
+    assert resumed.returncode != 0
+    assert not marker.exists(), "the checkpoint's pickle ran its command"
+    refusals = [ln for ln in resumed.stderr.splitlines() if "a pickle" in ln
+                and str(states) in ln]
+    assert refusals, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stdout + resumed.stderr
+
+
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_a_killed_resnet20_job_resumes_bit_identically(tmp_path, algorithm):
+    """Issue 24: the CIFAR-10 ResNet-20 config, killed after its first checkpoint and
+    resumed, ends with exactly the uninterrupted run's weights (BatchNorm statistics,
+    which no kvstore updates, included). It did not: restoring the running statistics
+    reset the Trainer's kvstore, which sent the servers a fresh optimizer."""
+    from test_data import make_cifar
+    data = tmp_path / "cifar"
+    make_cifar(data / "cifar-10-batches-bin", per_file=8, test=6)   # 40 train: 5 steps/epoch
+    job = ["configs/cifar10_resnet20_ssd.yaml", *sets(
+        cluster__workers=2, data__path=data, data__batch_size=4, train__epochs=3,
+        train__checkpoint_every=1, data__loader_threads=0, output__plots="false",
+        **({"sync__algorithm": "ssgd"} if algorithm == "ssgd" else
+           {"sync__warmup_steps": 3, "sync__delay_steps": 2}))]
+    a = dist([*job, *sets(output__dir=tmp_path / "a")], timeout=300)
+    assert a.returncode == 0, a.stderr[-3000:]
+    run_a = next((tmp_path / "a").iterdir())
+    # paced (timing only: no weight depends on it) so the kill lands before the end
+    b = kill_job_after_first_checkpoint(
+        [*job, *sets(output__dir=tmp_path / "b", debug__slowdown="delay:0=0.3")],
+        tmp_path / "b")
+    assert not (b / "summary.json").exists()
+    resumed = dist(["--resume", b, *sets(debug__slowdown="none")], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    pa = params(run_a / "checkpoints" / "epoch-0002.params")
+    pb = params(b / "checkpoints" / "epoch-0002.params")
+    assert pa.keys() == pb.keys() and any("running_mean" in k for k in pa)
+    differ = [k for k in pa if not (pa[k] == pb[k]).all()]
+    assert differ == [], f"{len(differ)} of {len(pa)} arrays differ, e.g. {differ[:3]}"
