@@ -103,16 +103,65 @@ def check_unfinished(run_dir, info: dict, length: RunLength) -> None:
 
 def save_states(run_dir: Path, trainer, stem: str) -> str | None:
     """Rank 0: the trainer's optimizer states (through the kvstore when it updates on the
-    servers) to RUN_DIR/checkpoints/STEM.states; None if it cannot."""
+    servers) to RUN_DIR/checkpoints/STEM.states, arrays + JSON, never a pickle
+    (mxglue/state_file.py); None if it cannot."""
     ck = run_dir / "checkpoints"
     ck.mkdir(parents=True, exist_ok=True)
     states = ck / f"{stem}.states"
     try:
-        trainer.save_states(str(states))
+        if _on_ssd_sync(trainer):
+            trainer.save_states(str(states))
+        else:      # by hand: MXNet's own save_states would write a pickle
+            from ssdsgd.mxglue import state_file
+            from ssdsgd.mxglue.optimizer_spec import describe, flatten_state
+            updater = _updaters(trainer)[0]
+            state_file.save(str(states), describe(updater.optimizer),
+                            {k: [a.asnumpy() for a in flatten_state(v)]
+                             for k, v in updater.states.items()})
     except Exception as exc:  # noqa: BLE001 - a kvstore may not support it
         log.warning("checkpoint: optimizer states not saved (%s)", _last_line(exc))
         return None
     return states.name
+
+
+def _on_ssd_sync(trainer) -> bool:
+    """Whether the Trainer's states live in ssd_sync (whose save/load take no pickle)."""
+    if not trainer._kv_initialized:  # noqa: SLF001 - the Trainer has no public accessor
+        trainer._init_kvstore()  # noqa: SLF001
+    kv = trainer._kvstore  # noqa: SLF001
+    return kv is not None and getattr(kv, "type", None) == "ssd_sync"
+
+
+def _updaters(trainer) -> list:
+    """The Updaters that hold a by-hand Trainer's states: MXNet's kvstore's when it
+    updates there, else the Trainer's own (one per device)."""
+    if trainer._params_to_init:  # noqa: SLF001
+        trainer._init_params()  # noqa: SLF001
+    kv = trainer._kvstore  # noqa: SLF001
+    if kv is not None and trainer._update_on_kvstore:  # noqa: SLF001
+        return [kv._updater]  # noqa: SLF001
+    return trainer._updaters  # noqa: SLF001
+
+
+def _load_local_states(trainer, path: Path) -> None:
+    """A by-hand Trainer's states from a state_file, into its Updaters in place."""
+    import mxnet as mx
+
+    from ssdsgd.mxglue import state_file
+    from ssdsgd.mxglue.optimizer_spec import build, unflatten_state
+    spec, arrays = state_file.load(str(path))
+    optimizer = build(spec)
+    for updater in _updaters(trainer):
+        states = {}
+        for key, parts in arrays.items():
+            template = optimizer.create_state_multi_precision(
+                key, mx.nd.zeros(parts[0].shape if parts else (1,)))
+            states[key] = unflatten_state(template, [mx.nd.array(a, dtype=a.dtype)
+                                                     for a in parts])
+        updater.optimizer, updater.states = optimizer, states
+        updater.states_synced = {key: False for key in states}   # copied to the device
+    trainer._optimizer = optimizer  # noqa: SLF001
+    optimizer.param_dict = dict(enumerate(trainer._params))  # noqa: SLF001
 
 
 def trainable(trainer) -> list:
@@ -232,7 +281,10 @@ def load_checkpoint(run_dir: Path, info: dict, net, trainer, ctx, grad_batch: in
                         f"({_last_line(exc)})") from None
     if info.get("states"):
         try:
-            trainer.load_states(str(ck / info["states"]))
+            if _on_ssd_sync(trainer):
+                trainer.load_states(str(ck / info["states"]))
+            else:
+                _load_local_states(trainer, ck / info["states"])
         except Exception as exc:  # noqa: BLE001
             raise DataError(f"{ck / info['states']}: cannot restore optimizer states "
                             f"({_last_line(exc)})") from None
