@@ -2,8 +2,8 @@
 
 ``RUN_DIR/checkpoints/`` holds, per checkpoint (``epoch-NNNN`` at an epoch's end,
 ``step-NNNNNNNN`` mid-epoch, train.checkpoint_every_s), ``STEM.params``
-(``net.save_parameters``' format), ``STEM.states`` (``trainer.save_states``: through the
-kvstore, the servers' optimizer state when they update), ``STEM.worker-R.npz`` (each
+(``net.save_parameters``' format), ``STEM.states`` (the optimizer's state: through the
+kvstore, the servers' when they update; arrays + JSON, mxglue/state_file.py, no pickle), ``STEM.worker-R.npz`` (each
 worker's own state, ``kv.save_worker_state``) and ``latest.json``, the record of the
 newest one: epoch, next_epoch and next_batch (the data position), step, seed, params,
 states, workers (how many worker states; 0: none). Rank 0 writes all but the worker
