@@ -15,7 +15,7 @@ import re
 import sys
 import time
 
-from ..settings import SettingError, check_launch_env, to_env
+from ..settings import BY_NAME, SettingError, check_launch_env, to_env
 from .job import check_port, run_job
 from .launchers import make_launcher
 from .remote import LaunchError, add_arguments, options_from
@@ -170,12 +170,12 @@ def _prepare(args):
         raise LaunchError(f"cannot write the run directory under output.dir="
                           f"{config.output.dir}: {e.strerror or e} "
                           f"({e.filename or config.output.dir})") from None
-    return config, run_dir, length, env, runner, info
+    return config, run_dir, length, env, runner
 
 
 def _warn_whole_warmup(config, env, length):
     """SSD-SGD whose synchronous warm-up is as long as the run never delays a pull."""
-    warmup = int(env.get("SSDSGD_WARMUP_STEPS") or 0)
+    warmup = int(env.get(BY_NAME["warmup_steps"].env) or 0)
     if config.sync.algorithm == "ssd" and warmup >= length.total_steps:
         print(f"[launcher] warning: the warm-up ({warmup} steps, sync.warmup_steps or "
               f"sync.warmup_epochs) covers the whole run ({length.total_steps} steps): every "
@@ -206,7 +206,7 @@ def _config_form(argv):
     if args.max_restarts is not None and args.max_restarts < 0:
         p.error("--max-restarts must be >= 0")
     try:
-        config, run_dir, length, env, runner, info = _prepare(args)
+        config, run_dir, length, env, runner = _prepare(args)
     except (ConfigError, DataError, SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
@@ -216,7 +216,7 @@ def _config_form(argv):
         restarts = DEFAULT_RESTARTS
     print(f"[launcher] run directory: {run_dir}", flush=True)
     t0, resume, code = time.monotonic(), bool(args.resume), 1
-    start = info["step"] if info else 0
+    start = _start_step(env)
     for attempt in range(restarts + 1):
         failures = []
         code = _run_training(config, run_dir, length, env, runner, args.port, resume, failures,
@@ -232,12 +232,17 @@ def _config_form(argv):
             print(f"[launcher] cannot restart: {e}", file=sys.stderr, flush=True)
             return 1
         resume = whence is not None
-        start = int(env.get("SSDSGD_START_STEP") or 0)
+        start = _start_step(env)
         print(f"[launcher] {_restart_line(attempt + 1, restarts, failures, whence or 'from the start (no checkpoint yet)')}",
               file=sys.stderr, flush=True)
     if code == 0:
         _report(run_dir, time.monotonic() - t0, config.output.plots)
     return _gave_up(code, restarts)
+
+
+def _start_step(env):
+    """The step a job's environment starts at (a resumed run: its checkpoint's)."""
+    return int(env.get(BY_NAME["start_step"].env) or 0)
 
 
 def _interrupted(run_dir):
