@@ -113,11 +113,10 @@ def save_states(run_dir: Path, trainer, stem: str) -> str | None:
             trainer.save_states(str(states))
         else:      # by hand: MXNet's own save_states would write a pickle
             from ssdsgd.mxglue import state_file
-            from ssdsgd.mxglue.optimizer_spec import describe, flatten_state
+            from ssdsgd.mxglue.optimizer_spec import describe, state_arrays
             updater = _updaters(trainer)[0]
             state_file.save(str(states), describe(updater.optimizer),
-                            {k: [a.asnumpy() for a in flatten_state(v)]
-                             for k, v in updater.states.items()})
+                            state_arrays(updater.states))
     except Exception as exc:  # noqa: BLE001 - a kvstore may not support it
         log.warning("checkpoint: optimizer states not saved (%s)", _last_line(exc))
         return None
@@ -145,21 +144,14 @@ def _updaters(trainer) -> list:
 
 def _load_local_states(trainer, path: Path) -> None:
     """A by-hand Trainer's states from a state_file, into its Updaters in place."""
-    import mxnet as mx
-
     from ssdsgd.mxglue import state_file
-    from ssdsgd.mxglue.optimizer_spec import build, unflatten_state
+    from ssdsgd.mxglue.optimizer_spec import build, states_from_arrays
     spec, arrays = state_file.load(str(path))
     optimizer = build(spec)
     for updater in _updaters(trainer):
-        states = {}
-        for key, parts in arrays.items():
-            template = optimizer.create_state_multi_precision(
-                key, mx.nd.zeros(parts[0].shape if parts else (1,)))
-            states[key] = unflatten_state(template, [mx.nd.array(a, dtype=a.dtype)
-                                                     for a in parts])
-        updater.optimizer, updater.states = optimizer, states
-        updater.states_synced = {key: False for key in states}   # copied to the device
+        updater.optimizer = optimizer
+        updater.states = states_from_arrays(optimizer, arrays)
+        updater.states_synced = {key: False for key in updater.states}   # to the device
     trainer._optimizer = optimizer  # noqa: SLF001
     optimizer.param_dict = dict(enumerate(trainer._params))  # noqa: SLF001
 

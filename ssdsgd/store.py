@@ -17,7 +17,8 @@ from mxnet.kvstore import KVStoreBase
 from .integration import NAME, PROCESS
 from .kvstore.compression import Compression, CompressionError
 from .mxglue import state_file
-from .mxglue.optimizer_spec import build, describe, flatten_state, unflatten_state
+from .mxglue.optimizer_spec import (build, describe, flatten_state, state_arrays,
+                                    states_from_arrays)
 
 
 def _as_list(x):
@@ -152,9 +153,8 @@ class SSD_Sync(KVStoreBase):
         if self._updater is None:
             raise RuntimeError("set_optimizer must be called before save_optimizer_states")
         if self._env.algorithm == "preduce":     # each worker's own optimizer state
-            states = {key: [a.asnumpy() for a in flatten_state(state)]
-                      for key, state in self._updater.states.items()}
-            state_file.save(fname, describe(self._updater.optimizer), states)
+            state_file.save(fname, describe(self._updater.optimizer),
+                            state_arrays(self._updater.states))
             return
         request = self._client.get_state()
         replies = request.wait()
@@ -172,12 +172,8 @@ class SSD_Sync(KVStoreBase):
         optimizer = build(spec)                       # MXNet's classes, checked
         optimizer.param_dict = self._updater.optimizer.param_dict
         updater = mx.optimizer.get_updater(optimizer)
-        for key, parts in arrays.items():
-            template = optimizer.create_state_multi_precision(
-                key, mx.nd.zeros(parts[0].shape if parts else (1,)))
-            updater.states[key] = unflatten_state(template, [mx.nd.array(a, dtype=a.dtype)
-                                                             for a in parts])
-            updater.states_synced[key] = True
+        updater.states = states_from_arrays(optimizer, arrays)
+        updater.states_synced = {key: True for key in updater.states}
         self._updater = updater
         if self._env.algorithm == "preduce":
             self._machine.set_optimizer(None, updater)

@@ -267,3 +267,21 @@ def unflatten_state(template, arrays):
     if next(it, None) is not None:
         raise ValueError("more state arrays than the optimizer's state has")
     return out
+
+
+def state_arrays(states):
+    """An Updater's ``states`` (key -> MXNet state) as numpy arrays per key, in
+    ``flatten_state`` order: what an optimizer-state file holds."""
+    return {key: [a.asnumpy() for a in flatten_state(state)] for key, state in states.items()}
+
+
+def states_from_arrays(optimizer, arrays):
+    """The inverse of ``state_arrays`` for ``optimizer``: each key's state rebuilt in the
+    structure the optimizer creates for a weight of that shape."""
+    states = {}
+    for key, parts in arrays.items():
+        template = optimizer.create_state_multi_precision(
+            key, mx.nd.zeros(parts[0].shape if parts else (1,)))
+        states[key] = unflatten_state(template, [mx.nd.array(a, dtype=a.dtype)
+                                                 for a in parts])
+    return states
