@@ -66,8 +66,7 @@ class GroupProcess:
 
     @property
     def name(self):
-        return f"{'scheduler' if self.role == 'scheduler' else f'{self.role} {self.rank}'} " \
-               f"on {self.host}"
+        return f"{H.role_label(self.role, self.rank)} on {self.host}"
 
     @property
     def pid(self):

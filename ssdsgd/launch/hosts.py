@@ -29,6 +29,11 @@ class Host:
     port: int | None = None   # ssh port (dmlc's host:port); None: ssh's default
 
 
+def role_label(role, rank):
+    """How a process is named in every line: 'scheduler', 'server 0', 'worker 3'."""
+    return "scheduler" if role == "scheduler" else f"{role} {rank}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Slot:
     role: str                 # scheduler, server or worker
@@ -38,7 +43,7 @@ class Slot:
 
     @property
     def label(self):
-        return "scheduler" if self.role == "scheduler" else f"{self.role} {self.rank}"
+        return role_label(self.role, self.rank)
 
 
 LAUNCHER_HOST = ""            # the scheduler's host when nobody chose one: the launcher's

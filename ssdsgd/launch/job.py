@@ -16,6 +16,7 @@ from ..kvstore import job_status
 from ..kvstore.security import KeyFile
 from ..settings import to_env
 from .janitor import Janitor
+from .hosts import role_label
 from .local import LAUNCHERS
 from .remote import LaunchError
 
@@ -192,8 +193,8 @@ def _left_behind(failed, left, log):
 
 
 class JobStatus:
-    """What the scheduler recorded (kvstore/job_status.py), read by the watch loop: None
-    fields where there is no record (a scheduler on another host, or none yet)."""
+    """What the scheduler recorded (kvstore/job_status.py), read by the watch loop: an
+    empty record where there is none (a scheduler on another host, or none yet)."""
 
     def __init__(self, path):
         self.path = path
@@ -213,22 +214,18 @@ class JobStatus:
         return (proc.role == "worker" and (proc.poll() or 0) < 0
                 and proc.rank in self.read().get("finished", ()))
 
-    def never_joined(self, workers, num_workers):
+    def never_joined(self, workers):
         """The workers that exited 0 and never registered, once the record says the job
-        did not start; [] while it may still start or when there is no record."""
-        record = self.read()
+        did not start; [] while it may still start or when there is no record. The file
+        is read only once a worker has exited 0 (not on every poll of a running job)."""
+        exited = [p for p in workers if p.poll() == 0]
+        record = self.read() if exited else {}
         if not record or record["started"]:
             return []
-        joined = set(record["workers"])
-        return [p for p in workers if p.poll() == 0 and p.rank not in joined
-                and p.rank < num_workers]
+        return [p for p in exited if p.rank not in record["workers"]]
 
     def abort_reason(self):
         return self.read().get("abort")
-
-
-def _label(p):
-    return p.role if p.role == "scheduler" else f"{p.role} {p.rank}"
 
 
 def _watch(procs, interrupted, progress, log, failures=None, continue_without_workers=False,
@@ -255,7 +252,7 @@ def _watch(procs, interrupted, progress, log, failures=None, continue_without_wo
             failed = []
         if failed:
             return _failed(failed, procs, status, log, failures)
-        alone = status.never_joined(workers, len(workers))
+        alone = status.never_joined(workers)
         alone_since = (alone_since or time.monotonic()) if alone else None
         if alone and time.monotonic() - alone_since > JOIN_CONFIRM_SECONDS:
             return _lines_and_failure([f"{p.name} {NEVER_JOINED}" for p in alone], log,
@@ -297,7 +294,7 @@ def _failed(failed, procs, status, log, failures):
     if failures is not None:
         failed.sort(key=lambda p: p.poll() > 0)        # killed ones first
         failures.extend(([f"the scheduler aborted the job: {reason}"] if reason else [])
-                        + [f"{_label(p)} on {p.host or socket.gethostname()} "
+                        + [f"{role_label(p.role, p.rank)} on {p.host or socket.gethostname()} "
                            f"{_describe_exit(p.poll())}" for p in failed])
     return 1
 

@@ -79,6 +79,8 @@ class LocalProcess:
 
     @property
     def name(self):
+        # hosts.role_label's rule, written out: rank_entry.py imports this file on its own
+        # (standard library only, no package), so it cannot import hosts
         label = self.role if self.role == "scheduler" else f"{self.role} {self.rank}"
         return f"{label} on {self.host}" if self.host else label
 
