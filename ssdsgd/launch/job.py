@@ -64,9 +64,9 @@ def check_port(port, runner):
     A port on another host (a remote scheduler) is left to the scheduler."""
     if not port:
         return
-    host = runner.scheduler_host if not isinstance(runner, str) else "127.0.0.1"
     if getattr(runner, "site", None) is not None and not runner.site.local:
         return
+    host = runner.scheduler_host
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)    # as ZeroMQ binds
         try:
