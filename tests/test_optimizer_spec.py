@@ -38,6 +38,23 @@ def test_lr_and_wd_multipliers_travel_per_key():
     assert rebuilt.lr_mult == {3: 0.5} and rebuilt.wd_mult == {3: 0.0}
 
 
+def test_multipliers_by_name_reach_the_key_numbers_as_module_gives_them():
+    """Module keys lr/wd multipliers by parameter name (and gives biases wd_mult 0); the
+    servers key them by number: idx2name resolves them as Optimizer._get_lr does, and a
+    number's own multiplier wins over its name's."""
+    names = {0: "fc1_weight", 1: "fc1_bias", 2: "bn_gamma", 3: "bn_beta"}
+    sym = mx.sym.Variable("fc1_weight", lr_mult=0.5)
+    opt = mx.optimizer.SGD(learning_rate=0.1, wd=1e-3, sym=sym, param_idx2name=names)
+    opt.lr_mult[2] = 3.0
+    spec = describe(opt)
+    assert spec["lr_mult"] == {"0": 0.5, "2": 3.0}
+    assert spec["wd_mult"] == {"1": 0.0, "3": 0.0}
+    rebuilt = build(spec)
+    for index in names:
+        assert rebuilt._get_lr(index) == opt._get_lr(index)
+        assert rebuilt._get_wd(index) == opt._get_wd(index)
+
+
 def test_custom_optimizer_class_is_named_in_the_error():
     @mx.optimizer.Optimizer.register
     class MyFancyOpt(mx.optimizer.SGD):

@@ -86,6 +86,25 @@ def describe_scheduler(sched):
     return {"class": cls.__name__, "params": params}
 
 
+def _multipliers(opt):
+    """lr and wd multipliers by key number, resolved as ``Optimizer._get_lr`` does: the
+    Parameter's (``param_dict``), then a number's, then its name's (``idx2name``: Module
+    keys them by name, and gives biases wd_mult 0). A name no number maps to reaches no
+    key, on the servers as in MXNet."""
+    lr_mult, wd_mult = {}, {}
+    for index, param in (opt.param_dict or {}).items():
+        lr_mult[str(index)] = float(param.lr_mult)
+        wd_mult[str(index)] = float(param.wd_mult)
+    for mine, theirs in ((lr_mult, opt.lr_mult), (wd_mult, opt.wd_mult)):
+        for index, value in theirs.items():
+            if isinstance(index, int):
+                mine.setdefault(str(index), float(value))
+        for index, name in (opt.idx2name or {}).items():
+            if name in theirs:
+                mine.setdefault(str(index), float(theirs[name]))
+    return lr_mult, wd_mult
+
+
 def describe(opt):
     """The declarative description of an ``mx.optimizer.Optimizer`` instance."""
     name = _registered_name(opt)
@@ -94,14 +113,7 @@ def describe(opt):
         attr = {"learning_rate": "lr"}.get(p, p)
         if hasattr(opt, attr):
             params[p] = _scalar(getattr(opt, attr), f"{type(opt).__name__}.{p}")
-    lr_mult, wd_mult = {}, {}
-    for index, param in (opt.param_dict or {}).items():
-        lr_mult[str(index)] = float(param.lr_mult)
-        wd_mult[str(index)] = float(param.wd_mult)
-    for index, value in opt.lr_mult.items():
-        lr_mult.setdefault(str(index), float(value))
-    for index, value in opt.wd_mult.items():
-        wd_mult.setdefault(str(index), float(value))
+    lr_mult, wd_mult = _multipliers(opt)
     return {"name": name, "params": params, "lr_scheduler": describe_scheduler(opt.lr_scheduler),
             "lr_mult": lr_mult, "wd_mult": wd_mult,
             "num_update": int(opt.num_update),
