@@ -1,16 +1,30 @@
 """Everything ssdsgd changes outside its own code, and what a process keeps, in one place.
 
-``install()`` (called by ``import ssdsgd``, idempotent) makes three changes, each because
+How MXNet 1.9.1 tells a distributed store: by its type string. Module, the Trainer,
+``mxnet/model.py`` and scripts in the style of ``example/image-classification/fit.py``
+decide with ``'dist' in kv.type`` (distributed: guards, no reset), ``'_sync' in kv.type``
+(Module: ``rescale_grad`` over all workers' batch) and ``'async' in kv.type`` (the Trainer
+forces ``update_on_kvstore`` and refuses False). So ``kv.type`` is the native type whose
+semantics the job's algorithm has (``TYPES``): ssgd and ssd ``dist_sync_ssdsgd``, asgd
+``dist_async_ssdsgd``, preduce ``dist_preduce_ssdsgd`` (distributed, neither sync nor
+async: every worker applies its own gradient). Those three are also registered names,
+for scripts that decide by the name they pass (``fit.py``: ``'dist' in args.kv_store``);
+a name whose mode is not the job's algorithm is refused (``store.py``).
+
+``install()`` (called by ``import ssdsgd``, idempotent) makes these changes, each because
 of a fact of MXNet 1.9.1 or of the job:
 
-1. ``gluon.trainer._create_kvstore`` creates no kvstore at all for a name without 'dist'
-   when a worker has one device, so ``Trainer(kvstore='ssd_sync')`` would silently train
-   each worker alone. The wrapper makes that name always create the store.
-2. The stock Trainer calls ``pushpull`` once per parameter. ``Trainer._allreduce_grads``
+1. ``_create_kvstore`` (``mxnet/model.py``, and its copies imported by name into
+   ``gluon/trainer.py`` and ``module/module.py``) creates no store for a name without
+   'dist' when a worker has one device, so ``kvstore='ssd_sync'`` would silently train
+   each worker alone. The wrapper makes every ssdsgd name create the store.
+2. ``_create_sparse_kvstore`` (row_sparse weights) accepts only MXNet's own ``KVStore``
+   class; the wrapper accepts ssdsgd's (row_sparse arrays travel dense: docs/training.md).
+3. The stock Trainer calls ``pushpull`` once per parameter. ``Trainer._allreduce_grads``
    is wrapped so that the calls of one ``step`` are collected (``store.step_batch``) and
    run as one step of the stage machine: one message per server, and the weights are in
    place when ``step`` returns.
-3. ``sys.excepthook``: a worker that dies of an uncaught exception must tell the job it
+4. ``sys.excepthook``: a worker that dies of an uncaught exception must tell the job it
    failed, not that it finished (``Node.close`` reads ``PROCESS.uncaught_error``); and
    ssdsgd's own errors, which already name the peer or setting at fault, print one line
    instead of a traceback through the transport.
@@ -19,9 +33,8 @@ Not a patch, but a fact the adapter honours: ``Trainer.load_states`` reads
 ``kvstore._updater.optimizer``, so ``SSD_Sync`` keeps an MXNet updater under that name.
 
 The process state: as with ps-lite, a process is one node of the job. The first
-``ssd_sync`` store connects it (``Node``) and every later store shares that connection,
-so ``mx.kv.create('ssd_sync')`` followed by ``Trainer(kvstore='ssd_sync')`` works. It is
-closed once, by ``kv.close()`` or at exit.
+ssdsgd store connects it (``Node``) and every later store shares that connection, so ``mx.kv.create('ssd_sync')`` followed by ``Trainer(kvstore='ssd_sync')`` works.
+It is closed once, by ``kv.close()`` or at exit.
 """
 import atexit
 import os
@@ -29,6 +42,9 @@ import sys
 
 import mxnet as mx
 from mxnet import gluon
+from mxnet import model as mx_model
+from mxnet.kvstore import KVStoreBase
+from mxnet.module import module as mx_module
 
 from .kvstore.client import ServerError, WorkerClient
 from .kvstore.env import EnvError, NodeEnv
@@ -38,6 +54,10 @@ from .kvstore.scheduler import JobAborted
 from .worker.machine import StageMachine
 
 NAME = "ssd_sync"   # what users pass as kvstore=; MXNet registers SSD_Sync under it
+# kv.type by algorithm: the native type whose semantics it has (see above).
+TYPES = {"ssgd": "dist_sync_ssdsgd", "ssd": "dist_sync_ssdsgd", "asgd": "dist_async_ssdsgd",
+         "preduce": "dist_preduce_ssdsgd"}
+NAMES = frozenset({NAME, *TYPES.values()})    # every name that creates an ssdsgd store
 
 # ssdsgd's own errors already say what went wrong and which peer or setting caused it.
 ONE_LINE_ERRORS = (JobAborted, ServerError, EnvError, OptimizerSpecError, StateFileError)
@@ -104,16 +124,32 @@ PROCESS = Process()
 _stock = {}   # what install() replaced: name -> the original
 
 
+def is_ssdsgd_store(kv):
+    return isinstance(kv, KVStoreBase) and not isinstance(kv, mx.kv.KVStore) \
+        and getattr(kv, "type", None) in TYPES.values()
+
+
+def _is_ssdsgd_name(kvstore):
+    return isinstance(kvstore, str) and kvstore.lower() in NAMES
+
+
 def _create_kvstore(kvstore, num_device, arg_params):
-    if isinstance(kvstore, str) and kvstore.lower() == NAME:
-        kv = mx.kv.create(NAME)
-        return kv, bool(int(os.getenv("MXNET_UPDATE_ON_KVSTORE", "1")))
+    if _is_ssdsgd_name(kvstore):
+        kvstore = mx.kv.create(kvstore)     # then as MXNet does for a store object
     return _stock["_create_kvstore"](kvstore, num_device, arg_params)
+
+
+def _create_sparse_kvstore(kvstore):
+    if _is_ssdsgd_name(kvstore):
+        kvstore = mx.kv.create(kvstore)
+    if is_ssdsgd_store(kvstore):
+        return kvstore, True                # what MXNet returns for its own KVStore
+    return _stock["_create_sparse_kvstore"](kvstore)
 
 
 def _allreduce_grads(trainer):
     kv = trainer._kvstore
-    if getattr(kv, "type", None) == NAME:
+    if is_ssdsgd_store(kv):
         with kv.step_batch():
             _stock["_allreduce_grads"](trainer)
     else:
@@ -128,13 +164,23 @@ def _excepthook(exc_type, exc, tb):
         _stock["excepthook"](exc_type, exc, tb)
 
 
+# Where MXNet looks each function up: the module that defines it and those that import
+# it by name (patching only the definition would leave their copies stock).
+_SITES = {"_create_kvstore": (mx_model, gluon.trainer, mx_module),
+          "_create_sparse_kvstore": (mx_model, gluon.trainer)}
+
+
 def install():
-    """Apply the three changes above (once per process)."""
+    """Apply the changes above (once per process)."""
     if _stock:
         return
-    _stock["_create_kvstore"] = gluon.trainer._create_kvstore
+    replacements = {"_create_kvstore": _create_kvstore,
+                    "_create_sparse_kvstore": _create_sparse_kvstore}
+    for name, sites in _SITES.items():
+        _stock[name] = getattr(mx_model, name)
+        for site in sites:
+            setattr(site, name, replacements[name])
     _stock["_allreduce_grads"] = gluon.Trainer._allreduce_grads
     _stock["excepthook"] = sys.excepthook
-    gluon.trainer._create_kvstore = _create_kvstore
     gluon.Trainer._allreduce_grads = _allreduce_grads
     sys.excepthook = _excepthook

@@ -12,9 +12,11 @@ import os
 
 import mxnet as mx
 import numpy as np
+from mxnet.base import MXNetError
 from mxnet.kvstore import KVStoreBase
 
-from .integration import NAME, PROCESS
+from .integration import NAME, PROCESS, TYPES
+from .key_table import KeyTable
 from .kvstore.compression import Compression, CompressionError
 from .mxglue import state_file
 from .mxglue.optimizer_spec import (build, describe, flatten_state, state_arrays,
@@ -25,7 +27,32 @@ def _as_list(x):
     return x if isinstance(x, (list, tuple)) else [x]
 
 
-def _entries(key, value, out):
+def _dense(value, what):
+    """row_sparse arrays travel dense (docs/design.md); other storage is refused."""
+    stype = getattr(value, "stype", "default")
+    if stype == "row_sparse":
+        return value.tostype("default")
+    if stype != "default":
+        raise MXNetError(f"{what}: {stype} arrays are not supported by ssd_sync (row_sparse "
+                         "and dense are)")
+    return value
+
+
+def _flat(x):
+    return [a for item in _as_list(x) for a in _flat(item)] if isinstance(x, (list, tuple)) \
+        else [x]
+
+
+def _no_sparse_outs(outs, what):
+    if outs is not None and any(getattr(o, "stype", "default") != "default"
+                                for o in _flat(outs)):
+        raise MXNetError(f"{what} into a sparse array is not supported on a distributed "
+                         "store: use row_sparse_pull")
+    return outs
+
+
+def _entries(keys_table, key, value, out, new=False):
+    """MXNet's (key or keys, value(s), out(s)) as (wire key, dense values, outs)."""
     keys = _as_list(key)
     if len(keys) == 1:
         values = [_as_list(value)]
@@ -33,11 +60,9 @@ def _entries(key, value, out):
     else:
         values = [_as_list(v) for v in value]
         outs = [None] * len(keys) if out is None else [_as_list(o) for o in out]
-    for k in keys:
-        if not isinstance(k, int):
-            raise TypeError(f"ssd_sync keys are integers (the Trainer's parameter indices); "
-                            f"got {k!r}")
-    return list(zip(keys, values, outs))
+    numbers = [keys_table.number(k, new=new) for k in keys]
+    values = [[_dense(v, f"key {k!r}") for v in vs] for k, vs in zip(keys, values)]
+    return list(zip(numbers, values, outs))
 
 
 @KVStoreBase.register      # as NAME: MXNet registers a store by its lower-cased class name
@@ -47,17 +72,27 @@ class SSD_Sync(KVStoreBase):
     Created by ``mx.kv.create('ssd_sync')`` or ``gluon.Trainer(..., kvstore='ssd_sync')``
     in a process started by ``launch/dist.py`` (configuration from SSDSGD_* variables)."""
 
+    ALGORITHMS = tuple(TYPES)     # the algorithms this name may run (a mode name: fewer)
+
     def __init__(self):
         self._node = PROCESS.connect()
         self._env, self._client, self._machine = (self._node.env, self._node.client,
                                                   self._node.machine)
+        self._keys = KeyTable()     # per store, as MXNet's (key_table.py)
+        name = type(self).__name__.lower()
+        if self._env.algorithm not in self.ALGORITHMS:
+            raise ValueError(f"kvstore '{name}' runs {'/'.join(self.ALGORITHMS)}, but the "
+                             f"job's algorithm (SSDSGD_ALGORITHM) is {self._env.algorithm}: "
+                             f"use '{TYPES[self._env.algorithm]}' or '{NAME}'")
         self._updater = None     # Trainer.load_states reads _updater.optimizer
         self._batch = None       # the pushpulls of the Trainer step being collected
 
     # ---- identity ----------------------------------------------------------------
     @property
     def type(self):
-        return NAME
+        """The native type whose semantics the algorithm has (integration.py: MXNet
+        decides by substrings of it)."""
+        return TYPES[self._env.algorithm]
 
     @property
     def rank(self):
@@ -71,8 +106,23 @@ class SSD_Sync(KVStoreBase):
     def algorithm(self):
         return self._env.algorithm
 
-    def is_capable(self, capability):
+    @staticmethod
+    def is_capable(capability):
+        """The servers run the optimizer (callable on the class, as MXNet's stores)."""
         return capability == KVStoreBase.OPTIMIZER
+
+    @property
+    def handle(self):
+        raise AttributeError("ssd_sync has no native handle: MXNet's server profiler "
+                             "(profile_process='server') is not supported; profile workers")
+
+    def _set_updater(self, updater):
+        raise NotImplementedError("ssd_sync runs the optimizer on its servers: use "
+                                  "kv.set_optimizer (a local updater is for local stores)")
+
+    def _send_command_to_servers(self, head, body):
+        raise NotImplementedError("ssd_sync servers take no custom commands (MXNet's are "
+                                  "pickles); the optimizer goes with kv.set_optimizer")
 
     def set_gradient_compression(self, compression_params):
         """MXNet's interface (the Trainer calls it with ``compression_params``): every later
@@ -93,11 +143,21 @@ class SSD_Sync(KVStoreBase):
         self.broadcast(key, value, out=None)
 
     def broadcast(self, key, value, out, priority=0):
-        self._machine.init_keys([(k, values[0], outs or [])
-                                 for k, values, outs in _entries(key, value, out)])
+        self._machine.init_keys([(k, values[0], _no_sparse_outs(outs, "broadcast") or [])
+                                 for k, values, outs in _entries(self._keys, key, value, out,
+                                                                 new=True)])
+
+    def _check_gradients_apply(self):
+        if self._env.algorithm == "asgd" and self._updater is None:
+            raise RuntimeError("algorithm asgd applies every push on the servers (as "
+                               "dist_async): set the optimizer first (kv.set_optimizer, or "
+                               "the Trainer's default update_on_kvstore=True); without it "
+                               "each worker would get back only its own gradient")
 
     def pushpull(self, key, value, out=None, priority=0):
-        entries = _entries(key, value, out)
+        self._check_gradients_apply()
+        _no_sparse_outs(value if out is None else out, "pushpull")
+        entries = _entries(self._keys, key, value, out)
         if self._batch is not None:
             self._batch.extend(entries)
         elif self._machine.can_defer(entries):    # queued on MXNet's engine, as ps-lite's
@@ -110,14 +170,54 @@ class SSD_Sync(KVStoreBase):
             raise NotImplementedError(f"with algorithm {self._env.algorithm} use pushpull (as "
                                       "the Trainer does): a separate push and pull cannot "
                                       "follow the step schedule")
-        self._machine.push(_entries(key, value, None))
+        self._check_gradients_apply()
+        self._machine.push(_entries(self._keys, key, value, None))
 
-    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+    def _check_pull(self):
         if self._env.algorithm == "preduce":
             raise NotImplementedError("with algorithm preduce every worker keeps its own model "
                                       "and the servers hold none to pull; the model is in the "
                                       "parameters (all workers' average after close())")
-        self._machine.pull([(k, _as_list(o)) for k, o, _ in _entries(key, out, None)])
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """MXNet's pull. Into a row_sparse ``out``: skipped if ``ignore_sparse`` (as
+        MXNet's distributed stores), else refused (use row_sparse_pull)."""
+        self._check_pull()
+        keys_outs = []
+        for k, outs in zip(_as_list(key), _as_list(out) if len(_as_list(key)) > 1 else [out]):
+            outs = _as_list(outs)
+            if ignore_sparse:
+                outs = [o for o in outs if getattr(o, "stype", "default") == "default"]
+            keys_outs.append((self._keys.number(k), _no_sparse_outs(outs, "pull")))
+        keys_outs = [(k, outs) for k, outs in keys_outs if outs]
+        if keys_outs:
+            self._machine.pull(keys_outs)
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        """MXNet's row_sparse_pull, dense on the wire: the whole value is pulled and the
+        rows ``row_ids`` kept (docs/design.md, "Keys and the rest of the KVStore API")."""
+        self._check_pull()
+        if row_ids is None:
+            raise ValueError("row_sparse_pull needs row_ids")
+        keys, outs = _as_list(key), _as_list(out)
+        if len(keys) > 1:
+            outs = [_as_list(o) for o in out]
+            rows = [_as_list(r) for r in row_ids]
+        else:
+            outs, rows = [outs], [_as_list(row_ids)]
+        for k, key_outs, key_rows in zip(keys, outs, rows):
+            if len(key_rows) == 1:
+                key_rows = key_rows * len(key_outs)
+            number = self._keys.number(k)
+            dense = mx.nd.zeros(self._machine.shape(number), dtype=key_outs[0].dtype)
+            self._machine.pull([(number, [dense])])
+            with mx.autograd.pause():     # a store's write, not an op of the graph
+                for o, r in zip(key_outs, key_rows):
+                    ids = np.unique(np.asarray(r.asnumpy() if hasattr(r, "asnumpy") else r,
+                                               dtype=np.int64))
+                    kept = mx.nd.sparse.retain(dense.tostype("row_sparse"),
+                                               mx.nd.array(ids, dtype="int64"))
+                    kept.copyto(o)
 
     @contextlib.contextmanager
     def step_batch(self):
@@ -247,3 +347,20 @@ class SSD_Sync(KVStoreBase):
     def close(self):
         """Finish the steps-delay stage on the global weights and leave the job cleanly."""
         self._node.close()
+
+
+# The names that say the mode (integration.TYPES), for scripts that decide by the name they
+# pass (``'dist' in args.kv_store``); each refuses a job whose algorithm has another mode.
+@KVStoreBase.register
+class Dist_Sync_SSDSGD(SSD_Sync):
+    ALGORITHMS = ("ssgd", "ssd")
+
+
+@KVStoreBase.register
+class Dist_Async_SSDSGD(SSD_Sync):
+    ALGORITHMS = ("asgd",)
+
+
+@KVStoreBase.register
+class Dist_Preduce_SSDSGD(SSD_Sync):
+    ALGORITHMS = ("preduce",)
