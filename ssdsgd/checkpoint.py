@@ -233,17 +233,49 @@ def load_local_params(net, path: Path, ctx) -> None:
             copy[:] = value.as_in_context(copy.context)
 
 
-def record_checkpoint(run_dir: Path, info: dict) -> None:
+def record_checkpoint(run_dir: Path, info: dict, keep: int = 0,
+                      accuracy: float | None = None) -> None:
     """Rank 0, once every file of the checkpoint is written: latest.json names it
-    (atomically); then the older mid-epoch checkpoints' files are removed."""
+    (atomically); then ``prune`` keeps the last ``keep`` and the best."""
     ck = run_dir / "checkpoints"
-    tmp = ck / "latest.json.tmp"
-    tmp.write_text(json.dumps(info, indent=2) + "\n")
-    os.replace(tmp, ck / "latest.json")
-    keep = Path(info["params"]).stem
-    for old in ck.glob("step-*"):
-        if old.name.split(".")[0] != keep:
-            old.unlink(missing_ok=True)
+    _write_json(ck / "latest.json", info)
+    prune(ck, Path(info["params"]).stem, int(info["step"]), keep, accuracy)
+
+
+def prune(ck: Path, stem: str, step: int, keep: int, accuracy: float | None) -> list[dict]:
+    """train.keep_checkpoints: the files of every checkpoint but the last ``keep`` and the
+    one of the best validation accuracy (``accuracy``: the checkpoint's, None mid-epoch)
+    are removed; 0 keeps all. CHECKPOINTS/index.json lists those that stay, oldest
+    first, so a resumed run prunes what the first one wrote."""
+    path = ck / "index.json"
+    index = json.loads(path.read_text()) if path.is_file() else []
+    # a resumed run: what the killed one wrote after the checkpoint it resumed from is
+    # never used again
+    index = [e for e in index if e["step"] < step] + [
+        {"stem": stem, "step": step, "accuracy": accuracy}]
+    stay = {e["stem"] for e in index[-keep:]} if keep else {e["stem"] for e in index}
+    scored = [e for e in index if e["accuracy"] is not None]
+    if scored:
+        stay.add(max(scored, key=lambda e: e["accuracy"])["stem"])
+    for f in ck.iterdir():
+        name = f.name.split(".")[0]
+        if name.startswith(("epoch-", "step-")) and name not in stay:
+            f.unlink(missing_ok=True)
+    index = [e for e in index if e["stem"] in stay]
+    _write_json(path, index)
+    return index
+
+
+def checkpoint_bytes(run_dir: Path) -> int:
+    """What RUN_DIR/checkpoints holds on disk (the summary reports it)."""
+    ck = run_dir / "checkpoints"
+    return sum(f.stat().st_size for f in ck.glob("*") if f.is_file()) if ck.is_dir() else 0
+
+
+def _write_json(path: Path, value) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- loading

@@ -130,6 +130,8 @@ class TrainConfig:
     seed: int = _f(0, min=0)
     log_interval: int = _f(20, min=1, doc="steps between log lines / metrics records")
     checkpoint_every: int = _f(1, min=0, doc="epochs between checkpoints (0: never)")
+    keep_checkpoints: int = _f(3, min=0, doc="checkpoints kept on disk: the last N and the "
+                               "best validated (0: every one)")
     checkpoint_every_s: Optional[float] = field(default=S.BY_NAME["checkpoint_every_s"].default,
                                                 metadata={"setting": S.BY_NAME["checkpoint_every_s"],
                                                           "doc": S.BY_NAME["checkpoint_every_s"].doc})

@@ -34,8 +34,8 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
 
-from ssdsgd.checkpoint import (RunLength, check_unfinished, checkpoint_info, load_checkpoint,
-                               load_local_params, pull_global, record_checkpoint, run_length,
+from ssdsgd.checkpoint import (RunLength, check_unfinished, checkpoint_bytes, checkpoint_info,
+                               load_checkpoint, load_local_params, pull_global, record_checkpoint, run_length,
                                save_local_params, save_params, save_states,
                                worker_state_name)
 from ssdsgd.config import (Config, ConfigError, check_worker_env, load_config, new_run_dir,
@@ -446,7 +446,8 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int) -> None:
             next_batch=next_batch, step=run.step, seed=run.config.train.seed,
             params=params.name, states=states,   # after a worker left: the global model
             workers=run.num_workers if run.kv is not None and not kv_metrics(
-                run.kv).get("left") else 0))
+                run.kv).get("left") else 0), keep=run.config.train.keep_checkpoints,
+            accuracy=run.vals[-1]["accuracy"] if next_batch == 0 and run.vals else None)
         run.writer.write("checkpoint", epoch=next_epoch, batch=next_batch, step=run.step,
                          path=str(params))
     run.t_checkpoint = time.time()
@@ -476,7 +477,8 @@ def finish(run: Run) -> dict:
             params = save_params(run.run_dir, run.net, stem)
             record_checkpoint(run.run_dir, dict(
                 epoch=last, next_epoch=last + 1, next_batch=0, step=run.step,
-                seed=run.config.train.seed, params=params.name, states=states, workers=0))
+                seed=run.config.train.seed, params=params.name, states=states, workers=0),
+                keep=run.config.train.keep_checkpoints, accuracy=run.vals[-1]["accuracy"])
             run.writer.write("checkpoint", epoch=last + 1, batch=0, step=run.step,
                              path=str(params))
     end = run.writer.write("end", steps=run.step, samples=run.samples, wall_time=wall,
@@ -502,13 +504,15 @@ def write_summary(run: Run, wall: float) -> dict:
         "best_accuracy": max(v["accuracy"] for v in run.vals),
         **({"final_top5": last["top5"]} if "top5" in last else {}),
         "wall_time": wall, "total_time": time.time() - run.t_start,
+        "checkpoint_bytes": checkpoint_bytes(run.run_dir),
         "debug_slowdown": run.slowdown.describe(),
     }
     base["workers_left"] = [{"rank": w["rank"], "from_step": w["from_step"],
                              "time": w["time"] - run.t_train} for w in left]
     summary = summarize(run.run_dir, base, wait_for=run.num_workers - len(left))
-    log.info("done: test accuracy %.4f after %d steps, %.1f s; summary in %s",
-             last["accuracy"], run.step, wall, run.run_dir / "summary.json")
+    log.info("done: test accuracy %.4f after %d steps, %.1f s; checkpoints %.1f MB; "
+             "summary in %s", last["accuracy"], run.step, wall,
+             base["checkpoint_bytes"] / 1e6, run.run_dir / "summary.json")
     return summary
 
 

@@ -85,3 +85,44 @@ def test_resume_of_a_finished_job_through_the_launcher_is_refused(uninterrupted_
         f"launch/dist.py: error: {run}: the run is finished ({steps} of {steps} steps done); "
         "nothing to resume (--set train.epochs=N with a larger N continues it)"]
     assert snapshot(run) == before
+
+
+def _write_checkpoint(ck: Path, stem: str, workers=2):
+    for name in [f"{stem}.params", f"{stem}.states"] + [
+            f"{stem}.worker-{r}.npz" for r in range(workers)]:
+        (ck / name).write_bytes(b"x" * 10)
+
+
+def _stems(ck: Path) -> set:
+    return {p.name.split(".")[0] for p in ck.iterdir()
+            if p.name.startswith(("epoch-", "step-"))}
+
+
+def test_keep_checkpoints_keeps_the_last_n_and_the_best(tmp_path):
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    accuracies = {"epoch-0000": 0.5, "epoch-0001": 0.9, "step-00000250": None,
+                  "epoch-0002": 0.6, "epoch-0003": 0.7, "epoch-0004": 0.8}
+    for step, (stem, acc) in enumerate(accuracies.items()):
+        _write_checkpoint(ck, stem)
+        C.record_checkpoint(tmp_path, {"params": f"{stem}.params", "step": 100 * step},
+                            keep=2, accuracy=acc)
+    assert _stems(ck) == {"epoch-0001", "epoch-0003", "epoch-0004"}   # best + last 2
+    assert [e["stem"] for e in json.loads((ck / "index.json").read_text())] == \
+        ["epoch-0001", "epoch-0003", "epoch-0004"]
+    assert json.loads((ck / "latest.json").read_text())["params"] == "epoch-0004.params"
+    assert C.checkpoint_bytes(tmp_path) == sum(p.stat().st_size for p in ck.iterdir())
+
+
+def test_keep_zero_keeps_every_checkpoint_and_a_resume_drops_the_abandoned_future(tmp_path):
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    for step, stem in enumerate(["epoch-0000", "epoch-0001", "epoch-0002"]):
+        _write_checkpoint(ck, stem)
+        C.record_checkpoint(tmp_path, {"params": f"{stem}.params", "step": 100 * step})
+    assert _stems(ck) == {"epoch-0000", "epoch-0001", "epoch-0002"}
+    # resumed from epoch-0000 (step 0): the next checkpoint, at step 50, is the newest;
+    # what the killed run wrote after step 0 is never used again
+    _write_checkpoint(ck, "step-00000050")
+    C.record_checkpoint(tmp_path, {"params": "step-00000050.params", "step": 50})
+    assert _stems(ck) == {"epoch-0000", "step-00000050"}
