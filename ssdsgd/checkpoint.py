@@ -127,8 +127,8 @@ def _on_ssd_sync(trainer) -> bool:
     """Whether the Trainer's states live in ssd_sync (whose save/load take no pickle)."""
     if not trainer._kv_initialized:  # noqa: SLF001 - the Trainer has no public accessor
         trainer._init_kvstore()  # noqa: SLF001
-    kv = trainer._kvstore  # noqa: SLF001
-    return kv is not None and getattr(kv, "type", None) == "ssd_sync"
+    from ssdsgd.integration import is_ssdsgd_store    # MXNet: not at the launcher's import
+    return is_ssdsgd_store(trainer._kvstore)  # noqa: SLF001
 
 
 def _updaters(trainer) -> list:

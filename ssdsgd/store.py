@@ -7,6 +7,7 @@ algorithm and no wire details. How the stock ``gluon.Trainer`` is brought to use
 the one node every store of a process shares, are in ``ssdsgd/integration.py``.
 """
 import contextlib
+import hashlib
 import json
 import os
 
@@ -63,6 +64,22 @@ def _entries(keys_table, key, value, out, new=False):
     numbers = [keys_table.number(k, new=new) for k in keys]
     values = [[_dense(v, f"key {k!r}") for v in vs] for k, vs in zip(keys, values)]
     return list(zip(numbers, values, outs))
+
+
+def _one_copy_each(arrays):
+    """Arrays with equal contents written once: in a synchronous stage a worker's local
+    weights, its last global snapshot and the pending reply are the same weights.
+    Returns (the arrays to write, {name: the name whose copy it is})."""
+    kept, same_as, by_digest = {}, {}, {}
+    for name, a in arrays.items():
+        digest = (a.dtype.str, a.shape, hashlib.blake2b(a.data, digest_size=16).digest())
+        twin = by_digest.get(digest)
+        if twin is not None and np.array_equal(kept[twin], a):
+            same_as[name] = twin
+        else:
+            kept[name] = a
+            by_digest.setdefault(digest, name)
+    return kept, same_as
 
 
 @KVStoreBase.register      # as NAME: MXNet registers a store by its lower-cased class name
@@ -293,7 +310,8 @@ class SSD_Sync(KVStoreBase):
         .npz file (JSON meta, no pickles). Call it between two steps, on every worker at
         the same step; ``load_worker_state`` then continues bit-identically."""
         arrays, meta = self._machine.state_dict()
-        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+        arrays, meta["__same_as__"] = _one_copy_each(
+            {k: np.ascontiguousarray(v) for k, v in arrays.items()})
         arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         tmp = f"{fname}.tmp"
         with open(tmp, "wb") as f:
@@ -306,6 +324,8 @@ class SSD_Sync(KVStoreBase):
         with np.load(fname, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
         meta = json.loads(arrays.pop("__meta__").tobytes().decode())
+        for name, same in meta.pop("__same_as__", {}).items():
+            arrays[name] = arrays[same].copy()
         self._machine.load_state_dict(arrays, meta)
 
     # ---- lifecycle and metrics ----------------------------------------------------
