@@ -116,7 +116,6 @@ _CONTINUE = "tests/test_recovery.py::test_with_continue_a_killed_worker_leaves_a
 _ASGD_RESTART = ("tests/test_combination_jobs.py::"
                  "test_a_killed_asgd_worker_is_restarted_from_its_checkpoint_and_finishes")
 _NO_PERIOD = "every step waits for its weights: there is no pull period to stagger"
-_UNTESTED = "not supported: no test runs the two together"
 
 ALGORITHMS = {a.name: a for a in (
     Algorithm("ssd", "sum", "steps_delay", doc="SSD-SGD: synchronous warm-up, then a pull "
@@ -145,20 +144,22 @@ ALGORITHMS = {a.name: a for a in (
                      "relay",
             "quorum": "every push is applied as it arrives: there are no rounds to close",
             "staggered": _NO_PERIOD,
-            "continue": _UNTESTED + "; use abort or restart"}),
+            "continue": "no test runs it; use abort or restart"}),
     Algorithm("preduce", "average", "local", doc="Prague's partial reduce: groups of ready "
               "workers average their models (docs/spec/preduce.md)", tested={
                   "checkpoint": "tests/test_preduce_cluster.py::"
                                 "test_preduce_with_per_epoch_checkpoints_finishes"},
               refused={
                   "compression": "it averages weights and pushes no gradients",
-                  "relay": _UNTESTED,
+                  "relay": "no test runs a relayed partial reduce",
                   "quorum": "its groups already form without slow workers; there are no "
                             "rounds",
                   "staggered": "it never pulls: there is no pull period to stagger",
-                  "restart": _UNTESTED + ": each worker keeps a model of its own",
-                  "continue": _UNTESTED + ": groups would wait for the dead worker",
-                  "resume": _UNTESTED + ": each worker keeps a model of its own"}),
+                  "restart": "no test restarts a partial reduce, where each worker "
+                             "keeps a model of its own",
+                  "continue": "a group could wait for the dead worker; no test runs it",
+                  "resume": "no test resumes a partial reduce, where each worker keeps a "
+                            "model of its own"}),
 )}
 
 
@@ -171,7 +172,8 @@ CONFLICTS = {
                              "worker's steps (docs/spec/staggered_pulls.md)",
     ("relay", "continue"): "a dead worker would break the chain of the others",
     ("relay", "quorum"): "a quorum's replies go to each worker on its own",
-    ("quorum", "compression"): _UNTESTED + ": no simulator of compressed rounds",
+    ("quorum", "compression"): "no test or simulator runs compressed pushes in quorum "
+                               "rounds",
 }
 TESTED_PAIRS = {
     ("compression", "resume"): "tests/test_combination_jobs.py::"
@@ -216,3 +218,16 @@ def refusal(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
         if a in on and b in on:
             return _line(label, on[a], on[b], reason)
     return None
+
+
+def markdown() -> str:
+    """The combinations table of docs/training.md (a test compares)."""
+    names = list(ALGORITHMS)
+    lines = ["| feature | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for f in FEATURES.values():
+        cells = ["yes" if f.name in ALGORITHMS[a].tested else
+                 "refused: " + ALGORITHMS[a].refused[f.name] for a in names]
+        lines.append(f"| {f.name}: {f.doc} | " + " | ".join(cells) + " |")
+    lines += ["", "Refused together, whatever the algorithm:", ""]
+    lines += [f"- {a} and {b}: {reason}" for (a, b), reason in CONFLICTS.items()]
+    return "\n".join(lines) + "\n"
