@@ -113,8 +113,8 @@ _QUORUM = "tests/test_quorum.py::test_stragglers_end_with_the_simulators_weights
 _RESTART = ("tests/test_recovery.py::"
             "test_a_killed_process_is_restarted_and_the_job_ends_as_if_uninterrupted")
 _CONTINUE = "tests/test_recovery.py::test_with_continue_a_killed_worker_leaves_and_the_job_finishes"
-_ASGD_RESTART = ("tests/test_combination_jobs.py::"
-                 "test_a_killed_asgd_worker_is_restarted_from_its_checkpoint_and_finishes")
+_ASGD_DIVERGES = ("a digits job resumed while its workers ran at different speeds "
+                  "diverged; not supported until that is mended")
 _NO_PERIOD = "every step waits for its weights: there is no pull period to stagger"
 
 ALGORITHMS = {a.name: a for a in (
@@ -138,8 +138,10 @@ ALGORITHMS = {a.name: a for a in (
     Algorithm("asgd", "each", "synchronous", doc="asynchronous SGD, like dist_async", tested={
         "compression": "tests/test_compression_oracle.py::"
                        "test_asgd_with_one_worker_and_compression_is_ssgd",
-        "restart": _ASGD_RESTART, "resume": _ASGD_RESTART, "checkpoint": _ASGD_RESTART},
+        "checkpoint": "tests/test_combination_jobs.py::"
+                      "test_an_asgd_job_writes_its_checkpoints_and_finishes"},
         refused={
+            "restart": _ASGD_DIVERGES, "resume": _ASGD_DIVERGES,
             "relay": "each push is answered on its own: no reply is shared by workers to "
                      "relay",
             "quorum": "every push is applied as it arrives: there are no rounds to close",
