@@ -183,3 +183,15 @@ def test_the_table_in_the_training_docs_is_the_registrys():
     text = (ROOT / "docs" / "training.md").read_text()
     block = text.split("<!-- combinations: generated -->\n", 1)[1].split("<!-- /combinations -->")[0]
     assert block == markdown(), "regenerate it from ssdsgd.sync.registry.markdown()"
+
+
+def test_restarts_counted_in_the_config_are_a_restart_too():
+    raw = _config("asgd")
+    raw["cluster"]["max_restarts"] = 2
+    text = _config_error(raw)
+    assert text.startswith("sync.algorithm: asgd works with cluster.max_restarts: 0 only, "
+                           "got 2 ("), text
+    raw = _config("ssd")
+    raw["cluster"]["max_restarts"] = 2
+    assert features_on(dict(parse_config(raw).cluster.__dict__, algorithm="ssd")) == {
+        "restart": ("max_restarts", 2, "0")}

@@ -146,7 +146,7 @@ ALGORITHMS = {a.name: a for a in (
                      "relay",
             "quorum": "every push is applied as it arrives: there are no rounds to close",
             "staggered": _NO_PERIOD,
-            "continue": "no test runs it; use abort or restart"}),
+            "continue": "no test runs it; use abort"}),
     Algorithm("preduce", "average", "local", doc="Prague's partial reduce: groups of ready "
               "workers average their models (docs/spec/preduce.md)", tested={
                   "checkpoint": "tests/test_preduce_cluster.py::"
