@@ -312,8 +312,12 @@ def _cross_check(cfg: Config) -> None:
         raise ConfigError(f"train.gpus: expected distinct GPU ids, got {_show(cfg.train.gpus)}")
     if any(g < 0 for g in cfg.train.gpus):
         raise ConfigError(f"train.gpus: expected GPU ids >= 0, got {_show(cfg.train.gpus)}")
+    # the settings' own rules, and the registry's combinations of algorithm and features
+    # (ssdsgd/sync/registry.py), which also read whether the job writes checkpoints
+    values = dict(_setting_values(cfg), checkpoint_every=cfg.train.checkpoint_every)
     try:
-        S.cross_check(_setting_values(cfg), lambda name: S.BY_NAME[name].path)
+        S.cross_check(values, lambda name: "train.checkpoint_every"
+                      if name == "checkpoint_every" else S.BY_NAME[name].path)
     except S.SettingError as e:
         raise ConfigError(str(e)) from None
 

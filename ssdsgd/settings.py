@@ -8,9 +8,11 @@ all read this table, so a value one of them accepts the others accept too; the s
 table in ``docs/training.md`` is generated from it (``markdown()``; a test compares).
 
 Adding a setting is one row in SETTINGS (and a cross-field rule in CROSS_CHECKS if it
-constrains another): the config key, the NodeEnv attribute, the variable the launcher
-writes and the documentation follow. This module imports nothing from ssdsgd: the
-transport (low) and the config (high) both read it.
+constrains another; if it turns a feature on, a feature of ssdsgd/sync/registry.py, whose
+table of algorithms decides which combinations are refused): the config key, the NodeEnv
+attribute, the variable the launcher writes and the documentation follow. This module
+imports nothing from ssdsgd but that registry (itself a leaf): the transport (low) and
+the config (high) both read it.
 
     values = read_env(os.environ)                     # {"delay_steps": 5, ...}
     to_env(num_workers=2, start_step=40)              # {"SSDSGD_NUM_WORKERS": "2", ...}
@@ -22,6 +24,8 @@ import difflib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
+
+from .sync.registry import quorum_members, refusal
 
 PREFIX = "SSDSGD_"
 
@@ -239,11 +243,7 @@ def quorum_size(text: str, num_workers: int) -> int:
     error = _quorum(text)
     if error:
         raise SettingError(f"sync.quorum: {error}")
-    if text == "all":
-        return num_workers
-    if text == "majority":
-        return num_workers // 2 + 1
-    return 1 if text == "solo" else min(int(text), num_workers)
+    return quorum_members(text, num_workers)
 
 
 SETTINGS = (
@@ -394,9 +394,6 @@ def _group_size(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
             and size > workers):
         return (f"{label('group_size')}: expected at most {label('num_workers')} "
                 f"({workers}) workers per group, got {size}")
-    if values.get("algorithm") == "preduce" and values.get("compression", "none") != "none":
-        return (f"{label('compression')}: expected none with algorithm preduce (it averages "
-                f"weights and pushes no gradients), got {values['compression']!r}")
     return None
 
 
@@ -414,47 +411,13 @@ def _slowdown_ranks(values: Mapping, label: Callable[[str], str]) -> Optional[st
     return None
 
 
-def _quorum_and_continue(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
-    """A dead worker leaves a job by the servers' all-workers count (on_worker_failure:
-    continue); quorum rounds do not take such a removal yet, and their staleness bound
-    would wait for the dead worker."""
-    quorum, failure = values.get("quorum"), values.get("on_worker_failure")
-    n = values.get("num_workers")
-    if failure == "continue" and quorum not in (None, "all") and n is not None and \
-            not _quorum(quorum) and quorum_size(quorum, n) < n:
-        return (f"{label('on_worker_failure')}: continue works with {label('quorum')}: all "
-                f"only, got {quorum!r} (use abort or restart with a quorum)")
-    return None
+def _combinations(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """An algorithm with a feature it does not take, or two features that do not go
+    together: the registry of algorithms decides (ssdsgd/sync/registry.py)."""
+    return refusal(values, label)
 
 
-def _staggered_and_quorum(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
-    """A quorum dates pulls by the rounds closed, not by each worker's steps, so a worker's
-    own pull offset has no meaning there (docs/spec/staggered_pulls.md)."""
-    if values.get("pull_schedule") == "staggered" and values.get("quorum") not in (None, "all"):
-        return (f"{label('pull_schedule')}: staggered works with {label('quorum')}: all only, "
-                f"got {values['quorum']!r}")
-    return None
-
-
-def _relay_and_continue(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
-    """A relayed reply passes through other workers: a dead one would leave the rest of its
-    chain waiting while the job goes on without it; and a quorum answers every worker on
-    its own, so there is nothing to relay (docs/spec/pull_relay.md)."""
-    if values.get("pull_relay") != "chain":
-        return None
-    if values.get("on_worker_failure") == "continue":
-        return (f"{label('pull_relay')}: chain works with {label('on_worker_failure')}: "
-                "abort or restart only (a dead worker would break the chain of the others)")
-    quorum, n = values.get("quorum"), values.get("num_workers")
-    if quorum not in (None, "all") and n is not None and not _quorum(quorum) and \
-            quorum_size(quorum, n) < n:
-        return (f"{label('pull_relay')}: chain works with {label('quorum')}: all only, got "
-                f"{quorum!r} (a quorum's replies go to each worker on its own)")
-    return None
-
-
-CROSS_CHECKS = (_heartbeats, _group_size, _slowdown_ranks, _quorum_and_continue,
-                _staggered_and_quorum, _relay_and_continue)
+CROSS_CHECKS = (_heartbeats, _group_size, _slowdown_ranks, _combinations)
 
 
 def cross_check(values: Mapping, label: Callable[[str], str]) -> None:

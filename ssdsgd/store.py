@@ -7,6 +7,7 @@ algorithm and no wire details. How the stock ``gluon.Trainer`` is brought to use
 the one node every store of a process shares, are in ``ssdsgd/integration.py``.
 """
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,6 +23,8 @@ from .kvstore.compression import Compression, CompressionError
 from .mxglue import state_file
 from .mxglue.optimizer_spec import (build, describe, flatten_state, state_arrays,
                                     states_from_arrays)
+from .settings import BY_NAME
+from .sync.registry import refusal
 
 
 def _as_list(x):
@@ -145,14 +148,16 @@ class SSD_Sync(KVStoreBase):
         """MXNet's interface (the Trainer calls it with ``compression_params``): every later
         push is compressed, with a residual per key on this worker; pulls are not
         (docs/spec/compression.md)."""
-        if self._env.algorithm == "preduce":
-            raise CompressionError("algorithm preduce averages weights, never pushes "
-                                   "gradients: gradient compression does not apply; remove "
-                                   "compression_params")
         spec = Compression.from_params(compression_params)
         if spec is None:
             raise CompressionError("set_gradient_compression needs a dict with a 'type', "
                                    "e.g. {'type': '2bit', 'threshold': 0.5}")
+        # the combinations the config check refuses, for a script that sets it itself
+        refused = refusal({**dataclasses.asdict(self._env), "compression": spec.type},
+                          lambda name: "compression_params" if name == "compression"
+                          else BY_NAME[name].env)
+        if refused:
+            raise CompressionError(refused)
         self._client.set_compression(spec)
 
     # ---- data --------------------------------------------------------------------

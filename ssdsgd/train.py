@@ -45,7 +45,8 @@ from ssdsgd.kvstore.compression import parse_setting as parse_compression
 from ssdsgd.metrics import MetricsWriter, Speedometer, kv_metrics, net_figures, summarize
 from ssdsgd.models import build_model, initializer
 from ssdsgd.slowdown import Slowdown
-from ssdsgd.worker.schedule import Stage, plan
+from ssdsgd.sync.registry import ALGORITHMS
+from ssdsgd.sync.stage import Stage, plan
 
 log = logging.getLogger("ssdsgd.train")
 
@@ -103,7 +104,7 @@ def gradient_batch(config: Config, kv, num_workers: int) -> int:
     whatever N (the paper's convention: lr 0.4 for 4 x 128 on CIFAR-10). With asgd every
     push is its own update (dist_async), with preduce every worker's step is its own
     (docs/spec/preduce.md): divided by the worker's batch."""
-    if kv is None or config.sync.algorithm in ("asgd", "preduce"):
+    if kv is None or ALGORITHMS[config.sync.algorithm].server != "sum":
         return config.data.batch_size
     return config.data.batch_size * num_workers
 

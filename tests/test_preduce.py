@@ -139,8 +139,8 @@ def test_bad_group_sizes_are_one_line_errors(size, workers, text):
 
 def test_compression_with_preduce_is_a_one_line_error():
     from ssdsgd import settings as S
-    with pytest.raises(SettingError, match=r"^sync.compression: expected none with algorithm "
-                                           r"preduce .*got '2bit'$"):
+    with pytest.raises(SettingError, match=r"^sync.algorithm: preduce works with "
+                                           r"sync.compression: none only, got '2bit' \(.*\)$"):
         S.cross_check({"algorithm": "preduce", "compression": "2bit", "num_workers": 4,
                        "group_size": 2}, lambda name: S.BY_NAME[name].path)
 

@@ -21,7 +21,7 @@ from ssdsgd.kvstore.client import KeyReply
 from ssdsgd.kvstore.env import NodeEnv
 from ssdsgd.mxglue.optimizer_spec import build, describe, flatten_state
 from ssdsgd.worker.machine import StageMachine
-from ssdsgd.worker.schedule import Stage
+from ssdsgd.sync.stage import Stage
 
 SHAPES = {0: (3, 4), 1: (5,), 2: (2, 3)}
 OPTIMIZERS = {"sgd": dict(learning_rate=0.1, momentum=0.9, wd=1e-4, rescale_grad=0.5),

@@ -209,9 +209,9 @@ class WorkerClient:
         self.placement = Placement(self.num_servers, env.bigarray_bound)
         # With a quorum (docs/spec/quorum.md) a push is one contribution to a round: one
         # message per server, to every server, so every server counts the same pushes.
-        self.quorum = (env.algorithm != "asgd"
-                       and quorum_size(env.quorum, self.num_workers) < self.num_workers)
-        self.relays = self.topology.get("relays") if not self.quorum else None
+        # (The settings refuse a quorum with asgd and with relayed pulls.)
+        self.quorum = quorum_size(env.quorum, self.num_workers) < self.num_workers
+        self.relays = self.topology.get("relays")
         self.compression = None   # pushes are compressed with it (set_compression)
         self.left = []            # workers that left the job (cluster.on_worker_failure)
         self._residuals = None    # this worker's error feedback, one residual per key

@@ -39,6 +39,7 @@ from ..sync.rounds import RoundError, Rounds
 from .scheduler import JobAborted, Rejections, SchedulerLink, bind_router
 from .security import Guard
 from ..settings import quorum_size
+from ..sync.stage import steps_ahead_bound
 
 AGGREGATE_KEYS = 45      # keys per multi-tensor optimizer call (MXNet's kernels take <= 45)
 SNDHWM = 10_000          # replies queued for one peer before it counts as not reading
@@ -52,14 +53,6 @@ class RequestError(ValueError):
 
 class Fatal(JobAborted):
     """The job cannot go on (a worker stopped reading); the server tells the scheduler."""
-
-
-def steps_ahead_bound(env):
-    """How many steps past the last applied one a worker may push: in the steps-delay
-    stage a worker runs at most k steps ahead of the slowest (it waits for every pull one
-    step after requesting it, spec step 3); otherwise every step waits for its reply. One
-    more for slack. This bounds the gradients a server holds to (bound x N x model)."""
-    return (env.delay_steps if env.algorithm == "ssd" else 1) + 2
 
 
 class Peer:
@@ -169,7 +162,7 @@ class Server:
         self.num_workers = env.num_workers
         self.removed = {}         # rank of a worker that left -> the step it is out from
         self.peers = {}        # connection id -> Peer, from the scheduler's topology
-        self.steps_ahead = steps_ahead_bound(env)
+        self.steps_ahead = steps_ahead_bound(env.algorithm, env.delay_steps)
         self.quorum = quorum_size(env.quorum, env.num_workers)
         self.rounds = None     # quorum rounds (set once the rank is known), if Q < N
         self.averages = {}     # group number -> Averaging (preduce)
@@ -344,7 +337,7 @@ class Server:
             raise RequestError(f"{peer.open} requests of worker {peer.rank} are already "
                                f"waiting; a worker has at most {self._reply_bound()}")
         return Reply(ident, msg.req, n, with_state, peer,
-                     relay=bool(msg.flags & P.Flag.RELAY) and self.rounds is None)
+                     relay=bool(msg.flags & P.Flag.RELAY))
 
     # ---- validation ----------------------------------------------------------------
     def _shard_for(self, rec, *, with_values):
@@ -870,7 +863,7 @@ class Server:
         topo = self.link.register()
         self.rank = topo["rank"]
         self.peers = {bytes.fromhex(h): Peer(r) for r, h in enumerate(topo.get("workers", []))}
-        if self.sync and self.quorum < self.num_workers:
+        if self.quorum < self.num_workers:
             self.rounds = Rounds(self.num_workers, self.quorum, self.env.max_staleness,
                                  leader=self.rank == 0, replicate=self.env.num_servers > 1,
                                  max_queued=self.steps_ahead + 2)

@@ -32,7 +32,7 @@ from ..mxglue import engineop, hostcopy
 from ..kvstore.client import KeyReply
 from ..mxglue.optimizer_spec import build
 from .deferred import KeyOp, device_sum, engine_arrays
-from .schedule import Stage, plan, pull_offset
+from ..sync.stage import Stage, delays_pulls, plan, pull_offset
 
 
 @dataclasses.dataclass
@@ -82,11 +82,10 @@ class StageMachine:
         # update count (rounds, not this worker's steps), and the end waits for every
         # worker (final pull).
         self.quorum = bool(getattr(client, "quorum", False))
-        if self.quorum and env.pull_schedule != "aligned":
-            raise ValueError("SSDSGD_PULL_SCHEDULE: staggered works with SSDSGD_QUORUM=all only")
-        # This worker's place in each pull period (0 unless the pulls are staggered).
+        # This worker's place in each pull period (0 unless the pulls are staggered; the
+        # settings refuse staggered pulls where there is no pull period or a quorum).
         self.offset = pull_offset(client.rank, client.num_workers, env.delay_steps,
-                                  env.pull_schedule) if env.algorithm == "ssd" else 0
+                                  env.pull_schedule)
         self.updater = None          # preduce: the Trainer's optimizer, run on this worker
         self.groups = []             # preduce: (group number, members) of every group joined
         self.groups_done = False     # preduce: the final group (of every worker) is done
@@ -103,7 +102,7 @@ class StageMachine:
         """``updater``: MXNet's updater of the Trainer's own optimizer (preduce runs it)."""
         self.updater = updater
         self.rule = None
-        if self.env.algorithm == "ssd":
+        if delays_pulls(self.env.algorithm):
             self.rule = make_local_rule(self.env.local_rule, lambda: build(spec),
                                         self.client.num_workers, self.env.glu_state,
                                         self.env.lr_local)

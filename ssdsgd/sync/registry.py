@@ -1,0 +1,235 @@
+"""Every algorithm once: its server policy, its worker stage rule and the features it takes.
+
+A feature (compression, relay, quorum, staggered pulls, the recovery modes restart and
+continue, resume, checkpoints) is either taken by an algorithm, with the test that runs
+the two together, or refused, with the reason; a pair of features likewise. The config
+check, the environment check of every process and the kvstore's
+``set_gradient_compression`` ask ``refusal``; nothing else polices a combination, and
+``tests/test_combinations.py`` walks every algorithm x feature and checks that each named
+test exists.
+
+Pure data and small lookups over settings values by name (the rows of
+``ssdsgd.settings``); this module imports nothing from ssdsgd, so the settings table
+itself can ask it.
+
+    refusal({"algorithm": "asgd", "quorum": "majority", "num_workers": 4}, label)
+    # "sync.algorithm: asgd works with sync.quorum: all only, got 'majority' (...)"
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+
+def quorum_members(text: str, num_workers: int) -> int:
+    """Q for a well-formed sync.quorum (settings.quorum_size checks the form first)."""
+    if text == "all":
+        return num_workers
+    if text == "majority":
+        return num_workers // 2 + 1
+    return 1 if text == "solo" else min(int(text), num_workers)
+
+
+# ---- features: when a job uses one ------------------------------------------------------
+# on(values) -> (setting name, its value, what it must be instead) if the feature is on.
+
+def _equals(setting, value, instead):
+    def on(values):
+        return (setting, value, instead) if values.get(setting) == value else None
+    return on
+
+
+def _compression(values):
+    value = values.get("compression")
+    return ("compression", value, "none") if value not in (None, "none") else None
+
+
+def _quorum(values):
+    text, n = values.get("quorum"), values.get("num_workers")
+    if text in (None, "all") or n is None or not (text in ("majority", "solo")
+                                                  or str(text).isdigit()):
+        return None
+    return ("quorum", text, "all") if quorum_members(str(text), n) < n else None
+
+
+def _restart(values):
+    if values.get("on_worker_failure") == "restart":
+        return ("on_worker_failure", "restart", "abort or continue")
+    if (values.get("max_restarts") or 0) > 0:
+        return ("max_restarts", values["max_restarts"], "0")
+    return None
+
+
+def _positive(setting):
+    def on(values):
+        value = values.get(setting) or 0
+        return (setting, value, "0") if value > 0 else None
+    return on
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    doc: str
+    on: Callable[[Mapping], Optional[tuple]]
+
+
+FEATURES = {f.name: f for f in (
+    Feature("compression", "pushes compressed (sync.compression, or the Trainer's "
+            "compression_params)", _compression),
+    Feature("relay", "pulled weights passed on from worker to worker (sync.pull_relay: "
+            "chain)", _equals("pull_relay", "chain", "off")),
+    Feature("quorum", "rounds that close on fewer than N workers (sync.quorum)", _quorum),
+    Feature("staggered", "pulls spread over each period (sync.pull_schedule: staggered)",
+            _equals("pull_schedule", "staggered", "aligned")),
+    Feature("restart", "a failed job restarted from its last checkpoint "
+            "(cluster.on_worker_failure: restart, cluster.max_restarts)", _restart),
+    Feature("continue", "the job goes on without a dead worker "
+            "(cluster.on_worker_failure: continue)",
+            _equals("on_worker_failure", "continue", "abort or restart")),
+    Feature("resume", "a job continued from a checkpoint (launch/dist.py --resume; "
+            "SSDSGD_START_STEP > 0)", _positive("start_step")),
+    Feature("checkpoint", "checkpoints written during the run (train.checkpoint_every)",
+            _positive("checkpoint_every")),
+)}
+
+
+# ---- algorithms ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    server: str       # the server's policy: "sum" (a step's N pushes, then one update),
+    #                   "each" (every push is an update) or "average" (groups' models)
+    stage: str        # the worker's stage rule (ssdsgd.sync.stage.RULES)
+    tested: Mapping[str, str]     # feature -> the test that runs it (file::name)
+    refused: Mapping[str, str]    # feature -> why it is refused
+    doc: str = ""
+
+
+_ORACLE = "tests/test_ssd_oracle.py::"
+_RELAYED = _ORACLE + "test_relayed_pulls_equal_the_simulation"
+_QUORUM = "tests/test_quorum.py::test_stragglers_end_with_the_simulators_weights"
+_RESTART = ("tests/test_recovery.py::"
+            "test_a_killed_process_is_restarted_and_the_job_ends_as_if_uninterrupted")
+_CONTINUE = "tests/test_recovery.py::test_with_continue_a_killed_worker_leaves_and_the_job_finishes"
+_ASGD_DIVERGES = ("a digits job resumed while its workers ran at different speeds "
+                  "diverged; not supported until that is mended")
+_NO_PERIOD = "every step waits for its weights: there is no pull period to stagger"
+
+ALGORITHMS = {a.name: a for a in (
+    Algorithm("ssd", "sum", "steps_delay", doc="SSD-SGD: synchronous warm-up, then a pull "
+              "every k steps and the local rule in between (docs/spec/ssd-sgd.md)", tested={
+                  "compression": _ORACLE + "test_distributed_run_equals_the_simulation",
+                  "relay": _RELAYED, "quorum": _QUORUM,
+                  "staggered": _ORACLE + "test_staggered_pulls_equal_the_simulation",
+                  "restart": _RESTART, "continue": _CONTINUE,
+                  "resume": "tests/test_resume.py::test_killed_ssd_job_resumes_to_the_same_weights",
+                  "checkpoint": "tests/test_resume.py::test_killed_ssd_job_resumes_from_a_"
+                                "mid_epoch_checkpoint_to_the_same_weights"},
+              refused={}),
+    Algorithm("ssgd", "sum", "synchronous", doc="synchronous SGD, like dist_sync", tested={
+        "compression": "tests/test_compression_oracle.py::"
+                       "test_ssd_sync_ssgd_2bit_equals_native_dist_sync_2bit",
+        "relay": _RELAYED, "quorum": _QUORUM, "restart": _RESTART, "continue": _CONTINUE,
+        "resume": "tests/test_resume.py::test_killed_ssgd_job_resumes_to_the_same_weights",
+        "checkpoint": "tests/test_resume.py::test_killed_ssgd_job_resumes_to_the_same_weights"},
+        refused={"staggered": _NO_PERIOD}),
+    Algorithm("asgd", "each", "synchronous", doc="asynchronous SGD, like dist_async", tested={
+        "compression": "tests/test_compression_oracle.py::"
+                       "test_asgd_with_one_worker_and_compression_is_ssgd",
+        "checkpoint": "tests/test_combination_jobs.py::"
+                      "test_an_asgd_job_writes_its_checkpoints_and_finishes"},
+        refused={
+            "restart": _ASGD_DIVERGES, "resume": _ASGD_DIVERGES,
+            "relay": "each push is answered on its own: no reply is shared by workers to "
+                     "relay",
+            "quorum": "every push is applied as it arrives: there are no rounds to close",
+            "staggered": _NO_PERIOD,
+            "continue": "no test runs it; use abort"}),
+    Algorithm("preduce", "average", "local", doc="Prague's partial reduce: groups of ready "
+              "workers average their models (docs/spec/preduce.md)", tested={
+                  "checkpoint": "tests/test_preduce_cluster.py::"
+                                "test_preduce_with_per_epoch_checkpoints_finishes"},
+              refused={
+                  "compression": "it averages weights and pushes no gradients",
+                  "relay": "no test runs a relayed partial reduce",
+                  "quorum": "its groups already form without slow workers; there are no "
+                            "rounds",
+                  "staggered": "it never pulls: there is no pull period to stagger",
+                  "restart": "no test restarts a partial reduce, where each worker "
+                             "keeps a model of its own",
+                  "continue": "a group could wait for the dead worker; no test runs it",
+                  "resume": "no test resumes a partial reduce, where each worker keeps a "
+                            "model of its own"}),
+)}
+
+
+# ---- pairs of features ------------------------------------------------------------------
+# (a, b): the message names a's setting, then says what b's must be instead.
+CONFLICTS = {
+    ("continue", "quorum"): "a dead worker leaves by the servers' all-workers count, which "
+                            "quorum rounds do not take; use abort or restart with a quorum",
+    ("staggered", "quorum"): "a quorum dates pulls by the rounds closed, not by each "
+                             "worker's steps (docs/spec/staggered_pulls.md)",
+    ("relay", "continue"): "a dead worker would break the chain of the others",
+    ("relay", "quorum"): "a quorum's replies go to each worker on its own",
+    ("quorum", "compression"): "no test or simulator runs compressed pushes in quorum "
+                               "rounds",
+}
+TESTED_PAIRS = {
+    ("compression", "resume"): "tests/test_combination_jobs.py::"
+                               "test_a_killed_compressed_ssd_job_resumes_to_the_same_weights",
+    ("relay", "restart"): "tests/test_combination_jobs.py::"
+                          "test_a_killed_worker_of_a_relayed_job_is_restarted_as_if_uninterrupted",
+    ("quorum", "resume"): "tests/test_resume.py::test_killed_quorum_job_resumes_and_finishes",
+    ("staggered", "resume"): "tests/test_stage_machine.py::"
+                             "test_a_resumed_staggered_job_keeps_each_workers_phase",
+    ("staggered", "compression"): _ORACLE + "test_staggered_pulls_equal_the_simulation",
+    ("relay", "compression"): _RELAYED,
+}
+
+
+def algorithm(name: str) -> Algorithm:
+    return ALGORITHMS[name]
+
+
+def features_on(values: Mapping) -> dict:
+    """feature name -> (setting, value, instead) for every feature ``values`` turn on."""
+    return {name: on for name, f in FEATURES.items() if (on := f.on(values)) is not None}
+
+
+def _line(label, a, b, reason):
+    (setting_a, value_a, _), (setting_b, value_b, instead) = a, b
+    return (f"{label(setting_a)}: {value_a} works with {label(setting_b)}: {instead} only, "
+            f"got {value_b!r} ({reason})")
+
+
+def refusal(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """The one-line refusal of the first combination ``values`` (settings by name) use
+    that the registry does not take, naming both sides by ``label(setting name)``; None
+    if it takes them all. An unknown algorithm is the settings row's to refuse."""
+    on = features_on(values)
+    entry = ALGORITHMS.get(values.get("algorithm"))
+    if entry is not None:
+        for name in on:
+            if name in entry.refused:
+                return _line(label, ("algorithm", entry.name, None), on[name],
+                             entry.refused[name])
+    for (a, b), reason in CONFLICTS.items():
+        if a in on and b in on:
+            return _line(label, on[a], on[b], reason)
+    return None
+
+
+def markdown() -> str:
+    """The combinations table of docs/training.md (a test compares)."""
+    names = list(ALGORITHMS)
+    lines = ["| feature | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for f in FEATURES.values():
+        cells = ["yes" if f.name in ALGORITHMS[a].tested else
+                 "refused: " + ALGORITHMS[a].refused[f.name] for a in names]
+        lines.append(f"| {f.name}: {f.doc} | " + " | ".join(cells) + " |")
+    lines += ["", "Refused together, whatever the algorithm:", ""]
+    lines += [f"- {a} and {b}: {reason}" for (a, b), reason in CONFLICTS.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,90 @@
+"""The stage of step t, in one place: which stage a step is in, whether it waits for the
+weights and whether it pulls, and how far a worker may push ahead of the servers. The
+worker's stage machine, the training program and the server read it.
+
+Pure functions of the step index and the settings, after the algorithm's stage rule (its
+entry in ``ssdsgd.sync.registry``). The spec fixes the reset points, so the whole
+schedule is known in advance: warm-up steps (t < T_w) and every step of ``ssgd``/``asgd``
+push and wait for the weights; a steps-delay step pushes without waiting and requests
+the global weights when (t - T_w) mod k = k - 1, to be waited for one step later; a
+``preduce`` step is local and then averaged with a group, never pulled.
+
+With ``pull_schedule: staggered`` (docs/spec/staggered_pulls.md) worker i requests when
+(t - T_w + o_i) mod k = k - 1, o_i = floor(i k / N): the N pulls of a period leave on
+different steps instead of as one burst through the servers' links.
+"""
+import dataclasses
+import enum
+
+from .registry import ALGORITHMS
+
+
+class Stage(str, enum.Enum):
+    """The one stage vocabulary: the stage machine, the training program and the metrics
+    all use these values (a ``str`` enum, so it is written to JSON as its value)."""
+    WARMUP = "warmup"            # ssd, t < T_w: synchronous SGD
+    STEPS_DELAY = "steps_delay"  # ssd, t >= T_w: push every step, pull every k steps
+    SSGD = "ssgd"                # algorithm ssgd: every step synchronous (dist_sync)
+    ASGD = "asgd"                # algorithm asgd: the server applies each push (dist_async)
+    PREDUCE = "preduce"          # algorithm preduce: local step, then a group's average
+
+    def __str__(self):
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    stage: Stage
+    synchronous: bool   # push and wait for w_G(t) in this step
+    request_pull: bool  # ask for w_G(t) with the push (waited for at t + 1 when asynchronous)
+
+
+PULL_SCHEDULES = ("aligned", "staggered")
+
+
+def pull_offset(rank, num_workers, delay_steps, schedule="aligned"):
+    """o_i: how many steps earlier in each period worker ``rank`` requests its pull."""
+    if schedule not in PULL_SCHEDULES:
+        raise ValueError(f"pull_schedule must be one of {PULL_SCHEDULES}; got {schedule!r}")
+    if schedule == "aligned":
+        return 0
+    if not 0 <= rank < num_workers:
+        raise ValueError(f"rank {rank} is not in [0, {num_workers})")
+    return rank * delay_steps // num_workers
+
+
+# The stage rules of the registry's algorithms: (t, algorithm, T_w, k, offset) -> StepPlan.
+def _synchronous(t, algorithm, warmup_steps, delay_steps, offset):
+    return StepPlan(Stage(algorithm), True, True)
+
+
+def _local(t, algorithm, warmup_steps, delay_steps, offset):
+    return StepPlan(Stage(algorithm), False, False)
+
+
+def _steps_delay(t, algorithm, warmup_steps, delay_steps, offset):
+    if t < warmup_steps:
+        return StepPlan(Stage.WARMUP, True, True)
+    return StepPlan(Stage.STEPS_DELAY, False,
+                    (t - warmup_steps + offset) % delay_steps == delay_steps - 1)
+
+
+RULES = {"synchronous": _synchronous, "local": _local, "steps_delay": _steps_delay}
+
+
+def plan(t, algorithm, warmup_steps, delay_steps, offset=0):
+    """The stage of step ``t``; ``offset``: this worker's ``pull_offset``."""
+    return RULES[ALGORITHMS[algorithm].stage](t, algorithm, warmup_steps, delay_steps, offset)
+
+
+def delays_pulls(algorithm):
+    """True if the algorithm has a steps-delay stage (a local rule between pulls)."""
+    return ALGORITHMS[algorithm].stage == "steps_delay"
+
+
+def steps_ahead_bound(algorithm, delay_steps):
+    """How many steps past the last applied one a worker may push: in the steps-delay
+    stage a worker runs at most k steps ahead of the slowest (it waits for every pull one
+    step after requesting it, spec step 3); otherwise every step waits for its reply. One
+    more for slack. This bounds the gradients a server holds to (bound x N x model)."""
+    return (delay_steps if delays_pulls(algorithm) else 1) + 2
