@@ -50,7 +50,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import common  # noqa: E402
-from bench.cluster import netns, plan, report  # noqa: E402
+from bench.cluster import netns, pages, plan, report  # noqa: E402
 from bench.cluster.plan import Workload  # noqa: E402
 
 
@@ -920,16 +920,24 @@ def write_outputs(results, out, name='cluster'):
     if results.get('hetero', {}).get('cases'):
         (out / 'hetero.json').write_text(json.dumps(strip_for_json(
             {'meta': results['meta'], 'hetero': results['hetero']}), indent=1))
-        (out / 'hetero.md').write_text(report.hetero_markdown(results))
+        (out / 'hetero.md').write_text(pages.hetero_markdown(results))
+        record(results, out, 'hetero')
         log(f'wrote {out / "hetero.md"} and {out / "hetero.json"}')
     if not (results.get('matrix') or results.get('scaling', {}).get('rows')
             or results.get('tta', {}).get('rows') or results.get('tta_comm', {}).get('rows')):
         return      # NAME.md keeps the last full run's tables
     images = report.plots(results, out, name)
     (out / f'{name}.json').write_text(json.dumps(strip_for_json(results), indent=1))
-    (out / f'{name}.md').write_text(report.markdown(results, images))
+    (out / f'{name}.md').write_text(pages.markdown(results, images, name))
+    record(results, out, name)
     log(f'wrote {out / (name + ".md")}, {out / (name + ".json")} and '
         f'{", ".join(p.name for p in images)}')
+
+
+def record(results, out, stem):
+    """The run's date and commit go to docs/history.md when its page is one of the docs."""
+    if out.resolve() == (REPO / 'docs' / 'benchmarks').resolve():
+        pages.record_run(results, stem)
 
 
 def any_failed(results):
