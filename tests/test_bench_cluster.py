@@ -584,3 +584,22 @@ def test_generated_pages_carry_no_run_log():
     assert results['meta']['machine']['date'] in line and results['meta']['machine']['git'] in line
     assert run_log_markers(pages.hetero_markdown(
         json.loads((REPO / 'docs' / 'benchmarks' / 'hetero.json').read_text()))) == []
+
+
+def test_a_written_page_records_its_run_in_the_history_file(tmp_path):
+    from bench.cluster import pages
+    results = json.loads((REPO / 'docs' / 'benchmarks' / 'hetero.json').read_text())
+    history = tmp_path / 'history.md'
+    history.write_text('# History\n\nolder text\n')
+    pages.record_run(results, 'hetero', history)
+    pages.record_run(results, 'hetero', history)
+    text = history.read_text()
+    line = pages.history_line(results, 'hetero')
+    assert text.startswith('# History\n\nolder text\n')
+    assert text.count(pages.HISTORY_SECTION) == 1 and text.count(line) == 2
+    assert text.rstrip().endswith(line)
+    # a section followed by others: the line goes at the end of its own section
+    history.write_text(f'# History\n\n{pages.HISTORY_SECTION}\n\n- a run\n\n## Later\n\ntext\n')
+    pages.record_run(results, 'hetero', history)
+    assert history.read_text() == (f'# History\n\n{pages.HISTORY_SECTION}\n\n- a run\n{line}\n'
+                                   '\n## Later\n\ntext\n')

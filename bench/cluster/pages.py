@@ -111,11 +111,15 @@ def history_line(results, stem):
 
 
 def record_run(results, stem, history=HISTORY):
-    """Append the run's history line under HISTORY_SECTION (made if missing)."""
+    """Add the run's history line at the end of HISTORY_SECTION (made if missing)."""
     text = history.read_text() if history.exists() else '# History\n'
     if HISTORY_SECTION not in text:
         text = text.rstrip('\n') + f'\n\n{HISTORY_SECTION}\n'
-    history.write_text(text.rstrip('\n') + '\n' + history_line(results, stem) + '\n')
+    head, _, rest = text.partition(HISTORY_SECTION)
+    nxt = rest.find('\n## ')
+    body, after = (rest, '') if nxt < 0 else (rest[:nxt], rest[nxt:])
+    body = body.rstrip('\n') + '\n' + history_line(results, stem) + '\n'
+    history.write_text(head + HISTORY_SECTION + body + after)
 
 
 def rewrite(json_path):
