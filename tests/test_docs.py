@@ -93,7 +93,8 @@ def test_the_markers_are_found_and_plain_text_passes():
     assert kinds == set(MARKERS), kinds
     prose = ('A round closes once Q workers pushed (docs/spec/quorum.md); k = 5, 1e-4, '
              'SSDSGD_MAX_MESSAGE_BYTES 2^34, 10.0.0.50:41231, node1:2, 0.33333334, '
-             'runs/digits-20260101-120000, burst 250000b, doi 10.1145/3373376.3378499, a deadbeef1 key.')
+             'runs/digits-20260101-120000, burst 250000b, doi 10.1145/3373376.3378499, '
+             'a deadbeef1 key.')
     assert run_log_markers(prose) == [(1, 'a commit hash', 'deadbeef1')]
     here = REPO / 'docs' / 'x.md'
     assert missing_links(here, '[a](spec/quorum.md) `bench/cluster/plan.py` '

@@ -1,7 +1,8 @@
 """What the benchmark runs: systems, workloads, bounds and step counts (no side effects).
 
 A *system* is one row of a table: MXNet's native ps-lite (dist_sync, dist_async) or
-ssd_sync with some settings (``bench.cluster.rows`` makes it from rows.yaml). A *workload* is what every worker does per step. Bounds:
+ssd_sync with some settings (``bench.cluster.rows`` makes it from rows.yaml). A
+*workload* is what every worker does per step. Bounds:
 
 * compute alone: N * batch / compute time per step (emulated: the configured time; real
   compute: measured by a row with no kvstore, every worker computing at once);
