@@ -481,11 +481,16 @@ def test_a_row_is_a_name_plus_settings_checked_against_the_settings_table(tmp_pa
         'ssd', 'ssd', 5, '2bit', {'delay_steps': 5})
     q = rows.parse_row('q3', {'sync.quorum': 3})           # YAML's integer, the text "3"
     assert q.quorum == '3' and q.straggler_tolerant
+    # a setting without a config key goes by its variable, as the settings table spells it
+    p4 = rows.system('ssgd-pieces4')
+    assert dict(p4.settings) == {'algorithm': 'ssgd', 'pipeline_pieces': '4'}
+    assert 'pipeline_pieces 4' in p4.label
     for overrides, words in (
             ({'sync.delay_step': 5}, "unknown setting 'sync.delay_step' (did you mean "
                                      "sync.delay_steps?)"),
             ({'sync.delay_steps': 0}, 'sync.delay_steps: expected an integer >= 1, got 0'),
             ({'cluster.workers': 4}, 'cluster.workers is not a row setting'),
+            ({'SSDSGD_RANK': 1}, 'SSDSGD_RANK is not a row setting'),
             ({'kvstore': 'dist_foo'}, 'kvstore: expected one of'),
             ({'sync.pull_schedule': 'staggered', 'sync.quorum': 'majority'},
              'sync.pull_schedule: staggered works with sync.quorum: all only'),

@@ -10,6 +10,7 @@ from pathlib import Path
 from ssdsgd.settings import BY_NAME
 
 from . import netns, plan
+from .rows import spelled
 from .workloads import worker_args
 
 class Bench:
@@ -52,7 +53,7 @@ class Bench:
         base = {'system': system.key, 'label': system.label, 'workload': workload.name,
                 'rate_bits': rate, 'workers': n, 'servers': s, 'k': system.k, 'steps': steps,
                 'warmup': warmup, 'compression': compression_params(system, self.args),
-                'settings': {BY_NAME[name].path: v for name, v in values.items()}}
+                'settings': {spelled(BY_NAME[name]): v for name, v in values.items()}}
         skipped = self.memory_skip(system, workload, n, s)
         if skipped:
             return dict(base, status=skipped)

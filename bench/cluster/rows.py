@@ -2,8 +2,9 @@
 
     ssd-k5-2bit: {sync.delay_steps: 5, sync.compression: 2bit}
 
-Each key is a config key of ``ssdsgd.settings`` (the settings table of docs/training.md)
-or ``kvstore`` (dist_sync, dist_async: MXNet's own parameter server; none: compute
+Each key is a setting of ``ssdsgd.settings`` as the settings table of docs/training.md
+spells it (its config key, or its variable if it has none: SSDSGD_PIPELINE_PIECES) or
+``kvstore`` (dist_sync, dist_async: MXNet's own parameter server; none: compute
 alone); each value is checked by its setting, and the row's values together by the
 settings' cross-field rules. A bad row is a one-line RowError naming the row and the key.
 A new setting needs no new row grammar: a row names it.
@@ -23,23 +24,32 @@ ROWS_FILE = Path(__file__).with_name('rows.yaml')
 KVSTORES = ('ssd_sync', 'dist_sync', 'dist_async', 'none')
 #: settings a row may not set: the experiment decides them, or a launcher does
 NOT_A_ROW_SETTING = ('num_workers', 'num_servers', 'launcher', 'hosts', 'max_restarts',
-                     'on_worker_failure', 'warmup_epochs', 'checkpoint_every_s')
+                     'on_worker_failure', 'warmup_epochs', 'checkpoint_every_s', 'start_step')
 
 
 class RowError(ValueError):
     """A row that names an unknown setting or gives a value its setting refuses."""
 
 
+def spelled(s):
+    """How the settings table spells a setting: its config key, else its variable."""
+    return s.path or s.env
+
+
+_SPELLED = {spelled(s): s for s in table.SETTINGS}
+
+
 def _setting(name, key):
-    s = table.BY_PATH.get(key)
+    s = _SPELLED.get(key)
     if s is None:
-        close = difflib.get_close_matches(key, list(table.BY_PATH) + ['kvstore'], n=1)
+        close = difflib.get_close_matches(key, list(_SPELLED) + ['kvstore'], n=1)
         hint = f' (did you mean {close[0]}?)' if close else ''
-        raise RowError(f'row {name}: unknown setting {key!r}{hint}; the settings are the '
-                       'config keys of docs/training.md')
-    if s.name in NOT_A_ROW_SETTING or (s.env is None and s.name != 'compression'):
-        raise RowError(f'row {name}: {key} is not a row setting (the benchmark or its '
-                       'experiment decides it)')
+        raise RowError(f'row {name}: unknown setting {key!r}{hint}; the settings are those '
+                       'of docs/training.md, by config key (or variable if it has none)')
+    if s.name in NOT_A_ROW_SETTING or s.launcher is not None or \
+            (s.env is None and s.name != 'compression'):
+        raise RowError(f'row {name}: {key} is not a row setting (the benchmark, its '
+                       'experiment or the launcher decides it)')
     return s
 
 
@@ -64,9 +74,9 @@ def parse_row(name, overrides):
                                                 else set()):
         raise RowError(f'row {name}: a kvstore {kvstore} row takes '
                        f'{"sync.compression only" if kvstore != "none" else "no settings"}, '
-                       f'got {", ".join(table.BY_NAME[n].path for n in values)}')
+                       f'got {", ".join(spelled(table.BY_NAME[n]) for n in values)}')
     try:
-        table.cross_check({**_defaults(), **values}, lambda n: table.BY_NAME[n].path)
+        table.cross_check({**_defaults(), **values}, lambda n: spelled(table.BY_NAME[n]))
     except table.SettingError as e:
         raise RowError(f'row {name}: {e}') from None
     return _system(name, kvstore, values)
@@ -124,7 +134,8 @@ def label(values, algorithm, k, p):
         if name in ('algorithm', 'delay_steps', 'group_size'):
             continue
         said = _SAID.get(name)
-        text += said(str(value)) if said else f', {table.BY_NAME[name].key} {value}'
+        s = table.BY_NAME[name]
+        text += said(str(value)) if said else f', {s.key or s.name} {value}'
     return text
 
 
