@@ -103,7 +103,8 @@ def hetero_checks(case):
     one that meets the most targets, then the fastest)."""
     done = {r['system']: r for r in case['rows'] if r.get('status') == 'ok'}
     ssgd = done.get('ssgd')
-    tolerant = [r for key, r in done.items() if rows.system(key).straggler_tolerant]
+    known = rows.catalog().systems
+    tolerant = [r for key, r in done.items() if key in known and known[key].straggler_tolerant]
     if case['name'] != 'slow' or not ssgd or not tolerant:
         return []
     best = max(tolerant, key=lambda r: (sum(bool(c['met']) for c in _checks(r, ssgd)),
