@@ -311,6 +311,9 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
         # the gradients crossed the shaped links: at least one push per step each way out
         assert r['tx_bytes_per_step'] >= TINY_BYTES
         assert r['leftover_pids'] == 0
+        # only ssd's steps-delay stage leaves pushes in flight: its timed region ends with
+        # the drain (a pull of every weight), which the worker knows its store by
+        assert (r['drain_s'] > 0) == (r['system'] == 'ssd-k2'), r
     assert group['rows'][0]['speedup'] == pytest.approx(1.0)
     [tta] = results['tta']['rows']
     assert tta['status'] == 'ok' and tta['curve'] and tta['steps'] > 0
