@@ -160,19 +160,31 @@ def kv_metrics(kv):
     return None
 
 
+def is_ssdsgd(kv):
+    """An ssd_sync store (its kv.type is the native type its algorithm acts like, e.g.
+    dist_sync_ssdsgd, so the class says it, not the type)."""
+    return kv is not None and type(kv).__module__.split('.')[0] == 'ssdsgd'
+
+
+def algorithm():
+    """The job's sync.algorithm, as the settings table reads it."""
+    from ssdsgd.settings import BY_NAME
+    s = BY_NAME['algorithm']
+    return os.environ.get(s.env) or s.default
+
+
 def is_sync(kv):
     """Does the server sum N gradients per step (so Trainer.step gets N * batch)?"""
     if kv is None:
         return False
-    if kv.type == 'ssd_sync':     # preduce: each worker's step is its own (docs/spec/preduce.md)
-        return os.environ.get('SSDSGD_ALGORITHM', 'ssd') not in ('asgd', 'preduce')
+    if is_ssdsgd(kv):     # preduce: each worker's step is its own (docs/spec/preduce.md)
+        return algorithm() not in ('asgd', 'preduce')
     return 'async' not in kv.type
 
 
 def drains(kv):
     """ssd_sync in the steps-delay stage leaves pushes in flight after a step returns."""
-    return (kv is not None and kv.type == 'ssd_sync'
-            and os.environ.get('SSDSGD_ALGORITHM', 'ssd') == 'ssd')
+    return is_ssdsgd(kv) and algorithm() == 'ssd'
 
 
 class PushPullTrainer:
@@ -204,7 +216,7 @@ def make_trainer(params, optimizer_params, kv, compression, grad_batch):
     """A stock gluon.Trainer ('sgd'), or PushPullTrainer for a native kvstore with
     compression."""
     from mxnet import gluon
-    if compression and kv is not None and kv.type != 'ssd_sync':
+    if compression and kv is not None and not is_ssdsgd(kv):
         return PushPullTrainer(params, 'sgd', optimizer_params, kv, compression, grad_batch)
     extra = {'compression_params': compression} if compression else {}
     return gluon.Trainer(params, 'sgd', optimizer_params, kvstore=kv, **extra)
@@ -482,8 +494,7 @@ def main(argv=None):
         res = run_throughput(args, kv)
     res.update({'kvstore': args.kvstore, 'kvstore_type': kv.type if kv else 'none',
                 'rank': rank, 'num_workers': kv.num_workers if kv else 1,
-                'algorithm': os.environ.get('SSDSGD_ALGORITHM') if args.kvstore == 'ssd_sync'
-                else None, 'pid': os.getpid(), 'slowdown': args.slowdown})
+                'algorithm': algorithm() if args.kvstore == 'ssd_sync' else None, 'pid': os.getpid(), 'slowdown': args.slowdown})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f'.result-rank{rank}.json.tmp'

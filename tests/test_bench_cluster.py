@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.cluster import netns, plan  # noqa: E402
+from bench.cluster import jobs, netns, plan, rows  # noqa: E402
 
 PY = sys.executable
 TINY_BYTES = 4 * (64 * 32 + 64 + 128 * 64 + 128 + 10 * 128 + 10)   # TINY_SHAPES in bench.cluster
@@ -93,97 +93,103 @@ def test_rates_and_bounds():
     assert by == 'link' and b == pytest.approx(4 * 32 / 3.2)
     b, by = plan.bound(w, 1e10, 4, 1)
     assert by == 'compute' and b == pytest.approx(4 * 32 / 0.8)
-    k10 = plan.ssd(10)
+    k10 = ssd(10)
     assert plan.choose_steps(k10, 3.0, 10) == 30          # at least 3 pull periods
-    assert plan.choose_steps(plan.NATIVE_SYNC, 0.01, 10) == 300
-    assert plan.system_by_key('ssd-k7').k == 7
-    assert plan.NATIVE_SYNC.synchronous and plan.SSGD.synchronous
-    assert not plan.ssd(5).synchronous and plan.ssd(5).pulls_per_step == 0.2
+    assert plan.choose_steps(rows.system('native-sync'), 0.01, 10) == 300
+    assert rows.parse_row('ssd-k7', {'sync.delay_steps': 7}).k == 7
+    assert rows.system('native-sync').synchronous and rows.system('ssgd').synchronous
+    assert not ssd(5).synchronous and ssd(5).pulls_per_step == 0.2
+
+
+def ssd(k):
+    return rows.parse_row(f'ssd-k{k}', {'sync.delay_steps': k})
 
 
 def test_compressed_systems_and_their_bounds():
-    k5 = plan.system_by_key('ssd-k5-2bit')
+    k5 = rows.system('ssd-k5-2bit')
     assert (k5.kind, k5.mode, k5.k, k5.compression) == ('ssd', 'ssd', 5, '2bit')
-    nat = plan.system_by_key('native-sync-2bit')
+    nat = rows.system('native-sync-2bit')
     assert nat.mode == 'dist_sync' and 'push/pull' in nat.label
-    assert plan.system_by_key('ssgd-topk').compression == 'topk'
-    with pytest.raises(KeyError):
-        plan.system_by_key('ssd-k5-3bit')
-    # a row's own glu_state (the runner sets SSDSGD_GLU_STATE for it), ssd rows only
-    cor = plan.system_by_key('ssd-k5-2bit-corrected')
+    assert rows.system('ssgd-topk').compression == 'topk'
+    with pytest.raises(rows.RowError, match='sync.compression'):
+        rows.parse_row('ssd-k5-3bit', {'sync.delay_steps': 5, 'sync.compression': '3bit'})
+    # a row's own glu_state (its job gets SSDSGD_GLU_STATE), not for native rows
+    cor = rows.system('ssd-k5-2bit-corrected')
     assert (cor.k, cor.compression, cor.glu_state) == (5, '2bit', 'corrected')
     assert cor.key == 'ssd-k5-2bit-corrected' and 'corrected' in cor.label
-    with pytest.raises(KeyError):
-        plan.system_by_key('ssgd-corrected')
-    # staggered pulls (the runner sets SSDSGD_PULL_SCHEDULE), ssd rows only, any order
-    # against the glu_state suffix
-    st = plan.system_by_key('ssd-k5-2bit-staggered-corrected')
+    assert dict(cor.settings)['glu_state'] == 'corrected'
+    with pytest.raises(rows.RowError, match='sync.compression only'):
+        rows.parse_row('native-corrected', {'kvstore': 'dist_sync', 'sync.glu_state': 'corrected'})
+    # staggered pulls (its job gets SSDSGD_PULL_SCHEDULE)
+    st = rows.system('ssd-k5-2bit-staggered-corrected')
     assert (st.k, st.compression, st.glu_state, st.staggered) == (5, '2bit', 'corrected', True)
-    other = plan.system_by_key('ssd-k5-2bit-corrected-staggered')
-    assert (other.glu_state, other.staggered, other.k) == ('corrected', True, 5)
     assert 'staggered' in st.label and not cor.staggered
-    with pytest.raises(KeyError):
-        plan.system_by_key('native-sync-staggered')
+    with pytest.raises(rows.RowError):
+        rows.parse_row('native-sync-staggered', {'kvstore': 'dist_sync',
+                                                 'sync.pull_schedule': 'staggered'})
     # 100 MB, 4 workers, 1 server at 1 Gbit/s: 2bit pushes are 1/16 as big, so ssd k=5's
     # uncompressed pulls (1/5 of the model per step) bind: 3.2 s x 0.2; a synchronous
     # system still pulls the whole model every step
     assert plan.link_time(100_000_000, 1e9, 4, 1, k5) == pytest.approx(0.64)
     assert plan.link_time(100_000_000, 1e9, 4, 1, nat) == pytest.approx(3.2)
-    assert plan.link_time(100_000_000, 1e9, 4, 1, plan.ssd(5)) == pytest.approx(3.2)
+    assert plan.link_time(100_000_000, 1e9, 4, 1, ssd(5)) == pytest.approx(3.2)
     # with glu_state exact (the default, or the row's own) a pull carries the momentum
     # too: twice the pull bytes, so k=5 + 2bit's pulls take 0.4 of the model per step
     assert k5.resolved('exact').state_pulls and not k5.resolved('corrected').state_pulls
     assert plan.link_time(100_000_000, 1e9, 4, 1, k5.resolved('exact')) == pytest.approx(1.28)
     assert not cor.resolved('exact').state_pulls         # the row's own glu_state wins
-    assert plan.link_time(100_000_000, 1e9, 4, 1, plan.ssd(1).resolved('exact')) == \
+    assert plan.link_time(100_000_000, 1e9, 4, 1, ssd(1).resolved('exact')) == \
         pytest.approx(6.4)                                # k = 1: 2 models pulled a step
     assert not nat.resolved('exact').state_pulls          # native rows pull weights only
     # relayed pulls (the runner sets SSDSGD_PULL_RELAY): a server sends each pull once and
     # every worker's uplink carries it on beside its pushes (docs/spec/pull_relay.md)
-    rel = plan.system_by_key('ssd-k5-2bit-w4-relay').resolved('exact')
+    rel = rows.system('ssd-k5-2bit-w4-relay').resolved('exact')
     assert (rel.relay, rel.warmup, rel.k, rel.state_pulls) == (True, 4, 5, True)
-    assert plan.system_by_key('ssgd-relay').relay and 'relayed' in rel.label
+    assert rows.system('ssgd-relay').relay and 'relayed' in rel.label
     assert plan.link_time(100_000_000, 1e9, 4, 1, rel) == pytest.approx(0.8 * (1 / 16 + 0.4))
     # ssgd + 2bit: a server's uplink carried 4 pulls a step; relayed, a worker's uplink
     # carries one pull and its 2bit push
-    assert plan.link_time(100_000_000, 1e9, 4, 1, plan.system_by_key('ssgd-2bit')) == \
+    assert plan.link_time(100_000_000, 1e9, 4, 1, rows.system('ssgd-2bit')) == \
         pytest.approx(3.2)
-    assert plan.link_time(100_000_000, 1e9, 4, 1, plan.system_by_key('ssgd-2bit-relay')) == \
+    assert plan.link_time(100_000_000, 1e9, 4, 1, rows.system('ssgd-2bit-relay')) == \
         pytest.approx(0.8 * (1 + 1 / 16))
-    with pytest.raises(KeyError):
-        plan.system_by_key('native-sync-relay')
+    with pytest.raises(rows.RowError):
+        rows.parse_row('native-sync-relay', {'kvstore': 'dist_sync', 'sync.pull_relay': 'chain'})
 
 
 def test_a_row_can_have_its_own_2bit_threshold_and_warmup():
-    """ssd-k5-2bit-t1-w4: the ssd row's own knobs, while the native + 2bit row keeps the
-    benchmark's --threshold and the other rows the experiment's warm-up."""
-    from bench.cluster import __main__ as cli
-    args = cli.parse_args(['--only', 'tta-comm'])
-    row = plan.system_by_key('ssd-k5-2bit-t1-w4')
+    """ssd-k5-2bit-t1-w4 (sync.compression 2bit:1, sync.warmup_steps 4): the ssd row's own
+    knobs, while the native + 2bit row keeps the benchmark's --threshold and the other rows
+    the experiment's warm-up."""
+    from bench.cluster import args as cli_args
+    args = cli_args.parse_args(['--only', 'tta-comm'])
+    row = rows.system('ssd-k5-2bit-t1-w4')
     assert (row.mode, row.k, row.compression, row.threshold, row.warmup) == (
         'ssd', 5, '2bit', 1.0, 4)
     assert row.key == 'ssd-k5-2bit-t1-w4' and 't=1' in row.label and 'warm-up 4' in row.label
     assert row.warmup_or(args.tta_comm_warmup) == 4
-    assert cli.compression_params(row, args) == {'type': '2bit', 'threshold': 1.0}
-    assert plan.system_by_key('ssd-k10-2bit-w2').threshold == 0.0
-    assert cli.compression_params(plan.system_by_key('ssd-k10-2bit-w2'), args)[
+    assert jobs.compression_params(row, args) == {'type': '2bit', 'threshold': 1.0}
+    assert rows.system('ssd-k10-2bit-w2').threshold == 0.0
+    assert jobs.compression_params(rows.system('ssd-k10-2bit-w2'), args)[
         'threshold'] == args.threshold == 0.5
-    assert cli.compression_params(plan.system_by_key('native-sync-2bit'), args)[
+    assert jobs.compression_params(rows.system('native-sync-2bit'), args)[
         'threshold'] == 0.5
-    assert plan.system_by_key('ssd-k5-2bit-t0.25').threshold == 0.25
-    assert plan.system_by_key('ssd-k5').warmup_or(10) == 10
-    assert plan.system_by_key('ssd-k5-topk').compression == 'topk'   # not a threshold
-    for bad in ('ssgd-w4', 'native-sync-2bit-w4', 'ssd-k5-t1', 'ssd-k5-topk-t1',
-                'ssd-k5-2bit-t0', 'ssd-k5-2bit-tinf', 'ssd-k5-2bit-w1.5', 'ssd-k5-2bit-t-1'):
-        with pytest.raises(KeyError):
-            plan.system_by_key(bad)
+    assert rows.parse_row('t', {'sync.compression': '2bit:0.25'}).threshold == 0.25
+    assert rows.system('ssd-k5').warmup_or(10) == 10
+    assert rows.system('ssd-k5-topk').compression == 'topk'   # not a threshold
+    for bad in ({'kvstore': 'dist_sync', 'sync.compression': '2bit', 'sync.warmup_steps': 4},
+                {'sync.compression': 'none:1'}, {'sync.compression': 'topk:2'},
+                {'sync.compression': '2bit:0'}, {'sync.compression': '2bit:inf'},
+                {'sync.warmup_steps': 1.5}, {'sync.compression': '2bit:-1'}):
+        with pytest.raises(rows.RowError):
+            rows.parse_row('bad', bad)
 
 
 def test_tta_comm_seed_goes_to_every_worker():
     from bench import cluster_worker
-    from bench.cluster import __main__ as cli
+    from bench.cluster import args as cli_args, tta
     for argv, seed in (([], 0), (['--tta-comm-seed', '3'], 3)):
-        wargs = cli.tta_comm_worker_args(cli.parse_args(['--only', 'tta-comm'] + argv))
+        wargs = tta.tta_comm_worker_args(cli_args.parse_args(['--only', 'tta-comm'] + argv))
         parsed = cluster_worker.parse_args(['--kvstore', 'ssd_sync', '--out', 'x'] +
                                            [str(a) for a in wargs])
         assert (parsed.seed, parsed.hidden, parsed.epochs, parsed.deferred_eval) == (
@@ -191,7 +197,7 @@ def test_tta_comm_seed_goes_to_every_worker():
 
 
 def test_tta_comm_checks_take_the_ssd_row_that_meets_the_most_targets():
-    from bench.cluster import __main__ as cli
+    from bench.cluster import tta as cli
 
     def row(system, tta, final):
         return {'system': system, 'label': system, 'status': 'ok', 'time_to_target_s': tta,
@@ -216,18 +222,18 @@ def test_tta_comm_checks_take_the_ssd_row_that_meets_the_most_targets():
 
 
 def test_hetero_rows_with_a_quorum_or_partial_reduce_are_the_tolerant_ones():
-    rows = [plan.system_by_key(k) for k in plan.HETERO_SYSTEMS.split(',')]
-    assert {r.key for r in rows if r.straggler_tolerant} == {
+    hetero_rows = rows.catalog().names('hetero')
+    assert {r.key for r in hetero_rows if r.straggler_tolerant} == {
         'ssgd-majority', 'ssd-k5-majority', 'ssd-k5-solo', 'preduce-p2'}
-    maj = plan.system_by_key('ssd-k5-majority')
+    maj = rows.system('ssd-k5-majority')
     assert (maj.mode, maj.k, maj.quorum) == ('ssd', 5, 'majority')
-    assert plan.system_by_key('ssgd-solo').quorum == 'solo'
-    with pytest.raises(KeyError):
-        plan.system_by_key('native-sync-majority')    # MXNet's kvstores have no quorum
+    assert rows.system('ssgd-solo').quorum == 'solo'
+    with pytest.raises(rows.RowError):          # MXNet's kvstores have no quorum
+        rows.parse_row('native-sync-majority', {'kvstore': 'dist_sync', 'sync.quorum': 'majority'})
 
 
 def test_hetero_target_is_ssgds_final_accuracy_minus_half_a_point():
-    from bench.cluster import __main__ as cli
+    from bench.cluster import hetero as cli
     ssgd = {'system': 'ssgd', 'status': 'ok', 'final_accuracy': 351 / 360}
     case = {'rows': [{'system': 'ssd-k5', 'status': 'ok', 'final_accuracy': 0.9},
                      ssgd]}
@@ -242,11 +248,11 @@ def test_hetero_target_is_ssgds_final_accuracy_minus_half_a_point():
     cli.mark_target(row, 1.0)
     assert row['steps_to_target'] is None and row['time_to_target_s'] is None
     with pytest.raises(Exception, match='target accuracy'):
-        cli._target('1.5')
+        cli.parse_target('1.5')
 
 
 def test_hetero_checks_take_the_tolerant_row_that_meets_the_most_targets():
-    from bench.cluster import __main__ as cli
+    from bench.cluster import hetero as cli
 
     def row(system, sps, tta, final):
         return {'system': system, 'label': system, 'status': 'ok', 'samples_per_s': sps,
@@ -305,6 +311,9 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
         # the gradients crossed the shaped links: at least one push per step each way out
         assert r['tx_bytes_per_step'] >= TINY_BYTES
         assert r['leftover_pids'] == 0
+        # only ssd's steps-delay stage leaves pushes in flight: its timed region ends with
+        # the drain (a pull of every weight), which the worker knows its store by
+        assert (r['drain_s'] > 0) == (r['system'] == 'ssd-k2'), r
     assert group['rows'][0]['speedup'] == pytest.approx(1.0)
     [tta] = results['tta']['rows']
     assert tta['status'] == 'ok' and tta['curve'] and tta['steps'] > 0
@@ -441,7 +450,7 @@ def test_comm_bound_checks_judge_every_ssd_k5_2bit_row():
     """Each ssd k=5 + 2bit row (the default glu_state and one of its own) is judged
     against both native rows of the same invocation."""
     from types import SimpleNamespace
-    from bench.cluster.__main__ import comm_bound_checks
+    from bench.cluster.matrix import comm_bound_checks
     rows = [{'system': 'native-sync', 'samples_per_s': 10.0},
             {'system': 'native-sync-2bit', 'samples_per_s': 20.0},
             {'system': 'ssd-k5-2bit', 'glu_state': '', 'samples_per_s': 29.0},
@@ -464,3 +473,141 @@ def test_comm_bound_checks_judge_every_ssd_k5_2bit_row():
     assert checks['ssd k=5 + 2bit (corrected) steady-state throughput / native dist_sync '
                   'steady state'] == ('3.50', True)
     assert not any(w.startswith('ssd k=5 + 2bit steady') for w in checks)
+
+
+# ---- rows: a name plus settings ---------------------------------------------------------
+def test_a_row_is_a_name_plus_settings_checked_against_the_settings_table(tmp_path):
+    """rows.yaml's rows and each experiment's list are read and checked; a bad row is a
+    one-line error naming the row and the key."""
+    k5 = rows.parse_row('ssd-k5-2bit', {'sync.delay_steps': 5, 'sync.compression': '2bit'})
+    assert (k5.kind, k5.mode, k5.k, k5.compression, dict(k5.settings)) == (
+        'ssd', 'ssd', 5, '2bit', {'delay_steps': 5})
+    q = rows.parse_row('q3', {'sync.quorum': 3})           # YAML's integer, the text "3"
+    assert q.quorum == '3' and q.straggler_tolerant
+    # a setting without a config key goes by its variable, as the settings table spells it
+    p4 = rows.system('ssgd-pieces4')
+    assert dict(p4.settings) == {'algorithm': 'ssgd', 'pipeline_pieces': '4'}
+    assert 'pipeline_pieces 4' in p4.label
+    for overrides, words in (
+            ({'sync.delay_step': 5}, "unknown setting 'sync.delay_step' (did you mean "
+                                     "sync.delay_steps?)"),
+            ({'sync.delay_steps': 0}, 'sync.delay_steps: expected an integer >= 1, got 0'),
+            ({'cluster.workers': 4}, 'cluster.workers is not a row setting'),
+            ({'SSDSGD_RANK': 1}, 'SSDSGD_RANK is not a row setting'),
+            ({'kvstore': 'dist_foo'}, 'kvstore: expected one of'),
+            ({'sync.pull_schedule': 'staggered', 'sync.quorum': 'majority'},
+             'sync.pull_schedule: staggered works with sync.quorum: all only'),
+            ({'sync.algorithm': 'preduce', 'sync.compression': '2bit'},
+             'expected none with algorithm preduce'),
+            ('5', 'expected a mapping of settings')):
+        with pytest.raises(rows.RowError) as e:
+            rows.parse_row('bad', overrides)
+        assert str(e.value).startswith('row bad: ') and words in str(e.value), e.value
+        assert '\n' not in str(e.value)
+    bad = tmp_path / 'rows.yaml'
+    bad.write_text('rows:\n  ssd-k5: {sync.delay_steps: 5}\nexperiments:\n  matrix: [ssd-k6]\n')
+    with pytest.raises(rows.RowError, match="experiment matrix: unknown row 'ssd-k6' "
+                       r"\(did you mean ssd-k5\?\)"):
+        rows.Catalog(bad)
+    bad.write_text('rows:\n  x: {sync.glu_state: exactly}\n')
+    with pytest.raises(rows.RowError, match='row x: sync.glu_state: expected one of'):
+        rows.Catalog(bad)
+
+
+def test_every_experiment_has_a_defaults_row_that_is_given_nothing():
+    """The defaults row runs what a user who sets nothing gets: no setting of its own,
+    none of the experiment's (warm-up, --glu-state), so its job has no SSDSGD_* variable
+    but the launcher's; every other ssd_sync row gets the experiment's where it sets none."""
+    from bench.cluster import __main__ as cli
+    catalog = rows.catalog()
+    assert set(catalog.experiments) == {'matrix', 'scaling', 'tta', 'hetero', 'tta-comm'}
+    for name, names in catalog.experiments.items():
+        assert 'defaults' in names, name
+    d = rows.system('defaults')
+    assert d.defaults and d.settings == () and d.label == 'ssd_sync defaults'
+    assert (d.kind, d.mode, d.k) == ('ssd', 'ssd', 5)            # settings.py's defaults
+    assert jobs.job_settings(d, 2, 'corrected') == {}
+    assert jobs.job_settings(rows.system('ssd-k5'), 2, 'corrected') == {
+        'delay_steps': 5, 'warmup_steps': 2, 'glu_state': 'corrected'}
+    assert jobs.job_settings(rows.system('ssd-k10-2bit-w4-relay'), 10) == {
+        'delay_steps': 10, 'warmup_steps': 4, 'pull_relay': 'chain'}
+    assert jobs.job_settings(rows.system('native-sync'), 2, 'exact') == {}
+    # the shell's SSDSGD_* variables would reach every job through the launcher
+    os.environ['SSDSGD_DELAY_STEPS'] = '7'
+    said = []
+    try:
+        cli.clear_shell_settings(said.append)
+        assert 'SSDSGD_DELAY_STEPS' not in os.environ
+        assert said and 'SSDSGD_DELAY_STEPS=7' in said[0]
+    finally:
+        os.environ.pop('SSDSGD_DELAY_STEPS', None)
+
+
+def test_a_row_from_the_command_line():
+    from bench.cluster import args as cli_args
+    cli_args.parse_args(['--row', 'ssd-k7-topk:sync.delay_steps=7,sync.compression=topk:0.05'])
+    row = rows.system('ssd-k7-topk')
+    assert (row.k, row.compression, row.ratio) == (7, 'topk', 0.05)
+    assert jobs.compression_params(row, cli_args.parse_args([])) == {'type': 'topk',
+                                                                     'ratio': 0.05}
+    with pytest.raises(SystemExit):
+        cli_args.parse_args(['--row', 'x:sync.delay_steps=two'])
+
+
+def test_targets_come_from_the_docs_and_every_check_names_one():
+    """docs/benchmarks/targets.md is the one place of the targets: each id the checks use
+    is in its table, and a check is judged by that table's number."""
+    import ast
+    from bench.cluster import targets
+    table = targets.table()
+    used = set()
+    for module in ('matrix', 'tta', 'hetero'):
+        tree = ast.parse((REPO / 'bench' / 'cluster' / f'{module}.py').read_text())
+        used |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                 and isinstance(n.value, str) and n.value.split('.')[0] in (
+                     'comm', 'tta_comm', 'hetero') and '.' in n.value and ' ' not in n.value}
+    assert used and used <= set(table), used - set(table)
+    assert table['comm.ssd_k5_2bit_vs_native'] == 3.0 and table['hetero.vs_ssgd'] == 1.6
+    c = targets.check('x', 'hetero.vs_ssgd', 1.59, fmt='.3f')
+    assert (c['measured'], c['met'], c['target']) == ('1.590', False, '>= 1.6')
+    assert targets.check('x', 'hetero.vs_ssgd', None)['met'] is None
+    with pytest.raises(KeyError, match='not in'):
+        targets.at_least('comm.nothing')
+
+
+def test_generated_pages_carry_no_run_log():
+    """A page rewritten from its JSON shows the command without this machine's paths and
+    no date or commit; the run's date and commit go to the history file."""
+    from bench.cluster import pages
+    from tests.test_docs import run_log_markers
+    results = json.loads((REPO / 'docs' / 'benchmarks' / 'cluster_tta_comm.json').read_text())
+    results['meta']['command'] = ('python -m bench.cluster --only tta-comm --out /x/docs '
+                                  '--raw=/tmp/r --name cluster_tta_comm')
+    text = pages.markdown(results, [], 'cluster_tta_comm')
+    assert run_log_markers(text) == [], run_log_markers(text)
+    assert ('`sudo .venv/bin/python -m bench.cluster --only tta-comm --name '
+            'cluster_tta_comm`') in text and '/tmp/r' not in text
+    assert '## Time to accuracy at a comm-bound point' in text
+    line = pages.history_line(results, 'cluster_tta_comm')
+    assert results['meta']['machine']['date'] in line and results['meta']['machine']['git'] in line
+    assert run_log_markers(pages.hetero_markdown(
+        json.loads((REPO / 'docs' / 'benchmarks' / 'hetero.json').read_text()))) == []
+
+
+def test_a_written_page_records_its_run_in_the_history_file(tmp_path):
+    from bench.cluster import pages
+    results = json.loads((REPO / 'docs' / 'benchmarks' / 'hetero.json').read_text())
+    history = tmp_path / 'history.md'
+    history.write_text('# History\n\nolder text\n')
+    pages.record_run(results, 'hetero', history)
+    pages.record_run(results, 'hetero', history)
+    text = history.read_text()
+    line = pages.history_line(results, 'hetero')
+    assert text.startswith('# History\n\nolder text\n')
+    assert text.count(pages.HISTORY_SECTION) == 1 and text.count(line) == 2
+    assert text.rstrip().endswith(line)
+    # a section followed by others: the line goes at the end of its own section
+    history.write_text(f'# History\n\n{pages.HISTORY_SECTION}\n\n- a run\n\n## Later\n\ntext\n')
+    pages.record_run(results, 'hetero', history)
+    assert history.read_text() == (f'# History\n\n{pages.HISTORY_SECTION}\n\n- a run\n{line}\n'
+                                   '\n## Later\n\ntext\n')

@@ -1,7 +1,8 @@
 """What the benchmark runs: systems, workloads, bounds and step counts (no side effects).
 
 A *system* is one row of a table: MXNet's native ps-lite (dist_sync, dist_async) or
-ssd_sync with one algorithm. A *workload* is what every worker does per step. Bounds:
+ssd_sync with some settings (``bench.cluster.rows`` makes it from rows.yaml). A
+*workload* is what every worker does per step. Bounds:
 
 * compute alone: N * batch / compute time per step (emulated: the configured time; real
   compute: measured by a row with no kvstore, every worker computing at once);
@@ -16,26 +17,29 @@ ssd_sync with one algorithm. A *workload* is what every worker does per step. Bo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
 class System:
-    key: str              # short id: native-sync, ssgd, ssd-k5, ...
+    """What a row of the tables runs, as ``bench.cluster.rows`` reads it from rows.yaml."""
+    key: str              # the row's name: native-sync, ssd-k5-2bit, defaults, ...
     label: str            # the table's row name
     kind: str             # 'native', 'ssd' or 'none'
-    mode: str = ''        # native: dist_sync | dist_async; ssd: ssd | ssgd | asgd
-    k: int = 0            # ssd: delay steps
-    p: int = 0            # preduce: group size P
+    mode: str = ''        # native: dist_sync | dist_async; ssd: sync.algorithm
+    k: int = 0            # ssd: sync.delay_steps (0 for the other algorithms)
+    p: int = 0            # preduce: sync.group_size
     compression: str = ''  # push compression type ('2bit', 'topk') or '' for none
-    quorum: str = ''      # sync.quorum (majority, solo, an integer) or '' for all
+    quorum: str = ''      # sync.quorum if the row sets it
     threshold: float = 0.0  # 2bit threshold of this row (0: the benchmark's --threshold)
-    warmup: int = -1      # ssd warm-up steps of this row (-1: the experiment's)
-    glu_state: str = ''   # ssd: the row's glu_state, or '' for --glu-state / the default
-    staggered: bool = False  # ssd: sync.pull_schedule staggered (docs/spec/staggered_pulls.md)
+    ratio: float = 0.0    # topk ratio of this row (0: the benchmark's --topk-ratio)
+    warmup: int = -1      # the row's sync.warmup_steps (-1: the experiment's)
+    glu_state: str = ''   # the row's sync.glu_state, or '' for --glu-state / the default
+    staggered: bool = False  # sync.pull_schedule staggered (docs/spec/staggered_pulls.md)
     state_pulls: bool = False  # ssd: pulls carry the momentum too (glu_state exact; resolved)
-    relay: bool = False   # ssgd/ssd: sync.pull_relay chain (docs/spec/pull_relay.md)
+    relay: bool = False   # sync.pull_relay chain (docs/spec/pull_relay.md)
+    settings: tuple = ()  # ssd_sync: the row's (setting name, value) pairs, for the job
+    defaults: bool = False  # changes nothing and is given nothing: a user's defaults
 
     @property
     def synchronous(self):
@@ -66,137 +70,14 @@ class System:
         8 bytes per sent element at the default ratio 0.1)."""
         return {'': 1.0, '2bit': 1 / 16, 'topk': 0.2}[self.compression]
 
-    def compressed(self, kind):
-        """This system with push compression ``kind`` ('2bit' or 'topk')."""
-        if kind not in COMPRESSIONS:
-            raise KeyError(f'compression {kind!r}: one of {", ".join(COMPRESSIONS)}')
-        how = ' (push/pull)' if self.kind == 'native' else ''
-        return replace(self, key=f'{self.key}-{kind}', label=f'{self.label} + {kind}{how}',
-                       compression=kind)
-
-
-    def with_quorum(self, quorum):
-        """This ssd_sync system with ``sync.quorum: quorum`` (docs/spec/quorum.md)."""
-        if self.kind != 'ssd' or self.mode not in ('ssgd', 'ssd'):
-            raise KeyError(f'quorum {quorum!r}: only for ssgd and ssd rows, not {self.key}')
-        return replace(self, key=f'{self.key}-{quorum}', label=f'{self.label} + {quorum}',
-                       quorum=quorum)
-
-    def with_threshold(self, threshold):
-        """This 2bit system with its own threshold (suffix -tT: ssd-k5-2bit-t1)."""
-        if self.compression != '2bit' or not 0 < threshold < math.inf:
-            raise KeyError(f'threshold {threshold:g}: only for a -2bit row, and > 0, '
-                           f'not {self.key}')
-        return replace(self, key=f'{self.key}-t{threshold:g}', threshold=threshold,
-                       label=f'{self.label} t={threshold:g}')
-
-    def with_warmup(self, steps):
-        """This ssd_sync system with its own warm-up steps (suffix -wW: ssd-k5-2bit-w4)."""
-        if self.kind != 'ssd' or self.mode != 'ssd':
-            raise KeyError(f'warm-up {steps}: only for ssd rows, not {self.key}')
-        return replace(self, key=f'{self.key}-w{steps}', warmup=steps,
-                       label=f'{self.label}, warm-up {steps}')
-
     def warmup_or(self, default):
         """The warm-up steps this row runs: its own, else ``default``."""
         return default if self.warmup < 0 else self.warmup
-
-    def with_glu_state(self, state):
-        """This ssd row with ``glu_state: state`` (docs/glu.md), whatever --glu-state says."""
-        if self.kind != 'ssd' or self.mode != 'ssd':
-            raise KeyError(f'glu_state {state!r}: only for ssd rows, not {self.key}')
-        return replace(self, key=f'{self.key}-{state}', label=f'{self.label} ({state})',
-                       glu_state=state)
-
-    def with_staggered_pulls(self):
-        """This ssd row with its workers' pulls spread over each period (suffix
-        -staggered: ssd-k5-2bit-staggered)."""
-        if self.kind != 'ssd' or self.mode != 'ssd':
-            raise KeyError(f'staggered pulls: only for ssd rows, not {self.key}')
-        return replace(self, key=f'{self.key}-staggered', staggered=True,
-                       label=f'{self.label}, staggered pulls')
-
-    def with_relay(self):
-        """This ssgd or ssd row with its pulls relayed from worker to worker (suffix
-        -relay: ssd-k10-2bit-w4-relay)."""
-        if self.kind != 'ssd' or self.mode not in ('ssgd', 'ssd'):
-            raise KeyError(f'relayed pulls: only for ssgd and ssd rows, not {self.key}')
-        return replace(self, key=f'{self.key}-relay', relay=True,
-                       label=f'{self.label}, relayed pulls')
 
     @property
     def straggler_tolerant(self):
         """Does not wait for the slowest worker (issue 11's tolerant rows)."""
         return self.mode == 'preduce' or self.quorum not in ('', 'all')
-
-
-COMPRESSIONS = ('2bit', 'topk')
-QUORUMS = ('majority', 'solo')
-GLU_STATES = ('exact', 'corrected', 'estimate')
-
-
-NATIVE_SYNC = System('native-sync', 'native dist_sync', 'native', 'dist_sync')
-NATIVE_ASYNC = System('native-async', 'native dist_async', 'native', 'dist_async')
-SSGD = System('ssgd', 'ssd_sync ssgd', 'ssd', 'ssgd')
-ASGD = System('asgd', 'ssd_sync asgd', 'ssd', 'asgd')
-COMPUTE_ONLY = System('compute', 'compute only (no kvstore)', 'none')
-
-
-def ssd(k):
-    return System(f'ssd-k{k}', f'ssd_sync ssd k={k}', 'ssd', 'ssd', k)
-
-
-def preduce(p):
-    return System(f'preduce-p{p}', f'ssd_sync preduce P={p}', 'ssd', 'preduce', p=p)
-
-
-HETERO_SYSTEMS = ('native-sync,ssgd,ssd-k5,ssgd-majority,ssd-k5-majority,ssd-k5-solo,'
-                  'preduce-p2')
-
-
-def matrix_systems(ks=(2, 5, 10)):
-    return [NATIVE_SYNC, NATIVE_ASYNC, SSGD, ASGD] + [ssd(k) for k in ks]
-
-
-def system_by_key(key):
-    """'native-sync', 'ssd-k5', ... with an optional compression suffix ('ssd-k5-2bit') or
-    quorum suffix ('ssd-k5-majority', 'ssgd-solo'), then optionally a 2bit row's own
-    threshold ('-t1') and an ssd row's own warm-up ('-w4'), and a glu_state suffix last:
-    'ssd-k5-2bit-t1-w4', 'ssd-k5-2bit-corrected'; '-staggered' anywhere after the
-    compression: 'ssd-k5-2bit-staggered-corrected'; '-relay' likewise (ssgd rows too)."""
-    base, _, kind = key.rpartition('-')
-    if kind in GLU_STATES:
-        return system_by_key(base).with_glu_state(kind)
-    if kind == 'staggered':
-        return system_by_key(base).with_staggered_pulls()
-    if kind == 'relay':
-        return system_by_key(base).with_relay()
-    if base and kind[:1] in ('t', 'w') and _number(kind[1:]) is not None:
-        system = system_by_key(base)
-        if kind[0] == 'w' and kind[1:].isdigit():
-            return system.with_warmup(int(kind[1:]))
-        if kind[0] == 't':
-            return system.with_threshold(_number(kind[1:]))
-        raise KeyError(key)
-    if kind in COMPRESSIONS:
-        return system_by_key(base).compressed(kind)
-    if kind in QUORUMS:
-        return system_by_key(base).with_quorum(kind)
-    for s in matrix_systems((2, 5, 10)) + [COMPUTE_ONLY]:
-        if s.key == key:
-            return s
-    if key.startswith('ssd-k') and key[5:].isdigit():
-        return ssd(int(key[5:]))
-    if key.startswith('preduce-p') and key[9:].isdigit():
-        return preduce(int(key[9:]))
-    raise KeyError(key)
-
-
-def _number(text):
-    try:
-        return float(text)
-    except ValueError:
-        return None
 
 
 #: emulated workloads: the gluoncv model whose trainable parameter shapes are exchanged,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bench.common import REPO, load_results
 from ssdsgd.launch.job import run_job
+from ssdsgd.settings import to_env
 from ssdsgd.testing import NativePSError, clean_env, run_native_nodes, stop_groups
 
 from . import netns
@@ -58,11 +59,12 @@ def _launcher_exit_race(log_path, out, num_workers):
         in launcher[-1]
 
 
-def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, warmup,
-               log_path, notes=None, ssd_env=None):
+def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, settings,
+               log_path, notes=None):
     """Run ``cluster_worker.py args`` as the workers of one job of ``system``; returns the
     per-worker result dicts. Raises RuntimeError (with the log's tail) on failure.
-    ``ssd_env``: more SSDSGD_* variables for an ssd_sync job."""
+    ``settings``: an ssd_sync job's settings by name (``jobs.job_settings``), its only
+    SSDSGD_* variables besides the launcher's own."""
     layout = Layout(cluster, num_workers, num_servers)
     notes = notes if notes is not None else []
     out = Path(out)
@@ -72,7 +74,7 @@ def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, wa
         if system.kind == 'native':
             _run_native(system, layout, args, out, timeout, log_path)
         elif system.kind == 'ssd':
-            _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes, ssd_env)
+            _run_ssd(system, layout, args, out, timeout, settings, log_path, notes)
         elif system.kind == 'none':
             _run_compute_only(layout, args, out, timeout, log_path)
         else:
@@ -141,20 +143,9 @@ def _run_native(system, layout, args, out, timeout, log_path):
             f.write(f'--- worker {w.index} (exit {w.returncode})\n{w.stdout}\n{w.stderr}\n')
 
 
-def _run_ssd(system, layout, args, out, timeout, warmup, log_path, notes, ssd_env=None):
+def _run_ssd(system, layout, args, out, timeout, settings, log_path, notes):
     """ssdsgd's run_job with the netns launcher; the launcher's exit race is a note."""
-    env = dict(JOB_ENV, SSDSGD_ALGORITHM=system.mode, SSDSGD_WARMUP_STEPS=str(warmup),
-               SSDSGD_DELAY_STEPS=str(max(system.k, 1)), **(ssd_env or {}))
-    if system.mode == 'preduce':
-        env['SSDSGD_GROUP_SIZE'] = str(system.p)
-    if system.quorum:
-        env['SSDSGD_QUORUM'] = system.quorum
-    if system.glu_state:
-        env['SSDSGD_GLU_STATE'] = system.glu_state
-    if system.staggered:
-        env['SSDSGD_PULL_SCHEDULE'] = 'staggered'
-    if system.relay:
-        env['SSDSGD_PULL_RELAY'] = 'chain'
+    env = dict(JOB_ENV, **to_env(**settings))
     with open(log_path, 'w') as f:
         def log(text):
             f.write(f'[launcher] {text}\n')
