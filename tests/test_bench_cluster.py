@@ -498,7 +498,7 @@ def test_a_row_is_a_name_plus_settings_checked_against_the_settings_table(tmp_pa
             ({'sync.pull_schedule': 'staggered', 'sync.quorum': 'majority'},
              'sync.pull_schedule: staggered works with sync.quorum: all only'),
             ({'sync.algorithm': 'preduce', 'sync.compression': '2bit'},
-             'expected none with algorithm preduce'),
+             'sync.algorithm: preduce works with sync.compression: none only'),
             ('5', 'expected a mapping of settings')):
         with pytest.raises(rows.RowError) as e:
             rows.parse_row('bad', overrides)
