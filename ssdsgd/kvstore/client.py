@@ -585,13 +585,13 @@ class WorkerClient:
             self._link_id = link.routing_id
             self._relay_ranks = {bytes.fromhex(h): r
                                  for r, h in enumerate(self.topology.get("workers", []))}
-            for host, port in self.topology["servers"]:
+            for server, (host, port) in enumerate(self.topology["servers"]):
                 s = self.ctx.socket(zmq.DEALER)
                 sockets.append(s)
                 s.setsockopt(zmq.SNDHWM, 0)
                 s.setsockopt(zmq.RCVHWM, 0)
                 s.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
-                link.secure(s)     # this worker's connection id and the job's keys
+                link.secure(s, server)     # this worker's connection id and keys
                 s.connect(f"tcp://{host}:{port}")
         except Exception:
             for s in sockets + [link.sock]:
@@ -751,7 +751,7 @@ class WorkerClient:
                 return
             ident, frames = frames[0].bytes, frames[1:]
             rank = self._relay_ranks.get(ident)
-            if rank is None:
+            if rank is None or self._guard.wrong_claim(frames[0], "worker", rank):
                 continue         # not a worker of this job (a reconnect or a stranger)
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += sum(len(f.buffer) for f in frames)
@@ -811,7 +811,7 @@ class WorkerClient:
             sock.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
             sock.setsockopt(zmq.ROUTING_ID, self._link_id)
             if self._guard is not None:
-                self._guard.client(sock)
+                self._guard.client(sock, f"worker {rank}")
             host, port = self.relays[rank]
             sock.connect(f"tcp://{host}:{port}")
         meta = {k: v for k, v in msg.meta.items() if k != "relay"}
