@@ -574,7 +574,7 @@ class WorkerClient:
                 f"ssdsgd worker: {text}", file=sys.stderr, flush=True))
             self._relay_in, port = bind_router(
                 self.ctx, self.env.node_host, 0, "a worker's pull relay", self._guard,
-                maxmsgsize=P.frame_limit(self.env.max_message_bytes))
+                maxmsgsize=P.relay_frame_limit())
             host = self.env.node_host
             print(f"ssdsgd worker: pull relay listening on {host}:{port}; "
                   f"{self._guard.describe()}", file=sys.stderr, flush=True)

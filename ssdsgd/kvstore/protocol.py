@@ -597,6 +597,14 @@ def frame_limit(max_bytes):
     return max(max_bytes, MAX_META_BYTES, MAX_KEYS * KEY_RECORD.itemsize) + 4096
 
 
+def relay_frame_limit():
+    """The largest frame a worker's pull relay accepts, whatever the model or the message
+    limit: relayed replies travel only as ``fragments``, pieces of at most FRAGMENT_MAX
+    data bytes (docs/spec/pull_relay.md), so a bigger frame is refused by ZeroMQ without
+    being buffered."""
+    return frame_limit(FRAGMENT_MAX)
+
+
 def receive(frames, *, max_bytes=None):
     """What a node does with a message from a peer: ``decode`` it and check that every meta
     field is one its kind carries, of the right type (``check_meta``), before any use."""
