@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from conftest import load_npz
 from livejob import LiveJob, answers, dealer, job_keys, undisturbed_weights
@@ -149,3 +150,51 @@ def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secur
     final = load_npz(tmp_path / "final-rank0.npz")
     for k in undisturbed:
         np.testing.assert_array_equal(final[k], undisturbed[k])
+
+
+def _handshake(bound_keys, peer_keys, peer):
+    """Does a connection holding ``peer_keys`` get through the handshake of a port bound
+    with ``bound_keys`` (whose identity is ``peer``)? Real sockets, in process."""
+    ctx, lines = zmq.Context(), []       # its own: one ZAP handler per context
+    guard = Guard(bound_keys, lines.append)
+    router = ctx.socket(zmq.ROUTER)
+    guard.server(ctx, router)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    sock = ctx.socket(zmq.DEALER)
+    events = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    Guard(peer_keys, print).client(sock, peer)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        assert events.poll(10_000), "no handshake within 10 s"
+        return recv_monitor_message(events)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED, lines
+    finally:
+        sock.disable_monitor()
+        events.close(0)
+        sock.close(0)
+        router.close(0)
+        guard.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "curve"])
+def test_only_the_roles_that_connect_to_a_port_are_admitted(secure):
+    """Workers connect to servers and to each other's relays, servers and workers to the
+    scheduler; a stolen scheduler's or server's file opens no server or relay port."""
+    names = ["scheduler", "server 0", "server 1", "worker 0", "worker 1"]
+    kf = KeyFile(secure, names)
+    try:
+        keys = {n: load_keys(kf.files[n]) for n in names}
+        for port_of, peer, admitted in (("server 0", "worker 1", True),
+                                        ("server 0", "server 1", False),
+                                        ("server 0", "scheduler", False),
+                                        ("worker 1", "worker 0", True),
+                                        ("worker 1", "server 0", False),
+                                        ("scheduler", "server 1", True),
+                                        ("scheduler", "worker 0", True)):
+            ok, lines = _handshake(keys[port_of], keys[peer], port_of)
+            assert ok == admitted, (port_of, peer, lines)
+            if not admitted:
+                assert f"it holds {peer}'s key, and no {peer.split()[0]} connects" in lines[0]
+    finally:
+        kf.remove()

@@ -134,12 +134,18 @@ class JobKeys:
     def admit_curve(self, key):
         return "" if hmac.compare_digest(key, self.curve["client_public"].encode()) else None
 
+    def may_connect(self, name):
+        return True
+
 
 def identity(role, rank):
     """The name a process's key is issued to."""
     return "scheduler" if role == "scheduler" else f"{role} {rank}"
 
 
+# Whose processes connect to the ports of a role: the scheduler's, servers and workers;
+# a server's, and a worker's pull relay, workers only.
+CONNECTS_TO = {"scheduler": ("server", "worker"), "server": ("worker",), "worker": ("worker",)}
 _IDENTITY = re.compile(r"(scheduler|(server|worker) (0|[1-9][0-9]{0,6}))\Z")
 
 
@@ -241,6 +247,10 @@ class NodeKeys:
                 return name
         return None
 
+    def may_connect(self, name):
+        """Does a process of ``name`` ever connect to this process's ports?"""
+        return name.split(" ")[0] in CONNECTS_TO[self.identity.split(" ")[0]]
+
 
 def _read_private(path):
     """The JSON of a key file that only its owner can read."""
@@ -336,17 +346,25 @@ def _gate(ctx, keys, log):
             if n <= 10 or n % 1000 == 0:
                 log(f"refused a connection from {self.peer}: {why} (refusal {n})")
 
+        def _admitted(self, name, wrong):
+            if name is None:
+                self._refuse(wrong)
+            elif not keys.may_connect(name):
+                self._refuse(f"it holds {name}'s key, and no {name.split(' ')[0]} connects "
+                             "to this port")
+            else:
+                return True
+            return False
+
         def _authenticate_plain(self, domain, username, password):
-            ok = keys.admit_plain(username, password) is not None
-            if not ok:
-                self._refuse("it does not hold a key of this job (wrong PLAIN token)")
+            ok = self._admitted(keys.admit_plain(username, password),
+                                "it does not hold a key of this job (wrong PLAIN token)")
             return ok, b"OK" if ok else b"not a process of this job"
 
         def callback(self, domain, key):
             """CURVE: only the job's keys; remembers whose key it is (the User-Id)."""
             name = keys.admit_curve(key)
-            if name is None:
-                self._refuse("its CURVE key is not one of this job's")
+            if not self._admitted(name, "its CURVE key is not one of this job's"):
                 return False
             self._names[z85.decode(key)] = name
             return True
