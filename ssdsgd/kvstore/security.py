@@ -82,10 +82,7 @@ class JobKeys:
         return cls(secrets.token_bytes(32), curve)
 
     def write(self, path):
-        """Create ``path`` with mode 0600 (fails if it exists: never reuse a file)."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": 1, "secret": self.secret.hex(), "curve": self.curve}, f)
+        _create_private(path, {"version": 1, "secret": self.secret.hex(), "curve": self.curve})
 
     @classmethod
     def load(cls, path):
@@ -185,11 +182,8 @@ class NodeKeys:
         return {name: cls(name, bool(secure), own[name], peers) for name in identities}
 
     def write(self, path):
-        """Create ``path`` with mode 0600 (fails if it exists: never reuse a file)."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": 2, "identity": self.identity, "mode": self.mode,
-                       "own": self.own, "peers": self.peers}, f)
+        _create_private(path, {"version": 2, "identity": self.identity, "mode": self.mode,
+                               "own": self.own, "peers": self.peers})
 
     @classmethod
     def from_json(cls, data):
@@ -250,6 +244,13 @@ class NodeKeys:
     def may_connect(self, name):
         """Does a process of ``name`` ever connect to this process's ports?"""
         return name.split(" ")[0] in CONNECTS_TO[self.identity.split(" ")[0]]
+
+
+def _create_private(path, data):
+    """Create ``path`` with mode 0600 (fails if it exists: never reuse a file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
 
 
 def _read_private(path):
