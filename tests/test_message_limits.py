@@ -90,3 +90,25 @@ def test_an_oversized_frame_to_a_workers_relay_is_refused_unbuffered(tmp_path, u
     final = load_npz(tmp_path / "final-rank0.npz")
     for k in undisturbed:
         np.testing.assert_array_equal(final[k], undisturbed[k])
+
+
+def test_a_relayed_reply_is_bounded_by_the_request_it_answers():
+    """A pull relay reassembles a reply's pieces into one buffer the first piece sizes:
+    at most what a reply to that request can carry (its keys' values and optimizer state),
+    not SSDSGD_MAX_MESSAGE_BYTES (16 GiB by default)."""
+    request = P.make_records([(0, 5, 0, 1000, np.float32, 0), (1, 5, 0, 30, np.float64, 0)])
+    values = [[np.ones(1000, np.float32)] * 3, [np.ones(30, np.float64)] * 3]   # + 2 states
+    reply = P.encode(P.Message(P.Kind.REPLY, sender=0, req=9, tensors=values,
+                               records=P.make_records([(0, 5, 0, 1000, np.float32, 3),
+                                                       (1, 5, 0, 30, np.float64, 3)])))
+    bound = P.reply_bound(request)
+    raw = P.fragments(reply, 9, 0, size=4096)
+    pieces = [P.decode(p) for p in raw]
+    part = P.Reassembly(pieces[0], bound)
+    whole = [part.add(m, p[3:]) for m, p in zip(pieces, raw)][-1]
+    np.testing.assert_array_equal(P.decode(whole).tensors[1][2], np.ones(30))
+    forged = P.decode(raw[0])
+    forged.meta["sizes"] = forged.meta["sizes"][:-1] + [1 << 30]     # a 1 GiB reply
+    with pytest.raises(P.ProtocolError, match=f"exceeds the {bound} bytes a reply to its "
+                                              "request can have"):
+        P.Reassembly(forged, bound)

@@ -495,7 +495,7 @@ class WorkerClient:
                 fut = concurrent.futures.Future()
                 self._futures[msg.req] = fut
                 if msg.flags & P.Flag.RELAY:
-                    self._reply_from[msg.req] = target
+                    self._reply_from[msg.req] = (target, P.reply_bound(msg.records))
             self._commands.put((target, frames))
             self._wake()
         return fut
@@ -771,7 +771,7 @@ class WorkerClient:
         reply is delivered once its last piece is in. Only pieces of a reply to a request
         this worker sent to that server are taken (bounded: one buffer per request)."""
         with self._lock:
-            expected = self._reply_from.get(msg.req)
+            expected, bound = self._reply_from.get(msg.req, (None, 0))
         if expected is None or expected != msg.sender:
             raise JobAborted(f"{source} sent a piece of server {msg.sender}'s reply to "
                              f"request {msg.req}, which this worker did not send to that "
@@ -781,7 +781,8 @@ class WorkerClient:
         try:
             part = self._pieces.get(msg.req)
             if part is None:
-                part = self._pieces[msg.req] = P.Reassembly(msg, self.env.max_message_bytes)
+                part = self._pieces[msg.req] = P.Reassembly(
+                    msg, min(bound, self.env.max_message_bytes))
             whole = part.add(msg, frames[3:])
             if whole is None:
                 return
