@@ -109,6 +109,6 @@ def test_a_relayed_reply_is_bounded_by_the_request_it_answers():
     np.testing.assert_array_equal(P.decode(whole).tensors[1][2], np.ones(30))
     forged = P.decode(raw[0])
     forged.meta["sizes"] = forged.meta["sizes"][:-1] + [1 << 30]     # a 1 GiB reply
-    with pytest.raises(P.ProtocolError, match=f"exceeds the {bound} bytes a reply to its "
-                                              "request can have"):
+    with pytest.raises(P.ProtocolError, match=rf"exceeds the limit {bound} \(what a reply to "
+                                              "its request can carry"):
         P.Reassembly(forged, bound)

@@ -313,8 +313,8 @@ class Reassembly:
         self.sizes, self.count = msg.meta["sizes"], msg.meta["of"]
         total = sum(self.sizes)
         if max_bytes and total > max_bytes + MAX_META_BYTES:
-            raise ProtocolError(f"a fragmented reply of {total} bytes exceeds the "
-                                f"{max_bytes} bytes a reply to its request can have")
+            raise ProtocolError(f"a fragmented reply of {total} bytes exceeds the limit "
+                                f"{max_bytes} (what a reply to its request can carry)")
         self.buf, self.pos, self.next = np.empty(total, np.uint8), 0, 0
 
     def add(self, msg, data):
