@@ -344,7 +344,9 @@ SETTINGS = (
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),
     Setting("max_message_bytes", int, 1 << 34, "a server rejects messages carrying more "
-            "data bytes", env="SSDSGD_MAX_MESSAGE_BYTES", min=1, max=1 << 62),
+            "data bytes (a bigger frame unbuffered, at its size header); a worker's pull "
+            "relay takes pieces of at most 2 MiB whatever this is (docs/reliability.md)",
+            env="SSDSGD_MAX_MESSAGE_BYTES", min=1, max=1 << 62),
     Setting("chunk_bytes", int, 4 << 20, "a server's part of a step is sent in messages of "
             "about this size (pipelining)", env="SSDSGD_CHUNK_BYTES", min=1),
     Setting("pipeline_pieces", str, "auto", "a server's part of a step smaller than "

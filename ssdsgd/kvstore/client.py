@@ -495,7 +495,7 @@ class WorkerClient:
                 fut = concurrent.futures.Future()
                 self._futures[msg.req] = fut
                 if msg.flags & P.Flag.RELAY:
-                    self._reply_from[msg.req] = target
+                    self._reply_from[msg.req] = (target, P.reply_bound(msg.records))
             self._commands.put((target, frames))
             self._wake()
         return fut
@@ -574,7 +574,7 @@ class WorkerClient:
                 f"ssdsgd worker: {text}", file=sys.stderr, flush=True))
             self._relay_in, port = bind_router(
                 self.ctx, self.env.node_host, 0, "a worker's pull relay", self._guard,
-                maxmsgsize=P.frame_limit(self.env.max_message_bytes))
+                maxmsgsize=P.relay_frame_limit())
             host = self.env.node_host
             print(f"ssdsgd worker: pull relay listening on {host}:{port}; "
                   f"{self._guard.describe()}", file=sys.stderr, flush=True)
@@ -585,13 +585,13 @@ class WorkerClient:
             self._link_id = link.routing_id
             self._relay_ranks = {bytes.fromhex(h): r
                                  for r, h in enumerate(self.topology.get("workers", []))}
-            for host, port in self.topology["servers"]:
+            for server, (host, port) in enumerate(self.topology["servers"]):
                 s = self.ctx.socket(zmq.DEALER)
                 sockets.append(s)
                 s.setsockopt(zmq.SNDHWM, 0)
                 s.setsockopt(zmq.RCVHWM, 0)
                 s.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
-                link.secure(s)     # this worker's connection id and the job's keys
+                link.secure(s, server)     # this worker's connection id and keys
                 s.connect(f"tcp://{host}:{port}")
         except Exception:
             for s in sockets + [link.sock]:
@@ -751,7 +751,7 @@ class WorkerClient:
                 return
             ident, frames = frames[0].bytes, frames[1:]
             rank = self._relay_ranks.get(ident)
-            if rank is None:
+            if rank is None or self._guard.wrong_claim(frames[0], "worker", rank):
                 continue         # not a worker of this job (a reconnect or a stranger)
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += sum(len(f.buffer) for f in frames)
@@ -771,7 +771,7 @@ class WorkerClient:
         reply is delivered once its last piece is in. Only pieces of a reply to a request
         this worker sent to that server are taken (bounded: one buffer per request)."""
         with self._lock:
-            expected = self._reply_from.get(msg.req)
+            expected, bound = self._reply_from.get(msg.req, (None, 0))
         if expected is None or expected != msg.sender:
             raise JobAborted(f"{source} sent a piece of server {msg.sender}'s reply to "
                              f"request {msg.req}, which this worker did not send to that "
@@ -781,7 +781,8 @@ class WorkerClient:
         try:
             part = self._pieces.get(msg.req)
             if part is None:
-                part = self._pieces[msg.req] = P.Reassembly(msg, self.env.max_message_bytes)
+                part = self._pieces[msg.req] = P.Reassembly(
+                    msg, min(bound, self.env.max_message_bytes))
             whole = part.add(msg, frames[3:])
             if whole is None:
                 return
@@ -811,7 +812,7 @@ class WorkerClient:
             sock.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
             sock.setsockopt(zmq.ROUTING_ID, self._link_id)
             if self._guard is not None:
-                self._guard.client(sock)
+                self._guard.client(sock, f"worker {rank}")
             host, port = self.relays[rank]
             sock.connect(f"tcp://{host}:{port}")
         meta = {k: v for k, v in msg.meta.items() if k != "relay"}

@@ -847,6 +847,9 @@ class Server:
             if msg.sender != peer.rank:
                 raise RequestError(f"worker {peer.rank}'s connection sent a message as "
                                    f"worker {msg.sender}")
+            wrong = self.guard.wrong_claim(frames[1], "worker", peer.rank)
+            if wrong:       # its key is another worker's (security.py)
+                raise RequestError(wrong)
             handler(self, ident, msg)
             self._send_decisions()
         except (P.ProtocolError, RequestError) as e:
