@@ -35,8 +35,7 @@ def test_the_settings_table_is_a_leaf():
 
 # The transport's imports of the policies that issue 23 moves behind a policy interface;
 # an entry here is a known violation to remove, never one to add.
-NOT_YET_POLICIES = {"kvstore.server": {"sync.rounds", "sync.groups"},
-                    "kvstore.scheduler": {"sync.groups"}}
+NOT_YET_POLICIES = {"kvstore.scheduler": {"sync.groups"}}
 
 
 def test_the_mxnet_helpers_are_a_leaf():
