@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import zmq
 
-from ..mxglue.optimizer_spec import OptimizerSpecError, build, describe
+from ..mxglue.optimizer_spec import OptimizerSpecError, build
 from . import protocol as P
 from .compression import Compression, CompressionError
 from .env import NodeEnv
@@ -31,9 +31,6 @@ from .weights import Weights
 
 RCVHWM = 1_000           # messages read ahead from one peer (then TCP pushes back)
 PENDING_INITS = 4_096    # INIT messages one worker may have waiting for rank 0's values
-
-__all__ = ["Fatal", "RequestError", "Server"]
-
 
 class Server:
     """``make_policy(env, rank)``: this server's synchronization policy (a
@@ -209,12 +206,7 @@ class Server:
                      tuple(msg.meta["members"]), items, reply)
 
     def on_get_state(self, ident, msg):
-        shards = sorted(self.weights.shards.values(), key=lambda s: s.key)
-        arrays = [[s.weight.asnumpy()] + self.weights.state_arrays(s) for s in shards]
-        records = P.make_records((s.key, s.version, s.offset, s.count, s.dtype, len(a))
-                                 for s, a in zip(shards, arrays))
-        optimizer = self.weights.optimizer
-        meta = {"optimizer": describe(optimizer) if optimizer else None}
+        records, arrays, meta = self.weights.state()
         self.replies.send(ident, P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req,
                                            records=records, tensors=arrays, meta=meta))
 

@@ -7,7 +7,8 @@ import numpy as np
 
 from ..mxglue import hostcopy
 from ..mxglue.batch_schedule import GlobalBatchSchedule
-from ..mxglue.optimizer_spec import OptimizerSpecError, build, flatten_state, unflatten_state
+from ..mxglue.optimizer_spec import (OptimizerSpecError, build, describe, flatten_state,
+                                     unflatten_state)
 from ..mxglue.update_groups import sgd_call, size_groups
 from . import protocol as P
 from .compression import CompressionError, Packed2bit, sum_2bit, summable
@@ -139,6 +140,16 @@ class Weights:
                 shard.key, shard.weight)
             self.updater.states_synced[shard.key] = True
         return [a.asnumpy() for a in flatten_state(self.updater.states[shard.key])]
+
+    def state(self):
+        """GET_STATE: every key's weights and optimizer state, with the optimizer's
+        description: (records, arrays, meta)."""
+        shards = sorted(self.shards.values(), key=lambda s: s.key)
+        arrays = [[s.weight.asnumpy()] + self.state_arrays(s) for s in shards]
+        records = P.make_records((s.key, s.version, s.offset, s.count, s.dtype, len(a))
+                                 for s, a in zip(shards, arrays))
+        return records, arrays, {"optimizer": describe(self.optimizer) if self.optimizer
+                                 else None}
 
     def load_states(self, meta, records, tensors, global_batches):
         """SET_STATE: the optimizer ``meta`` describes (none: the current one) and every
