@@ -32,6 +32,7 @@ from .weights import Weights
 RCVHWM = 1_000           # messages read ahead from one peer (then TCP pushes back)
 PENDING_INITS = 4_096    # INIT messages one worker may have waiting for rank 0's values
 
+
 class Server:
     """``make_policy(env, rank)``: this server's synchronization policy (a
     ``ssdsgd.sync.policy.ServerPolicy``), made once the scheduler has given the rank."""
