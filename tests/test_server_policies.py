@@ -264,3 +264,34 @@ def test_the_settings_choose_the_policy():
     assert type(pre) is DenseSync and isinstance(pre.averaging, GroupAverages)
     assert make_server_policy(env(), 0).averaging is None
     assert all(issubclass(c, ServerPolicy) for c in (DenseSync, Async, QuorumRounds))
+
+
+# ---- a policy's actions carried out by the server's own weights ---------------------------
+def test_the_servers_weights_carry_out_a_policys_updates():
+    """The transport's half without sockets: a dense policy's apply actions run by
+    ``kvstore.weights.Weights`` with MXNet's SGD, the answers reading the weights there;
+    the departure's mean gradient is counted as N workers'."""
+    import mxnet as mx
+    from ssdsgd.kvstore.weights import Weights
+
+    lr = np.float32(0.5)
+    weights = Weights(3, reclaim=lambda shard: None)
+    weights.use_optimizer(mx.optimizer.create("sgd", learning_rate=float(lr)), False)
+    p = DenseSync(3, steps_ahead=3, algorithm="ssgd")
+    start = np.float32([1, 2, 3, 4])
+    weights.declare(0, 0, start.copy())
+    p.declare(0)
+    seen = []
+    run = {"apply": weights.apply,
+           "answer": lambda token, slot: seen.append(weights.shards[0].weight.asnumpy())}
+    grads = [np.float32([1, 0, 0, 0]), np.float32([0, 2, 0, 0]), np.float32([0, 0, 4, 8])]
+    for rank, grad in enumerate(grads):
+        for kind, *what in p.push(rank, [(0, 0, grad)], token=("t",)):
+            run[kind](*what)
+    np.testing.assert_allclose(seen, [start - lr * sum(grads)] * 3, rtol=1e-6)
+    for kind, *what in p.push(0, [(0, 1, grads[0])], token=None) + p.leave(1, 1) + \
+            p.leave(2, 1):
+        run[kind](*what)
+    want = start - lr * sum(grads) - lr * grads[0] * np.float32(3)
+    np.testing.assert_allclose(weights.shards[0].weight.asnumpy(), want, rtol=1e-6)
+    assert weights.shards[0].version == 2 and weights.update_count(weights.shards[0]) == 2
