@@ -458,9 +458,13 @@ def test_a_message_over_the_limit_is_refused_without_buffering_it(job_factory):
     pid = job.server.pid
     before = memory_kb(pid, "VmHWM")
     peer = raw_peer(job.server_address, job.keys())
+    monitor = peer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     head = frames_of(P.Kind.PUSH)
     peer.send_multipart(head[:3] + [np.zeros(200 << 20, np.uint8)], copy=False)
-    time.sleep(3)
+    # the server has decided once it drops the connection (ZeroMQ's limit, at the size
+    # header): only then can its memory tell whether it buffered the message
+    assert monitor.poll(30_000), "the server never dropped the oversized message's connection"
+    peer.disable_monitor()
     assert memory_kb(pid, "VmHWM") - before < 64 << 10, "the 200 MiB message was buffered"
     first_future(push(client, 0, 0, np.ones(4)))
     assert job.alive()
