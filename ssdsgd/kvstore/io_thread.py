@@ -99,6 +99,11 @@ class IOThread:
     def alive(self):
         return self._thread.is_alive()
 
+    @property
+    def backlog(self):
+        """Messages queued and not yet sent."""
+        return self._commands.qsize()
+
     def _run(self):
         try:
             link, sockets = self._connect()
