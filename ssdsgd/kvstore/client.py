@@ -40,8 +40,8 @@ class WorkerClient:
                       "messages_received": 0, "time_blocked": 0.0,
                       "replies_relayed_in": 0, "replies_relayed_out": 0}
         self.requests = Requests(self.stats)
-        self._outbox = []        # push_then's (entries, callback), sent by the I/O thread
-        self.io = IOThread(env, self.requests, self.stats, self._send_outbox, self._abandon)
+        self.outbox = PushOutbox(self.requests.lock, self._push_group)
+        self.io = IOThread(env, self.requests, self.stats, self.outbox.flush, self._abandon)
         self.topology = self.io.start()
         self.left = self.io.left  # workers that left the job (cluster.on_worker_failure)
         self.rank = self.topology["rank"]
@@ -100,9 +100,7 @@ class WorkerClient:
             entries, keys = self._push_entries(grads)
             for k in keys:
                 k.pushes += 1
-            wake = not self._outbox
-            self._outbox.append((entries, callback))
-            if wake:
+            if self.outbox.add(entries, callback):
                 self.io.wake()
 
     @property
@@ -286,14 +284,39 @@ class WorkerClient:
                 self.io.send(server, frames)
         return Gather(self.requests, futures, sizes, dtypes) if reply else None
 
-    # ---- push_then's outbox, emptied by the I/O thread ------------------------------------
-    def _send_outbox(self):
-        """push_then's entries, one request per server for as many as can share one (a
-        key twice starts another), each callback called with the replies of its group."""
-        if not self._outbox:     # anything queued after this read wakes the thread again
+    def _abandon(self):
+        """The I/O thread ended: fail what still waits for a reply (an engine operation
+        waits on its future's callback, not on ``wait``'s poll of the thread)."""
+        error = self.requests.failure or JobAborted(ENDED)
+        self.requests.fail(error, end=True)
+        self.outbox.fail(error)
+
+    def _push_group(self, entries):
+        """The request of a group of push_then's entries (on the I/O thread)."""
+        return self._request(P.Kind.PUSH, entries, flags=P.Flag.PULL,
+                             chunk_bytes=self.env.chunk_bytes)
+
+
+class PushOutbox:
+    """push_then's entries, waiting for the I/O thread, which empties the outbox every
+    turn into one request per server for as many as can share one (a key twice starts
+    another); each callback is called with the replies of its group. ``send(entries)``:
+    the client's send path, returning the Gather of the replies."""
+
+    def __init__(self, lock, send):
+        self.lock, self.send = lock, send
+        self._items = []
+
+    def add(self, entries, callback):
+        """Queue (call with ``lock`` held); True if the I/O thread must be woken."""
+        self._items.append((entries, callback))
+        return len(self._items) == 1
+
+    def flush(self):
+        if not self._items:     # anything queued after this read wakes the thread again
             return
-        with self.requests.lock:
-            batch, self._outbox = self._outbox, []
+        with self.lock:
+            batch, self._items = self._items, []
         group, seen = [], set()
         for entries, callback in batch:
             if any(e[0] in seen for e in entries):
@@ -305,22 +328,17 @@ class WorkerClient:
             self._send_group(group)
 
     def _send_group(self, group):
-        entries = [e for es, _ in group for e in es]
         try:
-            gather = self._request(P.Kind.PUSH, entries, flags=P.Flag.PULL,
-                                   chunk_bytes=self.env.chunk_bytes)
+            gather = self.send([e for es, _ in group for e in es])
         except Exception as e:      # e.g. over the message limit: those callers fail
             for _, callback in group:
                 callback(None, e)
             return
         gather.then(lambda replies, error: [callback(replies, error) for _, callback in group])
 
-    def _abandon(self):
-        """The I/O thread ended: fail what still waits for a reply (an engine operation
-        waits on its future's callback, not on ``wait``'s poll of the thread)."""
-        error = self.requests.failure or JobAborted(ENDED)
-        self.requests.fail(error, end=True)
-        with self.requests.lock:
-            outbox, self._outbox = self._outbox, []
-        for _, callback in outbox:
+    def fail(self, error):
+        """The I/O thread ended: every queued callback gets ``error``."""
+        with self.lock:
+            batch, self._items = self._items, []
+        for _, callback in batch:
             callback(None, error)
