@@ -92,7 +92,7 @@ def test_a_failure_reaches_every_waiting_future_and_every_later_request():
     with pytest.raises(JobAborted, match="aborted: x"):
         requests.check_open()
     ended = Requests({})
-    ended.fail(JobAborted("over"), end=True)
+    ended.end(JobAborted("over"))
     with pytest.raises(JobAborted, match="I/O thread has stopped"):
         ended.check_open()
 

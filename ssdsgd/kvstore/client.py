@@ -288,7 +288,7 @@ class WorkerClient:
         """The I/O thread ended: fail what still waits for a reply (an engine operation
         waits on its future's callback, not on ``wait``'s poll of the thread)."""
         error = self.requests.failure or JobAborted(ENDED)
-        self.requests.fail(error, end=True)
+        self.requests.end(error)
         self.outbox.fail(error)
 
     def _push_group(self, entries):

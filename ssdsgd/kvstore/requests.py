@@ -91,13 +91,21 @@ class Requests:
         else:
             fut.set_result(msg)
 
-    def fail(self, exc, end=False):
-        """Every waiting future gets ``exc``; ``end``: no later request is taken."""
+    def fail(self, exc):
+        """The I/O thread failed: every waiting future and every later request get ``exc``."""
         with self.lock:
-            if end:
-                self.ended = True
-            else:
-                self.failure = exc
+            self.failure = exc
+        self._fail_waiting(exc)
+
+    def end(self, error):
+        """The I/O thread ended: every waiting future gets ``error``; no later request is
+        taken."""
+        with self.lock:
+            self.ended = True
+        self._fail_waiting(error)
+
+    def _fail_waiting(self, exc):
+        with self.lock:
             futures = list(self._futures.values()) + list(self._control.values())
             self._futures, self._control = {}, {}
         for fut in futures:
