@@ -10,7 +10,8 @@ from .kvstore.security import SecurityError
 
 def _server(env):
     from .kvstore.server import Server     # MXNet (its optimizers): servers only
-    return Server(env)
+    from .sync.server_policies import make_server_policy
+    return Server(env, make_server_policy)
 
 
 ROLES = {"scheduler": Scheduler, "server": _server}

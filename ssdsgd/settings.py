@@ -344,7 +344,9 @@ SETTINGS = (
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),
     Setting("max_message_bytes", int, 1 << 34, "a server rejects messages carrying more "
-            "data bytes", env="SSDSGD_MAX_MESSAGE_BYTES", min=1, max=1 << 62),
+            "data bytes (a bigger frame unbuffered, at its size header); a worker's pull "
+            "relay takes pieces of at most 2 MiB whatever this is (docs/reliability.md)",
+            env="SSDSGD_MAX_MESSAGE_BYTES", min=1, max=1 << 62),
     Setting("chunk_bytes", int, 4 << 20, "a server's part of a step is sent in messages of "
             "about this size (pipelining)", env="SSDSGD_CHUNK_BYTES", min=1),
     Setting("pipeline_pieces", str, "auto", "a server's part of a step smaller than "
@@ -357,10 +359,11 @@ SETTINGS = (
     Setting("start_step", int, 0, "the worker's first global step (a resumed job continues "
             "the stage schedule; the launcher sets it from the checkpoint)",
             env="SSDSGD_START_STEP", min=0),
-    Setting("secret_file", str, None, "the job's keys, a 0600 file the launcher makes for "
-            "each job; only processes holding it can connect (unset: anyone can; "
-            "docs/reliability.md)", env="SSDSGD_SECRET_FILE", optional=True,
-            launcher="a fresh file per job, CURVE keys with --secure"),
+    Setting("secret_file", str, None, "this process's keys, a 0600 file the launcher "
+            "makes for each process of a job (its own secret, the others' public halves); "
+            "only the job's processes can connect, each as its own role and rank (unset: "
+            "anyone can; docs/reliability.md)", env="SSDSGD_SECRET_FILE", optional=True,
+            launcher="a fresh file per process and job, CURVE keys with --secure"),
     Setting("status_file", str, None, "where the scheduler records who registered, who "
             "finished and why it aborted, for the launcher's exit code (unset: nowhere)",
             env="SSDSGD_STATUS_FILE", optional=True,

@@ -11,7 +11,7 @@ import zmq
 
 from conftest import PY, ROOT, SCRIPTS, load_npz
 from ssdsgd.kvstore import protocol as P
-from ssdsgd.kvstore.security import JobKeys
+from ssdsgd.kvstore.security import load_keys
 
 LISTENING = re.compile(r"\[(scheduler|server \d+|worker \d+)\] .*listening on ([\d.]+):(\d+)")
 
@@ -93,18 +93,29 @@ def answers(sock, frames, timeout=2.0):
     return P.decode(sock.recv_multipart())
 
 
-def job_keys(job):
-    """A running job's keys, from its server's environment (as only their owner can)."""
+def job_pid(job, node="server 0"):
+    """The pid of a running job's ``node`` ('scheduler', 'server 0', 'worker 1')."""
     port = job.address("scheduler").rsplit(":", 1)[1].encode()
+    role, _, rank = node.partition(" ")
     for pid in os.listdir("/proc"):
         try:
             environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"SSDSGD_ROLE=server" in environ and b"SSDSGD_SCHEDULER_PORT=" + port in environ:
-            path = next(e for e in environ if e.startswith(b"SSDSGD_SECRET_FILE="))
-            return JobKeys.load(path.split(b"=", 1)[1].decode())
-    raise AssertionError("the job's server process was not found")
+        if (b"SSDSGD_ROLE=" + role.encode() in environ
+                and b"SSDSGD_RANK=" + (rank or "0").encode() in environ
+                and b"SSDSGD_SCHEDULER_PORT=" + port in environ
+                and any(e.startswith(b"SSDSGD_SECRET_FILE=") for e in environ)):
+            return int(pid), environ
+    raise AssertionError(f"the job's {node} process was not found")
+
+
+def job_keys(job, node="server 0"):
+    """A running job's keys of ``node``, from its environment (as only their owner can;
+    each process has its own)."""
+    _, environ = job_pid(job, node)
+    path = next(e for e in environ if e.startswith(b"SSDSGD_SECRET_FILE="))
+    return load_keys(path.split(b"=", 1)[1].decode())
 
 
 def undisturbed_weights(tmp_path_factory, steps, env):

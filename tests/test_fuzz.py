@@ -142,7 +142,7 @@ def test_a_live_job_survives_fuzzed_messages(tmp_path, tmp_path_factory):
     job = LiveJob(tmp_path, steps=STEPS, env=JOB_ENV)
     try:
         addresses = [job.address("scheduler"), job.address("server 0")]
-        guard = Guard(job_keys(job), print)
+        guard = Guard(job_keys(job, "worker 0"), print)   # an insider: a worker's key
         deadline = time.monotonic() + 120
         while "job started" not in job.text:   # REGISTER after the workers' are refused
             assert time.monotonic() < deadline and job.proc.poll() is None, job.text[-3000:]

@@ -16,7 +16,7 @@ from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore.client import ServerError, WorkerClient
 from ssdsgd.kvstore.env import NodeEnv
 from ssdsgd.kvstore.scheduler import JobAborted, SchedulerLink
-from ssdsgd.kvstore.security import Guard, JobKeys, KeyFile
+from ssdsgd.kvstore.security import Guard, JobKeys, KeyFile, load_keys
 from ssdsgd.launch.job import free_port
 
 pytestmark = pytest.mark.system
@@ -25,11 +25,15 @@ F32 = np.float32
 
 class Job:
     """A scheduler and one server (processes), and ``workers`` WorkerClients in this
-    process; the job's key file unless ``keys=False``."""
+    process; the job's key file unless ``keys=False``; with ``keys="own"`` a key file per
+    process, as the launcher makes them (CURVE with ``secure``)."""
 
-    def __init__(self, tmp_path, procs, workers=1, keys=True, start_workers=True, **extra):
+    def __init__(self, tmp_path, procs, workers=1, keys=True, start_workers=True,
+                 secure=False, **extra):
         self.tmp, self.procs, self.num_workers = tmp_path, procs, workers
-        self.keyfile = KeyFile() if keys else None
+        names = ["scheduler", "server 0"] + [f"worker {r}" for r in range(workers)]
+        self.keyfile = (KeyFile(secure, names) if keys == "own" else
+                        KeyFile(secure) if keys else None)
         self.port = free_port()
         env = dict(SSDSGD_ALGORITHM="ssgd", SSDSGD_HEARTBEAT_TIMEOUT=20)
         env.update(extra)
@@ -44,7 +48,8 @@ class Job:
 
     def _start(self, role):
         log = open(self.tmp / f"{role}.log", "w")
-        p = subprocess.Popen([PY, "-m", "ssdsgd.node"], env=dict(self.env, SSDSGD_ROLE=role),
+        own = self.keyfile.env_for(role, 0) if self.keyfile else {}
+        p = subprocess.Popen([PY, "-m", "ssdsgd.node"], env=dict(self.env, SSDSGD_ROLE=role, **own),
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.items.append(p)
         return p
@@ -59,7 +64,10 @@ class Job:
             time.sleep(0.1)
         return self.log(role)
 
-    def worker_env(self, **over):
+    def worker_env(self, rank=None, **over):
+        """A worker's settings; with a key file per process, worker ``rank``'s."""
+        if self.keyfile and self.keyfile.files and rank is not None:
+            over = dict(self.keyfile.env_for("worker", rank), SSDSGD_RANK=rank, **over)
         return NodeEnv.from_environ(dict(self.env, SSDSGD_ROLE="worker",
                                          **{k: str(v) for k, v in over.items()}))
 
@@ -68,7 +76,7 @@ class Job:
 
         def make(i):
             try:
-                made[i] = WorkerClient(self.worker_env(**over))
+                made[i] = WorkerClient(self.worker_env(i, **over))
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
         threads = [threading.Thread(target=make, args=(i,)) for i in range(self.num_workers)]
@@ -114,14 +122,15 @@ def job_factory(tmp_path, procs):
         j.close()
 
 
-def raw_peer(address, keys=None, routing_id=None, rcvhwm=1000):
+def raw_peer(address, keys=None, routing_id=None, rcvhwm=1000, peer="scheduler"):
+    """A DEALER to ``address``, the port of ``peer`` (whose CURVE key it checks)."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVHWM, rcvhwm)
     if routing_id:
         s.setsockopt(zmq.ROUTING_ID, routing_id)
     if keys is not None:
-        Guard(keys, print).client(s)
+        Guard(keys, print).client(s, peer)
     s.connect(address)
     return s
 
@@ -293,6 +302,58 @@ def test_only_processes_with_the_job_key_can_register(job_factory, tmp_path):
         other.remove()
 
 
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "curve"])
+def test_a_process_with_worker_0s_key_cannot_take_worker_1s_place(job_factory, secure):
+    """Issue 30 item 5: a process that read worker 0's key file (its SSDSGD_SECRET_FILE,
+    from /proc/PID/environ) registered first and took a rank. Each process now holds its
+    own key, and the key decides which rank its connection may be."""
+    job = job_factory(workers=2, keys="own", secure=secure, start_workers=False)
+    stolen = load_keys(job.keyfile.files["worker 0"])
+    thief = raw_peer(job.scheduler_address, stolen)   # before any worker, as worker 1
+    reply = ask(thief, P.control(P.Kind.REGISTER, {"role": "worker", "rank": 1,
+                                                   "routing_id": os.urandom(16).hex()}))
+    assert reply is not None and reply.kind == P.Kind.ERROR, reply
+    assert "holding worker 0's key cannot act as worker 1" in reply.meta["error"]
+    job.wait_log("scheduler", "cannot act as worker 1")     # the refusing node says so
+    thief.close(0)
+    link = SchedulerLink(zmq.Context.instance(), job.worker_env(1), "worker")
+    registered = threading.Thread(target=link.register)
+    registered.start()
+    (c0,) = job.clients = [WorkerClient(job.worker_env(0))]
+    registered.join(60)
+    assert (c0.rank, link.topology["rank"]) == (0, 1)
+    init_keys([c0], {0: 4})
+    # worker 1's connection id (every node hears them), worker 0's key: refused
+    thief = raw_peer(job.server_address, stolen, link.routing_id, peer="server 0")
+    push_1 = frames_of(P.Kind.PUSH, sender=1, records=P.make_records([(0, 0, 0, 4, F32, 1)]),
+                       tensors=[[np.full(4, 1e6, F32)]])
+    reply = ask(thief, push_1)
+    assert reply is not None and reply.kind == P.Kind.ERROR, reply
+    assert "holding worker 0's key cannot act as worker 1" in reply.meta["error"]
+    assert "cannot act as worker 1" in job.wait_log("server", "cannot act as worker 1")
+    thief.close(0)
+    # worker 1 with its own key is served: the step sums both workers' gradients
+    own = load_keys(job.keyfile.files["worker 1"])
+    deadline = time.monotonic() + 20
+    while True:        # until the server has seen the thief's connection go
+        real = raw_peer(job.server_address, own, link.routing_id, peer="server 0")
+        if real.poll(200, zmq.POLLOUT) and ask(real, frames_of(
+                P.Kind.INIT, sender=1, records=P.make_records([(0, 0, 0, 4, F32, 0)]),
+                tensors=[[]]), timeout=2) is not None:
+            break
+        real.close(0)
+        assert time.monotonic() < deadline, job.log("server")
+    gathered = push(c0, 0, 0, np.ones(4))
+    reply = ask(real, frames_of(P.Kind.PUSH, sender=1, flags=P.Flag.PULL,
+                                records=P.make_records([(0, 0, 0, 4, F32, 1)]),
+                                tensors=[[np.full(4, 2, F32)]]))
+    assert reply.kind == P.Kind.REPLY, reply
+    np.testing.assert_array_equal(gathered.wait()[0].value, np.full(4, 3.0))
+    real.close(0)
+    link.sock.close(0)
+    assert job.alive()
+
+
 def test_a_connection_acts_only_as_the_worker_it_registered(job_factory):
     job = job_factory(workers=2)
     c0, c1 = job.clients
@@ -397,9 +458,13 @@ def test_a_message_over_the_limit_is_refused_without_buffering_it(job_factory):
     pid = job.server.pid
     before = memory_kb(pid, "VmHWM")
     peer = raw_peer(job.server_address, job.keys())
+    monitor = peer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     head = frames_of(P.Kind.PUSH)
     peer.send_multipart(head[:3] + [np.zeros(200 << 20, np.uint8)], copy=False)
-    time.sleep(3)
+    # the server has decided once it drops the connection (ZeroMQ's limit, at the size
+    # header): only then can its memory tell whether it buffered the message
+    assert monitor.poll(30_000), "the server never dropped the oversized message's connection"
+    peer.disable_monitor()
     assert memory_kb(pid, "VmHWM") - before < 64 << 10, "the 200 MiB message was buffered"
     first_future(push(client, 0, 0, np.ones(4)))
     assert job.alive()

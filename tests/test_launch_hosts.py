@@ -9,6 +9,9 @@ from ssdsgd.launch import addresses, rank_entry, remote
 from ssdsgd.launch.hosts import (Host, HostError, describe, oversubscribed, parse_hostfile,
                                  parse_hosts, place, read_hostfile, slot_order)
 
+# how long rank_entry takes to exit once its launcher's lifeline closes, at most
+LIFELINE_REACTION_S = 5.0
+
 
 def test_hostfile_takes_dmlc_and_horovod_lines():
     text = """
@@ -302,13 +305,15 @@ def test_a_lost_lifeline_while_the_scheduler_check_waits_ends_the_process_at_onc
             except socket.timeout:
                 break
         assert held, "rank_entry never held a lifeline to the launcher while checking"
-        time.sleep(1.0)
+        # held for as long as it takes to exit once the lifeline closes (below): it could
+        # have exited in this time, had it not waited for the launcher
+        time.sleep(LIFELINE_REACTION_S)
         assert proc.poll() is None, proc.stderr.read()
         t0 = time.monotonic()
         held[0].close()
         launcher.close()
         code = proc.wait(timeout=10)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < LIFELINE_REACTION_S
         assert code == 128 + signal.SIGTERM
     finally:
         sock.close()

@@ -33,6 +33,24 @@ def test_workers_that_never_joined_fail_the_job_naming_their_ranks():
     assert time.monotonic() - started < 60     # not the scheduler's 60 s register timeout
 
 
+def test_a_script_whose_ssdsgd_is_an_empty_namespace_package_fails_the_job(tmp_path):
+    """``import ssdsgd`` succeeds but finds an empty folder next to the script (a namespace
+    package): nothing registers ssd_sync, and each worker would train alone, exit 0."""
+    (tmp_path / "ssdsgd").mkdir()
+    script = tmp_path / "train.py"
+    script.write_text("import ssdsgd  # an empty folder beside this script\n"
+                      + (SCRIPTS / "no_import.py").read_text())
+    res = subprocess.run([PY, "launch/dist.py", "-n", "2", "-s", "1", "--", PY, str(script)],
+                         capture_output=True, text=True, cwd=ROOT, env=clean_env(),
+                         timeout=120)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "trained alone" in res.stdout
+    lines = _launcher_lines(res.stderr)
+    for rank in (0, 1):
+        assert any(f"worker {rank} exited 0 without joining the job" in ln for ln in lines), \
+            lines
+
+
 def test_a_worker_killed_after_it_finished_leaves_the_job_a_success(tmp_path):
     job = subprocess.Popen([PY, "launch/dist.py", "-n", "2", "-s", "1", "--", PY,
                             str(SCRIPTS / "finish_then_wait.py"), str(tmp_path)],

@@ -40,11 +40,8 @@ def test_the_registry_of_algorithms_is_a_leaf():
 
 
 # The transport's imports of the policies that issue 23 moves behind a policy interface;
-# an entry here is a known violation to remove, never one to add. (sync.stage: the
-# steps-ahead bound the server enforces moved there from server.py, where it was
-# algorithm code inside the transport; it goes with the server's policies.)
-NOT_YET_POLICIES = {"kvstore.server": {"sync.rounds", "sync.groups", "sync.stage"},
-                    "kvstore.scheduler": {"sync.groups"}}
+# an entry here is a known violation to remove, never one to add.
+NOT_YET_POLICIES = {"kvstore.scheduler": {"sync.groups"}}
 
 
 def test_the_mxnet_helpers_are_a_leaf():

@@ -47,7 +47,7 @@ def test_a_flood_on_a_workers_relay_port_does_not_stop_the_job(tmp_path, undistu
     stop, counts = threading.Event(), {"sent": 0, "held": 0}
     flooders = []
     try:
-        relay, keys = job.address("worker 1"), job_keys(job)
+        relay, keys = job.address("worker 1"), job_keys(job, "worker 0")
         flooders = [threading.Thread(target=_flood, args=(relay, keys, stop, counts),
                                      daemon=True) for _ in range(2)]
         for t in flooders:

@@ -8,11 +8,12 @@ import threading
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from conftest import load_npz
 from livejob import LiveJob, answers, dealer, job_keys, undisturbed_weights
 from ssdsgd.kvstore import protocol as P
-from ssdsgd.kvstore.security import Guard, JobKeys, KeyFile, SecurityError
+from ssdsgd.kvstore.security import Guard, JobKeys, KeyFile, SecurityError, load_keys
 
 F32 = np.float32
 
@@ -31,6 +32,29 @@ def test_key_file_is_private_and_round_trips(tmp_path):
         kf.remove()
     assert not os.path.exists(kf.dir)
     assert JobKeys.generate(secure=False).mode == "plain"
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "curve"])
+def test_the_launchers_key_files_hold_one_secret_each(secure):
+    """Issue 30 item 5: a file per process, its own secret and only the public half (a
+    token's hash, a CURVE public key) of everyone else's."""
+    names = ["scheduler", "server 0", "worker 0", "worker 1"]
+    kf = KeyFile(secure, names)
+    try:
+        assert kf.env_for("worker", 1) == {"SSDSGD_SECRET_FILE": kf.files["worker 1"]}
+        keys = {n: load_keys(kf.files[n]) for n in names}
+        for name, k in keys.items():
+            assert stat.S_IMODE(os.stat(kf.files[name]).st_mode) == 0o600
+            assert k.identity == name and k.mode == ("curve" if secure else "plain")
+            assert set(k.peers) == set(names)
+            text = open(kf.files[name]).read()
+            for other in names:          # no other process's secret is in this file
+                if other != name:
+                    secret = keys[other].own["secret" if secure else "token"]
+                    assert secret not in text
+    finally:
+        kf.remove()
+    assert not os.path.exists(kf.dir)
 
 
 def test_bad_key_files_are_one_line_errors(tmp_path):
@@ -60,15 +84,19 @@ def undisturbed(tmp_path_factory):
 
 
 def _attackers(secure, job_keys):
-    """(name, configure) for processes without the job's keys, or with wrong ones."""
+    """(name, configure(node)) for processes without the job's keys, or with wrong ones
+    (``node``: whose port the socket connects to)."""
     other = JobKeys.generate(secure=True) if secure else JobKeys.generate(secure=False)
-    attackers = [("no keys", None), ("another job's keys", Guard(other, print).client)]
-    if secure:           # the job's server key is public: a client key of its own is not enough
+    attackers = [("no keys", lambda node: None),
+                 ("another job's keys", lambda node: Guard(other, print).client)]
+    if secure:    # the nodes' public keys are public: a client key of its own is not enough
         public, secret = zmq.curve_keypair()
 
-        def own_client_key(sock):
-            sock.curve_serverkey = job_keys.curve["server_public"].encode()
-            sock.curve_publickey, sock.curve_secretkey = public, secret
+        def own_client_key(node):
+            def configure(sock):
+                sock.curve_serverkey = job_keys.peers[node].encode()
+                sock.curve_publickey, sock.curve_secretkey = public, secret
+            return configure
         attackers.append(("its own CURVE key", own_client_key))
     return attackers
 
@@ -106,9 +134,10 @@ def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secur
         results, threads = {}, []
         for name, configure in _attackers(secure, job_keys(job) if secure else None):
             for where, address, frames in (("scheduler", scheduler, register),
-                                           ("server", server, push), ("relay", relay, forged)):
-                t = threading.Thread(target=_attack, args=(address, configure, frames, results,
-                                                           f"{name} -> {where}"))
+                                           ("server 0", server, push),
+                                           ("worker 1", relay, forged)):
+                t = threading.Thread(target=_attack, args=(address, configure(where), frames,
+                                                           results, f"{name} -> {where}"))
                 t.start()
                 threads.append(t)
         for t in threads:
@@ -121,3 +150,51 @@ def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secur
     final = load_npz(tmp_path / "final-rank0.npz")
     for k in undisturbed:
         np.testing.assert_array_equal(final[k], undisturbed[k])
+
+
+def _handshake(bound_keys, peer_keys, peer):
+    """Does a connection holding ``peer_keys`` get through the handshake of a port bound
+    with ``bound_keys`` (whose identity is ``peer``)? Real sockets, in process."""
+    ctx, lines = zmq.Context(), []       # its own: one ZAP handler per context
+    guard = Guard(bound_keys, lines.append)
+    router = ctx.socket(zmq.ROUTER)
+    guard.server(ctx, router)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    sock = ctx.socket(zmq.DEALER)
+    events = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    Guard(peer_keys, print).client(sock, peer)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        assert events.poll(10_000), "no handshake within 10 s"
+        return recv_monitor_message(events)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED, lines
+    finally:
+        sock.disable_monitor()
+        events.close(0)
+        sock.close(0)
+        router.close(0)
+        guard.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "curve"])
+def test_only_the_roles_that_connect_to_a_port_are_admitted(secure):
+    """Workers connect to servers and to each other's relays, servers and workers to the
+    scheduler; a stolen scheduler's or server's file opens no server or relay port."""
+    names = ["scheduler", "server 0", "server 1", "worker 0", "worker 1"]
+    kf = KeyFile(secure, names)
+    try:
+        keys = {n: load_keys(kf.files[n]) for n in names}
+        for port_of, peer, admitted in (("server 0", "worker 1", True),
+                                        ("server 0", "server 1", False),
+                                        ("server 0", "scheduler", False),
+                                        ("worker 1", "worker 0", True),
+                                        ("worker 1", "server 0", False),
+                                        ("scheduler", "server 1", True),
+                                        ("scheduler", "worker 0", True)):
+            ok, lines = _handshake(keys[port_of], keys[peer], port_of)
+            assert ok == admitted, (port_of, peer, lines)
+            if not admitted:
+                assert f"it holds {peer}'s key, and no {peer.split()[0]} connects" in lines[0]
+    finally:
+        kf.remove()

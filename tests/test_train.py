@@ -16,6 +16,7 @@ from ssdsgd.checkpoint import run_length
 from ssdsgd.config import ConfigError, parse_config
 from ssdsgd.metrics import read_records
 from ssdsgd.progress import ProgressMonitor
+from ssdsgd import recipe as R
 from ssdsgd import train as T
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,35 +174,35 @@ def cfg_with(**sections):
 
 
 def test_lr_schedules_use_mxnet_schedulers():
-    step = T.build_lr_scheduler(cfg_with(
+    step = R.build_lr_scheduler(cfg_with(
         optimizer={"lr": 0.4, "lr_schedule": {"type": "step", "step_epochs": [2, 3]}},
         train={"epochs": 4}), spe=10)
     assert isinstance(step, mx.lr_scheduler.MultiFactorScheduler)
     assert [round(step(n), 6) for n in (1, 20, 21, 30, 31)] == [0.4, 0.4, 0.04, 0.04, 0.004]
-    cos = T.build_lr_scheduler(cfg_with(
+    cos = R.build_lr_scheduler(cfg_with(
         optimizer={"lr": 1.0, "lr_schedule": {"type": "cosine", "warmup_epochs": 1}},
         train={"epochs": 3}), spe=10)
     assert isinstance(cos, mx.lr_scheduler.CosineScheduler)
     assert cos(5) == pytest.approx(0.5) and cos(10) == pytest.approx(1.0)
     assert cos(30) == pytest.approx(0.0, abs=1e-9)
-    poly = T.build_lr_scheduler(cfg_with(optimizer={"lr_schedule": {"type": "poly"}}), spe=5)
+    poly = R.build_lr_scheduler(cfg_with(optimizer={"lr_schedule": {"type": "poly"}}), spe=5)
     assert isinstance(poly, mx.lr_scheduler.PolyScheduler)
-    assert T.build_lr_scheduler(cfg_with(), spe=10) is None
-    warm = T.build_lr_scheduler(cfg_with(optimizer={"lr": 0.2, "lr_schedule": {
+    assert R.build_lr_scheduler(cfg_with(), spe=10) is None
+    warm = R.build_lr_scheduler(cfg_with(optimizer={"lr": 0.2, "lr_schedule": {
         "warmup_epochs": 2}}, train={"epochs": 5}), spe=10)
     assert warm(10) == pytest.approx(0.1) and warm(40) == pytest.approx(0.2)
 
 
 def test_gradient_batch_and_optimizer_params():
     sync = cfg_with(data={"batch_size": 32})
-    assert T.gradient_batch(sync, None, 1) == 32
-    assert T.gradient_batch(sync, object(), 4) == 128   # servers sum N gradients
+    assert R.gradient_batch(sync, None, 1) == 32
+    assert R.gradient_batch(sync, object(), 4) == 128   # servers sum N gradients
     asgd = cfg_with(data={"batch_size": 32}, sync={"algorithm": "asgd"})
-    assert T.gradient_batch(asgd, object(), 4) == 32
-    p = T.optimizer_params(cfg_with(optimizer={"name": "adam", "lr": 0.01}, sync={
+    assert R.gradient_batch(asgd, object(), 4) == 32
+    p = R.optimizer_params(cfg_with(optimizer={"name": "adam", "lr": 0.01}, sync={
         "glu_state": "exact"}), None)
     assert p == {"learning_rate": 0.01, "wd": 0.0}
-    assert T.optimizer_params(cfg_with(), None)["momentum"] == 0.9
+    assert R.optimizer_params(cfg_with(), None)["momentum"] == 0.9
 
 
 def test_total_steps():
@@ -216,21 +217,21 @@ def test_worker_mode_environment_checks(monkeypatch):
     cfg = cfg_with(cluster={"workers": 2}, sync={"delay_steps": 7})
     monkeypatch.setenv("SSDSGD_ROLE", "server")
     with pytest.raises(ConfigError, match="SSDSGD_ROLE=server"):
-        T.create_kvstore(cfg, 22)
+        R.create_kvstore(cfg, 22)
     for key in ("SSDSGD_DELAY_STEPS", "SSDSGD_ALGORITHM", "SSDSGD_NUM_WORKERS",
                 "SSDSGD_START_STEP"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SSDSGD_WARMUP_STEPS", "500.0")
-    T.check_environment(cfg, 22)
+    R.check_environment(cfg, 22)
     assert os.environ["SSDSGD_DELAY_STEPS"] == "7" and os.environ["SSDSGD_NUM_WORKERS"] == "2"
     assert os.environ["SSDSGD_START_STEP"] == "0"      # a new run starts at step 0
     monkeypatch.setenv("SSDSGD_START_STEP", "44")
     with pytest.raises(ConfigError, match="SSDSGD_START_STEP=44 in the environment"):
-        T.check_environment(cfg, 22)
-    T.check_environment(cfg, 22, start_step=44)           # resuming after step 44
+        R.check_environment(cfg, 22)
+    R.check_environment(cfg, 22, start_step=44)           # resuming after step 44
     monkeypatch.setenv("SSDSGD_DELAY_STEPS", "3")
     with pytest.raises(ConfigError, match="SSDSGD_DELAY_STEPS=3 in the environment"):
-        T.check_environment(cfg, 22)
+        R.check_environment(cfg, 22)
 
 
 def test_launcher_mode_requires_run_dir(tmp_path, monkeypatch):

@@ -276,10 +276,11 @@ class WorkerClient:
                     self.requests.number(msg, self.rank)
                     frames = P.encode(msg)
                     P.check_size(frames, self.env.max_message_bytes)
-                    encoded.append((server, msg.req, frames))
+                    encoded.append((server, msg, frames))
             relayed = bool(flags & P.Flag.RELAY)
-            futures = [self.requests.expect(req, server if relayed else None)
-                       for server, req, _ in encoded] if reply else []
+            futures = [self.requests.expect(
+                msg.req, (server, P.reply_bound(msg.records)) if relayed else None)
+                for server, msg, _ in encoded] if reply else []
             for server, _, frames in encoded:
                 self.io.send(server, frames)
         return Gather(self.requests, futures, sizes, dtypes) if reply else None

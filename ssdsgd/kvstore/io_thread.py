@@ -139,7 +139,7 @@ class IOThread:
                 f"ssdsgd worker: {text}", file=sys.stderr, flush=True))
             relay_in, port = bind_router(
                 self.ctx, self.env.node_host, 0, "a worker's pull relay", guard,
-                maxmsgsize=P.frame_limit(self.env.max_message_bytes))
+                maxmsgsize=P.relay_frame_limit())
             host = self.env.node_host
             print(f"ssdsgd worker: pull relay listening on {host}:{port}; "
                   f"{guard.describe()}", file=sys.stderr, flush=True)
@@ -150,13 +150,13 @@ class IOThread:
         try:
             self.topology = link.register()
             self.relay.join(self.topology, link.routing_id)
-            for host, port in self.topology["servers"]:
+            for server, (host, port) in enumerate(self.topology["servers"]):
                 s = self.ctx.socket(zmq.DEALER)
                 sockets.append(s)
                 s.setsockopt(zmq.SNDHWM, 0)
                 s.setsockopt(zmq.RCVHWM, 0)
                 s.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
-                link.secure(s)     # this worker's connection id and the job's keys
+                link.secure(s, server)     # this worker's connection id and keys
                 s.connect(f"tcp://{host}:{port}")
         except Exception:
             for s in sockets + [link.sock]:

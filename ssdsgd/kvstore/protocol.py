@@ -98,6 +98,8 @@ class Flag(enum.IntFlag):
 DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f8"), 2: np.dtype("<f2"),
           3: np.dtype("<i4"), 4: np.dtype("<i8"), 5: np.dtype("u1")}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = np.zeros(256, np.int64)       # dtype code -> bytes per value
+_ITEMSIZE[list(DTYPES)] = [d.itemsize for d in DTYPES.values()]
 
 
 class ProtocolError(ValueError):
@@ -290,19 +292,29 @@ def fragments(frames, req, sender, meta=None, size=None):
     return out
 
 
+def reply_bound(records):
+    """The most bytes of a reply to a request naming ``records``: every key's values and
+    optimizer state (at most MAX_TENSORS_PER_KEY arrays of its size), its key table and
+    header (the meta has a margin of its own in ``Reassembly``). A relayed reply bigger
+    than that cannot be one, whatever SSDSGD_MAX_MESSAGE_BYTES allows."""
+    data = int((records["count"].astype(np.int64) * _ITEMSIZE[records["dtype"]]).sum())
+    # + per key: its record, and the padding of a packed frame (< 8 bytes)
+    return MAX_TENSORS_PER_KEY * data + len(records) * (KEY_RECORD.itemsize + 8) + HEADER.size
+
+
 class Reassembly:
     """One relayed reply's FRAGMENT messages, in order, back into its frames: a bounded
-    buffer (the first piece states the size; at most ``max_bytes``), every piece checked
-    against what the first announced."""
+    buffer (the first piece states the size; at most ``max_bytes``, e.g. ``reply_bound``
+    of the request), every piece checked against what the first announced."""
 
     def __init__(self, msg, max_bytes):
         if msg.step != 0 or "sizes" not in msg.meta:
             raise ProtocolError(f"fragment {msg.step} of a reply arrived before its first")
         self.sizes, self.count = msg.meta["sizes"], msg.meta["of"]
         total = sum(self.sizes)
-        if max_bytes and total > max_bytes + (1 << 20):
+        if max_bytes and total > max_bytes + MAX_META_BYTES:
             raise ProtocolError(f"a fragmented reply of {total} bytes exceeds the limit "
-                                f"{max_bytes}")
+                                f"{max_bytes} (what a reply to its request can carry)")
         self.buf, self.pos, self.next = np.empty(total, np.uint8), 0, 0
 
     def add(self, msg, data):
@@ -595,6 +607,14 @@ def frame_limit(max_bytes):
     refused without being buffered): a data frame up to the limit, a meta of up to
     MAX_META_BYTES or a key table of up to MAX_KEYS records."""
     return max(max_bytes, MAX_META_BYTES, MAX_KEYS * KEY_RECORD.itemsize) + 4096
+
+
+def relay_frame_limit():
+    """The largest frame a worker's pull relay accepts, whatever the model or the message
+    limit: relayed replies travel only as ``fragments``, pieces of at most FRAGMENT_MAX
+    data bytes (docs/spec/pull_relay.md), so a bigger frame is refused by ZeroMQ without
+    being buffered."""
+    return frame_limit(FRAGMENT_MAX)
 
 
 def receive(frames, *, max_bytes=None):

@@ -44,7 +44,7 @@ class PullRelay:
                 return
             ident, frames = frames[0].bytes, frames[1:]
             rank = self._ranks.get(ident)
-            if rank is None:
+            if rank is None or self.guard.wrong_claim(frames[0], "worker", rank):
                 continue         # not a worker of this job (a reconnect or a stranger)
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += sum(len(f.buffer) for f in frames)
@@ -63,7 +63,7 @@ class PullRelay:
         """A piece of a relayed reply: passed on first, then added to its reply; the
         reply is delivered once its last piece is in. Only pieces of a reply to a request
         this worker sent to that server are taken (bounded: one buffer per request)."""
-        expected = self.requests.sent_to(msg.req)
+        expected, bound = self.requests.sent_to(msg.req)
         if expected is None or expected != msg.sender:
             raise JobAborted(f"{source} sent a piece of server {msg.sender}'s reply to "
                              f"request {msg.req}, which this worker did not send to that "
@@ -73,7 +73,8 @@ class PullRelay:
         try:
             part = self._pieces.get(msg.req)
             if part is None:
-                part = self._pieces[msg.req] = P.Reassembly(msg, self.env.max_message_bytes)
+                part = self._pieces[msg.req] = P.Reassembly(
+                    msg, min(bound, self.env.max_message_bytes))
             whole = part.add(msg, frames[3:])
             if whole is None:
                 return
@@ -103,7 +104,7 @@ class PullRelay:
             sock.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
             sock.setsockopt(zmq.ROUTING_ID, self.link_id)
             if self.guard is not None:
-                self.guard.client(sock)
+                self.guard.client(sock, f"worker {rank}")
             host, port = self.relays[rank]
             sock.connect(f"tcp://{host}:{port}")
         meta = {k: v for k, v in msg.meta.items() if k != "relay"}

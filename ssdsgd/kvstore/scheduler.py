@@ -158,14 +158,24 @@ class Scheduler:
         time.sleep(0.2)  # let the ABORTs leave before the context is torn down
         raise JobAborted(f"aborting the job: {reason}")
 
-    def _register(self, ident, meta):
+    def _register(self, ident, meta, frame):
         """REGISTER: the connection becomes the node (the guard has already checked, at
-        the handshake, that the process holds the job's keys)."""
+        the handshake, that the process holds a key of the job). With a key per process
+        the node is the one its key names: another rank, or that rank twice, is refused."""
         role = meta["role"]
         full = {"server": self.env.num_servers, "worker": self.env.num_workers}
         if ident in self.nodes:
             raise P.ProtocolError(f"this connection already registered as "
                                   f"{self.nodes[ident]['role']}")
+        who = self.guard.sender(frame)
+        if who is not None:
+            if meta.get("rank", -1) == -1 and who.startswith(role + " "):
+                meta = dict(meta, rank=int(who.split()[1]))     # its key says which
+            wrong = self.guard.wrong_claim(frame, role, meta.get("rank", -1))
+            if wrong:
+                raise P.ProtocolError(wrong)
+            if any(n.get("who") == who for n in self.nodes.values()):
+                raise P.ProtocolError(f"{who} has registered already")
         if role == "server" and not (meta.get("host") and meta.get("port")):
             raise P.ProtocolError("a server registers the host and port it listens on")
         if role == "worker" and bool(meta.get("host")) != bool(meta.get("port")):
@@ -182,17 +192,17 @@ class Scheduler:
         self.nodes[ident] = {"role": role, "asked_rank": meta.get("rank", -1),
                              "host": meta.get("host"), "port": meta.get("port"),
                              "pid": meta.get("pid"), "hostname": meta.get("hostname"),
-                             "routing_id": meta.get("routing_id"),
+                             "routing_id": meta.get("routing_id"), "who": who,
                              "rank": -1, "last_seen": time.monotonic(), "finished": False}
         if (len(self._members("server")) == self.env.num_servers
                 and len(self._members("worker")) == self.env.num_workers):
             self._assign_ranks()
         self._record()
 
-    def _handle(self, ident, msg):
+    def _handle(self, ident, msg, frame=None):
         node = self.nodes.get(ident)
         if msg.kind == P.Kind.REGISTER:
-            self._register(ident, msg.meta)
+            self._register(ident, msg.meta, frame)
             return
         if node is None:
             raise P.ProtocolError(f"{msg.kind.name} from a node that never registered")
@@ -320,7 +330,7 @@ class Scheduler:
         try:
             msg = P.receive(frames, max_bytes=0)
             req = msg.req
-            self._handle(ident, msg)
+            self._handle(ident, msg, frames[0])
         except JobAborted:
             raise
         except P.ProtocolError as e:
@@ -379,7 +389,7 @@ class SchedulerLink:
 
     It also gives the node its identity towards the servers: ``routing_id``, registered
     with the scheduler, which tells the servers which connection is which worker;
-    ``secure(sock)`` prepares a socket to a server with it and the job's keys.
+    ``secure(sock, server)`` prepares a socket to a server with it and this node's keys.
 
     Not thread-safe: it belongs to the one thread that polls it (the server's loop, the
     worker's I/O thread)."""
@@ -402,10 +412,10 @@ class SchedulerLink:
         self.last_heard = time.monotonic()
         self.topology = None
 
-    def secure(self, sock):
-        """Before connecting ``sock`` to a server: this node's id and the job's keys."""
+    def secure(self, sock, server=0):
+        """Before connecting ``sock`` to server ``server``: this node's id and keys."""
         sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
-        self.guard.client(sock)
+        self.guard.client(sock, f"server {server}")
 
     def send(self, kind, meta=None):
         """Never blocks: if the scheduler stopped reading, ``tick`` will say so."""

@@ -1,19 +1,29 @@
 """Who may talk to a job: its keys, and ZeroMQ's security mechanisms on every socket.
 
-The launcher makes a job's keys and hands them to every process of the job in a JSON file
-of mode 0600 whose path is in ``SSDSGD_SECRET_FILE`` (never on a command line; the file is
-removed when the job ends). The scheduler and the servers then admit a connection only
-when its handshake proves it has the file -- checked by a ZAP handler before a single
-message of the peer is read:
+The launcher makes the job's keys and hands each process its own in a JSON file of mode
+0600 whose path is in ``SSDSGD_SECRET_FILE`` (never on a command line; the files are
+removed when the job ends). Whoever binds a port (the scheduler, a server, a worker's pull
+relay) admits a connection only when its handshake proves it holds a key of the job --
+checked by a ZAP handler before a single message of the peer is read:
 
 * ``plain`` (the local launcher's default): ZeroMQ's PLAIN mechanism; the client presents
-  a token derived from the job's secret. Authenticated, not encrypted: for one machine or
-  a trusted network.
-* ``curve`` (``--secure``; the default of launchers that span hosts): ZeroMQ's CURVE; the
-  job has one server and one client key pair, and only the job's client key is admitted.
+  its name and a token. Authenticated, not encrypted: for one machine or a trusted network.
+* ``curve`` (``--secure``; the default of launchers that span hosts): ZeroMQ's CURVE.
   Authenticated and encrypted.
 * ``open`` (no ``SSDSGD_SECRET_FILE``, e.g. nodes started by hand): any process that
   reaches a port may connect; nodes say so once when they start.
+
+Two kinds of key file:
+
+* a process's own (``NodeKeys``, version 2; what the launcher makes): one identity --
+  ``scheduler``, ``server R`` or ``worker R`` -- with its own secret (a PLAIN token, or a
+  CURVE key pair) and, of every other process of the job, only what checks it (the hash
+  of its token, or its CURVE public key). The handshake tells the receiver *who* the peer
+  is (ZeroMQ's User-Id); the scheduler admits a REGISTER only for the role and rank of
+  the key, a server a worker's messages only on the connection of that worker's key, so a
+  process that read one worker's file can be that worker, never another rank;
+* the job's (``JobKeys``, version 1: nodes started by hand, tests): one secret for all,
+  so it proves membership of the job, not a rank.
 
 Inside the job, who a connection is comes from the scheduler: it binds a node to the
 connection it registered on, and tells the servers which connection id is which worker
@@ -24,6 +34,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -71,36 +82,207 @@ class JobKeys:
         return cls(secrets.token_bytes(32), curve)
 
     def write(self, path):
-        """Create ``path`` with mode 0600 (fails if it exists: never reuse a file)."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": 1, "secret": self.secret.hex(), "curve": self.curve}, f)
+        _create_private(path, {"version": 1, "secret": self.secret.hex(), "curve": self.curve})
 
     @classmethod
     def load(cls, path):
+        return cls.from_json(_read_private(path), path)
+
+    @classmethod
+    def from_json(cls, data, path):
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise SecurityError(f"{ENV_VAR}={path}: cannot open the job's keys: "
-                                f"{e.strerror}") from None
-        with os.fdopen(fd) as f:
-            info = os.fstat(f.fileno())
-            if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise SecurityError(f"{ENV_VAR}={path} has mode {stat.S_IMODE(info.st_mode):04o}; "
-                                    "the job's keys must be readable by their owner only (0600)")
-            try:
-                data = json.load(f)
-                secret = bytes.fromhex(data["secret"])
-                curve = data.get("curve")
-                if curve is not None:
-                    curve = {k: str(curve[k]) for k in _CURVE_FIELDS}
-                    for value in curve.values():
-                        z85.decode(value.encode())
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise SecurityError(f"{ENV_VAR}={path}: not a job key file ({e!r:.80})") from None
+            secret = bytes.fromhex(data["secret"])
+            curve = data.get("curve")
+            if curve is not None:
+                curve = {k: str(curve[k]) for k in _CURVE_FIELDS}
+                for value in curve.values():
+                    z85.decode(value.encode())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SecurityError(f"{ENV_VAR}={path}: not a job key file ({e!r:.80})") from None
         if len(secret) < 16:
             raise SecurityError(f"{ENV_VAR}={path}: the secret is too short")
         return cls(secret, curve)
+
+    identity = None        # any rank: the job's file proves membership only
+
+    def serve(self, sock):
+        if self.curve:
+            sock.curve_server = True
+            sock.curve_secretkey = self.curve["server_secret"].encode()
+            sock.curve_publickey = self.curve["server_public"].encode()
+        else:
+            sock.plain_server = True
+
+    def connect(self, sock, peer):
+        if self.curve:
+            sock.curve_serverkey = self.curve["server_public"].encode()
+            sock.curve_publickey = self.curve["client_public"].encode()
+            sock.curve_secretkey = self.curve["client_secret"].encode()
+        else:
+            sock.plain_username = PLAIN_USER
+            sock.plain_password = self.token
+
+    def admit_plain(self, username, password):
+        """The peer's identity ("" for any rank of the job), or None: refused."""
+        ok = username.encode() == PLAIN_USER and hmac.compare_digest(password.encode(),
+                                                                      self.token)
+        return "" if ok else None
+
+    def admit_curve(self, key):
+        return "" if hmac.compare_digest(key, self.curve["client_public"].encode()) else None
+
+    def may_connect(self, name):
+        return True
+
+
+def identity(role, rank):
+    """The name a process's key is issued to."""
+    return "scheduler" if role == "scheduler" else f"{role} {rank}"
+
+
+# Whose processes connect to the ports of a role: the scheduler's, servers and workers;
+# a server's, and a worker's pull relay, workers only.
+CONNECTS_TO = {"scheduler": ("server", "worker"), "server": ("worker",), "worker": ("worker",)}
+_IDENTITY = re.compile(r"(scheduler|(server|worker) (0|[1-9][0-9]{0,6}))\Z")
+
+
+def _token_hash(token):
+    return hashlib.sha256(b"ssdsgd node token v2:" + token).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeKeys:
+    """One process's keys (version 2): its ``identity``, its own secret (``own``: a PLAIN
+    token, or a CURVE key pair) and, per identity of the job, what checks that process
+    (``peers``: its token's hash, or its CURVE public key) -- never another's secret."""
+    identity: str
+    curve: bool
+    own: dict
+    peers: dict
+
+    @property
+    def mode(self):
+        return "curve" if self.curve else "plain"
+
+    @classmethod
+    def generate_job(cls, secure, identities):
+        """{identity: NodeKeys} of a job: a fresh secret for every process."""
+        if secure and not zmq.has("curve"):
+            raise SecurityError("--secure needs libzmq with CURVE support, which this "
+                                "pyzmq's libzmq lacks")
+        own = {}
+        for name in identities:
+            if secure:
+                public, secret = zmq.curve_keypair()
+                own[name] = {"public": public.decode(), "secret": secret.decode()}
+            else:
+                own[name] = {"token": secrets.token_hex(32)}
+        peers = {name: mine["public"] if secure else _token_hash(mine["token"].encode())
+                 for name, mine in own.items()}
+        return {name: cls(name, bool(secure), own[name], peers) for name in identities}
+
+    def write(self, path):
+        _create_private(path, {"version": 2, "identity": self.identity, "mode": self.mode,
+                               "own": self.own, "peers": self.peers})
+
+    @classmethod
+    def from_json(cls, data):
+        """Raises ValueError/KeyError/TypeError on anything but a version 2 file."""
+        name, mode, own, peers = data["identity"], data["mode"], data["own"], data["peers"]
+        if mode not in ("plain", "curve") or not isinstance(peers, dict):
+            raise ValueError(f"mode {mode!r}")
+        for who in [name] + list(peers):
+            if not isinstance(who, str) or not _IDENTITY.match(who):
+                raise ValueError(f"identity {who!r}")
+        if name not in peers:
+            raise ValueError("its own identity is not among the job's")
+        if mode == "curve":
+            own = {k: str(own[k]) for k in ("public", "secret")}
+            for value in list(own.values()) + list(peers.values()):
+                z85.decode(str(value).encode())
+            if own["public"] != peers[name]:
+                raise ValueError("its public key is not the job's record of it")
+        else:
+            own = {"token": str(own["token"])}
+            if len(bytes.fromhex(own["token"])) < 16:
+                raise ValueError("the token is too short")
+        return cls(name, mode == "curve", own, {k: str(v) for k, v in peers.items()})
+
+    def serve(self, sock):
+        if self.curve:
+            sock.curve_server = True
+            sock.curve_secretkey = self.own["secret"].encode()
+            sock.curve_publickey = self.own["public"].encode()
+        else:
+            sock.plain_server = True
+
+    def connect(self, sock, peer):
+        """``peer``: the identity of the process that bound the port (CURVE checks it
+        is that process, by its public key)."""
+        if self.curve:
+            if peer not in self.peers:
+                raise SecurityError(f"{peer} has no key in this job's key file")
+            sock.curve_serverkey = self.peers[peer].encode()
+            sock.curve_publickey = self.own["public"].encode()
+            sock.curve_secretkey = self.own["secret"].encode()
+        else:
+            sock.plain_username = self.identity.encode()
+            sock.plain_password = self.own["token"].encode()
+
+    def admit_plain(self, username, password):
+        want = self.peers.get(username)
+        ok = want is not None and hmac.compare_digest(_token_hash(password.encode()), want)
+        return username if ok else None
+
+    def admit_curve(self, key):
+        key = key.decode() if isinstance(key, bytes) else key
+        for name, public in self.peers.items():
+            if hmac.compare_digest(public, key):
+                return name
+        return None
+
+    def may_connect(self, name):
+        """Does a process of ``name`` ever connect to this process's ports?"""
+        return name.split(" ")[0] in CONNECTS_TO[self.identity.split(" ")[0]]
+
+
+def _create_private(path, data):
+    """Create ``path`` with mode 0600 (fails if it exists: never reuse a file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+
+
+def _read_private(path):
+    """The JSON of a key file that only its owner can read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise SecurityError(f"{ENV_VAR}={path}: cannot open the job's keys: "
+                            f"{e.strerror}") from None
+    with os.fdopen(fd) as f:
+        info = os.fstat(f.fileno())
+        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise SecurityError(f"{ENV_VAR}={path} has mode {stat.S_IMODE(info.st_mode):04o}; "
+                                "the job's keys must be readable by their owner only (0600)")
+        try:
+            data = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise SecurityError(f"{ENV_VAR}={path}: not a job key file ({e!r:.80})") from None
+    if not isinstance(data, dict):
+        raise SecurityError(f"{ENV_VAR}={path}: not a job key file (not a JSON object)")
+    return data
+
+
+def load_keys(path):
+    """A process's keys from ``path``: its own (version 2) or the job's (version 1)."""
+    data = _read_private(path)
+    if data.get("version") != 2:
+        return JobKeys.from_json(data, path)
+    try:
+        return NodeKeys.from_json(data)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SecurityError(f"{ENV_VAR}={path}: not a process's key file ({e!r:.80})") from None
 
 
 def write_job_keys(directory, secure):
@@ -112,13 +294,28 @@ def write_job_keys(directory, secure):
 
 
 class KeyFile:
-    """A launcher's keys for one job: a fresh file in a private (0700) directory,
-    ``env`` to give every process, ``remove()`` when the job is over."""
+    """A launcher's keys for one job in a private (0700) directory, ``remove()`` when the
+    job is over. With ``identities`` (the launcher's): one file per process,
+    ``env_for(role, rank)`` for each; without: the job's one file, ``env`` for every
+    process (nodes started by hand, tests)."""
 
-    def __init__(self, secure=False):
+    def __init__(self, secure=False, identities=None):
         self.dir = tempfile.mkdtemp(prefix="ssdsgd-keys-")
-        self.path = write_job_keys(self.dir, secure)
-        self.env = {ENV_VAR: self.path}
+        self.files = {}
+        if identities is None:
+            self.path = write_job_keys(self.dir, secure)
+            self.env = {ENV_VAR: self.path}
+            return
+        self.path, self.env = None, {}
+        for name, keys in NodeKeys.generate_job(secure, identities).items():
+            path = self.files[name] = os.path.join(self.dir, f"keys-{name.replace(' ', '-')}.json")
+            keys.write(path)
+
+    def env_for(self, role, rank):
+        """The variables of one process: the path of its own key file."""
+        if not self.files:
+            return dict(self.env)
+        return {ENV_VAR: self.files[identity(role, rank)]}
 
     def remove(self):
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -137,6 +334,7 @@ def _gate(ctx, keys, log):
             super().__init__(ctx)
             self.refused, self.peer = 0, "?"
             self._lock = threading.Lock()
+            self._names = {}      # a CURVE key (raw) -> the identity it was issued to
 
         async def handle_zap_message(self, msg):
             self.peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
@@ -149,19 +347,31 @@ def _gate(ctx, keys, log):
             if n <= 10 or n % 1000 == 0:
                 log(f"refused a connection from {self.peer}: {why} (refusal {n})")
 
+        def _admitted(self, name, wrong):
+            if name is None:
+                self._refuse(wrong)
+            elif not keys.may_connect(name):
+                self._refuse(f"it holds {name}'s key, and no {name.split(' ')[0]} connects "
+                             "to this port")
+            else:
+                return True
+            return False
+
         def _authenticate_plain(self, domain, username, password):
-            ok = (username.encode() == PLAIN_USER
-                  and hmac.compare_digest(password.encode(), keys.token))
-            if not ok:
-                self._refuse("it does not hold this job's key file (wrong PLAIN token)")
+            ok = self._admitted(keys.admit_plain(username, password),
+                                "it does not hold a key of this job (wrong PLAIN token)")
             return ok, b"OK" if ok else b"not a process of this job"
 
         def callback(self, domain, key):
-            """CURVE: only the job's client key."""
-            ok = hmac.compare_digest(key, keys.curve["client_public"].encode())
-            if not ok:
-                self._refuse("its CURVE key is not this job's")
-            return ok
+            """CURVE: only the job's keys; remembers whose key it is (the User-Id)."""
+            name = keys.admit_curve(key)
+            if not self._admitted(name, "its CURVE key is not one of this job's"):
+                return False
+            self._names[z85.decode(key)] = name
+            return True
+
+        def curve_user_id(self, client_public_key):
+            return self._names.get(client_public_key, "")
 
     return Gate()
 
@@ -176,7 +386,7 @@ class Guard:
     @classmethod
     def from_env(cls, env, log):
         path = getattr(env, "secret_file", None) or None
-        return cls(JobKeys.load(path) if path else None, log)
+        return cls(load_keys(path) if path else None, log)
 
     @property
     def mode(self):
@@ -192,24 +402,32 @@ class Guard:
             if self.keys.curve:
                 self.gate.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self.gate)
         sock.zap_domain = ZAP_DOMAIN.encode()
-        if self.keys.curve:
-            sock.curve_server = True
-            sock.curve_secretkey = self.keys.curve["server_secret"].encode()
-            sock.curve_publickey = self.keys.curve["server_public"].encode()
-        else:
-            sock.plain_server = True
+        self.keys.serve(sock)
 
-    def client(self, sock):
-        """Before ``connect``: prove to the scheduler and servers that this is the job's."""
-        if self.keys is None:
-            return
-        if self.keys.curve:
-            sock.curve_serverkey = self.keys.curve["server_public"].encode()
-            sock.curve_publickey = self.keys.curve["client_public"].encode()
-            sock.curve_secretkey = self.keys.curve["client_secret"].encode()
-        else:
-            sock.plain_username = PLAIN_USER
-            sock.plain_password = self.keys.token
+    def client(self, sock, peer="scheduler"):
+        """Before ``connect`` to ``peer`` (the identity of the process that bound the
+        port: ``scheduler``, ``server R``, ``worker R``): prove that this is the job's."""
+        if self.keys is not None:
+            self.keys.connect(sock, peer)
+
+    def sender(self, frame):
+        """Whose key the connection that delivered ``frame`` (a zmq.Frame) proved, e.g.
+        "worker 1"; None when keys bind no rank (the job's one file, or open mode)."""
+        if self.keys is None or self.keys.identity is None:
+            return None
+        try:
+            return frame.get("User-Id") or "nobody"
+        except (zmq.ZMQError, AttributeError):
+            return "nobody"
+
+    def wrong_claim(self, frame, role, rank):
+        """None if the connection of ``frame`` may act as ``role`` ``rank``; else why not,
+        in one line."""
+        who, claimed = self.sender(frame), identity(role, rank)
+        if who is None or who == claimed:
+            return None
+        return (f"a connection holding {who}'s key cannot act as {claimed} (each process "
+                "holds its own key; SSDSGD_SECRET_FILE)")
 
     def describe(self):
         return {"open": "open: no SSDSGD_SECRET_FILE, any process that reaches this port "

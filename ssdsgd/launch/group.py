@@ -101,7 +101,7 @@ class GroupLauncher:
         self.total = len(self.slots)
         self.workdir = opts.workdir or os.getcwd()
         self.python = opts.python or sys.executable
-        self.procs, self.table, self.env = [], [], None
+        self.procs, self.table, self.env, self.files = [], [], None, []
         self.popen = None
         self.drained = threading.Event()
         self.sent = set()
@@ -144,16 +144,18 @@ class GroupLauncher:
         proc = GroupProcess(self, index, slot)
         self.procs.append(proc)
         self.table.append([role, rank, replace_python(cmd, self.opts.python), slot.host])
+        own, files = split_secrets(
+            {k: v for k, v in forwarded(env, self.opts.env_keys).items()
+             if k not in ("SSDSGD_ROLE", "SSDSGD_RANK")})
         if self.env is None:
-            self.env, self.files = split_secrets(
-                {k: v for k, v in forwarded(env, self.opts.env_keys).items()
-                 if k not in ("SSDSGD_ROLE", "SSDSGD_RANK")})
+            self.env = own
+        self.files.append(files)      # each process's own key file (kvstore/security.py)
         if index + 1 == self.total:
             self._launch()
         return proc
 
     def _launch(self):
-        spec = {"procs": self.table, "env": self.env, "files": self.files, "tag": True,
+        spec = {"procs": self.table, "env": self.env, "rank_files": self.files, "tag": True,
                 "cwd": self.workdir,
                 "connect_timeout": self.opts.start_timeout,
                 "lifeline": list(self.listener.getsockname()[:2])}

@@ -13,7 +13,7 @@ import threading
 import time
 
 from ..kvstore import job_status
-from ..kvstore.security import KeyFile
+from ..kvstore.security import KeyFile, identity
 from ..settings import to_env
 from .janitor import Janitor
 from .hosts import role_label
@@ -103,19 +103,20 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
         return 2
     env = base_env(num_workers, num_servers, port or free_port(), extra_env,
                    runner.scheduler_host)
-    # Only this job's processes may join it: fresh keys (CURVE with ``runner.secure``),
-    # a 0600 file whose path every process gets (kvstore/security.py).
-    keys = KeyFile(getattr(runner, "secure", False))
+    # Only this job's processes may join it, each as itself: fresh keys (CURVE with
+    # ``runner.secure``), a 0600 file per process with its own secret, its path in that
+    # process's SSDSGD_SECRET_FILE (kvstore/security.py).
+    plan = job_plan(num_workers, num_servers, worker_cmd)
+    keys = KeyFile(getattr(runner, "secure", False),
+                   [identity(role, rank) for role, rank, _ in plan])
     janitor = Janitor(keys.dir)       # gone with the launcher, even after a SIGKILL
-    env.update(keys.env)
     # the scheduler's record for this loop (kvstore/job_status.py), beside the keys
     status = JobStatus(os.path.join(keys.dir, "status.json"))
     env.update(to_env(status_file=status.path))
     procs, pumps = [], []
     with _signals_recorded() as interrupted:
         try:
-            if not _start_plan(runner, job_plan(num_workers, num_servers, worker_cmd), env,
-                               procs, pumps, (stdout, stderr), log):
+            if not _start_plan(runner, plan, env, keys, procs, pumps, (stdout, stderr), log):
                 return 2
             return _watch(procs, interrupted, progress, log, failures,
                           continue_without_workers, status)
@@ -160,12 +161,14 @@ def _signals_recorded():
             signal.signal(s, h)
 
 
-def _start_plan(runner, plan, env, procs, pumps, sinks, log):
-    """Start every process of ``plan`` (appended to ``procs`` as it starts) and a thread
-    per output stream that prefixes its lines; False if one cannot be started."""
+def _start_plan(runner, plan, env, keys, procs, pumps, sinks, log):
+    """Start every process of ``plan`` (appended to ``procs`` as it starts), each with
+    its own key file, and a thread per output stream that prefixes its lines; False if
+    one cannot be started."""
     lock = threading.Lock()
     for role, rank, cmd in plan:
-        penv = dict(env, **to_env(role=role, rank=rank), **runner.node_env(role, rank))
+        penv = dict(env, **to_env(role=role, rank=rank), **runner.node_env(role, rank),
+                    **keys.env_for(role, rank))
         try:
             proc = runner.start(role, rank, cmd, penv)
         except OSError as e:

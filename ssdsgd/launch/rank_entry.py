@@ -317,7 +317,10 @@ def run(spec, index, stdin):
             os.chdir(spec["cwd"])
         env = prepare(spec, role, cmd, watch)
         env.update(SSDSGD_ROLE=role, SSDSGD_RANK=str(rank))
-        secrets.extend(write_secrets(spec.get("files") or {}, env))    # removed at the end
+        files = dict(spec.get("files") or {})     # every rank's, then this rank's own
+        if spec.get("rank_files"):
+            files.update(spec["rank_files"][index])
+        secrets.extend(write_secrets(files, env))    # removed at the end
         child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                  stdout=subprocess.PIPE if out.tag else None,
                                  stderr=subprocess.PIPE if out.tag else None,

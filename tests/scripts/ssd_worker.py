@@ -55,7 +55,10 @@ losses = []
 delay = json.loads(args.delays).get(str(rank), 0.0)
 if args.delays != "{}":
     # The Trainer creates its store (set_optimizer ends in a barrier of all workers) at
-    # its first step; done here, so a delayed rank is late from step 0 on.
+    # its first step; done here, so a delayed rank is late from step 0 on. First the
+    # gradient scale that step would set: on a distributed store MXNet's Trainer refuses
+    # a step whose batch size differs from the one the optimizer was sent with.
+    trainer._optimizer.rescale_grad = trainer._scale / tiny.batch(rank, 0)[0].shape[0]
     trainer._init_kvstore()
 for t in range(args.start_step, args.start_step + args.steps):
     time.sleep(delay)

@@ -1,0 +1,137 @@
+"""The dense modes: every worker's gradient of every step (``ssgd``, ``ssd``: dist_sync's
+semantics, within SSD's steps-ahead bound), or each push on arrival (``asgd``: dist_async's).
+
+Synchronous: for every key and step the policy waits for the gradients of all N workers
+(or of those still in the job, docs/reliability.md's on_worker_failure: continue) and asks
+for their sum in rank order -- never arrival order, so runs are reproducible -- and one
+optimizer update. A reply "as of step t" is answered the moment step t is applied, so it
+is exactly w_G(t) however far other workers have run ahead.
+"""
+from .policy import PolicyError, ServerPolicy
+
+
+class DenseSync(ServerPolicy):
+    """ssgd and ssd: a step of a key is applied once every worker in the job pushed it."""
+
+    def __init__(self, num_workers, steps_ahead, algorithm, averaging=None):
+        super().__init__(num_workers, steps_ahead, algorithm, averaging)
+        self.pending = {}      # key -> {step: {rank: gradient}}
+        self.waiting = {}      # key -> {step: [(token, slot)]} to answer once it is applied
+
+    def declare(self, key):
+        super().declare(key)
+        self.pending.setdefault(key, {})
+        self.waiting.setdefault(key, {})
+
+    def push(self, rank, items, token, latest=False):
+        for key, step, _ in items:
+            self._check_push(rank, key, step)
+        ready = []
+        for slot, (key, step, grad) in enumerate(items):
+            self.pending[key].setdefault(step, {})[rank] = grad
+            if token is not None:
+                self.waiting[key].setdefault(step, []).append((token, slot))
+            if step == self.version[key] and self._complete(self.pending[key][step], step):
+                ready.append(key)
+        return self._drain(ready)
+
+    def _check_push(self, rank, key, step):
+        version = self.version[key]
+        if step < version:
+            raise PolicyError(f"key {key}: push for step {step} from worker {rank}, but "
+                              f"step {version - 1} is already applied")
+        if step - version >= self.steps_ahead:
+            raise PolicyError(f"key {key}: worker {rank} pushed step {step}, "
+                              f"{step - version} steps ahead of the slowest worker; the "
+                              f"{self.algorithm} schedule allows {self.steps_ahead - 1}")
+        if rank in self.pending[key].get(step, ()):
+            raise PolicyError(f"key {key}: worker {rank} pushed step {step} twice; the "
+                              "job's gradients cannot be trusted any more")
+
+    def pull(self, rank, items, token, final=False):
+        for key, step in items:
+            if step >= self.version[key] and rank not in self.pending[key].get(step, ()):
+                raise PolicyError(f"key {key}: worker {rank} pulls step {step}, which it has "
+                                  f"not pushed (step {self.version[key] - 1} is the last "
+                                  "applied)")
+        if not items:
+            return [("answer", token, None)]
+        actions = []
+        for slot, (key, step) in enumerate(items):
+            if step >= self.version[key]:        # "as of step t": wait for it
+                self.waiting[key].setdefault(step, []).append((token, slot))
+            else:
+                actions.append(("answer", token, slot))
+        return actions
+
+    def _complete(self, pushes, step):
+        """Has every worker still in the job at ``step`` pushed it?"""
+        return len(pushes) + sum(1 for r, s in self.removed.items()
+                                 if s <= step and r not in pushes) >= self.n
+
+    def _drain(self, ready):
+        """Apply the ready keys' steps, answer what waited for them, and go on while the
+        next step of any of them is complete too (the one "apply, then answer, until
+        nothing is ready" loop of a push and of a departure)."""
+        actions = []
+        while ready:
+            actions.append(self._apply([self._sum(key) for key in ready]))
+            nxt = []
+            for key in ready:
+                version = self.version[key]
+                actions += [("answer", token, slot)
+                            for token, slot in self.waiting[key].pop(version - 1, ())]
+                if self._complete(self.pending[key].get(version, {}), version):
+                    nxt.append(key)
+            ready = nxt
+        return actions
+
+    def _sum(self, key):
+        """The step's gradients of ``key`` in rank order; after a departure, their mean
+        counted as N workers' (the sum times N / pushes)."""
+        grads = self.pending[key].pop(self.version[key])
+        parts = [grads[r] for r in sorted(grads)]
+        scale = self.n / len(parts) if len(parts) < self.n else None
+        return (key, parts, scale)
+
+    def first_missing(self, rank):
+        def first(key):
+            t = self.version[key]
+            while rank in self.pending[key].get(t, ()):
+                t += 1
+            return t
+        return min((first(key) for key in self.version), default=0)
+
+    def leave(self, rank, from_step):
+        """Drop its pushes for steps >= ``from_step``, aggregate the others from then on,
+        and apply what is now complete."""
+        self.removed[rank] = from_step
+        ready = []
+        for key, pending in self.pending.items():
+            for t, pushes in pending.items():
+                if t >= from_step:
+                    pushes.pop(rank, None)
+            if self._complete(pending.get(self.version[key], {}), self.version[key]):
+                ready.append(key)
+        return self._drain(ready)
+
+    def busy(self):
+        for key, pending in self.pending.items():
+            if pending:
+                return key, min(pending)
+        return None
+
+
+class Async(ServerPolicy):
+    """asgd: every push is applied on arrival, and every pull answered at once."""
+
+    def push(self, rank, items, token, latest=False):
+        actions = [self._apply([(key, [grad], None) for key, _, grad in items])]
+        if token is not None:
+            actions += [("answer", token, slot) for slot in range(len(items))]
+        return actions
+
+    def pull(self, rank, items, token, final=False):
+        if not items:
+            return [("answer", token, None)]
+        return [("answer", token, slot) for slot in range(len(items))]

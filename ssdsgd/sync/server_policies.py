@@ -1,0 +1,22 @@
+"""Which server policy a job's settings choose. The node wiring (``ssdsgd.node``) hands
+``make_server_policy`` to the server, which calls it once it knows its rank: the
+transport names no policy."""
+from ..settings import quorum_size
+from .averaging import GroupAverages
+from .dense import Async, DenseSync
+from .quorum import QuorumRounds
+from .stage import steps_ahead_bound
+
+
+def make_server_policy(env, rank):
+    """The policy of server ``rank`` for the job ``env`` describes (a NodeEnv)."""
+    n, steps_ahead = env.num_workers, steps_ahead_bound(env.algorithm, env.delay_steps)
+    averaging = GroupAverages(n) if env.algorithm == "preduce" else None
+    quorum = quorum_size(env.quorum, n)
+    if env.algorithm == "asgd":
+        return Async(n, steps_ahead, env.algorithm, averaging)
+    if quorum < n:
+        return QuorumRounds(n, steps_ahead, env.algorithm, averaging, quorum=quorum,
+                            max_staleness=env.max_staleness, leader=rank == 0,
+                            replicate=env.num_servers > 1)
+    return DenseSync(n, steps_ahead, env.algorithm, averaging)

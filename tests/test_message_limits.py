@@ -1,0 +1,114 @@
+"""Issue 30 item 4: a message bigger than anything the job sends is refused by ZeroMQ
+before it is buffered. A worker's pull relay takes only pieces of relayed replies (at most
+protocol.FRAGMENT_MAX data bytes each), so its frame limit no longer follows
+SSDSGD_MAX_MESSAGE_BYTES (16 GiB by default): a peer holding a worker's key sent it a
+256 MiB frame, and the worker had to hold all of it."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from conftest import load_npz
+from livejob import LiveJob, dealer, job_keys, job_pid, undisturbed_weights
+from ssdsgd.kvstore import protocol as P
+from ssdsgd.kvstore.security import Guard
+
+STEPS = 300
+JOB_ENV = {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "chain"}
+BIG = 256 << 20
+
+
+def rss_kb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+class PeakRSS:
+    """The largest VmRSS of ``pid`` seen while it runs, sampled every millisecond or so
+    (a frame held for a fraction of a second is seen)."""
+
+    def __init__(self, pid):
+        self.pid, self.peak, self.stop = pid, rss_kb(pid), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            try:
+                self.peak = max(self.peak, rss_kb(self.pid))
+            except (OSError, AssertionError):
+                return
+            time.sleep(0.001)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        return self.peak
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    return undisturbed_weights(tmp_path_factory, STEPS, {"SSDSGD_ALGORITHM": "ssgd"})
+
+
+@pytest.mark.system
+def test_an_oversized_frame_to_a_workers_relay_is_refused_unbuffered(tmp_path, undisturbed):
+    job = LiveJob(tmp_path, steps=STEPS, env=JOB_ENV)
+    try:
+        relay = job.address("worker 1")
+        pid, _ = job_pid(job, "worker 1")
+        keys = job_keys(job, "worker 0")    # an insider: worker 0's own key file
+        sock = dealer(relay, lambda s: Guard(keys, print).client(s, "worker 1"))
+        events = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        deadline = time.monotonic() + 30
+        while not events.poll(100):             # admitted: it holds a key of the job
+            assert time.monotonic() < deadline, "the relay never admitted worker 0's key"
+        assert recv_monitor_message(events)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        time.sleep(0.5)                         # the RSS the worker has when it is idle-ish
+        base = rss_kb(pid)
+        peak = PeakRSS(pid)
+        head = P.encode(P.Message(P.Kind.FRAGMENT, sender=0, req=1, meta={"of": 1}))
+        sock.send_multipart(head[:3] + [np.ones(BIG, np.uint8)], copy=False)
+        deadline = time.monotonic() + 60        # refused: ZeroMQ drops the connection
+        while not events.poll(100):
+            assert time.monotonic() < deadline, "the oversized frame was not refused"
+        assert recv_monitor_message(events)["event"] == zmq.EVENT_DISCONNECTED
+        time.sleep(0.5)
+        grown = peak.close() - base
+        assert grown < (BIG >> 10) // 4, f"worker 1 buffered the frame: RSS +{grown} KiB"
+        events.close(0)
+        sock.close(0)
+        assert job.wait(timeout=300) == 0, job.text[-3000:]
+    finally:
+        job.kill()
+    final = load_npz(tmp_path / "final-rank0.npz")
+    for k in undisturbed:
+        np.testing.assert_array_equal(final[k], undisturbed[k])
+
+
+def test_a_relayed_reply_is_bounded_by_the_request_it_answers():
+    """A pull relay reassembles a reply's pieces into one buffer the first piece sizes:
+    at most what a reply to that request can carry (its keys' values and optimizer state),
+    not SSDSGD_MAX_MESSAGE_BYTES (16 GiB by default)."""
+    request = P.make_records([(0, 5, 0, 1000, np.float32, 0), (1, 5, 0, 30, np.float64, 0)])
+    values = [[np.ones(1000, np.float32)] * 3, [np.ones(30, np.float64)] * 3]   # + 2 states
+    reply = P.encode(P.Message(P.Kind.REPLY, sender=0, req=9, tensors=values,
+                               records=P.make_records([(0, 5, 0, 1000, np.float32, 3),
+                                                       (1, 5, 0, 30, np.float64, 3)])))
+    bound = P.reply_bound(request)
+    raw = P.fragments(reply, 9, 0, size=4096)
+    pieces = [P.decode(p) for p in raw]
+    part = P.Reassembly(pieces[0], bound)
+    whole = [part.add(m, p[3:]) for m, p in zip(pieces, raw)][-1]
+    np.testing.assert_array_equal(P.decode(whole).tensors[1][2], np.ones(30))
+    forged = P.decode(raw[0])
+    forged.meta["sizes"] = forged.meta["sizes"][:-1] + [1 << 30]     # a 1 GiB reply
+    with pytest.raises(P.ProtocolError, match=rf"exceeds the limit {bound} \(what a reply to "
+                                              "its request can carry"):
+        P.Reassembly(forged, bound)
