@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ssdsgd import testing
-from ssdsgd.kvstore.client import PIECE_MIN, _cut
+from ssdsgd.kvstore.splitting import PIECE_MIN, cut as _cut
 from ssdsgd.kvstore.piece_tuner import CANDIDATES, PieceTuner
 from ssdsgd.settings import BY_NAME, SettingError, pipeline_pieces
 

@@ -1,0 +1,250 @@
+"""The worker's I/O thread: it owns every socket of the worker (ZeroMQ sockets belong to
+one thread). SSD-SGD needs pushes and pulls in flight while the main thread computes, so
+the main thread queues encoded messages here and waits on futures. The same thread keeps
+the heartbeats going while the main thread computes, and turns a scheduler ABORT (a dead
+peer) or a silent scheduler into an exception on every waiting future.
+
+Each turn it sends at most SEND_PER_TURN queued messages and reads at most RECV_PER_TURN
+from each socket, then serves the others: neither a sender that queues without pause nor
+a peer that sends without pause can hold it from its heartbeats and replies."""
+import queue
+import sys
+import threading
+import time
+
+import zmq
+
+from . import protocol as P
+from .relay import PullRelay
+from .scheduler import JobAborted, SchedulerLink, bind_router
+from .security import Guard
+
+RECV_PER_TURN = 64
+SEND_PER_TURN = 64
+
+
+class IOThread:
+    """``on_turn()`` runs on this thread every turn before the queue is sent (the client
+    queues push_then's outbox there); ``on_end()`` once it has ended."""
+
+    def __init__(self, env, requests, stats, on_turn, on_end):
+        self.env, self.requests, self.stats = env, requests, stats
+        self.on_turn, self.on_end = on_turn, on_end
+        self.ctx = zmq.Context.instance()
+        self.topology = None
+        self.left = []            # workers that left the job (cluster.on_worker_failure)
+        self.relay = None
+        self._commands = queue.SimpleQueue()
+        self._stopping = False
+        self._ready = threading.Event()
+        addr = f"inproc://ssdsgd-wake-{id(self)}"
+        self._wake_in = self.ctx.socket(zmq.PAIR)
+        self._wake_in.bind(addr)
+        self._wake_out = self.ctx.socket(zmq.PAIR)
+        self._wake_out.connect(addr)
+        self._thread = threading.Thread(target=self._run, name="ssdsgd-io", daemon=True)
+        requests.alive = self._thread.is_alive
+
+    def start(self):
+        """Register with the scheduler; returns the topology (raises why it failed)."""
+        self._thread.start()
+        self._ready.wait()
+        if self.requests.failure is not None:
+            raise self.requests.failure
+        return self.topology
+
+    def send(self, target, frames):
+        """Queue ``frames`` for server ``target`` (or "scheduler")."""
+        with self.requests.lock:
+            self._commands.put((target, frames))
+            self._wake()
+
+    def _wake(self):
+        """Wake the I/O thread (called with the lock held: the socket is not thread-safe).
+        Never blocks: a full pipe means wake-ups are pending already, and blocking here
+        while the I/O thread waits for the lock to hand over a reply deadlocked both."""
+        try:
+            self._wake_out.send(b"", flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def wake(self):
+        with self.requests.lock:
+            self._wake()
+
+    def call_scheduler(self, kind, meta, reply_kind):
+        """Send the scheduler ``kind`` and wait for its ``reply_kind``."""
+        with self.requests.lock:
+            fut = self.requests.expect_control(reply_kind)
+            self._commands.put(("scheduler", P.control(kind, meta)))
+            self._wake()
+        waited = time.perf_counter()
+        try:
+            return self.requests.wait(fut)
+        finally:
+            self.stats["time_blocked"] += time.perf_counter() - waited
+
+    def stop(self):
+        """End the thread once what is queued is sent (the client has said FINISH)."""
+        self._stopping = True
+        with self.requests.lock:
+            try:
+                self._wake_out.send(b"", flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._thread.join(timeout=self.env.heartbeat_timeout + 5)
+        self._wake_out.close(0)
+
+    @property
+    def alive(self):
+        return self._thread.is_alive()
+
+    @property
+    def backlog(self):
+        """Messages queued and not yet sent."""
+        return self._commands.qsize()
+
+    def _run(self):
+        try:
+            link, sockets = self._connect()
+        except Exception as e:   # registration failed: report it to the constructor
+            self.requests.failure = e if isinstance(e, JobAborted) else JobAborted(str(e))
+            self._wake_in.close(0)
+            return
+        finally:
+            self._ready.set()
+        try:
+            self._serve(link, sockets)
+        except JobAborted as e:
+            rank = self.topology["rank"] if self.topology else "?"
+            print(f"ssdsgd worker {rank}: {e}", file=sys.stderr, flush=True)
+            self.requests.fail(e)
+        except Exception as e:  # a bug here must not leave the main thread waiting
+            self.requests.fail(JobAborted(f"the worker's I/O thread failed: {e!r}"))
+        finally:
+            for s in sockets:
+                s.close()   # LINGER flushes queued pushes (bounded by the heartbeat timeout)
+            self.relay.close()
+            link.sock.close(0)
+            self._wake_in.close(0)
+            self.on_end()
+
+    def _connect(self):
+        """Register with the scheduler (with the address of this worker's pull relay, if
+        it has one) and open a DEALER to every server."""
+        host = port = None
+        relay_in = guard = None
+        if self.env.pull_relay == "chain":
+            guard = Guard.from_env(self.env, lambda text: print(
+                f"ssdsgd worker: {text}", file=sys.stderr, flush=True))
+            relay_in, port = bind_router(
+                self.ctx, self.env.node_host, 0, "a worker's pull relay", guard,
+                maxmsgsize=P.relay_frame_limit())
+            host = self.env.node_host
+            print(f"ssdsgd worker: pull relay listening on {host}:{port}; "
+                  f"{guard.describe()}", file=sys.stderr, flush=True)
+        self.relay = PullRelay(self.ctx, self.env, self.requests, self.stats, self._sent,
+                               relay_in, guard)
+        link = SchedulerLink(self.ctx, self.env, "worker", host, port, guard)
+        sockets = []
+        try:
+            self.topology = link.register()
+            self.relay.join(self.topology, link.routing_id)
+            for server, (host, port) in enumerate(self.topology["servers"]):
+                s = self.ctx.socket(zmq.DEALER)
+                sockets.append(s)
+                s.setsockopt(zmq.SNDHWM, 0)
+                s.setsockopt(zmq.RCVHWM, 0)
+                s.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
+                link.secure(s, server)     # this worker's connection id and keys
+                s.connect(f"tcp://{host}:{port}")
+        except Exception:
+            for s in sockets + [link.sock]:
+                s.close(0)
+            self.relay.close()
+            raise
+        return link, sockets
+
+    def _serve(self, link, sockets):
+        """Poll until ``close``: send what the main thread queued, hand replies to their
+        futures, keep the heartbeats going."""
+        poller = zmq.Poller()
+        for s in [self._wake_in, link.sock] + sockets:
+            poller.register(s, zmq.POLLIN)
+        if self.relay.sock is not None:
+            poller.register(self.relay.sock, zmq.POLLIN)
+        wait_ms = max(1, int(self.env.heartbeat_interval * 1000 / 2))
+        backlog = False
+        while True:
+            events = dict(poller.poll(0 if backlog else wait_ms))
+            if self._wake_in in events:
+                for _ in range(RECV_PER_TURN):
+                    try:
+                        self._wake_in.recv(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            self.on_turn()
+            backlog = self._send_queued(link, sockets, None if self._stopping
+                                        else SEND_PER_TURN)
+            if link.sock in events and self._on_scheduler(link):
+                return      # the scheduler acknowledged FINISH: no more heartbeats
+            for server, s in enumerate(sockets):
+                if s in events:
+                    self._receive(s, server)
+            if self.relay.sock in events:
+                self.relay.receive(RECV_PER_TURN)
+            link.tick()
+            if self._stopping and not backlog:
+                return
+
+    def _send_queued(self, link, sockets, limit):
+        """Send up to ``limit`` queued messages (None: all); True if some are left."""
+        sent = 0
+        while limit is None or sent < limit:
+            try:
+                target, frames = self._commands.get_nowait()
+            except queue.Empty:
+                return False
+            self._sent(link.sock if target == "scheduler" else sockets[target], frames)
+            sent += 1
+        return True
+
+    def _sent(self, sock, frames):
+        sock.send_multipart(frames, copy=False)
+        self.stats["messages_sent"] += 1
+        self.stats["bytes_sent"] += sum(
+            len(f) if isinstance(f, bytes) else len(f.buffer) if isinstance(f, zmq.Frame)
+            else f.nbytes for f in frames)
+
+    def _on_scheduler(self, link):
+        """A scheduler message: resolve the barrier or finish it answers. True after the
+        acknowledgement of FINISH."""
+        msg = link.receive()
+        if msg.kind == P.Kind.MEMBERSHIP and "from_step" in msg.meta:
+            self.left.append({"rank": msg.meta["removed"], "from_step": msg.meta["from_step"],
+                              "time": time.time()})
+            return False
+        fut = self.requests.take_control(msg.kind)
+        if fut is None:
+            return False
+        fut.set_result(msg)
+        return msg.kind == P.Kind.ACK
+
+    def _receive(self, sock, server):
+        for _ in range(RECV_PER_TURN):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.stats["messages_received"] += 1
+            self.stats["bytes_received"] += sum(len(f.buffer) for f in frames)
+            try:
+                msg = P.decode(frames)
+                if msg.kind == P.Kind.FRAGMENT:
+                    P.check_meta(msg.kind, msg.meta)
+            except P.ProtocolError as e:
+                raise JobAborted(f"server {server} sent a malformed message: {e}") from None
+            if msg.kind == P.Kind.FRAGMENT:
+                self.relay.on_fragment(frames, msg, server, f"server {server}")
+            else:
+                self.requests.deliver(msg, server)
