@@ -162,3 +162,15 @@ def test_ctrl_c_says_where_the_run_is_and_how_to_resume_it(tmp_path):
     assert job.returncode == 130
     assert f"[launcher] stopped; the run directory is {runs[0]}; continue it with: python " \
            f"launch/dist.py --resume {runs[0]}" in err, err[-2000:]
+
+
+def test_max_restarts_on_the_command_line_is_checked_against_the_algorithm(tmp_path):
+    """--max-restarts is a restart the config's own check cannot see: an algorithm that
+    does not take restarts is refused in one line before anything starts, nothing written."""
+    p = dist(["configs/digits.yaml", "--max-restarts", "2",
+              *sets(sync__algorithm="asgd", output__dir=tmp_path / "runs")], timeout=60)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sync.algorithm: asgd" in lines[0] \
+        and "--max-restarts" in lines[0], lines
+    assert not (tmp_path / "runs").exists()

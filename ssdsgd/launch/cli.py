@@ -132,6 +132,20 @@ def _restart_line(i, n, failures, whence):
     return f"restart {i} of {n}: {cause}; {whence}"
 
 
+def _check_restarts(config, max_restarts):
+    """``--max-restarts N`` is a restart the config's own check did not see: the registry
+    of algorithms decides whether this one takes it (SettingError if not)."""
+    from ..sync.registry import refusal
+    if not max_restarts:
+        return
+    refused = refusal({"algorithm": config.sync.algorithm, "max_restarts": max_restarts,
+                       "num_workers": config.cluster.workers},
+                      lambda name: "--max-restarts" if name == "max_restarts"
+                      else BY_NAME[name].path)
+    if refused:
+        raise SettingError(refused)
+
+
 def _prepare(args):
     """Check everything that can be checked before a process starts: the config, the
     data, with --resume a checkpoint with steps left to run, and the launcher's hosts.
@@ -154,6 +168,7 @@ def _prepare(args):
     # the stage machine of a resumed run continues the warm-up / steps-delay schedule
     env = job_env(config, start_step=info["step"] if info else 0)
     check_launch_env({}, env, os.environ)
+    _check_restarts(config, args.max_restarts)
     args.launcher = args.launcher or config.cluster.launcher
     runner = make_launcher(options_from(args), config.cluster.workers, config.cluster.servers,
                            config.cluster.hosts)
