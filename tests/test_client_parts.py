@@ -117,3 +117,34 @@ def test_the_outbox_sends_a_key_twice_in_two_requests_and_answers_every_caller()
     outbox.add([(1, 1, None, F32)], lambda r, e: answers.append(("d", r, e)))
     outbox.fail(JobAborted("over"))
     assert answers[-1][0] == "d" and answers[-1][1] is None and str(answers[-1][2]) == "over"
+
+
+def test_a_turn_of_the_io_thread_sends_at_most_send_per_turn_messages():
+    """The bound that keeps a full send queue from holding the I/O thread away from its
+    heartbeats and replies (test_client_send_flood runs it live): one turn sends
+    SEND_PER_TURN of a longer queue, in order, over a real socket, and says some are left;
+    the close (no limit) sends the rest."""
+    import queue
+
+    import zmq
+
+    from ssdsgd.kvstore import io_thread
+    ctx = zmq.Context.instance()
+    into, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    into.bind("inproc://send-per-turn")
+    out.connect("inproc://send-per-turn")
+    thread = io_thread.IOThread.__new__(io_thread.IOThread)    # its queue and counters only
+    thread._commands, thread.stats = queue.SimpleQueue(), {"messages_sent": 0,
+                                                           "bytes_sent": 0}
+    total = 3 * io_thread.SEND_PER_TURN + 5
+    for i in range(total):
+        thread._commands.put((0, [str(i).encode()]))
+    try:
+        assert thread._send_queued(None, [out], io_thread.SEND_PER_TURN) is True
+        got = [into.recv() for _ in range(thread.stats["messages_sent"])]
+        assert got == [str(i).encode() for i in range(io_thread.SEND_PER_TURN)]
+        assert thread._send_queued(None, [out], None) is False
+        assert thread.stats["messages_sent"] == total
+    finally:
+        into.close(linger=0)
+        out.close(linger=0)

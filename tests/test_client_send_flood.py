@@ -3,8 +3,10 @@
 that keeps its queue full cannot hold it from its heartbeats and its servers' replies.
 Real processes (a scheduler, a server), a real WorkerClient in this process; threads keep
 its send queue full for several heartbeat timeouts. Were the queue drained without a
-bound, the thread would never leave it: no heartbeat, the scheduler presumes the worker
-dead and aborts the job: the second test shows it."""
+bound, the thread would not leave it while the flood outpaced it: no heartbeat, and the
+scheduler would presume the worker dead. (A test of that unbounded drain depends on which
+thread the interpreter runs: it failed the job on a loaded machine and not on a quiet
+one, so it is not kept.)"""
 import subprocess
 import threading
 import time
@@ -13,10 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import PY, node_env
-from ssdsgd.kvstore import io_thread, protocol as P
+from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore.client import WorkerClient
 from ssdsgd.kvstore.env import NodeEnv
-from ssdsgd.kvstore.scheduler import JobAborted
 from ssdsgd.launch.job import free_port
 
 pytestmark = pytest.mark.system
@@ -90,19 +91,3 @@ def test_a_full_send_queue_does_not_stop_the_heartbeats(tmp_path, procs):
     finally:
         client.close()
     assert "presumed dead" not in (tmp_path / "scheduler.log").read_text()
-
-
-def test_without_the_bound_the_same_flood_stops_the_heartbeats(tmp_path, procs,
-                                                              monkeypatch):
-    """The flood above can stop a worker: drained without a bound, the queue holds the
-    I/O thread until the flood ends, and the job is lost (the scheduler presumes the
-    worker dead, or the worker finds the scheduler silent)."""
-    monkeypatch.setattr(io_thread, "SEND_PER_TURN", None)
-    client = _job(tmp_path, procs)
-    try:
-        counts, _ = _flood_for(client, FLOOD)
-        assert counts["full"] > 1000 and counts["queued"] > 4 * FULL, counts
-        with pytest.raises(JobAborted, match="presumed dead|lost the scheduler"):
-            client.barrier()
-    finally:
-        client.close()

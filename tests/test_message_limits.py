@@ -14,6 +14,7 @@ from zmq.utils.monitor import recv_monitor_message
 from conftest import load_npz
 from livejob import LiveJob, dealer, job_keys, job_pid, undisturbed_weights
 from ssdsgd.kvstore import protocol as P
+from ssdsgd.kvstore import fragments as F
 from ssdsgd.kvstore.security import Guard
 
 STEPS = 300
@@ -101,14 +102,14 @@ def test_a_relayed_reply_is_bounded_by_the_request_it_answers():
     reply = P.encode(P.Message(P.Kind.REPLY, sender=0, req=9, tensors=values,
                                records=P.make_records([(0, 5, 0, 1000, np.float32, 3),
                                                        (1, 5, 0, 30, np.float64, 3)])))
-    bound = P.reply_bound(request)
-    raw = P.fragments(reply, 9, 0, size=4096)
+    bound = F.reply_bound(request)
+    raw = F.fragments(reply, 9, 0, size=4096)
     pieces = [P.decode(p) for p in raw]
-    part = P.Reassembly(pieces[0], bound)
+    part = F.Reassembly(pieces[0], bound)
     whole = [part.add(m, p[3:]) for m, p in zip(pieces, raw)][-1]
     np.testing.assert_array_equal(P.decode(whole).tensors[1][2], np.ones(30))
     forged = P.decode(raw[0])
     forged.meta["sizes"] = forged.meta["sizes"][:-1] + [1 << 30]     # a 1 GiB reply
     with pytest.raises(P.ProtocolError, match=rf"exceeds the limit {bound} \(what a reply to "
                                               "its request can carry"):
-        P.Reassembly(forged, bound)
+        F.Reassembly(forged, bound)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from ssdsgd.kvstore import protocol as P
+from ssdsgd.kvstore import fragments as F
 
 
 def _push(arrays=None):
@@ -165,17 +166,17 @@ def _relayed_reply():
 
 def test_a_relayed_reply_travels_in_pieces_and_is_rebuilt():
     values, frames = _relayed_reply()
-    pieces = P.fragments(frames, 11, 1, {"relay": [[2, 12], [3, 13]]}, size=1 << 20)
+    pieces = F.fragments(frames, 11, 1, {"relay": [[2, 12], [3, 13]]}, size=1 << 20)
     assert len(pieces) == 3              # 2.8 MB of data in pieces of at most 1 MB, no copy
     assert any(np.shares_memory(np.asarray(p[3]), frames[3]) for p in pieces)
     # by default about 1/8 of the reply a piece (at least 128 KB, at most 2 MB)
-    assert len(P.fragments(frames, 11, 1)) == 8
-    assert len(P.fragments(frames[:3] + [frames[3][:1000]], 11, 1)) == 1
+    assert len(F.fragments(frames, 11, 1)) == 8
+    assert len(F.fragments(frames[:3] + [frames[3][:1000]], 11, 1)) == 1
     # worker 1 passes each piece on to worker 2 as it arrives: request id and chain change
     passed = []
     for p in pieces:
         meta = P.decode(p).meta
-        passed.append(P.forward(p, 12, dict(meta, relay=meta["relay"][1:])))
+        passed.append(F.forward(p, 12, dict(meta, relay=meta["relay"][1:])))
     assert all(a[3:] == b[3:] for a, b in zip(passed, pieces))
     rebuilt = None
     for frames_ in passed:
@@ -184,7 +185,7 @@ def test_a_relayed_reply_travels_in_pieces_and_is_rebuilt():
         assert (msg.kind, msg.req, msg.sender, msg.meta["relay"]) == \
             (P.Kind.FRAGMENT, 12, 1, [[3, 13]])
         if msg.step == 0:
-            part = P.Reassembly(msg, 10 << 20)
+            part = F.Reassembly(msg, 10 << 20)
         rebuilt = part.add(msg, frames_[3:])
     reply = P.decode(rebuilt)
     assert (reply.kind, reply.sender, reply.meta) == (P.Kind.REPLY, 1, {"lr": 0.5})
@@ -200,12 +201,12 @@ def test_a_relayed_reply_travels_in_pieces_and_is_rebuilt():
     ("fewer bytes", "carried .* of the .* bytes the first announced")])
 def test_bad_pieces_of_a_relayed_reply_are_named(fault, error):
     _, frames = _relayed_reply()
-    pieces = [P.fragments(frames, 11, 1, size=1 << 20)[i] for i in range(3)]
+    pieces = [F.fragments(frames, 11, 1, size=1 << 20)[i] for i in range(3)]
     msgs = [P.decode(p) for p in pieces]
     with pytest.raises(P.ProtocolError, match=error):
         if fault == "missing first":
-            P.Reassembly(msgs[1], 10 << 20)
-        part = P.Reassembly(msgs[0], (1 << 20) if fault == "too big" else 10 << 20)
+            F.Reassembly(msgs[1], 10 << 20)
+        part = F.Reassembly(msgs[0], (1 << 20) if fault == "too big" else 10 << 20)
         if fault == "order":
             part.add(msgs[1], pieces[1][3:])
         part.add(msgs[0], pieces[0][3:] + (pieces[1][3:] if fault == "more bytes" else []))

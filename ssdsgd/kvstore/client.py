@@ -22,6 +22,7 @@ handed to the I/O thread (io_thread), which owns the sockets. With compression
 slices in their compressed form.
 """
 from . import protocol as P
+from . import fragments as F
 from .compression import CompressionError
 from .io_thread import IOThread
 from .key_tables import KeyTable
@@ -279,7 +280,7 @@ class WorkerClient:
                     encoded.append((server, msg, frames))
             relayed = bool(flags & P.Flag.RELAY)
             futures = [self.requests.expect(
-                msg.req, (server, P.reply_bound(msg.records)) if relayed else None)
+                msg.req, (server, F.reply_bound(msg.records)) if relayed else None)
                 for server, msg, _ in encoded] if reply else []
             for server, _, frames in encoded:
                 self.io.send(server, frames)

@@ -15,6 +15,7 @@ import time
 import zmq
 
 from . import protocol as P
+from . import fragments as F
 from .relay import PullRelay
 from .scheduler import JobAborted, SchedulerLink, bind_router
 from .security import Guard
@@ -139,7 +140,7 @@ class IOThread:
                 f"ssdsgd worker: {text}", file=sys.stderr, flush=True))
             relay_in, port = bind_router(
                 self.ctx, self.env.node_host, 0, "a worker's pull relay", guard,
-                maxmsgsize=P.relay_frame_limit())
+                maxmsgsize=F.relay_frame_limit())
             host = self.env.node_host
             print(f"ssdsgd worker: pull relay listening on {host}:{port}; "
                   f"{guard.describe()}", file=sys.stderr, flush=True)

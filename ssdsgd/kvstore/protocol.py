@@ -48,10 +48,6 @@ MAX_META_BYTES = 1 << 20
 MAX_META_DEPTH = 8       # nesting of JSON objects/lists (an optimizer description needs 5)
 MAX_KEYS = 1 << 16        # key records per message (a model has a few hundred arrays)
 MAX_TENSORS_PER_KEY = 8
-# A relayed reply's pieces (each hop passes one on as it arrives): about 1/8 of the reply,
-# so a chain of N workers takes about (1 + (N - 1) / 8) times one copy's time on a link;
-# not below 128 KB (Python's cost per message), not above 2 MB.
-FRAGMENT_MIN, FRAGMENT_MAX, FRAGMENT_SHARE = 128 << 10, 2 << 20, 8
 
 
 class Kind(enum.IntEnum):
@@ -98,8 +94,8 @@ class Flag(enum.IntFlag):
 DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f8"), 2: np.dtype("<f2"),
           3: np.dtype("<i4"), 4: np.dtype("<i8"), 5: np.dtype("u1")}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE = np.zeros(256, np.int64)       # dtype code -> bytes per value
-_ITEMSIZE[list(DTYPES)] = [d.itemsize for d in DTYPES.values()]
+ITEMSIZE = np.zeros(256, np.int64)       # dtype code -> bytes per value
+ITEMSIZE[list(DTYPES)] = [d.itemsize for d in DTYPES.values()]
 
 
 class ProtocolError(ValueError):
@@ -252,95 +248,7 @@ def readdress(frames, req):
     return [HEADER.pack(*fields)] + frames[1:]
 
 
-def forward(frames, req, meta):
-    """A received piece of a relayed reply for the next worker of its chain
-    (docs/spec/pull_relay.md): that worker's request id in the header, ``meta`` (the rest
-    of the chain) re-encoded; the key table and the data frames are the received ones,
-    sent on without a copy."""
-    fields = list(HEADER.unpack(bytes(_buffer(frames[0]))))
-    fields[6] = req
-    raw = json.dumps(meta, separators=(",", ":"), allow_nan=True).encode() if meta else b""
-    return [HEADER.pack(*fields), frames[1], raw] + list(frames[3:])
-
-
-def fragments(frames, req, sender, meta=None, size=None):
-    """``encode``'s frames of a REPLY as FRAGMENT messages of at most ``size`` data bytes
-    (default: ``FRAGMENT_*``'s rule), views of the frames (no copy). The first carries
-    every frame's size, so the last worker of a chain can rebuild the frames
-    (``Reassembly``); ``meta`` (the chain) goes with every piece."""
-    views = [memoryview(_buffer(f)).cast("B") for f in frames]
-    total = sum(len(v) for v in views)
-    if size is None:
-        size = min(FRAGMENT_MAX, max(FRAGMENT_MIN, -(-total // FRAGMENT_SHARE)))
-    count = max(1, -(-total // size))
-    out, frame, pos = [], 0, 0
-    for index in range(count):
-        left, data = min(size, total - index * size), []
-        while left:
-            take = min(left, len(views[frame]) - pos)
-            if take:
-                data.append(views[frame][pos:pos + take])
-            pos, left = pos + take, left - take
-            if pos == len(views[frame]):
-                frame, pos = frame + 1, 0
-        head = dict(meta or {}, of=count)
-        if index == 0:
-            head["sizes"] = [len(v) for v in views]
-        raw = json.dumps(head, separators=(",", ":")).encode()
-        out.append([HEADER.pack(MAGIC, VERSION, int(Kind.FRAGMENT), 0, sender, index, req, 0,
-                                len(data)), b"", raw] + data)
-    return out
-
-
-def reply_bound(records):
-    """The most bytes of a reply to a request naming ``records``: every key's values and
-    optimizer state (at most MAX_TENSORS_PER_KEY arrays of its size), its key table and
-    header (the meta has a margin of its own in ``Reassembly``). A relayed reply bigger
-    than that cannot be one, whatever SSDSGD_MAX_MESSAGE_BYTES allows."""
-    data = int((records["count"].astype(np.int64) * _ITEMSIZE[records["dtype"]]).sum())
-    # + per key: its record, and the padding of a packed frame (< 8 bytes)
-    return MAX_TENSORS_PER_KEY * data + len(records) * (KEY_RECORD.itemsize + 8) + HEADER.size
-
-
-class Reassembly:
-    """One relayed reply's FRAGMENT messages, in order, back into its frames: a bounded
-    buffer (the first piece states the size; at most ``max_bytes``, e.g. ``reply_bound``
-    of the request), every piece checked against what the first announced."""
-
-    def __init__(self, msg, max_bytes):
-        if msg.step != 0 or "sizes" not in msg.meta:
-            raise ProtocolError(f"fragment {msg.step} of a reply arrived before its first")
-        self.sizes, self.count = msg.meta["sizes"], msg.meta["of"]
-        total = sum(self.sizes)
-        if max_bytes and total > max_bytes + MAX_META_BYTES:
-            raise ProtocolError(f"a fragmented reply of {total} bytes exceeds the limit "
-                                f"{max_bytes} (what a reply to its request can carry)")
-        self.buf, self.pos, self.next = np.empty(total, np.uint8), 0, 0
-
-    def add(self, msg, data):
-        """The frames once ``msg`` (the pieces' next, with ``data``, its data frames) was
-        the last piece; else None."""
-        if msg.step != self.next or msg.meta["of"] != self.count:
-            raise ProtocolError(f"fragment {msg.step} of {msg.meta['of']} arrived; expected "
-                                f"{self.next} of {self.count}")
-        for d in data:
-            b = _buffer(d)
-            if self.pos + len(b) > self.buf.size:
-                raise ProtocolError(f"fragments carry more than the {self.buf.size} bytes "
-                                    "the first announced")
-            self.buf[self.pos:self.pos + len(b)] = np.frombuffer(b, np.uint8)
-            self.pos += len(b)
-        self.next += 1
-        if self.next < self.count:
-            return None
-        if self.pos != self.buf.size:
-            raise ProtocolError(f"fragments carried {self.pos} of the {self.buf.size} bytes "
-                                "the first announced")
-        ends = np.cumsum([0] + self.sizes)
-        return [self.buf[a:b] for a, b in zip(ends[:-1], ends[1:])]
-
-
-def _buffer(frame):
+def frame_buffer(frame):
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
@@ -350,7 +258,7 @@ def decode(frames, *, max_bytes=None):
     ``ProtocolError`` carrying the request id once the header has been read."""
     if len(frames) < 3:
         raise ProtocolError(f"a message has at least 3 frames, got {len(frames)}")
-    head = bytes(_buffer(frames[0]))
+    head = bytes(frame_buffer(frames[0]))
     if len(head) != HEADER.size:
         raise ProtocolError(f"header is {len(head)} bytes, expected {HEADER.size}")
     magic, version, kind, flags, sender, step, req, nkeys, nframes = HEADER.unpack(head)
@@ -366,8 +274,8 @@ def decode(frames, *, max_bytes=None):
         if flags & ~int(Flag.PULL | Flag.STATE | Flag.LATEST | Flag.FINAL | Flag.PAUSE | Flag.RELAY):
             raise ProtocolError(f"unknown flag bits {flags:#x}")
         records = _key_table(frames, nkeys, nframes)
-        meta = _meta(bytes(_buffer(frames[2])))
-        tensors = _tensors(records, [_buffer(f) for f in frames[3:]], max_bytes)
+        meta = _meta(bytes(frame_buffer(frames[2])))
+        tensors = _tensors(records, [frame_buffer(f) for f in frames[3:]], max_bytes)
     except ProtocolError as e:
         e.req = req
         raise
@@ -381,7 +289,7 @@ def _key_table(frames, nkeys, nframes):
     if len(frames) != 3 + nframes:
         raise ProtocolError(f"header announces {nframes} data frames, message has "
                             f"{len(frames) - 3}")
-    table = _buffer(frames[1])
+    table = frame_buffer(frames[1])
     if len(table) != nkeys * KEY_RECORD.itemsize:
         raise ProtocolError(f"key table is {len(table)} bytes, {nkeys} records need "
                             f"{nkeys * KEY_RECORD.itemsize}")
@@ -607,14 +515,6 @@ def frame_limit(max_bytes):
     refused without being buffered): a data frame up to the limit, a meta of up to
     MAX_META_BYTES or a key table of up to MAX_KEYS records."""
     return max(max_bytes, MAX_META_BYTES, MAX_KEYS * KEY_RECORD.itemsize) + 4096
-
-
-def relay_frame_limit():
-    """The largest frame a worker's pull relay accepts, whatever the model or the message
-    limit: relayed replies travel only as ``fragments``, pieces of at most FRAGMENT_MAX
-    data bytes (docs/spec/pull_relay.md), so a bigger frame is refused by ZeroMQ without
-    being buffered."""
-    return frame_limit(FRAGMENT_MAX)
 
 
 def receive(frames, *, max_bytes=None):

@@ -5,6 +5,7 @@ knows no algorithm. The I/O thread owns its sockets."""
 import zmq
 
 from . import protocol as P
+from . import fragments as F
 from .scheduler import JobAborted
 
 
@@ -25,7 +26,7 @@ class PullRelay:
         self.rank, self.num_workers, self.relays, self.link_id = None, 0, None, None
         self._ranks = {}       # connection id of a worker of the job -> its rank
         self._out = {}         # worker rank -> DEALER to its relay
-        self._pieces = {}      # request id -> P.Reassembly of its relayed reply
+        self._pieces = {}      # request id -> F.Reassembly of its relayed reply
 
     def join(self, topology, link_id):
         """The job's workers and their relays, once the scheduler sent the topology."""
@@ -73,7 +74,7 @@ class PullRelay:
         try:
             part = self._pieces.get(msg.req)
             if part is None:
-                part = self._pieces[msg.req] = P.Reassembly(
+                part = self._pieces[msg.req] = F.Reassembly(
                     msg, min(bound, self.env.max_message_bytes))
             whole = part.add(msg, frames[3:])
             if whole is None:
@@ -110,7 +111,7 @@ class PullRelay:
         meta = {k: v for k, v in msg.meta.items() if k != "relay"}
         if rest:
             meta["relay"] = rest
-        self.send(sock, P.forward(frames, req, meta))
+        self.send(sock, F.forward(frames, req, meta))
         self.stats["replies_relayed_out"] += 1
 
     def close(self):

@@ -12,6 +12,7 @@ import numpy as np
 import zmq
 
 from . import protocol as P
+from . import fragments as F
 from .scheduler import JobAborted
 
 SNDHWM = 10_000          # replies queued for one peer before it counts as not reading
@@ -113,7 +114,7 @@ class Replies:
         FRAGMENT_MAX bytes of weights and state; docs/spec/pull_relay.md)."""
         model_bytes = self.weights.model_bytes
         chunks = 1 + model_bytes // max(1, self.env.chunk_bytes)
-        pieces = chunks * (P.FRAGMENT_SHARE + 1) + 2 * model_bytes // P.FRAGMENT_MAX
+        pieces = chunks * (F.FRAGMENT_SHARE + 1) + 2 * model_bytes // F.FRAGMENT_MAX
         return self.reply_bound() + (self.steps_ahead + 2) * pieces
 
     # ---- assembling ----------------------------------------------------------------
@@ -223,7 +224,7 @@ class Replies:
             if chain is None:
                 pieces = [body]
             else:      # in pieces, so that each hop passes on the first while the rest come
-                pieces = P.fragments(body, head.req, self.rank, {"relay": chain})
+                pieces = F.fragments(body, head.req, self.rank, {"relay": chain})
             trackers = [t for t in (self.send(head.ident, p) for p in pieces) if t is not None]
             tracker = zmq.MessageTracker(*trackers)
             for reply in replies:     # every reply's views are lent until these are sent
