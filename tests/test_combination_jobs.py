@@ -1,17 +1,14 @@
 """Real digits jobs for the combinations of ssdsgd/sync/registry.py that no other test ran:
 a compressed job resumed, a relayed job restarted, an asgd job writing checkpoints (tests/test_combinations.py checks that the registry names these tests)."""
 import json
-import os
-import signal
 
 import numpy as np
 import pytest
 
 from conftest import DIGITS_EPOCHS as EPOCHS, DIGITS_STEPS as STEPS, digits_job
 from test_e2e_configs import dist, records, run_dir_of, sets
-from test_recovery import assert_same, final, kill_step, role_of, start, wait_for_step
-from test_resume import (assert_same_final_weights, children,
-                         kill_job_after_first_checkpoint)
+from test_recovery import assert_same, final, kill_once_with_a_restart, kill_step
+from test_resume import assert_same_final_weights, kill_job_after_first_checkpoint
 
 pytestmark = pytest.mark.system
 
@@ -20,19 +17,7 @@ def restarted(args, root, rank, step):
     """Run ``launch/dist.py ARGS --max-restarts 1``, SIGKILL worker ``rank`` once rank 0
     has logged ``step``, and wait for the job to end by itself; returns its run directory
     once the launcher has said it restarted the job from the checkpoint."""
-    proc, log = start([*args, "--max-restarts", 1], root)
-    try:
-        run = wait_for_step(proc, root, step)
-        victim, = [c for c in children(proc.pid) if role_of(c) == ("worker", rank)]
-        os.kill(victim, signal.SIGKILL)
-        assert proc.wait(timeout=300) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.seek(0)
-        out = log.read()
-        log.close()
+    run, out = kill_once_with_a_restart(args, root, step, "worker", rank)
     restarts = [ln for ln in out.splitlines() if "restart 1 of 1" in ln]
     assert len(restarts) == 1 and f"restart 1 of 1: worker {rank} on " in restarts[0], \
         out[-3000:]

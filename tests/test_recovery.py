@@ -89,17 +89,11 @@ def wait_for_step(proc, root: Path, step: int, timeout=240) -> Path:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("role", ["worker", "server", "scheduler"])
-@pytest.mark.parametrize("algorithm", ["ssd", "ssgd"])
-def test_a_killed_process_is_restarted_and_the_job_ends_as_if_uninterrupted(
-        tmp_path, uninterrupted, role, algorithm):
-    rng = random.Random(f"{role}-{algorithm}")
-    step = kill_step(f"{role}-{algorithm}")
-    rank = rng.choice([0, 1]) if role == "worker" else 0
-    reference = uninterrupted(algorithm)
-    root = tmp_path / "runs"
-    proc, log = start(["configs/digits.yaml", *JOBS[algorithm], *sets(output__dir=root),
-                       "--max-restarts", 1], root)
+def kill_once_with_a_restart(args, root, step, role, rank):
+    """Run ``launch/dist.py ARGS --max-restarts 1``, SIGKILL process (role, rank) once
+    rank 0 has logged ``step``, wait for the job to end by itself (exit 0); returns (its
+    run directory, the launcher's output)."""
+    proc, log = start([*args, "--max-restarts", 1], root)
     try:
         run = wait_for_step(proc, root, step)
         victim, = [c for c in children(proc.pid) if role_of(c) == (role, rank)]
@@ -112,6 +106,20 @@ def test_a_killed_process_is_restarted_and_the_job_ends_as_if_uninterrupted(
         log.seek(0)
         out = log.read()
         log.close()
+    return run, out
+
+
+@pytest.mark.parametrize("role", ["worker", "server", "scheduler"])
+@pytest.mark.parametrize("algorithm", ["ssd", "ssgd"])
+def test_a_killed_process_is_restarted_and_the_job_ends_as_if_uninterrupted(
+        tmp_path, uninterrupted, role, algorithm):
+    rng = random.Random(f"{role}-{algorithm}")
+    step = kill_step(f"{role}-{algorithm}")
+    rank = rng.choice([0, 1]) if role == "worker" else 0
+    reference = uninterrupted(algorithm)
+    root = tmp_path / "runs"
+    run, out = kill_once_with_a_restart(["configs/digits.yaml", *JOBS[algorithm],
+                                         *sets(output__dir=root)], root, step, role, rank)
     name = "scheduler" if role == "scheduler" else f"{role} {rank}"
     restarts = [ln for ln in out.splitlines() if "restart 1 of 1" in ln]
     assert len(restarts) == 1, out[-3000:]
