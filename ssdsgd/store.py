@@ -70,8 +70,8 @@ def _entries(keys_table, key, value, out, new=False):
 
 
 def _one_copy_each(arrays):
-    """Arrays with equal contents written once: in a synchronous stage a worker's local
-    weights, its last global snapshot and the pending reply are the same weights.
+    """Arrays with equal contents written once (after a synchronous step a key's local
+    weights can equal its last global snapshot: docs/training.md has the sizes).
     Returns (the arrays to write, {name: the name whose copy it is})."""
     kept, same_as, by_digest = {}, {}, {}
     for name, a in arrays.items():
