@@ -8,13 +8,18 @@ from .kvstore.scheduler import JobAborted, Scheduler
 from .kvstore.security import SecurityError
 
 
+def _scheduler(env):
+    from .sync.scheduler_policies import make_scheduler_policy
+    return Scheduler(env, make_scheduler_policy)
+
+
 def _server(env):
     from .kvstore.server import Server     # MXNet (its optimizers): servers only
     from .sync.server_policies import make_server_policy
     return Server(env, make_server_policy)
 
 
-ROLES = {"scheduler": Scheduler, "server": _server}
+ROLES = {"scheduler": _scheduler, "server": _server}
 
 
 def main():

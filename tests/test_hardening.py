@@ -15,7 +15,8 @@ from conftest import PY, ROOT, node_env
 from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore.client import ServerError, WorkerClient
 from ssdsgd.kvstore.env import NodeEnv
-from ssdsgd.kvstore.scheduler import JobAborted, SchedulerLink
+from ssdsgd.kvstore.scheduler import JobAborted
+from ssdsgd.kvstore.scheduler_link import SchedulerLink
 from ssdsgd.kvstore.security import Guard, JobKeys, KeyFile, load_keys
 from ssdsgd.launch.job import free_port
 
@@ -296,7 +297,7 @@ def test_only_processes_with_the_job_key_can_register(job_factory, tmp_path):
         assert "wrong PLAIN token" in log
         for keys in (None, JobKeys.load(other.path)):
             server = raw_peer(job.server_address, keys)
-            assert ask(server, frames_of(P.Kind.GET_STATE, sender=1), timeout=2) is None
+            assert ask(server, frames_of(P.Kind.COMMAND, b'{"command": "get_state"}', sender=1), timeout=2) is None
         assert "wrong PLAIN token" in job.wait_log("server", "refused a connection")
     finally:
         other.remove()
@@ -359,14 +360,14 @@ def test_a_connection_acts_only_as_the_worker_it_registered(job_factory):
     c0, c1 = job.clients
     init_keys(job.clients, {0: 4})
     insider = raw_peer(job.server_address, job.keys())   # has the keys, never registered
-    for kind, meta in ((P.Kind.PUSH, b""), (P.Kind.GET_STATE, b""),
-                       (P.Kind.SET_OPTIMIZER, b'{"optimizer": {"name": "sgd"}}')):
+    for kind, meta in ((P.Kind.PUSH, b""), (P.Kind.COMMAND, b'{"command": "get_state"}'),
+                       (P.Kind.COMMAND, b'{"command": "optimizer", "optimizer": {"name": "sgd"}}')):
         records = P.make_records([(0, 5, 0, 4, F32, 1)]) if kind == P.Kind.PUSH else None
         tensors = [[np.ones(4, F32)]] if kind == P.Kind.PUSH else None
         reply = ask(insider, frames_of(kind, meta, sender=1, records=records, tensors=tensors))
         assert reply.kind == P.Kind.ERROR, reply
         assert "not one of the job's workers" in reply.meta["error"]
-    with pytest.raises(ServerError, match="only worker 0 may send SET_OPTIMIZER"):
+    with pytest.raises(ServerError, match="only worker 0 may send the optimizer"):
         c1.set_optimizer({"name": "sgd"}).wait()
     c0.rank = 1       # worker 0's connection claims to be worker 1
     with pytest.raises(ServerError, match="worker 0's connection sent a message as worker 1"):

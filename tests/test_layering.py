@@ -3,7 +3,8 @@
 training program -> adapter (store.py, integration.py) -> stage machine (worker/) and local
 rules (glu/) -> worker client (kvstore/client.py) -> protocol; server and scheduler ->
 protocol. Nothing below imports from above, and only the client and the nodes speak the
-protocol. settings.py (the one settings table) is a leaf every layer may read."""
+protocol. settings.py (the one settings table) and fields.py (the checks of a peer's
+values) are leaves every layer may read."""
 from pathlib import Path
 
 import pytest
@@ -39,9 +40,8 @@ def test_the_registry_of_algorithms_is_a_leaf():
     assert _imports(PKG / "sync" / "registry.py") == set()
 
 
-# The transport's imports of the policies that issue 23 moves behind a policy interface;
-# an entry here is a known violation to remove, never one to add.
-NOT_YET_POLICIES = {"kvstore.scheduler": {"sync.groups"}}
+def test_the_checks_of_a_peers_values_are_a_leaf():
+    assert _imports(PKG / "fields.py") == set()
 
 
 def test_the_mxnet_helpers_are_a_leaf():
@@ -51,13 +51,14 @@ def test_the_mxnet_helpers_are_a_leaf():
 
 def test_the_policies_know_no_transport():
     for module, deps in _graph("sync").items():
-        assert all(d.startswith(("sync", "mxglue", "settings")) for d in deps), (module, deps)
+        assert all(d.startswith(("sync", "mxglue", "settings", "fields")) for d in deps), \
+            (module, deps)
 
 
 def test_the_transport_imports_nothing_from_above():
     for module, deps in _graph("kvstore").items():
-        deps = deps - NOT_YET_POLICIES.get(module, set())
-        assert all(d.startswith(("kvstore", "mxglue", "settings")) for d in deps), (module, deps)
+        assert all(d.startswith(("kvstore", "mxglue", "settings", "fields")) for d in deps), \
+            (module, deps)
     graph = _graph("kvstore")
     assert "kvstore.server" not in graph["kvstore.client"]
     for node in ("kvstore.server", "kvstore.scheduler"):

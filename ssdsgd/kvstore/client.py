@@ -31,6 +31,7 @@ from .relay import asks_relay
 from .requests import ENDED, Gather, KeyReply, Requests, ServerError  # noqa: F401 - API
 from .scheduler import JobAborted
 from .splitting import Coded, split
+from .. import fields
 from ..settings import pipeline_pieces, quorum_size
 
 
@@ -81,11 +82,10 @@ class WorkerClient:
         flags = (P.Flag.PULL if pull else P.Flag.NONE) | (P.Flag.STATE if state else P.Flag.NONE)
         if pull and not self.quorum:        # a timed step (a quorum's pushes are not cut)
             self._mark_step()
-        if pull and latest:
-            flags |= P.Flag.LATEST
         entries, keys = self._push_entries(grads)
         gather = self.exchange(P.Kind.PUSH, entries, step=step, flags=flags, reply=pull,
-                               every=self.quorum)
+                               every=self.quorum,
+                               meta={"policy": {"latest": True}} if pull and latest else None)
         for k in keys:
             k.pushes += 1
         return gather
@@ -134,12 +134,13 @@ class WorkerClient:
         for key in keys:
             k = self.keys[key]
             entries.append((key, -1 if latest else k.pushes - 1, None, k.dtype))
-        flags = (P.Flag.STATE if state else P.Flag.NONE) | (P.Flag.FINAL if final else P.Flag.NONE)
-        return self.exchange(P.Kind.PULL, entries, flags=flags, every=final)
+        return self.exchange(P.Kind.PULL, entries, flags=P.Flag.STATE if state else P.Flag.NONE,
+                             every=final, meta={"policy": {"final": True}} if final else None)
 
     def set_optimizer(self, spec):
         """Every server rebuilds the optimizer from its description (optimizer_spec)."""
-        return self._every_server(P.Kind.SET_OPTIMIZER, meta={"optimizer": spec})
+        return self._every_server(P.Kind.COMMAND, meta={"command": "optimizer",
+                                                        "optimizer": spec})
 
     def set_compression(self, spec):
         """Compress every later push with ``spec`` (a Compression) and tell every server
@@ -150,7 +151,8 @@ class WorkerClient:
                 raise CompressionError(f"compression is already {self.compression.params()}; "
                                        f"it cannot be changed to {spec.params()}")
             return
-        self._every_server(P.Kind.SET_COMPRESSION, meta={"compression": spec.params()}).wait()
+        self._every_server(P.Kind.COMMAND, meta={"command": "compression",
+                                                 "compression": spec.params()}).wait()
         self.compression, self._residuals = spec, spec.residuals()
 
     def residuals(self):
@@ -168,7 +170,7 @@ class WorkerClient:
     def get_state(self):
         """Every key's weights and optimizer state (``Gather.meta['optimizer']``: the
         servers' optimizer description)."""
-        return self._every_server(P.Kind.GET_STATE)
+        return self._every_server(P.Kind.COMMAND, meta={"command": "get_state"})
 
     def set_state(self, states, spec):
         """states: key -> flat optimizer state arrays (none for a key without state); every
@@ -177,7 +179,8 @@ class WorkerClient:
         for key in self.placement.slices:
             arrays = states.get(key, [])
             entries.append((key, 0, arrays, arrays[0].dtype if arrays else self.keys[key].dtype))
-        return self._every_server(P.Kind.SET_STATE, entries, meta={"optimizer": spec})
+        return self._every_server(P.Kind.COMMAND, entries,
+                                  meta={"command": "set_state", "optimizer": spec})
 
     def barrier(self, value=0):
         """Wait until every worker has reached the barrier; returns the largest ``value``
@@ -188,7 +191,7 @@ class WorkerClient:
             # the servers must not wait for this worker's pushes while it waits here for
             # the others (docs/spec/quorum.md, rule 2a): a slow one may need them to close
             # the round of its own push before it can reach the barrier
-            self.exchange(P.Kind.PULL, [], flags=P.Flag.PAUSE, every=True).wait()
+            self.exchange(P.Kind.POLICY, [], meta={"event": "pause"}, every=True).wait()
         msg = self.io.call_scheduler(P.Kind.BARRIER, {"group": "worker", "value": int(value)},
                                      P.Kind.BARRIER)
         return int((msg.meta or {}).get("value", 0))
@@ -198,7 +201,12 @@ class WorkerClient:
         for the group the scheduler forms with it: (group number, member ranks)."""
         if self.requests.failure is not None:
             raise self.requests.failure
-        meta = self.io.call_scheduler(P.Kind.READY, {"final": final}, P.Kind.GROUP).meta
+        meta = self.io.call_scheduler(P.Kind.POLICY, {"event": "ready", "final": final},
+                                      P.Kind.POLICY).meta
+        if (meta.get("event") != "group" or not fields.int_in(0, fields.MAX_STEP)(
+                meta.get("group")) or not fields.RANKS[0](meta.get("members"))):
+            raise JobAborted(f"the scheduler answered a ready with {fields.short(meta)}, "
+                             "not a group")
         return meta["group"], tuple(meta["members"])
 
     def average(self, group, members, weights):
@@ -207,8 +215,8 @@ class WorkerClient:
         entries = [(key, group, flat, flat.dtype) for key, flat in weights]
         for key, _ in weights:
             self.keys[key]
-        return self.exchange(P.Kind.AVERAGE, entries, step=group,
-                             meta={"members": list(members)})
+        return self.exchange(P.Kind.POLICY, entries, step=group, meta={
+            "event": "average", "group": group, "members": list(members)})
 
     def close(self, error=None):
         """Tell the scheduler this worker is done (or failed, with ``error``), flush what is

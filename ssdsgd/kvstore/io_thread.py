@@ -17,7 +17,8 @@ import zmq
 from . import protocol as P
 from . import fragments as F
 from .relay import PullRelay
-from .scheduler import JobAborted, SchedulerLink, bind_router
+from .scheduler import JobAborted, bind_router
+from .scheduler_link import SchedulerLink
 from .security import Guard
 
 RECV_PER_TURN = 64

@@ -14,7 +14,8 @@ A message is a ZeroMQ multipart message:
   compressed gradient of ``count`` float32 values (docs/spec/compression.md), whose byte
   length the decoder checks against the encoding's rule;
 * meta: UTF-8 JSON of *scalars only* (addresses, hyper-parameters, error text), empty when
-  unused; arrays never travel as JSON;
+  unused; arrays never travel as JSON. Which kinds exist and which meta fields each
+  carries is ``kinds.py``;
 * data frames: raw bytes. A key of 64 KiB or more gets a frame of its own, sent and
   received without copying; smaller keys share one packed frame, because a frame costs
   about as much to send as 40 KB (a step of 160 small parameters would otherwise spend
@@ -26,13 +27,13 @@ every meta field of the message's kind (``META``); both raise ``ProtocolError`` 
 reason (and the request id, once the header was read), so a node can reject a bad
 message, answer the request it belongs to, and keep serving.
 """
-import enum
 import json
-import math
 import re
 import struct
 
 import numpy as np
+
+from .kinds import FLAGS, Kind, Flag, check_meta as _check_meta
 
 MAGIC = b"SSDG"
 VERSION = 2
@@ -48,47 +49,6 @@ MAX_META_BYTES = 1 << 20
 MAX_META_DEPTH = 8       # nesting of JSON objects/lists (an optimizer description needs 5)
 MAX_KEYS = 1 << 16        # key records per message (a model has a few hundred arrays)
 MAX_TENSORS_PER_KEY = 8
-
-
-class Kind(enum.IntEnum):
-    """Message kinds. Scheduler control first, then worker <-> server data."""
-    REGISTER = 1      # node -> scheduler: {role, rank, host, port, pid, routing_id}
-    TOPOLOGY = 2      # scheduler -> node: {rank, num_workers, num_servers, servers, workers,
-                      # relays}
-    BARRIER = 3       # node -> scheduler, and the release back
-    HEARTBEAT = 4     # node -> scheduler, and the echo back
-    FINISH = 5        # worker -> scheduler: done, stop watching me
-    SHUTDOWN = 6      # scheduler -> node: the job is over, exit 0
-    ABORT = 7         # scheduler -> node: {reason}; exit non-zero
-    ROUND = 8         # server 0 -> scheduler -> other servers: {log} quorum decisions
-    MEMBERSHIP = 9    # scheduler <-> server, scheduler -> worker: a dead worker leaves
-    INIT = 10         # worker -> server: keys (rank 0 sends values); reply: the values
-    SET_OPTIMIZER = 11  # worker -> server: {optimizer description}; reply: ACK
-    PUSH = 12         # worker -> server: gradients of a step; flags say whether to reply
-    PULL = 13         # worker -> server: weights as of a step (or latest); reply: values
-    GET_STATE = 14    # worker -> server: optimizer state of all keys; reply: values+state
-    SET_STATE = 15    # worker -> server: optimizer state of keys; reply: ACK
-    SET_COMPRESSION = 16  # worker -> server: {compression: {type, ...}}; reply: ACK
-    AVERAGE = 17      # worker -> server (preduce): weights, step = group id, {members};
-                      # reply: the members' average once every member's weights arrived
-    GROUP = 18        # scheduler -> worker (preduce): {group, members}: average with them
-    READY = 19        # worker -> scheduler (preduce): {final}: my local step is done
-    REPLY = 20        # server -> worker: values (and state) for a request id
-    ACK = 21
-    ERROR = 22        # {error}: the request was rejected; the server keeps serving
-    FRAGMENT = 23     # server -> worker -> worker (sync.pull_relay: chain): a byte range of
-                      # a relayed REPLY's frames; step: its index; {of, sizes, relay}
-
-
-class Flag(enum.IntFlag):
-    NONE = 0
-    PULL = 1          # PUSH: reply with the weights once this step is applied
-    STATE = 2         # PUSH/PULL: add the optimizer state to the reply
-    LATEST = 4        # PUSH with PULL, quorum: reply with the newest closed round
-    FINAL = 8         # PULL, quorum: this worker is done; reply with the final weights
-    PAUSE = 16        # PULL (no keys), quorum: this worker enters a barrier (rounds.pause)
-    RELAY = 32        # PUSH with PULL, PULL: the reply may come through another worker
-                      # (sync.pull_relay: chain; docs/spec/pull_relay.md)
 
 
 DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f8"), 2: np.dtype("<f2"),
@@ -271,7 +231,7 @@ def decode(frames, *, max_bytes=None):
             kind = Kind(kind)
         except ValueError:
             raise ProtocolError(f"unknown message kind {kind}") from None
-        if flags & ~int(Flag.PULL | Flag.STATE | Flag.LATEST | Flag.FINAL | Flag.PAUSE | Flag.RELAY):
+        if flags & ~FLAGS:
             raise ProtocolError(f"unknown flag bits {flags:#x}")
         records = _key_table(frames, nkeys, nframes)
         meta = _meta(bytes(frame_buffer(frames[2])))
@@ -355,7 +315,7 @@ def _tensors(records, buffers, max_bytes):
     return tensors
 
 
-# ---- meta: JSON of a bounded depth, every field of a kind type-checked ------------------
+# ---- meta: JSON of a bounded depth, every field of a kind type-checked (kinds.py) -------
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _OPENERS, _CLOSERS = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 
@@ -386,114 +346,10 @@ def _meta(raw):
     return meta
 
 
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v):
-    """A finite int or float (not a bool, not NaN or infinite)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _int_in(lo, hi):
-    return lambda v: _is_int(v) and lo <= v <= hi
-
-
-def _text(limit=None):
-    return lambda v: isinstance(v, str) and (limit is None or len(v) <= limit)
-
-
-def _optional(check):
-    return lambda v: v is None or check(v)
-
-
-def _address(v):
-    return (isinstance(v, list) and len(v) == 2 and _text(255)(v[0])
-            and _int_in(1, 65535)(v[1]))
-
-
-_HEX_ID = re.compile(r"[0-9a-f]{8,64}\Z")
-MAX_RANK = 1 << 20
-_RANK = (_int_in(-1, MAX_RANK), "an integer from -1 to 2^20")
-_COUNT = (_int_in(1, MAX_RANK), "an integer from 1 to 2^20")
-_ID = (lambda v: isinstance(v, str) and bool(_HEX_ID.match(v)), "8 to 64 lowercase hex digits")
-_STR = (_text(), "a string")
-_OBJ = (lambda v: isinstance(v, dict), "a JSON object")
-_ROLE = (lambda v: v in ("server", "worker") if isinstance(v, str) else False,
-         "'server' or 'worker'")
-_RANKS = (lambda v: isinstance(v, list) and 1 <= len(v) <= MAX_RANK
-           and all(_int_in(0, MAX_RANK)(r) for r in v) and v == sorted(set(v)),
-           "a non-empty increasing list of worker ranks")
-_RELAY_TO = (lambda v: isinstance(v, list) and len(v) <= MAX_RANK and all(
-    isinstance(p, list) and len(p) == 2 and _int_in(0, MAX_RANK)(p[0])
-    and _int_in(1, (1 << 32) - 1)(p[1]) for p in v),
-    "a list of [worker rank, request id]")
-_GROUP = (lambda v: v in ("worker", "server", "all") if isinstance(v, str) else False,
-          "'worker', 'server' or 'all'")
-
-# kind -> {field: ((check, what it must be), required)}; kinds not listed carry no meta.
-META = {
-    Kind.REGISTER: {"role": (_ROLE, True), "rank": (_RANK, False),
-                    "host": ((_optional(_text(255)), "a host name or null"), False),
-                    "port": ((_optional(_int_in(0, 65535)), "a TCP port or null"), False),
-                    "pid": ((_int_in(0, 1 << 32), "a process id"), False),
-                    "hostname": ((_text(255), "a host name"), False),
-                    "routing_id": (_ID, False)},
-    Kind.TOPOLOGY: {"rank": (_RANK, True), "num_workers": (_COUNT, True),
-                    "num_servers": (_COUNT, True),
-                    "servers": ((lambda v: isinstance(v, list) and all(map(_address, v)),
-                                 "a list of [host, port]"), True),
-                    "workers": ((lambda v: isinstance(v, list) and all(_ID[0](x) for x in v),
-                                 "a list of connection ids"), False),
-                    "relays": ((lambda v: isinstance(v, list) and all(
-                        x is None or _address(x) for x in v),
-                        "a list of [host, port] or null, one per worker"), False)},
-    Kind.BARRIER: {"group": (_GROUP, False),
-                   "value": ((_int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
-    Kind.READY: {"final": ((lambda v: isinstance(v, bool), "true or false"), False)},
-    Kind.GROUP: {"group": ((_int_in(0, 1 << 62), "a group number"), True),
-                 "members": (_RANKS, True)},
-    Kind.AVERAGE: {"members": (_RANKS, True)},
-    Kind.FINISH: {"error": (_STR, False)},
-    # scheduler -> server {removed}: which step does it not have from that worker?
-    # server -> scheduler {removed, next_step}; scheduler -> all {removed, from_step}
-    Kind.MEMBERSHIP: {"removed": ((_int_in(0, MAX_RANK), "a worker rank"), True),
-                      "next_step": ((_int_in(0, 1 << 62), "a step"), False),
-                      "from_step": ((_int_in(0, 1 << 62), "a step"), False)},
-    Kind.ABORT: {"reason": (_STR, False)},
-    Kind.ROUND: {"log": ((_text(MAX_META_BYTES // 2), "a string of round decisions"), True)},
-    Kind.SET_OPTIMIZER: {"optimizer": (_OBJ, True)},
-    Kind.SET_STATE: {"optimizer": (_OBJ, False)},
-    Kind.SET_COMPRESSION: {"compression": (_OBJ, True)},
-    Kind.REPLY: {"lr": ((_optional(is_number), "a finite number or null"), False),
-                 "optimizer": ((_optional(_OBJ[0]), "a JSON object or null"), False)},
-    Kind.ERROR: {"error": (_STR, True)},
-    Kind.FRAGMENT: {"of": (_COUNT, True), "relay": (_RELAY_TO, False),
-                    "sizes": ((lambda v: isinstance(v, list) and 3 <= len(v) <= MAX_KEYS + 3
-                               and all(_int_in(0, 1 << 62)(x) for x in v),
-                               "a list of frame sizes"), False)},
-}
-
-
-def _short(value, limit=60):
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def check_meta(kind, meta):
-    """Every meta field of ``kind`` is one it may carry, of the type it must have."""
-    fields = META.get(kind, {})
-    for name in meta:
-        if name not in fields:
-            expected = f"expected {', '.join(fields)}" if fields else "it carries none"
-            raise ProtocolError(f"{kind.name}: unexpected meta field {_short(name)} ({expected})")
-    for name, ((check, what), required) in fields.items():
-        if name not in meta:
-            if required:
-                raise ProtocolError(f"{kind.name}: meta field {name!r} is missing")
-        elif not check(meta[name]):
-            raise ProtocolError(f"{kind.name}: meta field {name!r} must be {what}, got "
-                                f"{_short(meta[name])}")
+    """Every meta field of ``kind`` is one it may carry, of the type it must have
+    (``kinds.META``)."""
+    _check_meta(kind, meta, ProtocolError)
 
 
 def check_size(frames, max_bytes):

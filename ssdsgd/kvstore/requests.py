@@ -131,7 +131,7 @@ class Gather:
     """The replies of one request sent to several servers, reassembled per key.
 
     ``wait()`` returns {key: KeyReply}; afterwards ``meta`` holds the replies' meta
-    (e.g. the servers' optimizer description in a GET_STATE reply)."""
+    (e.g. the servers' optimizer description in a get_state reply)."""
 
     def __init__(self, requests, futures, sizes, dtypes):
         self.requests, self.futures, self.sizes, self.dtypes = requests, futures, sizes, dtypes

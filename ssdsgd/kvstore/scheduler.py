@@ -7,24 +7,19 @@ presumed dead: the scheduler tells every other node to abort, naming it, and exi
 non-zero, so nothing waits forever on a dead peer. When every worker has finished it tells
 the servers to shut down and exits 0.
 
-``SchedulerLink`` is the node side of the same conversation.
+What a synchronization mode needs of the scheduler besides (a quorum's relayed decisions,
+preduce's groups) is its policy's (``ssdsgd/sync/scheduler_policies.py``), carried in
+POLICY messages. ``scheduler_link.SchedulerLink`` is the node side of the conversation.
 """
-import os
 import socket
 import sys
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from . import job_status, protocol as P
 from .env import NodeEnv
-from ..sync.groups import GroupError, GroupGenerator
 from .security import Guard
-
-
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class JobAborted(RuntimeError):
@@ -78,7 +73,10 @@ class Rejections:
 
 
 class Scheduler:
-    def __init__(self, env: NodeEnv, log=None):
+    """``make_policy(env)``: what the job's synchronization mode decides here (a
+    ``ssdsgd.sync.scheduler_policies.SchedulerPolicy``; the node wiring passes it)."""
+
+    def __init__(self, env: NodeEnv, make_policy, log=None):
         self.env = env
         self.log = log or (lambda text: print(f"ssdsgd scheduler: {text}", file=sys.stderr, flush=True))
         self.ctx = zmq.Context.instance()
@@ -93,8 +91,7 @@ class Scheduler:
         self.removals = {}        # rank of a dead worker -> {waiting: servers, step: min}
         self.started = False
         self.rejected = Rejections(self.log)
-        self.groups = GroupGenerator(env.num_workers, min(env.group_size, env.num_workers)) \
-            if env.algorithm == "preduce" else None
+        self.policy = make_policy(env)
 
     def _send(self, ident, kind, meta=None, req=0):
         try:
@@ -207,62 +204,77 @@ class Scheduler:
         if node is None:
             raise P.ProtocolError(f"{msg.kind.name} from a node that never registered")
         node["last_seen"] = time.monotonic()
-        if msg.kind == P.Kind.HEARTBEAT:
-            self._send(ident, P.Kind.HEARTBEAT)
-        elif msg.kind == P.Kind.BARRIER:
-            group = msg.meta.get("group", "worker")
-            members = [i for i in self._members() if group == "all" or self.nodes[i]["role"] == group]
-            if ident not in members:
-                raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
-            waiting = self.barriers.setdefault(group, set())
-            waiting.add(ident)
-            value = max(self.barrier_values.get(group, 0), msg.meta.get("value", 0))
-            self.barrier_values[group] = value
-            if waiting >= set(members):
-                for i in waiting:     # every member hears the largest value any sent
-                    self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
-                waiting.clear()
-                self.barrier_values.pop(group)
-                if self.groups is not None:
-                    self.groups.barrier_released()
-            elif self.groups is not None and node["role"] == "worker":
-                # preduce: a worker at the barrier reports no ready until it releases,
-                # so the ready ones must not wait for it (sync/groups.py)
-                self._group_event(self.groups.wait_at_barrier, node["rank"])
-        elif msg.kind == P.Kind.MEMBERSHIP and node["role"] == "server":
-            self._removal_answer(ident, msg.meta)
-        elif msg.kind == P.Kind.ROUND:
-            self._relay_round(node, ident, msg.meta)
-        elif msg.kind == P.Kind.READY:
-            self._ready(node, msg.meta.get("final", False))
-        elif msg.kind == P.Kind.FINISH:
-            if msg.meta.get("error"):   # everyone (the failed node too) hears it first
-                self._abort(f"{node_name(node)} failed: {msg.meta['error']}")
-            self._send(ident, P.Kind.ACK)
-            node["finished"] = True
-            self._record()
-        else:
+        handler = self.HANDLERS.get(msg.kind)
+        if handler is None:
             raise P.ProtocolError(f"unexpected {msg.kind.name} at the scheduler")
+        handler(self, ident, node, msg.meta)
 
-    def _ready(self, node, final):
-        """preduce: a worker finished a local step; tell the members of every group that
-        forms who they average with (docs/spec/preduce.md)."""
-        if self.groups is None or node["role"] != "worker":
-            raise P.ProtocolError(f"READY from a {node['role']} in a job whose algorithm is "
-                                  f"{self.env.algorithm}, not preduce")
-        self._group_event(self.groups.arrive, node["rank"], final)
+    def _heartbeat(self, ident, node, meta):
+        self._send(ident, P.Kind.HEARTBEAT)
 
-    def _group_event(self, event, *args):
-        """Feed the group generator one event; tell each member of a group it formed."""
+    def _barrier(self, ident, node, meta):
+        group = meta.get("group", "worker")
+        members = [i for i in self._members() if group == "all" or self.nodes[i]["role"] == group]
+        if ident not in members:
+            raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
+        waiting = self.barriers.setdefault(group, set())
+        waiting.add(ident)
+        self.barrier_values[group] = max(self.barrier_values.get(group, 0), meta.get("value", 0))
+        if waiting >= set(members):
+            self._release(group)
+        elif node["role"] == "worker":
+            self._decide(self.policy.at_barrier, node["rank"])
+
+    def _release(self, group):
+        """Every member hears the largest value any sent."""
+        value = self.barrier_values.pop(group, 0)
+        waiting = self.barriers[group]
+        for i in waiting:
+            self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
+        waiting.clear()
+        self.policy.barrier_released()
+
+    def _membership(self, ident, node, meta):
+        if node["role"] != "server":
+            raise P.ProtocolError(f"MEMBERSHIP from a {node['role']}")
+        self._removal_answer(ident, meta)
+
+    def _finish(self, ident, node, meta):
+        if meta.get("error"):   # everyone (the failed node too) hears it first
+            self._abort(f"{node_name(node)} failed: {meta['error']}")
+        self._send(ident, P.Kind.ACK)
+        node["finished"] = True
+        self._record()
+
+    def _policy_event(self, ident, node, meta):
+        self._decide(self.policy.on_event, node["role"], node["rank"], meta)
+
+    HANDLERS = {P.Kind.HEARTBEAT: _heartbeat, P.Kind.BARRIER: _barrier,
+                P.Kind.MEMBERSHIP: _membership, P.Kind.FINISH: _finish,
+                P.Kind.POLICY: _policy_event}
+
+    def _decide(self, event, *args):
+        """Run a policy event; send the messages it decides (sync/scheduler_policies.py)."""
         try:
-            formed = event(*args)
-        except GroupError as e:
+            actions = event(*args)
+        except self.policy.Error as e:
             raise P.ProtocolError(str(e)) from None
-        by_rank = {n["rank"]: i for i, n in self.nodes.items() if n["role"] == "worker"}
-        for group in formed:
-            for rank in group.members:
-                self._send(by_rank[rank], P.Kind.GROUP, {"group": group.number,
-                                                         "members": list(group.members)})
+        by_rank = {(n["role"], n["rank"]): i for i, n in self.nodes.items()}
+        for target, which, payload in actions:
+            if target == "workers":
+                for rank in which:
+                    if ("worker", rank) in by_rank:
+                        self._send(by_rank[("worker", rank)], P.Kind.POLICY, payload)
+                continue
+            frames = P.control(P.Kind.POLICY, payload)
+            for other in self._members("server"):
+                if self.nodes[other]["rank"] == which:
+                    continue
+                try:
+                    self.sock.send_multipart([other] + frames, flags=zmq.NOBLOCK)
+                except zmq.ZMQError as e:
+                    self._abort(f"{node_name(self.nodes[other])} does not take the policy "
+                                f"messages of server {which} ({e.strerror})")
 
     # ---- cluster.on_worker_failure: continue ----------------------------------------
     def _remove_worker(self, ident, silent):
@@ -282,12 +294,7 @@ class Scheduler:
             members = [i for i in self._members() if group == "all"
                        or self.nodes[i]["role"] == group]
             if waiting and waiting >= set(members):
-                value = self.barrier_values.pop(group, 0)
-                for i in waiting:
-                    self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
-                waiting.clear()
-                if self.groups is not None:
-                    self.groups.barrier_released()
+                self._release(group)
 
     def _removal_answer(self, ident, meta):
         """A server's first missing step of a removed worker; once every server has
@@ -305,21 +312,6 @@ class Scheduler:
             self.log(f"worker {meta['removed']} left the job; the servers aggregate the "
                      f"remaining {len(self._members('worker'))} workers from step "
                      f"{removal['step']}")
-
-    def _relay_round(self, node, ident, meta):
-        """Server 0's quorum decisions go to every other server (docs/spec/quorum.md); one
-        lost would stall that server, so a server that does not take them ends the job."""
-        if node["role"] != "server" or node["rank"] != 0:
-            raise P.ProtocolError(f"only server 0 decides quorum rounds, not {node_name(node)}")
-        frames = P.control(P.Kind.ROUND, meta)
-        for other in self._members("server"):
-            if other == ident:
-                continue
-            try:
-                self.sock.send_multipart([other] + frames, flags=zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                self._abort(f"{node_name(self.nodes[other])} does not take the round "
-                            f"decisions of server 0 ({e.strerror})")
 
     def _serve_one(self):
         """Read and handle one message; nothing a peer sends stops the scheduler (only a
@@ -382,119 +374,3 @@ class Scheduler:
     def close(self):
         self.sock.close(0)
         self.guard.close()
-
-
-class SchedulerLink:
-    """A node's DEALER to the scheduler: register, heartbeats, barriers, finish.
-
-    It also gives the node its identity towards the servers: ``routing_id``, registered
-    with the scheduler, which tells the servers which connection is which worker;
-    ``secure(sock, server)`` prepares a socket to a server with it and this node's keys.
-
-    Not thread-safe: it belongs to the one thread that polls it (the server's loop, the
-    worker's I/O thread)."""
-
-    def __init__(self, ctx, env: NodeEnv, role, host=None, port=None, guard=None):
-        self.env = env
-        self.role = role
-        self.guard = guard or Guard.from_env(env, lambda text: print(
-            f"ssdsgd {role}: {text}", file=sys.stderr, flush=True))
-        self.routing_id = b"\x01" + os.urandom(15)   # a leading 0 byte is ZeroMQ's own ids
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.guard.client(self.sock)
-        # watched from before the connection exists: a refused handshake can happen before
-        # register() waits, and its event must not be missed
-        self.monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
-        self.sock.connect(f"tcp://{env.scheduler_host}:{env.scheduler_port}")
-        self.host, self.port = host, port
-        self.last_sent = 0.0
-        self.last_heard = time.monotonic()
-        self.topology = None
-
-    def secure(self, sock, server=0):
-        """Before connecting ``sock`` to server ``server``: this node's id and keys."""
-        sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
-        self.guard.client(sock, f"server {server}")
-
-    def send(self, kind, meta=None):
-        """Never blocks: if the scheduler stopped reading, ``tick`` will say so."""
-        try:
-            self.sock.send_multipart(P.control(kind, meta), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-        self.last_sent = time.monotonic()
-
-    def register(self):
-        """Block until the scheduler sends the topology; returns it (a dict)."""
-        meta = {"role": self.role, "rank": self.env.rank, "pid": os.getpid(),
-                "hostname": socket.gethostname()[:255]}
-        if self.role == "server" or self.port:   # a worker's port: its pull relay
-            meta.update(host=self.host, port=self.port)
-        if self.role == "worker":
-            meta["routing_id"] = self.routing_id.hex()
-        self.send(P.Kind.REGISTER, meta)
-        deadline = time.monotonic() + max(60.0, 4 * self.env.heartbeat_timeout) + 10
-        where = f"{self.env.scheduler_host}:{self.env.scheduler_port}"
-        try:
-            return self._await_topology(deadline, where, self.monitor)
-        finally:
-            self._stop_monitor()
-
-    def _stop_monitor(self):
-        if self.monitor is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(0)
-            self.monitor = None
-
-    def _await_topology(self, deadline, where, monitor):
-        while time.monotonic() < deadline:
-            if monitor.poll(0):
-                event = recv_monitor_message(monitor)["event"]
-                raise JobAborted(
-                    f"the scheduler at {where} refused this {self.role}'s connection "
-                    f"({zmq.Event(event).name}): it does not hold this job's keys "
-                    f"(SSDSGD_SECRET_FILE={self.env.secret_file or 'unset'}, mode "
-                    f"{self.guard.mode})")
-            if self.sock.poll(200):
-                try:
-                    msg = P.receive(self.sock.recv_multipart(), max_bytes=0)
-                except P.ProtocolError as e:
-                    raise JobAborted(f"the scheduler at {where} sent a malformed message: "
-                                     f"{e}") from None
-                if msg.kind == P.Kind.TOPOLOGY:
-                    self.topology = msg.meta
-                    self.last_heard = time.monotonic()
-                    return msg.meta
-                if msg.kind in (P.Kind.ERROR, P.Kind.ABORT):
-                    raise JobAborted(f"the scheduler at {where} refused this {self.role}: "
-                                     f"{msg.meta.get('error') or msg.meta.get('reason')}")
-        raise JobAborted(f"no topology from the scheduler at {where} in time; is it running "
-                         f"and are all {self.env.num_workers} workers and "
-                         f"{self.env.num_servers} servers started?")
-
-    def tick(self):
-        """Send a heartbeat when due; raise JobAborted when the scheduler went silent."""
-        now = time.monotonic()
-        if now - self.last_sent >= self.env.heartbeat_interval:
-            self.send(P.Kind.HEARTBEAT)
-        if now - self.last_heard > self.env.heartbeat_timeout:
-            raise JobAborted(f"lost the scheduler at {self.env.scheduler_host}:"
-                             f"{self.env.scheduler_port}: no answer for "
-                             f"{now - self.last_heard:.1f} s")
-
-    def receive(self):
-        """Handle one waiting scheduler message; returns it (the caller acts on SHUTDOWN,
-        BARRIER, ACK); raises JobAborted on ABORT, or when the scheduler refused what
-        this node sent (nothing a node of the job sends should be refused)."""
-        try:
-            msg = P.receive(self.sock.recv_multipart(), max_bytes=0)
-        except P.ProtocolError as e:
-            raise JobAborted(f"the scheduler sent a malformed message: {e}") from None
-        self.last_heard = time.monotonic()
-        if msg.kind == P.Kind.ABORT:
-            raise JobAborted(f"the job was aborted: {msg.meta.get('reason')}")
-        if msg.kind == P.Kind.ERROR:
-            raise JobAborted(f"the scheduler refused a message of this {self.role}: "
-                             f"{msg.meta.get('error')}")
-        return msg

@@ -25,7 +25,8 @@ from . import protocol as P
 from .compression import Compression, CompressionError
 from .env import NodeEnv
 from .replies import SNDHWM, Fatal, Peer, Replies, RequestError
-from .scheduler import JobAborted, Rejections, SchedulerLink, bind_router
+from .scheduler import JobAborted, Rejections, bind_router
+from .scheduler_link import SchedulerLink
 from .security import Guard
 from .weights import Weights
 
@@ -137,13 +138,17 @@ class Server:
                 self._reject(ident_i, msg_i.req, str(e))
         self.pending_inits = still
 
+    def on_command(self, ident, msg):
+        """COMMAND: the job's optimizer, compression or optimizer state."""
+        self.COMMANDS[msg.meta["command"]](self, ident, msg)
+
     def on_set_optimizer(self, ident, msg):
-        self._only_rank0(msg, "SET_OPTIMIZER")
-        self._between_steps("SET_OPTIMIZER")
+        self._only_rank0(msg, "the optimizer")
+        self._between_steps("setting the optimizer")
         try:
             optimizer = build(msg.meta["optimizer"])
         except OptimizerSpecError as e:
-            raise RequestError(f"SET_OPTIMIZER: {e}") from None
+            raise RequestError(f"COMMAND optimizer: {e}") from None
         self.weights.use_optimizer(optimizer, self.policy.global_batches)
         self.replies.empty(ident, msg.req, P.Kind.ACK)
 
@@ -153,9 +158,9 @@ class Server:
         try:
             spec = Compression.from_params(msg.meta["compression"])
         except CompressionError as e:
-            raise RequestError(f"SET_COMPRESSION: {e}") from None
+            raise RequestError(f"COMMAND compression: {e}") from None
         if spec is None:
-            raise RequestError("SET_COMPRESSION without a compression")
+            raise RequestError("COMMAND compression without a compression")
         current = self.weights.compression
         if current is not None and spec != current:
             raise RequestError(f"worker {msg.sender} sets compression {spec.params()}, but the "
@@ -176,35 +181,30 @@ class Server:
         reply = None
         if msg.flags & P.Flag.PULL:
             reply = self._new_reply(ident, msg, shards, bool(msg.flags & P.Flag.STATE))
-        self._decide(reply, self.policy.push, msg.sender, items, reply,
-                     latest=bool(msg.flags & P.Flag.LATEST))
+        self._decide(reply, self.policy.request, "push", msg.sender, items, reply,
+                     msg.meta.get("policy", {}))
 
     def on_pull(self, ident, msg):
         shards = [self.weights.shard_for(rec, with_values=False) for rec in P.rows(msg.records)]
-        if msg.flags & P.Flag.PAUSE:     # a worker enters a barrier; answered without keys
-            if shards:
-                raise RequestError(f"worker {msg.sender}: a barrier's pause names keys")
-            reply = self._new_reply(ident, msg, [], False)
-            return self._decide(reply, self.policy.pause, msg.sender, reply)
         items = [(shard.key, int(rec["step"])) for rec, shard in zip(P.rows(msg.records), shards)]
         reply = self._new_reply(ident, msg, shards, bool(msg.flags & P.Flag.STATE))
-        self._decide(reply, self.policy.pull, msg.sender, items, reply,
-                     final=bool(msg.flags & P.Flag.FINAL))
+        self._decide(reply, self.policy.request, "pull", msg.sender, items, reply,
+                     msg.meta.get("policy", {}))
 
-    def on_average(self, ident, msg):
-        """preduce (docs/spec/preduce.md): a member of group ``msg.step`` sends its
-        weights; the policy answers every member with their average."""
-        self._distinct_keys(msg, "an AVERAGE")
+    def on_policy(self, ident, msg):
+        """A policy's own request (a barrier's pause, a preduce group's weights): the
+        keys it names, each with its weights or nothing; the policy reads the rest."""
+        self._distinct_keys(msg, "a POLICY message")
         shards, items = [], []
         for rec, arrays in zip(P.rows(msg.records), msg.tensors):
-            shard = self.weights.shard_for(rec, with_values=True)
-            if len(arrays) != 1 or rec["encoding"]:
-                raise RequestError(f"key {shard.key}: an AVERAGE carries the weights, once")
+            shard = self.weights.shard_for(rec, with_values=bool(arrays))
+            if len(arrays) > 1 or rec["encoding"]:
+                raise RequestError(f"key {shard.key}: a POLICY message carries at most "
+                                   "the weights, once")
             shards.append(shard)
-            items.append((shard.key, arrays[0]))
+            items.append((shard.key, arrays[0] if arrays else None))
         reply = self._new_reply(ident, msg, shards, False)
-        self._decide(reply, self.policy.average, msg.sender, msg.step,
-                     tuple(msg.meta["members"]), items, reply)
+        self._decide(reply, self.policy.on_event, msg.sender, msg.meta, items, reply)
 
     def on_get_state(self, ident, msg):
         records, arrays, meta = self.weights.state()
@@ -212,15 +212,15 @@ class Server:
                                            records=records, tensors=arrays, meta=meta))
 
     def on_set_state(self, ident, msg):
-        self._only_rank0(msg, "SET_STATE")
-        self._between_steps("SET_STATE")
+        self._only_rank0(msg, "the optimizer state")
+        self._between_steps("setting the optimizer state")
         self.weights.load_states(msg.meta, msg.records, msg.tensors, self.policy.global_batches)
         self.replies.empty(ident, msg.req, P.Kind.ACK)
 
-    HANDLERS = {P.Kind.INIT: on_init, P.Kind.SET_OPTIMIZER: on_set_optimizer,
-                P.Kind.PUSH: on_push, P.Kind.PULL: on_pull, P.Kind.GET_STATE: on_get_state,
-                P.Kind.SET_STATE: on_set_state, P.Kind.SET_COMPRESSION: on_set_compression,
-                P.Kind.AVERAGE: on_average}
+    COMMANDS = {"optimizer": on_set_optimizer, "compression": on_set_compression,
+                "get_state": on_get_state, "set_state": on_set_state}
+    HANDLERS = {P.Kind.INIT: on_init, P.Kind.PUSH: on_push, P.Kind.PULL: on_pull,
+                P.Kind.COMMAND: on_command, P.Kind.POLICY: on_policy}
 
     # ---- from the scheduler ---------------------------------------------------------
     def on_membership(self, meta):
@@ -240,18 +240,17 @@ class Server:
     def _send_decisions(self):
         """The leader's decisions of this message go to the other servers (via the
         scheduler); a decision lost would stall them, so a full queue stops the job."""
-        text = self.policy.decisions()
-        if not text:
-            return
-        try:
-            self.link.sock.send_multipart(P.control(P.Kind.ROUND, {"log": text}),
-                                          flags=zmq.NOBLOCK)
-        except zmq.Again:
-            raise Fatal("the scheduler does not take server 0's round decisions") from None
+        for payload in self.policy.to_servers():
+            try:
+                self.link.sock.send_multipart(P.control(P.Kind.POLICY, payload),
+                                              flags=zmq.NOBLOCK)
+            except zmq.Again:
+                raise Fatal(f"the scheduler does not take server {self.rank}'s policy "
+                            "messages") from None
 
-    def _follow(self, text):
+    def _follow(self, payload):
         try:
-            actions = self.policy.follow(text)
+            actions = self.policy.from_servers(payload)
         except self.policy.Error as e:
             raise Fatal(f"server {self.rank}: {e}") from None
         self._carry_out(actions)
@@ -315,8 +314,8 @@ class Server:
                         return 0
                     if msg.kind == P.Kind.MEMBERSHIP:
                         self.on_membership(msg.meta)
-                    elif msg.kind == P.Kind.ROUND:
-                        self._follow(msg.meta["log"])
+                    elif msg.kind == P.Kind.POLICY:
+                        self._follow(msg.meta)
                 if self.sock in events:
                     for _ in range(64):   # drain a burst, but keep heartbeats going
                         try:

@@ -77,7 +77,7 @@ class Weights:
         self.model_bytes = 0
         self.optimizer = None
         self.updater = None
-        self.compression = None   # the job's push compression (SET_COMPRESSION), if any
+        self.compression = None   # the job's push compression (COMMAND compression), if any
         self._sgd_seen = {}       # update_groups.sgd_call's knowledge of the arrays
 
     def declare(self, key, offset, values):
@@ -142,7 +142,7 @@ class Weights:
         return [a.asnumpy() for a in flatten_state(self.updater.states[shard.key])]
 
     def state(self):
-        """GET_STATE: every key's weights and optimizer state, with the optimizer's
+        """COMMAND get_state: every key's weights and optimizer state, with the optimizer's
         description: (records, arrays, meta)."""
         shards = sorted(self.shards.values(), key=lambda s: s.key)
         arrays = [[s.weight.asnumpy()] + self.state_arrays(s) for s in shards]
@@ -152,17 +152,17 @@ class Weights:
                                  else None}
 
     def load_states(self, meta, records, tensors, global_batches):
-        """SET_STATE: the optimizer ``meta`` describes (none: the current one) and every
+        """COMMAND set_state: the optimizer ``meta`` describes (none: the current one) and every
         record's state arrays, all checked before any is used."""
         optimizer, updater = self.optimizer, self.updater
         if "optimizer" in meta:
             try:
                 optimizer = build(meta["optimizer"])
             except OptimizerSpecError as e:
-                raise RequestError(f"SET_STATE: {e}") from None
+                raise RequestError(f"COMMAND set_state: {e}") from None
             updater = mx.optimizer.get_updater(optimizer)
         if updater is None:
-            raise RequestError("SET_STATE before any optimizer was set")
+            raise RequestError("COMMAND set_state before any optimizer was set")
         states = {}
         for rec, arrays in zip(P.rows(records), tensors):
             shard = self.shard_for(rec, with_values=True)

@@ -40,14 +40,14 @@ class GroupAverages:
         return actions
 
     def _check(self, rank, number, members, keys):
-        """The group being collected (None: a new one), if this AVERAGE fits it."""
+        """The group being collected (None: a new one), if this average fits it."""
         if len(members) < 2 or members[-1] >= self.n or rank not in members:
-            raise PolicyError(f"AVERAGE of group {number}: members {list(members)} must be "
+            raise PolicyError(f"average of group {number}: members {list(members)} must be "
                               f"2 or more of the {self.n} workers, the sender (worker "
                               f"{rank}) among them")
         group = self.groups.get(number)
         if group is not None and group.members != members:
-            raise PolicyError(f"AVERAGE of group {number}: members {list(members)}, but its "
+            raise PolicyError(f"average of group {number}: members {list(members)}, but its "
                               f"other members sent {list(group.members)}")
         if group is None and len(self.groups) >= self.n:
             raise PolicyError(f"{len(self.groups)} groups are being averaged already; a "

@@ -19,10 +19,8 @@ averages it computes). It knows which steps are applied because it is the one th
 for each application. A request the policy cannot accept raises ``PolicyError`` before
 anything changes; the transport answers it with an ERROR naming the problem.
 """
-
-
-class PolicyError(ValueError):
-    """A request this policy cannot take; the message names why (one line)."""
+from . import events
+from .events import PolicyError
 
 
 class ServerPolicy:
@@ -38,6 +36,34 @@ class ServerPolicy:
         self.averaging = averaging        # preduce's group averages, if the job averages
         self.version = {}                 # key -> updates applied, in declaration order
         self.removed = {}                 # rank of a worker that left -> the step it is out from
+
+    # ---- messages, as the transport hands them over -----------------------------------
+    def request(self, kind, rank, items, token, options):
+        """A worker's PUSH or PULL (``kind``: 'push' or 'pull') with its ``policy``
+        options, checked here (the transport does not read them)."""
+        return getattr(self, kind)(rank, items, token, **events.options(kind, options))
+
+    def on_event(self, rank, payload, items, token):
+        """A worker's POLICY message: ``items`` ``[(key, values or None)]``, the keys it
+        names, slot i of ``token`` being item i."""
+        name, fields = events.read(payload, ("worker", "server"))
+        if name == "pause":
+            if items:
+                raise PolicyError(f"worker {rank}: a barrier's pause names keys")
+            return self.pause(rank, token)
+        if any(values is None for _, values in items):
+            raise PolicyError("an average carries the weights of every key it names")
+        return self.average(rank, fields["group"], tuple(fields["members"]), items, token)
+
+    def from_servers(self, payload):
+        """Another server's POLICY message, through the scheduler."""
+        _, fields = events.read(payload, ("scheduler", "server"))
+        return self.follow(fields["log"])
+
+    def to_servers(self):
+        """POLICY messages for the other servers (the leader's round decisions)."""
+        text = self.decisions()
+        return [events.message("round", log=text)] if text else []
 
     # ---- events ----------------------------------------------------------------------
     def declare(self, key):
@@ -71,7 +97,7 @@ class ServerPolicy:
     def average(self, rank, group, members, items, token):
         """A member of preduce group ``group`` sends its weights ``[(key, values)]``."""
         if self.averaging is None:
-            raise PolicyError(f"AVERAGE in a job whose algorithm is {self.algorithm}, "
+            raise PolicyError(f"an average in a job whose algorithm is {self.algorithm}, "
                               "not preduce")
         return self.averaging.average(rank, group, members, items, token)
 

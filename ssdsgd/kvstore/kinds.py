@@ -1,0 +1,130 @@
+"""The vocabulary: which messages exist, and which meta fields each carries, of what type.
+
+Seventeen kinds, in three groups, and three flags:
+
+* membership (node <-> scheduler; ps-lite's control commands): REGISTER, TOPOLOGY,
+  BARRIER, HEARTBEAT, FINISH, SHUTDOWN, ABORT, MEMBERSHIP (a worker leaves the job);
+* data (worker <-> server): INIT, PUSH, PULL, and the answers REPLY, ACK, ERROR;
+  FRAGMENT carries a piece of a relayed REPLY (sync.pull_relay: chain);
+* generic: COMMAND (worker -> every server: the job's optimizer, compression, or
+  optimizer state; MXNet's ``_send_command_to_servers``), and POLICY: a synchronization
+  policy's own event (a quorum's round decisions, preduce's readiness, groups and
+  averages, a barrier's pause), ``{"event": name, ...}``. The transport routes a POLICY
+  message to the policy without reading its fields; the policy checks them against
+  its own table (``ssdsgd/sync/events.py``). A PUSH's or PULL's ``policy`` object is
+  the same: options for the policy (a quorum's ``latest`` and ``final``).
+
+Flags are the transport's: PULL (a push that wants the weights back), STATE (add the
+optimizer state to the reply), RELAY (the reply may come through another worker).
+"""
+import enum
+import re
+
+from .. import fields as F
+
+
+class Kind(enum.IntEnum):
+    REGISTER = 1      # node -> scheduler: {role, rank, host, port, pid, routing_id}
+    TOPOLOGY = 2      # scheduler -> node: {rank, num_workers, num_servers, servers, workers,
+                      # relays}
+    BARRIER = 3       # node -> scheduler, and the release back
+    HEARTBEAT = 4     # node -> scheduler, and the echo back
+    FINISH = 5        # worker -> scheduler: done, stop watching me
+    SHUTDOWN = 6      # scheduler -> node: the job is over, exit 0
+    ABORT = 7         # scheduler -> node: {reason}; exit non-zero
+    MEMBERSHIP = 8    # scheduler <-> server, scheduler -> worker: a dead worker leaves
+    INIT = 9          # worker -> server: keys (rank 0 sends values); reply: the values
+    PUSH = 10         # worker -> server: gradients of a step; flags say whether to reply
+    PULL = 11         # worker -> server: weights as of a step (or latest); reply: values
+    REPLY = 12        # server -> worker: values (and state) for a request id
+    ACK = 13
+    ERROR = 14        # {error}: the request was rejected; the server keeps serving
+    FRAGMENT = 15     # server -> worker -> worker: a byte range of a relayed REPLY's
+                      # frames; step: its index; {of, sizes, relay}
+    COMMAND = 16      # worker -> server: {command, ...}; reply: ACK, or the state
+    POLICY = 17       # any node -> any node: {event, ...}, a policy's own message
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+    PULL = 1          # PUSH: reply with the weights once this step is applied
+    STATE = 2         # PUSH/PULL: add the optimizer state to the reply
+    RELAY = 4         # PUSH with PULL, PULL: the reply may come through another worker
+                      # (sync.pull_relay: chain; docs/spec/pull_relay.md)
+
+
+FLAGS = int(Flag.PULL | Flag.STATE | Flag.RELAY)
+
+_ROLE = F.one_of("server", "worker")
+_GROUP = F.one_of("worker", "server", "all")
+_RELAY_TO = (lambda v: isinstance(v, list) and len(v) <= F.MAX_RANK and all(
+    isinstance(p, list) and len(p) == 2 and F.int_in(0, F.MAX_RANK)(p[0])
+    and F.int_in(1, (1 << 32) - 1)(p[1]) for p in v),
+    "a list of [worker rank, request id]")
+_SIZES = (lambda v: isinstance(v, list) and 3 <= len(v) <= (1 << 16) + 3
+          and all(F.int_in(0, F.MAX_STEP)(x) for x in v), "a list of frame sizes")
+_EVENT_NAME = re.compile(r"[a-z_]{1,32}\Z")
+_EVENT = (lambda v: isinstance(v, str) and bool(_EVENT_NAME.match(v)),
+          "an event name (1 to 32 of a-z and _)")
+_ANY = (lambda v: True, "any JSON value")
+
+# kind -> {field: ((check, what it must be), required)}; kinds not listed carry no meta.
+META = {
+    Kind.REGISTER: {"role": (_ROLE, True), "rank": (F.RANK, False),
+                    "host": ((F.optional(F.text(255)), "a host name or null"), False),
+                    "port": ((F.optional(F.int_in(0, 65535)), "a TCP port or null"), False),
+                    "pid": ((F.int_in(0, 1 << 32), "a process id"), False),
+                    "hostname": ((F.text(255), "a host name"), False),
+                    "routing_id": (F.ID, False)},
+    Kind.TOPOLOGY: {"rank": (F.RANK, True), "num_workers": (F.COUNT, True),
+                    "num_servers": (F.COUNT, True),
+                    "servers": ((lambda v: isinstance(v, list) and all(map(F.is_address, v)),
+                                 "a list of [host, port]"), True),
+                    "workers": ((lambda v: isinstance(v, list) and all(F.ID[0](x) for x in v),
+                                 "a list of connection ids"), False),
+                    "relays": ((lambda v: isinstance(v, list) and all(
+                        x is None or F.is_address(x) for x in v),
+                        "a list of [host, port] or null, one per worker"), False)},
+    Kind.BARRIER: {"group": (_GROUP, False),
+                   "value": ((F.int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
+    Kind.FINISH: {"error": (F.STR, False)},
+    # scheduler -> server {removed}: which step does it not have from that worker?
+    # server -> scheduler {removed, next_step}; scheduler -> all {removed, from_step}
+    Kind.MEMBERSHIP: {"removed": (F.WORKER, True), "next_step": (F.STEP, False),
+                      "from_step": (F.STEP, False)},
+    Kind.ABORT: {"reason": (F.STR, False)},
+    Kind.PUSH: {"policy": (F.OBJ, False)},
+    Kind.PULL: {"policy": (F.OBJ, False)},
+    Kind.REPLY: {"lr": ((F.optional(F.is_number), "a finite number or null"), False),
+                 "optimizer": ((F.optional(F.OBJ[0]), "a JSON object or null"), False)},
+    Kind.ERROR: {"error": (F.STR, True)},
+    Kind.FRAGMENT: {"of": (F.COUNT, True), "relay": (_RELAY_TO, False),
+                    "sizes": (_SIZES, False)},
+}
+
+# COMMAND's commands and the fields each carries besides ``command``.
+COMMANDS = {"optimizer": {"optimizer": (F.OBJ, True)},
+            "compression": {"compression": (F.OBJ, True)},
+            "get_state": {},
+            "set_state": {"optimizer": (F.OBJ, False)}}
+_COMMAND = F.one_of(*COMMANDS)
+
+
+def _command_fields(meta):
+    name = meta.get("command")
+    return {"command": (_COMMAND, True),
+            **(COMMANDS.get(name, {}) if isinstance(name, str) else {})}
+
+
+def _policy_fields(meta):
+    """The event's name; its other fields are the policy's to check (sync/events.py)."""
+    return {"event": (_EVENT, True), **{name: (_ANY, False) for name in meta if name != "event"}}
+
+
+FIELDS_OF = {Kind.COMMAND: _command_fields, Kind.POLICY: _policy_fields}
+
+
+def check_meta(kind, meta, error):
+    """Every meta field of ``kind`` is one it may carry, of the type it must have."""
+    table = FIELDS_OF[kind](meta) if kind in FIELDS_OF else META.get(kind, {})
+    F.check_fields(kind.name, table, meta, error, noun="meta field")
