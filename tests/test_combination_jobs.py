@@ -1,5 +1,8 @@
-"""Real digits jobs for the combinations of ssdsgd/sync/registry.py that no other test ran:
-a compressed job resumed, a relayed job restarted, an asgd job writing checkpoints (tests/test_combinations.py checks that the registry names these tests)."""
+"""Real digits jobs for the combinations of ssdsgd/sync/registry.py that no other test ran
+(tests/test_combinations.py checks that the registry names these tests): an ssd job with
+every feature that goes with continue (compression, staggered pulls, checkpoints) whose
+rank 0 is killed and restarted; a relayed job restarted; an asgd job writing
+checkpoints."""
 import json
 
 import numpy as np
@@ -8,7 +11,7 @@ import pytest
 from conftest import DIGITS_EPOCHS as EPOCHS, DIGITS_STEPS as STEPS, digits_job
 from test_e2e_configs import dist, records, run_dir_of, sets
 from test_recovery import assert_same, final, kill_once_with_a_restart, kill_step
-from test_resume import assert_same_final_weights, kill_job_after_first_checkpoint
+from test_resume import assert_same_final_weights
 
 pytestmark = pytest.mark.system
 
@@ -25,25 +28,28 @@ def restarted(args, root, rank, step):
     return run
 
 
-def test_a_killed_compressed_ssd_job_resumes_to_the_same_weights(tmp_path):
-    """sync.compression 2bit, ssd: killed after its first checkpoint (in the steps-delay
-    stage) and resumed, the job ends with exactly the weights of the same job run
-    without interruption: each worker's residuals (what its compressed pushes have not
-    sent yet) are saved with its state and restored."""
-    job = ["configs/digits.yaml", *digits_job("ssd"), *sets(sync__compression="2bit")]
+def test_a_compressed_staggered_continue_job_is_restarted_as_if_uninterrupted(tmp_path):
+    """ssd with 2bit pushes, staggered pulls, cluster.on_worker_failure continue and
+    --max-restarts 1: rank 0 (which continue never leaves behind) SIGKILLed in the
+    steps-delay stage; the launcher restarts the job from its checkpoint and it ends with
+    exactly the weights of the same job run without interruption (and without continue):
+    each worker's residuals (what its compressed pushes have not sent yet) are saved with
+    its state and restored, and each worker keeps its pull phase."""
+    job = ["configs/digits.yaml", *digits_job("ssd"),
+           *sets(sync__compression="2bit", sync__pull_schedule="staggered")]
     p = dist([*job, *sets(output__dir=tmp_path / "a")])
     assert p.returncode == 0, p.stderr[-3000:]
     a = run_dir_of(tmp_path / "a")
-    b = kill_job_after_first_checkpoint([*job, *sets(output__dir=tmp_path / "b")],
-                                        tmp_path / "b")
-    latest = json.loads((b / "checkpoints" / "latest.json").read_text())
-    assert latest["next_epoch"] < EPOCHS and latest["step"] > 29        # in steps delay
+    root = tmp_path / "b"
+    b = restarted([*job, *sets(cluster__on_worker_failure="continue", output__dir=root)],
+                  root, 0, kill_step("many"))
+    for rank in (0, 1):
+        starts = records(b, rank, "start")
+        assert len(starts) == 2 and 29 < starts[1]["start_step"] < EPOCHS * STEPS  # delay
     with np.load(b / "checkpoints" / "epoch-0000.worker-1.npz") as state:
         meta = json.loads(state["__meta__"].tobytes().decode())
         assert meta["residuals"] and all(f"c{k}" in state.files for k in meta["residuals"])
         assert any(np.abs(state[f"c{k}"]).max() > 0 for k in meta["residuals"])
-    resumed = dist(["--resume", b])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_final_weights(a, b)
 
 

@@ -125,6 +125,16 @@ def test_each_combination_is_refused_in_one_line_or_run_by_a_named_test(algorith
         assert reason in text and "\n" not in text, text
 
 
+def test_every_pair_of_features_is_refused_or_run_by_a_named_test():
+    """No pair of features is left to chance: each of the 28 is in CONFLICTS (refused,
+    the test below) or TESTED_PAIRS (run together by a named test), once."""
+    named = [frozenset(pair) for pair in list(CONFLICTS) + list(TESTED_PAIRS)]
+    assert len(named) == len(set(named)), "a pair named twice"
+    every = {frozenset((a, b)) for a in FEATURES for b in FEATURES if a != b}
+    assert every - set(named) == set(), sorted(map(sorted, every - set(named)))
+    assert len(every) == 28
+
+
 @pytest.mark.parametrize("pair", CONFLICTS, ids="-".join)
 def test_each_conflicting_pair_is_refused_in_one_line_naming_both(pair):
     a, b = pair

@@ -68,7 +68,8 @@ def kill_step(seed) -> int:
 
 def start(args, root: Path):
     log = open(root.parent / f"{root.name}.log", "w+")
-    args = [*args, *PACE] if "--resume" not in args else args
+    paced = "--resume" in args or any(str(a).startswith("debug.slowdown=") for a in args)
+    args = args if paced else [*args, *PACE]          # a job's own slowdown is kept
     proc = subprocess.Popen([PY, "launch/dist.py", *map(str, args)], cwd=ROOT,
                             env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
