@@ -47,6 +47,7 @@ from mxnet.kvstore import KVStoreBase
 from mxnet.module import module as mx_module
 
 from .kvstore.client import ServerError, WorkerClient
+from .kvstore.io_thread import EXIT_AFTER_ABORT
 from .kvstore.env import EnvError, NodeEnv
 from .mxglue.state_file import StateFileError
 from .mxglue.optimizer_spec import OptimizerSpecError
@@ -81,6 +82,8 @@ class Node:
         if self.env.role != "worker":
             raise RuntimeError(f"ssd_sync is created by workers; SSDSGD_ROLE is {self.env.role}")
         self.client = WorkerClient(self.env)
+        if os.environ.get("SSDSGD_ROLE"):      # started by a launcher, which waits for it
+            self.client.io.exit_after_abort = EXIT_AFTER_ABORT
         self.machine = StageMachine(self.client, self.env)
         self.closed = False
 

@@ -279,6 +279,11 @@ SETTINGS = (
     Setting("heartbeat_timeout", float, 30.0, "seconds without a heartbeat before a node is "
             "presumed dead (at least twice the interval)", env="SSDSGD_HEARTBEAT_TIMEOUT",
             path="cluster.heartbeat_timeout", min=0.1, max=86400.0),
+    Setting("stall_timeout", float, 300.0, "seconds a worker may go without a step while "
+            "another worker is ahead of it (its heartbeats going) before it is treated as "
+            "failed, so cluster.on_worker_failure applies; rank 0's validation does not "
+            "count; 0: never (docs/reliability.md)", env="SSDSGD_STALL_TIMEOUT",
+            path="cluster.stall_timeout", min=0.0, max=86400.0),
     Setting("max_restarts", int, 0, "times the launcher restarts a job from its last "
             "checkpoint when a process dies (launch/dist.py --max-restarts overrides it; 0: "
             "the job fails)", path="cluster.max_restarts", min=0, max=1000),

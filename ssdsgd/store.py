@@ -114,6 +114,11 @@ class SSD_Sync(KVStoreBase):
         decides by substrings of it)."""
         return TYPES[self._env.algorithm]
 
+    def busy(self):
+        """``with kv.busy():`` around work that is not training steps and takes long
+        (validation): cluster.stall_timeout does not count it (docs/reliability.md)."""
+        return self._client.busy()
+
     @property
     def rank(self):
         return self._client.rank

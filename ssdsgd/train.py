@@ -285,8 +285,10 @@ def lr_at(run: Run, num_update: int) -> float:
 
 
 def validate(run: Run, epoch: int) -> None:
-    """Rank 0: the validation figures after ``epoch``, recorded and logged."""
-    res = evaluate(run.net, run.dataset, run.ctx, run.config.data.batch_size)
+    """Rank 0: the validation figures after ``epoch``, recorded and logged (the others
+    may wait for it: the stall watch does not count it, kvstore/stall_watch.py)."""
+    with run.kv.busy() if hasattr(run.kv, "busy") else contextlib.nullcontext():
+        res = evaluate(run.net, run.dataset, run.ctx, run.config.data.batch_size)
     run.vals.append(res)
     elapsed = time.time() - run.t_train
     run.writer.write("val", epoch=epoch + 1, step=run.step, **res, elapsed=elapsed)

@@ -187,6 +187,7 @@ def test_sync_env_matches_design_doc_names(tmp_path):
     assert cluster_env(cfg) == {"SSDSGD_NUM_WORKERS": "3", "SSDSGD_NUM_SERVERS": "2",
                                 "SSDSGD_HEARTBEAT_INTERVAL": "1.0",
                                 "SSDSGD_HEARTBEAT_TIMEOUT": "5.0",
+                                "SSDSGD_STALL_TIMEOUT": "300.0",
                                 "SSDSGD_ON_WORKER_FAILURE": "abort"}
 
 

@@ -21,6 +21,8 @@ handed to the I/O thread (io_thread), which owns the sockets. With compression
 (docs/spec/compression.md) it keeps this worker's residual per key and sends each push's
 slices in their compressed form.
 """
+import contextlib
+
 from . import protocol as P
 from . import fragments as F
 from .compression import CompressionError
@@ -88,6 +90,7 @@ class WorkerClient:
                                meta={"policy": {"latest": True}} if pull and latest else None)
         for k in keys:
             k.pushes += 1
+        self.io.progress += 1
         return gather
 
     def push_then(self, grads, callback):
@@ -101,6 +104,7 @@ class WorkerClient:
             entries, keys = self._push_entries(grads)
             for k in keys:
                 k.pushes += 1
+            self.io.progress += 1
             if self.outbox.add(entries, callback):
                 self.io.wake()
 
@@ -215,8 +219,19 @@ class WorkerClient:
         entries = [(key, group, flat, flat.dtype) for key, flat in weights]
         for key, _ in weights:
             self.keys[key]
+        self.io.progress += 1
         return self.exchange(P.Kind.POLICY, entries, step=group, meta={
             "event": "average", "group": group, "members": list(members)})
+
+    @contextlib.contextmanager
+    def busy(self):
+        """The training thread does something other than steps for a while (rank 0's
+        validation): the stall watch does not count that time (stall_watch.py)."""
+        self.io.busy = True
+        try:
+            yield
+        finally:
+            self.io.busy = False
 
     def close(self, error=None):
         """Tell the scheduler this worker is done (or failed, with ``error``), flush what is

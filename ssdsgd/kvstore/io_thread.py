@@ -7,6 +7,7 @@ peer) or a silent scheduler into an exception on every waiting future.
 Each turn it sends at most SEND_PER_TURN queued messages and reads at most RECV_PER_TURN
 from each socket, then serves the others: neither a sender that queues without pause nor
 a peer that sends without pause can hold it from its heartbeats and replies."""
+import os
 import queue
 import sys
 import threading
@@ -23,6 +24,7 @@ from .security import Guard
 
 RECV_PER_TURN = 64
 SEND_PER_TURN = 64
+EXIT_AFTER_ABORT = 10.0   # s a launched worker's training thread has to end after an abort
 
 
 class IOThread:
@@ -35,6 +37,11 @@ class IOThread:
         self.ctx = zmq.Context.instance()
         self.topology = None
         self.left = []            # workers that left the job (cluster.on_worker_failure)
+        self.progress = 0         # requests the training thread made (stall_watch.py)
+        self.busy = False         # it says it does something else (rank 0's validation)
+        # a launched worker whose training thread is stuck (it cannot see the abort)
+        # would hold its launcher for ever: the process exits this long after (None: never)
+        self.exit_after_abort = None
         self.relay = None
         self._commands = queue.SimpleQueue()
         self._stopping = False
@@ -121,6 +128,9 @@ class IOThread:
             rank = self.topology["rank"] if self.topology else "?"
             print(f"ssdsgd worker {rank}: {e}", file=sys.stderr, flush=True)
             self.requests.fail(e)
+            if self.exit_after_abort is not None:
+                threading.Thread(target=_exit_later, args=(self.exit_after_abort, rank),
+                                 name="ssdsgd-exit", daemon=True).start()
         except Exception as e:  # a bug here must not leave the main thread waiting
             self.requests.fail(JobAborted(f"the worker's I/O thread failed: {e!r}"))
         finally:
@@ -195,9 +205,12 @@ class IOThread:
                     self._receive(s, server)
             if self.relay.sock in events:
                 self.relay.receive(RECV_PER_TURN)
-            link.tick()
+            link.tick(self._progress)
             if self._stopping and not backlog:
                 return
+
+    def _progress(self):
+        return {"progress": self.progress, "busy": self.busy}
 
     def _send_queued(self, link, sockets, limit):
         """Send up to ``limit`` queued messages (None: all); True if some are left."""
@@ -250,3 +263,12 @@ class IOThread:
                 self.relay.on_fragment(frames, msg, server, f"server {server}")
             else:
                 self.requests.deliver(msg, server)
+
+
+def _exit_later(seconds, rank):
+    """Exit the process unless the training thread ended it first (a daemon thread:
+    a process that ends on its own is not kept)."""
+    time.sleep(seconds)
+    print(f"ssdsgd worker {rank}: the training thread did not end within {seconds:g} s "
+          "of the abort; exiting", file=sys.stderr, flush=True)
+    os._exit(1)

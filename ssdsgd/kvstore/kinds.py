@@ -28,7 +28,7 @@ class Kind(enum.IntEnum):
     TOPOLOGY = 2      # scheduler -> node: {rank, num_workers, num_servers, servers, workers,
                       # relays}
     BARRIER = 3       # node -> scheduler, and the release back
-    HEARTBEAT = 4     # node -> scheduler, and the echo back
+    HEARTBEAT = 4     # node -> scheduler {progress, busy}, and the echo back
     FINISH = 5        # worker -> scheduler: done, stop watching me
     SHUTDOWN = 6      # scheduler -> node: the job is over, exit 0
     ABORT = 7         # scheduler -> node: {reason}; exit non-zero
@@ -88,6 +88,9 @@ META = {
     Kind.BARRIER: {"group": (_GROUP, False),
                    "value": ((F.int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
     Kind.FINISH: {"error": (F.STR, False)},
+    # a worker's: requests its training thread made, and whether it is busy with
+    # something else (rank 0's validation); kvstore/stall_watch.py
+    Kind.HEARTBEAT: {"progress": (F.STEP, False), "busy": (F.BOOL, False)},
     # scheduler -> server {removed}: which step does it not have from that worker?
     # server -> scheduler {removed, next_step}; scheduler -> all {removed, from_step}
     Kind.MEMBERSHIP: {"removed": (F.WORKER, True), "next_step": (F.STEP, False),

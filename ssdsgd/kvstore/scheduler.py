@@ -20,6 +20,7 @@ import zmq
 from . import job_status, protocol as P
 from .env import NodeEnv
 from .security import Guard
+from .stall_watch import StallWatch
 
 
 class JobAborted(RuntimeError):
@@ -92,6 +93,7 @@ class Scheduler:
         self.started = False
         self.rejected = Rejections(self.log)
         self.policy = make_policy(env)
+        self.stalls = StallWatch(env.stall_timeout)
 
     def _send(self, ident, kind, meta=None, req=0):
         try:
@@ -210,6 +212,9 @@ class Scheduler:
         handler(self, ident, node, msg.meta)
 
     def _heartbeat(self, ident, node, meta):
+        if node["role"] == "worker" and "progress" in meta:
+            self.stalls.report(node["rank"], meta["progress"], meta.get("busy", False),
+                               node["last_seen"])
         self._send(ident, P.Kind.HEARTBEAT)
 
     def _barrier(self, ident, node, meta):
@@ -244,6 +249,7 @@ class Scheduler:
             self._abort(f"{node_name(node)} failed: {meta['error']}")
         self._send(ident, P.Kind.ACK)
         node["finished"] = True
+        self.stalls.leave(node["rank"])
         self._record()
 
     def _policy_event(self, ident, node, meta):
@@ -277,14 +283,14 @@ class Scheduler:
                                 f"messages of server {which} ({e.strerror})")
 
     # ---- cluster.on_worker_failure: continue ----------------------------------------
-    def _remove_worker(self, ident, silent):
-        """A dead worker (not rank 0) leaves: ask every server for the first step it has
-        not received from it; the smallest becomes the step from which every server
+    def _remove_worker(self, ident, why):
+        """A dead or stuck worker (not rank 0) leaves: ask every server for the first step
+        it has not received from it; the smallest becomes the step from which every server
         aggregates without it (_removal_answer). Barriers no longer wait for it."""
         node = self.nodes.pop(ident)
         rank = node["rank"]
-        self.log(f"worker {rank} sent no heartbeat for {silent:.1f} s; removing it from the "
-                 "job (cluster.on_worker_failure: continue)")
+        self.stalls.leave(rank)
+        self.log(f"{why}; removing it from the job (cluster.on_worker_failure: continue)")
         servers = set(self._members("server"))
         self.removals[rank] = {"waiting": servers, "step": None}
         for i in servers:
@@ -363,13 +369,29 @@ class Scheduler:
                 return 0
             for ident, n in list(self.nodes.items()):
                 if not n["finished"] and now - n["last_seen"] > env.heartbeat_timeout:
-                    if (env.on_worker_failure == "continue" and n["role"] == "worker"
-                            and n["rank"] != 0):
-                        self._remove_worker(ident, now - n["last_seen"])
-                        continue
-                    self._abort(f"{node_name(n)} sent no heartbeat for "
-                                f"{now - n['last_seen']:.1f} s (SSDSGD_HEARTBEAT_TIMEOUT="
-                                f"{env.heartbeat_timeout:g}); presumed dead")
+                    self._failed(ident, f"{node_name(n)} sent no heartbeat for "
+                                 f"{now - n['last_seen']:.1f} s (SSDSGD_HEARTBEAT_TIMEOUT="
+                                 f"{env.heartbeat_timeout:g}); presumed dead")
+            self._check_stalls(now)
+
+    def _failed(self, ident, why):
+        """A node is dead or stuck: it leaves (cluster.on_worker_failure: continue, a
+        worker but rank 0; told to go, in case it still listens), or the job is aborted."""
+        n = self.nodes[ident]
+        if self.env.on_worker_failure == "continue" and n["role"] == "worker" and n["rank"]:
+            self._send(ident, P.Kind.ABORT, {"reason": f"{why}; it leaves the job"})
+            self._remove_worker(ident, why)
+        else:
+            self._abort(why)
+
+    def _check_stalls(self, now):
+        """Workers alive but stuck (stall_watch.py)."""
+        waiting = {self.nodes[i]["rank"] for group in self.barriers.values() for i in group
+                   if self.nodes[i]["role"] == "worker"}
+        by_rank = {n["rank"]: i for i, n in self.nodes.items() if n["role"] == "worker"}
+        for stall in self.stalls.stalled(now, waiting):
+            if stall.rank in by_rank:
+                self._failed(by_rank[stall.rank], stall.describe(self.env.stall_timeout))
 
     def close(self):
         self.sock.close(0)

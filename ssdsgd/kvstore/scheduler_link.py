@@ -106,11 +106,12 @@ class SchedulerLink:
                          f"and are all {self.env.num_workers} workers and "
                          f"{self.env.num_servers} servers started?")
 
-    def tick(self):
-        """Send a heartbeat when due; raise JobAborted when the scheduler went silent."""
+    def tick(self, progress=None):
+        """Send a heartbeat when due (a worker's with ``progress()``: its meta, see
+        stall_watch.py); raise JobAborted when the scheduler went silent."""
         now = time.monotonic()
         if now - self.last_sent >= self.env.heartbeat_interval:
-            self.send(P.Kind.HEARTBEAT)
+            self.send(P.Kind.HEARTBEAT, progress() if progress else None)
         if now - self.last_heard > self.env.heartbeat_timeout:
             raise JobAborted(f"lost the scheduler at {self.env.scheduler_host}:"
                              f"{self.env.scheduler_port}: no answer for "

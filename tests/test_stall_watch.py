@@ -1,0 +1,106 @@
+"""cluster.stall_timeout (ssdsgd/kvstore/stall_watch.py): a worker whose heartbeats go on
+while its training thread is stuck is treated as failed, so cluster.on_worker_failure
+applies. The rule in process, then real digits jobs whose worker 1 sleeps an hour before
+its first push (debug.slowdown) with its I/O thread heartbeating."""
+import json
+import re
+import time
+
+import pytest
+
+from conftest import digits_job
+from ssdsgd.kvstore.stall_watch import StallWatch
+from test_e2e_configs import dist, run_dir_of, sets
+
+
+def test_a_worker_behind_the_others_without_progress_is_stalled_after_the_timeout():
+    w = StallWatch(5.0)
+    w.report(0, 3, False, 0.0)
+    w.report(1, 2, False, 0.0)
+    assert w.stalled(4.0) == []                     # not yet
+    w.report(0, 4, False, 4.0)                      # 0 goes on, 1 does not
+    w.report(1, 2, False, 4.0)
+    (stall,) = w.stalled(5.5)
+    assert (stall.rank, stall.progress, stall.seconds) == (1, 2, 5.5)
+    assert ("worker 1 made no progress for 6 s (its requests stayed at 2 while another "
+            "worker's reached 4;") in stall.describe(5.0)
+    assert "SSDSGD_STALL_TIMEOUT=5" in stall.describe(5.0)
+    w.report(1, 3, False, 6.0)                      # it moved: the clock starts again
+    assert w.stalled(10.0) == []
+
+
+def test_workers_standing_still_together_are_not_stalled():
+    """All waiting for the same thing (a server, a barrier): none of them is the cause."""
+    w = StallWatch(1.0)
+    for rank in range(3):
+        w.report(rank, 7, False, 0.0)
+    assert w.stalled(100.0) == []
+
+
+def test_a_worker_that_others_wait_for_at_a_barrier_is_stalled_and_they_are_not():
+    """Before the first step every worker waits at the set-up barrier for the slowest."""
+    w = StallWatch(1.0)
+    for rank in range(3):
+        w.report(rank, 0, False, 0.0)
+    (stall,) = w.stalled(2.0, waiting={0, 2})
+    assert stall.rank == 1
+    assert "while worker 0, 2 waited for it at a barrier" in stall.describe(1.0)
+    assert w.stalled(2.0, waiting={0, 1, 2}) == []
+
+
+def test_busy_time_does_not_count_and_a_leaver_is_forgotten():
+    w = StallWatch(2.0)
+    w.report(0, 9, False, 0.0)
+    w.report(1, 5, True, 0.0)                       # rank 1 validates
+    w.report(1, 5, True, 10.0)
+    assert w.stalled(11.0) == []                    # 1 s since it was last busy
+    assert [s.rank for s in w.stalled(12.5)] == [1]
+    w.leave(0)                                      # the one ahead finished
+    assert w.stalled(100.0) == []
+
+
+def test_a_timeout_of_zero_turns_the_watch_off():
+    w = StallWatch(0.0)
+    w.report(0, 9, False, 0.0)
+    w.report(1, 0, False, 0.0)
+    assert w.stalled(1e9) == []
+
+
+STUCK = [*sets(debug__slowdown="delay:1=3600", cluster__stall_timeout=3,
+               cluster__heartbeat_interval=0.2, output__plots="false")]
+
+
+@pytest.mark.system
+def test_a_stuck_worker_aborts_the_job_naming_it(tmp_path):
+    """on_worker_failure abort (the default): the job fails within the bound, and the
+    launcher's line quotes the scheduler's reason."""
+    t0 = time.monotonic()
+    p = dist(["configs/digits.yaml", *digits_job("ssgd"), *STUCK,
+              *sets(output__dir=tmp_path)], timeout=120)
+    took = time.monotonic() - t0
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out[-3000:]
+    assert re.search(r"the scheduler aborted the job: worker 1 made no progress for \d+ s "
+                     r"\(its requests stayed at 0 while worker 0 waited for it at a "
+                     r"barrier; heartbeats still came: presumed stuck, "
+                     r"SSDSGD_STALL_TIMEOUT=3\)", out), out[-3000:]
+    assert took < 60, took          # the hour's sleep was not waited for
+
+
+@pytest.mark.system
+def test_with_continue_a_stuck_worker_leaves_and_the_job_finishes(tmp_path):
+    """on_worker_failure continue: worker 1 is removed, told to leave, and (its training
+    thread never ending) its process exits; rank 0 finishes the job alone."""
+    p = dist(["configs/digits.yaml", *digits_job("ssgd"), *STUCK,
+              *sets(output__dir=tmp_path, cluster__on_worker_failure="continue")],
+             timeout=150)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert re.search(r"worker 1 made no progress for \d+ s .*; removing it from the job "
+                     r"\(cluster.on_worker_failure: continue\)", out), out[-3000:]
+    assert "the training thread did not end within 10 s of the abort; exiting" in out
+    assert re.search(r"worker 1 \(pid \d+\) exited with code 1; the job continues without "
+                     r"it", out), out[-3000:]
+    summary = json.loads((run_dir_of(tmp_path) / "summary.json").read_text())
+    (left,) = summary["workers_left"]
+    assert left["rank"] == 1 and summary["workers_reporting"] == 1
