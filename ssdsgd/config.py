@@ -18,16 +18,15 @@ API used by the launcher::
 The ``cluster`` and ``sync`` sections are the config keys of ``ssdsgd.settings``' table:
 their fields, defaults, bounds and choices come from there, as do the variables that
 ``sync_env`` / ``cluster_env`` write, so a config the loader accepts is one every process
-accepts.
+accepts. How a mapping is read into these dataclasses (types, bounds, unknown keys,
+``--set`` overrides) is ``ssdsgd/config_schema.py``.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import difflib
 import os
 import sys
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -35,6 +34,8 @@ from typing import Any, Literal, Optional
 import yaml
 
 from . import settings as S
+from .config_schema import ConfigError, apply_override, build, copy_tree, show
+from .config_schema import typed_field as _f
 
 __all__ = [
     "ConfigError", "Config", "ClusterConfig", "SyncConfig", "ModelConfig", "DataConfig",
@@ -45,24 +46,9 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A job configuration is invalid. The message is one line naming the key."""
-
-
 MODEL_NAMES = ("cifar_resnet20_v1", "cifar_resnet56_v1", "resnet50_v1", "alexnet", "vgg16",
                "digits_mlp", "digits_cnn")
 DATASETS = ("digits", "cifar10", "imagenet")
-
-
-def _f(default=dataclasses.MISSING, *, min=None, max=None, above=None, required=False,
-       doc="", factory=None):
-    """A dataclass field with validation metadata (min, max inclusive; above exclusive)."""
-    meta = {"min": min, "max": max, "above": above, "required": required, "doc": doc}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    if default is dataclasses.MISSING:
-        default = None
-    return field(default=default, metadata=meta)
 
 
 def _section(name: str):
@@ -165,93 +151,6 @@ class Config:
         return self.output.name or "run"
 
 
-# --------------------------------------------------------------------------- validation
-
-def _describe(tp) -> str:
-    origin = typing.get_origin(tp)
-    if tp is int:
-        return "an integer"
-    if tp is float:
-        return "a number"
-    if tp is bool:
-        return "true or false"
-    if tp is str:
-        return "a string"
-    if origin is Literal:
-        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
-    if origin is list:
-        return "a list of " + _describe(typing.get_args(tp)[0]).replace("an ", "").replace(
-            "a ", "") + "s"
-    if origin is typing.Union:
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _describe(inner[0]) + " or null"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return str(tp)
-
-
-def _show(value) -> str:
-    text = repr(value) if isinstance(value, str) else yaml.safe_dump(
-        value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _convert(value, tp, path: str, meta: dict):
-    """Check ``value`` against type ``tp`` (and bounds); return the converted value.
-    Scalars are checked by a settings row: the table's own for the ``cluster`` and ``sync``
-    keys, else one made from the field's type and bounds."""
-    setting = meta.get("setting")
-    origin = typing.get_origin(tp)
-    if setting is None and origin is typing.Union:  # Optional[X]
-        if value is None:
-            return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        return _convert(value, inner, path, meta)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected {_describe(tp)}, got {_show(value)}")
-        item = typing.get_args(tp)[0]
-        return [_convert(v, item, f"{path}[{i}]", {}) for i, v in enumerate(value)]
-    if setting is None:
-        choices = typing.get_args(tp) if origin is Literal else ()
-        setting = S.Setting(path, str if choices else tp, None, meta.get("doc", ""),
-                            choices=choices, min=meta.get("min"), max=meta.get("max"),
-                            above=meta.get("above"))
-    try:
-        return setting.check(value)
-    except S.SettingError as e:
-        raise ConfigError(f"{path}: {e}, got {_show(value)}") from None
-
-
-def _build(cls, raw, path: str):
-    """Build dataclass ``cls`` from mapping ``raw``; ``path`` is its dotted prefix."""
-    where = path or "the top level"
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {_show(raw)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in fields:
-            dotted = f"{path}.{key}" if path else str(key)
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(f"{dotted}: unknown key ({hint}expected one of: "
-                              f"{', '.join(fields)})")
-    kwargs = {}
-    for name, f in fields.items():
-        dotted = f"{path}.{name}" if path else name
-        if name in raw:
-            kwargs[name] = _convert(raw[name], hints[name], dotted, f.metadata)
-        elif f.metadata.get("required"):
-            raise ConfigError(f"{dotted}: required key is missing (expected "
-                              f"{_describe(hints[name])})")
-    return cls(**kwargs)
-
-
 # The optimizers MXNet 1.9.1 registers itself (mx.optimizer.Optimizer.opt_registry; kept
 # equal to it by tests/test_config.py): the launcher checks optimizer.name against them
 # without loading MXNet, which cost 1-3 s of CPU before every job.
@@ -292,7 +191,7 @@ def _cross_check(cfg: Config) -> None:
         if any(e <= 0 for e in sched.step_epochs) or sorted(set(sched.step_epochs)) != \
                 list(sched.step_epochs):
             raise ConfigError("optimizer.lr_schedule.step_epochs: expected strictly "
-                              f"increasing positive epochs, got {_show(sched.step_epochs)}")
+                              f"increasing positive epochs, got {show(sched.step_epochs)}")
     if sched.warmup_epochs > 0 and sched.warmup_begin_lr > cfg.optimizer.lr:
         raise ConfigError("optimizer.lr_schedule.warmup_begin_lr: expected <= optimizer.lr "
                           f"({cfg.optimizer.lr}), got {sched.warmup_begin_lr}")
@@ -309,9 +208,9 @@ def _cross_check(cfg: Config) -> None:
                           f"momentum > 0 (got {name}, momentum {cfg.optimizer.momentum}); "
                           "use 'exact'")
     if cfg.train.gpus and len(set(cfg.train.gpus)) != len(cfg.train.gpus):
-        raise ConfigError(f"train.gpus: expected distinct GPU ids, got {_show(cfg.train.gpus)}")
+        raise ConfigError(f"train.gpus: expected distinct GPU ids, got {show(cfg.train.gpus)}")
     if any(g < 0 for g in cfg.train.gpus):
-        raise ConfigError(f"train.gpus: expected GPU ids >= 0, got {_show(cfg.train.gpus)}")
+        raise ConfigError(f"train.gpus: expected GPU ids >= 0, got {show(cfg.train.gpus)}")
     # the settings' own rules, and the registry's combinations of algorithm and features
     # (ssdsgd/sync/registry.py), which also read whether the job writes checkpoints
     values = dict(_setting_values(cfg), checkpoint_every=cfg.train.checkpoint_every)
@@ -327,34 +226,6 @@ def _setting_values(cfg: Config) -> dict:
     return {s.name: getattr(getattr(cfg, s.section), s.key) for s in S.BY_PATH.values()}
 
 
-# --------------------------------------------------------------------------- overrides
-
-def _apply_override(raw: dict, text: str) -> None:
-    if not isinstance(text, str) or "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. sync.delay_steps=10")
-    key, _, value_text = text.partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not key or any(not p or not p.replace("_", "").isalnum() for p in parts):
-        raise ConfigError(f"--set {text!r}: expected a dotted key like sync.delay_steps "
-                          "before '='")
-    try:
-        value = yaml.safe_load(value_text) if value_text.strip() else None
-    except yaml.YAMLError as exc:
-        first = str(exc).splitlines()[0]
-        raise ConfigError(f"--set {text!r}: value is not a YAML scalar or list ({first})") \
-            from None
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {text!r}: {'.'.join(parts[:i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
 # --------------------------------------------------------------------------- public API
 
 def parse_config(raw: Any, overrides: list[str] | tuple[str, ...] = (), *,
@@ -363,27 +234,19 @@ def parse_config(raw: Any, overrides: list[str] | tuple[str, ...] = (), *,
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"the top level: expected a mapping of sections, got {_show(raw)} "
+        raise ConfigError(f"the top level: expected a mapping of sections, got {show(raw)} "
                           f"({source})")
-    raw = _deepcopy(raw)
+    raw = copy_tree(raw)
     for text in overrides or ():
-        _apply_override(raw, text)
+        apply_override(raw, text)
     try:
-        cfg = _build(Config, raw, "")
+        cfg = build(Config, raw, "")
         _cross_check(cfg)
     except ConfigError as exc:
         raise ConfigError(f"{exc} ({source})") from None
     if cfg.output.name is None and name:
         cfg.output.name = name
     return cfg
-
-
-def _deepcopy(obj):
-    if isinstance(obj, dict):
-        return {k: _deepcopy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_deepcopy(v) for v in obj]
-    return obj
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -151,24 +151,33 @@ class Setting:
         return self.path.split(".")[-1] if self.path else None
 
 
+# sync.compression's codecs: name -> (its parameter, the test of the number after
+# 'NAME:', what to say otherwise). The codecs are transport (ssdsgd/kvstore/codecs/, whose
+# parse_setting reads the text), which this leaf cannot import: tests/test_codecs.py checks
+# that this table names every registered codec and its parameter, and
+# tests/test_compression.py that the two read every probe alike.
+COMPRESSION_FORMS = {
+    "2bit": ("threshold", lambda v: 5e-7 <= v < 3.4e38,
+             "expected a 2bit threshold >= 5e-7 (MXNet's servers round it to 6 decimals) "
+             "and below 3.4e38"),
+    "topk": ("ratio", lambda v: 0 < v <= 1, "expected a topk ratio in (0, 1]"),
+}
+
+
 def _compression(text: str) -> Optional[str]:
-    """sync.compression's form (ssdsgd.kvstore.compression.parse_setting reads it; a test
-    checks that the two agree): none, 2bit[:threshold] or topk[:ratio]."""
+    """sync.compression's form: none, or NAME[:X] for a codec of COMPRESSION_FORMS."""
     kind, sep, arg = text.partition(":")
-    if (kind == "none" and not sep) or (kind in ("2bit", "topk") and not sep):
+    if (kind == "none" or kind in COMPRESSION_FORMS) and not sep:
         return None
-    if kind not in ("2bit", "topk"):
-        return "expected none, 2bit[:threshold] or topk[:ratio]"
+    if kind not in COMPRESSION_FORMS:
+        forms = ["none"] + [f"{k}[:{p}]" for k, (p, _, _) in COMPRESSION_FORMS.items()]
+        return f"expected {', '.join(forms[:-1])} or {forms[-1]}"
     try:
         value = float(arg)
     except ValueError:
         return f"expected a number after '{kind}:'"
-    if kind == "topk" and not 0 < value <= 1:
-        return f"expected a topk ratio in (0, 1]"
-    if kind == "2bit" and not 5e-7 <= value < 3.4e38:
-        return (f"expected a 2bit threshold >= 5e-7 (MXNet's servers round it to 6 decimals) "
-                f"and below 3.4e38")
-    return None
+    _, valid, message = COMPRESSION_FORMS[kind]
+    return None if valid(value) else message
 
 
 def parse_slowdown(text: str) -> dict:

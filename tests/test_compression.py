@@ -1,4 +1,5 @@
-"""ssdsgd.kvstore.compression against MXNet 1.9.1's own 2bit quantizer, bit for bit.
+"""ssdsgd.kvstore.compression (the codecs of ssdsgd/kvstore/codecs/) against MXNet 1.9.1's
+own 2bit quantizer, bit for bit.
 
 Two ways to MXNet's code: its GradientCompression object called directly
 (ssdsgd.testing.mxnet_compression: packed bytes and residuals), and the public API, a
@@ -9,10 +10,11 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from ssdsgd.kvstore.compression import (MAX_SUMMED, Compression, CompressionError,
-                                        Packed2bit, Residuals, decode, dequantize_2bit,
-                                        mxnet_stof, parse_setting, payload_nbytes,
-                                        quantize_2bit, strtof, sum_2bit, summable)
+from ssdsgd.kvstore.codecs.twobit import (MAX_SUMMED, Packed2bit, dequantize_2bit,
+                                          mxnet_stof, quantize_2bit, strtof, sum_2bit,
+                                          summable)
+from ssdsgd.kvstore.compression import (Compression, CompressionError, Residuals, decode,
+                                        parse_setting, payload_nbytes)
 from ssdsgd.testing import mxnet_compression
 
 needs_symbols = pytest.mark.skipif(not mxnet_compression.available(),

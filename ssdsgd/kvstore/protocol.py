@@ -33,6 +33,7 @@ import struct
 
 import numpy as np
 
+from . import codecs
 from .kinds import FLAGS, Kind, Flag, check_meta as _check_meta
 
 MAGIC = b"SSDG"
@@ -41,8 +42,8 @@ HEADER = struct.Struct("<4sBBHiqIII")
 KEY_RECORD = np.dtype([("key", "<i8"), ("step", "<i8"), ("offset", "<i8"), ("count", "<i8"),
                        ("dtype", "u1"), ("ntensors", "u1"), ("encoding", "u1"), ("pad", "u1"),
                        ("frame", "<u4"), ("boff", "<u8"), ("nbytes", "<u8")])
-# Record encodings: 0 raw, else a compression type of ssdsgd.kvstore.compression.
-ENCODINGS = {1: "2bit", 2: "topk"}
+# Record encodings: 0 raw, else the wire code of a codec of ssdsgd/kvstore/codecs/.
+ENCODINGS = codecs.ENCODINGS
 ENCODING_CODES = {v: k for k, v in ENCODINGS.items()}
 PACK_BELOW = 64 * 1024
 MAX_META_BYTES = 1 << 20
@@ -97,7 +98,7 @@ class Message:
 
 def make_records(entries):
     """entries: iterable of (key, step, offset, count, dtype, ntensors[, encoding]);
-    ``encoding`` is a compression type ('2bit', ...) for a compressed gradient."""
+    ``encoding`` is a codec's name (codecs.BY_NAME) for a compressed gradient."""
     rows_ = []
     for key, step, offset, count, dtype, ntensors, *encoding in entries:
         code = ENCODING_CODES[encoding[0]] if encoding and encoding[0] else 0
@@ -120,17 +121,6 @@ def rows(records):
     """The key records as dicts of Python ints (``rec["key"]`` as on a record): reading
     fields of a numpy record one by one costs about 1 us each, these 0.05."""
     return [dict(zip(_FIELDS, row)) for row in records.tolist()]
-
-
-def _payload_rule(encoding, count, nbytes):
-    """None if ``nbytes`` is a valid length for ``count`` values coded as ``encoding``,
-    else what is wrong."""
-    if encoding == "2bit":
-        want = 4 * (-(-count // 16))
-        return None if nbytes == want else f"2bit data for {count} values is {want} bytes"
-    if nbytes % 8 or nbytes > 8 * count:     # topk: (uint32, float32) pairs, <= count
-        return f"topk data for {count} values is a multiple of 8 bytes up to {8 * count}"
-    return None
 
 
 def _dtype_code_of(dtype):
@@ -292,7 +282,7 @@ def _tensors(records, buffers, max_bytes):
         if encoding is not None:
             wrong = (f"a compressed gradient is one tensor of float32 values, the record has "
                      f"{n} of {dt}") if n != 1 or dt != np.float32 else \
-                _payload_rule(encoding, count, nbytes)
+                codecs.BY_NAME[encoding].length_error(count, nbytes)
             if wrong:
                 raise ProtocolError(f"key {key}: {wrong}")
         buf = buffers[frame]

@@ -11,7 +11,7 @@ from ..mxglue.optimizer_spec import (OptimizerSpecError, build, describe, flatte
                                      unflatten_state)
 from ..mxglue.update_groups import sgd_call, size_groups
 from . import protocol as P
-from .compression import CompressionError, Packed2bit, sum_2bit, summable
+from .codecs import CompressionError, Packed
 from .replies import RequestError
 
 AGGREGATE_KEYS = 45      # keys per multi-tensor optimizer call (MXNet's kernels take <= 45)
@@ -55,15 +55,17 @@ class KeyShard:
         return self._grad_view
 
 
-def _summable_2bit(parts):
-    """Are ``parts`` all 2bit pushes whose sum counting gives exactly (``summable``)?"""
-    return all(isinstance(p, Packed2bit) for p in parts) and \
-        summable(parts[0].threshold, len(parts))
+def _summed_packed(parts, target):
+    """Did the codec of ``parts``, all kept packed by it, sum them into ``target``
+    (exactly as adding their decoded values would: ``Packed.sum_into``)?"""
+    kind = type(parts[0])
+    return issubclass(kind, Packed) and all(type(p) is kind for p in parts) and \
+        kind.sum_into(parts, target)
 
 
 def _decoded(parts):
     """``parts`` with every packed push decoded (the float32 values the server adds)."""
-    return [p.decode() if isinstance(p, Packed2bit) else p for p in parts]
+    return [p.decode() if isinstance(p, Packed) else p for p in parts]
 
 
 class Weights:
@@ -228,8 +230,7 @@ class Weights:
 
     @staticmethod
     def _add(parts, target):
-        if _summable_2bit(parts):
-            sum_2bit(parts, target)
+        if _summed_packed(parts, target):
             return
         parts = _decoded(parts)
         if len(parts) == 1:
