@@ -368,7 +368,7 @@ class SSD_Sync(KVStoreBase):
     @property
     def groups(self):
         """preduce: (group number, member ranks) of every group this worker joined."""
-        return list(self._machine.groups)
+        return list(self._machine.preduce.groups)
 
     def metrics(self):
         """Counters for the user: steps per stage, pushes, pulls, bytes, time blocked."""

@@ -15,7 +15,8 @@ pull), writes checkpoints (ssdsgd.checkpoint), and at the end ``RUN_DIR/summary.
 
 The program in three parts over one :class:`Run`: ``set_up`` (join the job, data, model,
 Trainer, resume), ``run_epoch`` (one epoch, then validation and a due checkpoint) and
-``finish`` (the global model, last validation and checkpoint, the summary).
+``finish`` (the global model, last validation and checkpoint, the summary). The records
+and log lines a run writes besides checkpoints are ``ssdsgd/run_records.py``'s.
 """
 from __future__ import annotations
 
@@ -32,20 +33,20 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
 
-from ssdsgd.checkpoint import (RunLength, check_unfinished, checkpoint_bytes, checkpoint_info,
-                               load_checkpoint, load_local_params, pull_global,
-                               record_checkpoint, run_length, save_local_params, save_params,
-                               save_states, worker_state_name)
+from ssdsgd.checkpoint import (RunLength, check_unfinished, checkpoint_info, load_checkpoint,
+                               load_local_params, pull_global, record_checkpoint, run_length,
+                               save_local_params, save_params, save_states, worker_state_name)
 from ssdsgd.config import (Config, ConfigError, load_config, new_run_dir,
                            resolve_warmup_steps, save_config)
 from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_epoch
 from ssdsgd.kvstore.compression import parse_setting as parse_compression
-from ssdsgd.metrics import MetricsWriter, Speedometer, kv_metrics, net_figures, summarize
+from ssdsgd.metrics import MetricsWriter, Speedometer, kv_metrics, net_figures
 from ssdsgd.models import build_model, initializer
 from ssdsgd.recipe import (build_lr_scheduler, contexts, create_kvstore, evaluate,
                            gradient_batch, optimizer_params, seed_everything)
+from ssdsgd.run_records import log_interval, stage_of, write_start, write_summary
 from ssdsgd.slowdown import Slowdown
-from ssdsgd.sync.stage import Stage, plan
+from ssdsgd.sync.stage import Stage
 
 log = logging.getLogger("ssdsgd.train")
 
@@ -175,29 +176,6 @@ def resume_from(run: Run, info: dict) -> None:
              " with this worker's own state" if name else "")
 
 
-def write_start(run: Run) -> None:
-    """The ``start`` record (the progress monitor reads the run's length from it)."""
-    c, n = run.config, run.length
-    run.writer.write("start", rank=run.rank, num_workers=run.num_workers,
-                     steps_per_epoch=n.steps_per_epoch, total_steps=n.total_steps,
-                     epochs=c.train.epochs, batch_size=c.data.batch_size,
-                     warmup_steps=run.warmup, algorithm=c.sync.algorithm,
-                     delay_steps=c.sync.delay_steps, model=c.model.name,
-                     dataset=c.data.dataset, kvstore=run.kv is not None,
-                     start_epoch=run.start_epoch, start_batch=run.start_batch,
-                     start_step=run.step, slowdown=c.debug.slowdown)
-    if c.debug.slowdown != "none":
-        log.warning("debug.slowdown=%s: straggler injection is on, ranks %s are slowed on "
-                    "purpose", c.debug.slowdown,
-                    "drawn at random each step" if run.slowdown.kind == "random"
-                    else run.slowdown.slow_ranks(0))
-    log.info("rank %d/%d: %s on %s, %d samples, %d steps/epoch x %d epochs (%d steps), "
-             "batch %d, warm-up %d steps, %s", run.rank, run.num_workers, c.model.name,
-             c.data.dataset, run.dataset.n_train, n.steps_per_epoch, c.train.epochs,
-             n.total_steps, c.data.batch_size, run.warmup,
-             "kvstore ssd_sync" if run.kv is not None else "single process (no kvstore)")
-
-
 def run_epoch(run: Run, epoch: int) -> None:
     """This worker's shard of one epoch; then, on rank 0, validation and a due
     checkpoint (but for the last epoch: finish() does those on the global model)."""
@@ -248,40 +226,6 @@ def train_step(run: Run, x, y) -> tuple[int, float, int]:
     correct = sum(int((o.argmax(axis=1) == yi.astype(o.dtype)).sum().asscalar())
                   for o, yi in zip(outs, ys))
     return len(y), loss_sum, correct
-
-
-def log_interval(run: Run, epoch: int, batch: int) -> None:
-    """The ``train`` record and the Speedometer line for the steps since the last one."""
-    stats = run.speed.stats()
-    m = kv_metrics(run.kv)
-    run.writer.write("train", step=run.step, epoch=epoch, batch=batch, **stats,
-                     stage=stage_of(run, m), lr=lr_at(run, run.step),
-                     **net_figures(run.kv, m), elapsed=time.time() - run.t_train)
-    if not np.isfinite(stats["loss"]):
-        raise FloatingPointError(f"loss is {stats['loss']} at step {run.step} "
-                                 "(diverged; lower optimizer.lr?)")
-    log.info(Speedometer.line(epoch, batch, stats))
-    run.speed.reset()
-
-
-def stage_of(run: Run, m: dict | None = None):
-    """The stage of this worker's last step: the kvstore's own (``m``, its metrics),
-    else the schedule's plan for that step; "local" only without a kvstore."""
-    if run.kv is None:
-        return "local"
-    m = kv_metrics(run.kv) if m is None else m
-    if "stage" in m:
-        return Stage(m["stage"])
-    s = run.config.sync
-    return plan(max(run.step - 1, 0), s.algorithm, run.warmup, s.delay_steps).stage
-
-
-def lr_at(run: Run, num_update: int) -> float:
-    """The lr of update ``num_update``, from a second, identical scheduler: MXNet's are
-    stateful, and with a kvstore the servers, not this process, run the real one."""
-    if run.lr_view is None:
-        return run.config.optimizer.lr
-    return float(run.lr_view(num_update))
 
 
 def validate(run: Run, epoch: int) -> None:
@@ -379,35 +323,6 @@ def finish(run: Run) -> dict:
                            samples_per_sec=run.samples / max(wall, 1e-9),
                            **net_figures(run.kv), kv=kv_metrics(run.kv))
     return end if run.rank != 0 else write_summary(run, wall)
-
-
-def write_summary(run: Run, wall: float) -> dict:
-    """Rank 0: RUN_DIR/summary.json from its figures and every worker's end record."""
-    c, kv, last = run.config, run.kv, run.vals[-1]      # finish() validated
-    left = kv_metrics(kv).get("left", [])                # cluster.on_worker_failure
-    base = {
-        "name": c.name, "algorithm": c.sync.algorithm if kv is not None else "local",
-        "num_workers": run.num_workers,
-        "num_servers": c.cluster.servers if kv is not None else 0,
-        "model": c.model.name, "dataset": c.data.dataset,
-        "batch_size": c.data.batch_size,
-        "epochs": round(run.step / run.length.steps_per_epoch, 3), "steps": run.step,
-        "steps_per_epoch": run.length.steps_per_epoch, "warmup_steps": run.warmup,
-        "delay_steps": c.sync.delay_steps,
-        "final_accuracy": last.get("accuracy"),
-        "best_accuracy": max(v["accuracy"] for v in run.vals),
-        **({"final_top5": last["top5"]} if "top5" in last else {}),
-        "wall_time": wall, "total_time": time.time() - run.t_start,
-        "checkpoint_bytes": checkpoint_bytes(run.run_dir),
-        "debug_slowdown": run.slowdown.describe(),
-    }
-    base["workers_left"] = [{"rank": w["rank"], "from_step": w["from_step"],
-                             "time": w["time"] - run.t_train} for w in left]
-    summary = summarize(run.run_dir, base, wait_for=run.num_workers - len(left))
-    log.info("done: test accuracy %.4f after %d steps, %.1f s; checkpoints %.1f MB; "
-             "summary in %s", last["accuracy"], run.step, wall,
-             base["checkpoint_bytes"] / 1e6, run.run_dir / "summary.json")
-    return summary
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -95,6 +95,51 @@ class Pusher:
         return out
 
 
+class Worker:
+    """One worker: its local weights w_i and, in the steps-delay stage, its local rule,
+    the pull it requested at t - 1 and the reply of its previous reset (t_q); steps 3-5."""
+
+    def __init__(self, weights, rule, offset):
+        self.weights, self.rule, self.offset = weights, rule, offset
+        self.pending = None          # the pull requested at t - 1
+        self.previous_pull = None    # the reply of the previous reset (t_q)
+
+    def reset(self):
+        """3. reset to the reply of the pull requested at t - 1 (if there was one)."""
+        if self.pending is None:
+            return
+        p, q = self.pending, self.previous_pull
+        for key in self.weights:
+            local, self.weights[key] = self.weights[key], p.weights[key].copy()
+            self.rule.reset(key, p.weights[key], prev_global_weight=q.weights[key],
+                            steps_between=p.step - q.step, state=p.state.get(key),
+                            lr=p.lr, num_update=p.num_update, local_weight=local)
+        self.previous_pull, self.pending = p, None
+
+    def local_update(self, grads):
+        """4. local update with g_i(t)."""
+        for key in self.weights:
+            self.rule.update(key, self.weights[key], grads[key])
+
+    def requests_pull(self, t, T_w, k):
+        """5. request the global weights as of step t when (t - T_w) mod k = k - 1, o_i
+        steps earlier in each period if the pulls are staggered."""
+        return (t - T_w + self.offset) % k == k - 1
+
+
+def _checked(algorithm, delay_steps, pull_schedule, compression):
+    """The arguments' checks; returns the compression as a Compression (or None)."""
+    if compression is not None and not hasattr(compression, 'residuals'):
+        compression = Compression.from_params(compression)
+    if algorithm not in ('ssd', 'ssgd'):
+        raise ValueError(f"algorithm must be ssd or ssgd in the simulator; got {algorithm!r}")
+    if delay_steps < 1:
+        raise ValueError(f"delay_steps must be >= 1; got {delay_steps}")
+    if pull_schedule not in ('aligned', 'staggered'):
+        raise ValueError(f"pull_schedule must be aligned or staggered; got {pull_schedule!r}")
+    return compression
+
+
 def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorithm='ssd',
              warmup_steps=0, delay_steps=1, local_rule='glu', glu_state='estimate',
              lr_local=None, compression=None, on_step=None, pull_schedule='aligned'):
@@ -103,37 +148,29 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
     compression: None, kv.set_gradient_compression's dict, or a Compression.
     on_step(t, global_weights), if given, sees w_G(t) right after the server applied step t
     (for learning curves; it must not modify the arrays)."""
-    if compression is not None and not hasattr(compression, 'residuals'):
-        compression = Compression.from_params(compression)
-    if algorithm not in ('ssd', 'ssgd'):
-        raise ValueError(f"algorithm must be ssd or ssgd in the simulator; got {algorithm!r}")
-    if delay_steps < 1:
-        raise ValueError(f"delay_steps must be >= 1; got {delay_steps}")
+    compression = _checked(algorithm, delay_steps, pull_schedule, compression)
     k, T_w = delay_steps, (steps if algorithm == 'ssgd' else warmup_steps)
     N = num_workers
-    if pull_schedule not in ('aligned', 'staggered'):
-        raise ValueError(f"pull_schedule must be aligned or staggered; got {pull_schedule!r}")
-    # Worker i requests o_i steps earlier in each period (staggered: o_i = floor(i k / N)).
-    offsets = [i * k // N if pull_schedule == 'staggered' else 0 for i in range(N)]
     server = Server(init_weights, make_optimizer)
     pushers = [Pusher(compression) for _ in range(N)]
-    workers = [{key: w.copy() for key, w in init_weights.items()} for _ in range(N)]
+    weights = [{key: w.copy() for key, w in init_weights.items()} for _ in range(N)]
     # ssgd never updates locally, so it needs (and validates) no local rule.
     rules = [make_local_rule(local_rule, make_optimizer, N, glu_state, lr_local)
-             for _ in range(N)] if algorithm == 'ssd' else []
-    with_state = bool(rules) and rules[0].needs_state
+             if algorithm == 'ssd' else None for _ in range(N)]
+    with_state = rules[0] is not None and rules[0].needs_state
+    # Worker i requests o_i steps earlier in each period (staggered: o_i = floor(i k / N)).
+    workers = [Worker(weights[i], rules[i], i * k // N if pull_schedule == 'staggered' else 0)
+               for i in range(N)]
 
     # w_G(t) for t < 0 is the initial weights. Warm-up replies are kept for the last two
     # steps: at the first steps-delay step the pull of step T_w - 1 acts as the pull
     # requested at t - 1, and its t_q is the step before it.
     initial = server.pull(with_state)
     replies = {-2: replace(initial, step=-2), -1: initial}
-    pending = [None] * N                 # the pull each worker requested at t - 1
-    previous_pull = [None] * N           # the reply of each worker's previous reset (t_q)
 
     for t in range(steps):
         # 1. every worker computes g_i(t) at its local weights; 2. pushes it.
-        grads = [grad_fn(i, t, workers[i]) for i in range(N)]
+        grads = [grad_fn(i, t, worker.weights) for i, worker in enumerate(workers)]
         # Server: decode, wait for all N, sum in rank order, apply Opt once.
         server.apply_step([push(g) for push, g in zip(pushers, grads)])
         if on_step is not None:
@@ -143,34 +180,24 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
             # Warm-up: plain synchronous SGD, wait for w_G(t).
             replies[t] = server.pull(with_state)
             replies.pop(t - 2, None)
-            workers = [{key: w.copy() for key, w in replies[t].weights.items()}
-                       for _ in range(N)]
+            for worker in workers:
+                worker.weights = {key: w.copy() for key, w in replies[t].weights.items()}
             continue
         if t == T_w:
-            pending = [replies[T_w - 1]] * N
-            previous_pull = [replies[T_w - 2]] * N
+            for worker in workers:
+                worker.pending, worker.previous_pull = replies[T_w - 1], replies[T_w - 2]
 
         reply_t = None
-        for i in range(N):
-            # 3. reset to the reply of the pull requested at t - 1.
-            if pending[i] is not None:
-                p, q = pending[i], previous_pull[i]
-                for key in workers[i]:
-                    local, workers[i][key] = workers[i][key], p.weights[key].copy()
-                    rules[i].reset(key, p.weights[key], prev_global_weight=q.weights[key],
-                                   steps_between=p.step - q.step, state=p.state.get(key),
-                                   lr=p.lr, num_update=p.num_update, local_weight=local)
-                previous_pull[i], pending[i] = p, None
-            # 4. local update with g_i(t).
-            for key in workers[i]:
-                rules[i].update(key, workers[i][key], grads[i][key])
-            # 5. request the global weights as of step t (o_i steps earlier if staggered).
-            if (t - T_w + offsets[i]) % k == k - 1:
+        for worker, g in zip(workers, grads):
+            worker.reset()                              # 3.
+            worker.local_update(g)                      # 4.
+            if worker.requests_pull(t, T_w, k):         # 5.
                 if reply_t is None:
                     reply_t = server.pull(with_state)
-                pending[i] = reply_t
+                worker.pending = reply_t
 
-    return SimResult(global_weights=server.weights, worker_weights=workers,
+    return SimResult(global_weights=server.weights,
+                     worker_weights=[worker.weights for worker in workers],
                      push_bytes=sum(p.bytes for p in pushers))
 
 

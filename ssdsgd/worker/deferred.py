@@ -1,4 +1,11 @@
-"""One key's part of a pushpull queued on MXNet's engine (``StageMachine.step_deferred``).
+"""Synchronous steps queued on MXNet's engine (``StageMachine.step_deferred``): ssgd's
+and asgd's ``kv.pushpull`` as an asynchronous engine operation, as ps-lite's is.
+
+Apart from the stage machine because it is the one part of a worker that runs on two
+threads: a step is queued on the caller's thread and completed on the client's I/O
+thread, which writes the reply into the outputs and the key's record and keeps the first
+failure for the caller's next call (``DeferredSteps.settle``). The rest of the machine
+runs on the caller's thread alone and settles these steps before it touches a key.
 
 A script that calls ``kv.pushpull`` key by key passes the same gradient and output arrays
 every round, and an NDArray's device, shape, dtype and buffer never change while it
@@ -104,3 +111,83 @@ def engine_arrays(ops):
     if len(ops) == 1 and ops[0].arrays is not None:
         return ops[0].arrays
     return engineop.Arrays(*_reads_writes(ops))
+
+
+class DeferredSteps:
+    """The steps queued on the engine since the last ``settle`` and their first failure.
+    ``keys``: the machine's key -> ``KeyRecord`` (each record keeps its key's last
+    ``KeyOp``, and takes the reply as the newest global weights)."""
+
+    def __init__(self, client, keys):
+        self.client, self.keys = client, keys
+        self.queued = False          # steps queued on MXNet's engine since the last settle
+        self.error = None            # the first failure of one of them, raised next call
+
+    @staticmethod
+    def can_queue(entries):
+        """Dense arrays only, where MXNet's engine takes an operation from outside."""
+        return engineop.available() and all(
+            type(nd) is mx.nd.NDArray for _, grads, outs in entries
+            for nd in list(grads) + list(outs or []))
+
+    def queue(self, entries, t, priority):
+        """Queue step ``t`` (see ``StageMachine.step_deferred``)."""
+        self.raise_error()
+        ops = [self._key_op(key, grad_list, outs) for key, grad_list, outs in entries]
+        if len(ops) > 1 and len({op.key for op in ops}) < len(ops):
+            raise ValueError("a key appears twice in one pushpull")
+
+        def run(done):
+            try:
+                self.client.push_then(
+                    [(op.key, op.grad_view()) for op in ops],
+                    lambda replies, error: self._done(t, ops, replies, error, done))
+            except Exception as e:
+                self._done(t, ops, None, e, done)
+
+        engineop.push_arrays(run, engine_arrays(ops), priority)
+        for op in ops:
+            for src, out in op.staged:
+                src.copyto(out)
+        self.queued = True
+
+    def _key_op(self, key, grad_list, outs):
+        """The key's ``KeyOp`` for these arrays: the last one if they are the same."""
+        record = self.keys.get(key)
+        if record is None:
+            raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
+        op = record.deferred
+        if op is not None and op.matches(grad_list, outs):
+            return op
+        op = KeyOp(key, record.shape, grad_list, outs)
+        record.deferred = op if op.reusable else None
+        return op
+
+    def _done(self, t, ops, replies, error, done):
+        """On the I/O thread: the reply into the outputs, then the engine is told."""
+        try:
+            if error is None:
+                for op in ops:
+                    reply = replies[op.key]
+                    self.keys[op.key].remember(reply, t)
+                    op.write(reply.value)
+        except Exception as e:
+            error = e
+        finally:
+            if error is not None and self.error is None:
+                self.error = error
+            done()
+
+    def raise_error(self):
+        """Raise the failure of a step queued on the engine (once)."""
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    def settle(self):
+        """Wait for the steps queued on the engine (their replies are written by the I/O
+        thread, so this cannot wait on itself) and raise a failure among them."""
+        if self.queued:
+            mx.nd.waitall()
+            self.queued = False
+        self.raise_error()

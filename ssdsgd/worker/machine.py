@@ -15,23 +15,24 @@ main thread computes; it blocks only where the spec says it must. A worker has a
 k + 1 steps of pushes beyond the last global weights it received (it waits for each pull
 one step after requesting it), which bounds memory on both sides.
 
-``preduce`` (``_preduce_step``, docs/spec/preduce.md): the worker applies the Trainer's
-optimizer to its own weights with its own gradient, reports ready, and averages its
-weights with the group the scheduler forms; ``finish`` joins the last group, of all N.
+``preduce`` (docs/spec/preduce.md) has no stage schedule: its steps are ``preduce.py``'s
+(the Trainer's optimizer on the worker's own weights, then its group's average). The
+synchronous steps a key-by-key script queues on MXNet's engine (``step_deferred``) are
+``deferred.py``'s: they complete on the I/O thread.
 
 The machine speaks to the servers only through the client's API (``init``, ``push``,
 ``pull``): it builds no message and never sees how keys are split over servers.
 """
 import dataclasses
 
-import mxnet as mx
 import numpy as np
 
 from ..glu.rules import make_local_rule
-from ..mxglue import engineop, hostcopy
+from ..mxglue import hostcopy
 from ..mxglue.optimizer_spec import build
 from . import checkpoint_state
-from .deferred import KeyOp, device_sum, engine_arrays
+from .deferred import DeferredSteps, device_sum
+from .preduce import PreduceSteps
 from ..sync.stage import Stage, delays_pulls, plan, pull_offset
 
 
@@ -86,12 +87,9 @@ class StageMachine:
         # settings refuse staggered pulls where there is no pull period or a quorum).
         self.offset = pull_offset(client.rank, client.num_workers, env.delay_steps,
                                   env.pull_schedule)
-        self.updater = None          # preduce: the Trainer's optimizer, run on this worker
-        self.groups = []             # preduce: (group number, members) of every group joined
-        self.groups_done = False     # preduce: the final group (of every worker) is done
+        self.preduce = PreduceSteps(client, self.keys, self.counts)
+        self.deferred = DeferredSteps(client, self.keys)   # steps queued on MXNet's engine
         self.final_done = False      # quorum: the final pull is answered
-        self.deferred = False        # steps queued on MXNet's engine since the last settle
-        self.deferred_error = None   # the first failure of one of them, raised next call
         # What hostcopy learnt of each key's gradient, weights and local state arrays, kept
         # while the Trainer passes the same ones (slots: ("g", key), ("w", key, device),
         # ("s", key, i)).
@@ -100,7 +98,7 @@ class StageMachine:
     # ---- set-up --------------------------------------------------------------------
     def set_optimizer(self, spec, updater=None):
         """``updater``: MXNet's updater of the Trainer's own optimizer (preduce runs it)."""
-        self.updater = updater
+        self.preduce.updater = updater
         self.rule = None
         if delays_pulls(self.env.algorithm):
             self.rule = make_local_rule(self.env.local_rule, lambda: build(spec),
@@ -130,7 +128,7 @@ class StageMachine:
         self.settle()
         blocked0 = self.client.stats["time_blocked"]
         if self.env.algorithm == "preduce":
-            self._preduce_step(entries)
+            self.preduce.step(entries)
             self.t += 1
             self.last_step_blocked = self.client.stats["time_blocked"] - blocked0
             return
@@ -159,9 +157,7 @@ class StageMachine:
         """ssgd and asgd steps of dense arrays can be engine operations (``step_deferred``);
         ssd's steps-delay step and a quorum's rounds keep state on this thread."""
         return (self.env.algorithm in ("ssgd", "asgd") and not self.quorum
-                and engineop.available()
-                and all(type(nd) is mx.nd.NDArray for _, grads, outs in entries   # dense
-                        for nd in list(grads) + list(outs or [])))
+                and self.deferred.can_queue(entries))
 
     def step_deferred(self, entries, priority=0):
         """A synchronous step queued on MXNet's engine, as ps-lite queues a pushpull: it
@@ -170,70 +166,19 @@ class StageMachine:
         w_G(t) into them. So a script calling pushpull key by key has all keys in flight
         and waits once (``wait_to_read``, ``waitall``). A failure is raised at the next
         call of the machine (``settle``); the outputs then keep their old values."""
-        self.raise_deferred()
-        ops = [self._key_op(key, grad_list, outs) for key, grad_list, outs in entries]
-        if len(ops) > 1 and len({op.key for op in ops}) < len(ops):
-            raise ValueError("a key appears twice in one pushpull")
-        t = self.t
-
-        def run(done):
-            try:
-                self.client.push_then(
-                    [(op.key, op.grad_view()) for op in ops],
-                    lambda replies, error: self._deferred_done(t, ops, replies, error, done))
-            except Exception as e:
-                self._deferred_done(t, ops, None, e, done)
-
-        engineop.push_arrays(run, engine_arrays(ops), priority)
-        for op in ops:
-            for src, out in op.staged:
-                src.copyto(out)
-        self.deferred = True
+        self.deferred.queue(entries, self.t, priority)
         self.counts[Stage(self.env.algorithm)] += 1      # ssgd or asgd: the stage's name
         self.counts["pushes"] += 1
         self.counts["pulls"] += 1
         self.t += 1
 
-    def _key_op(self, key, grad_list, outs):
-        """The key's ``KeyOp`` for these arrays: the last one if they are the same."""
-        record = self.keys.get(key)
-        if record is None:
-            raise KeyError(f"key {key} was never initialized (call init or broadcast first)")
-        op = record.deferred
-        if op is not None and op.matches(grad_list, outs):
-            return op
-        op = KeyOp(key, record.shape, grad_list, outs)
-        record.deferred = op if op.reusable else None
-        return op
-
-    def _deferred_done(self, t, ops, replies, error, done):
-        """On the I/O thread: the reply into the outputs, then the engine is told."""
-        try:
-            if error is None:
-                for op in ops:
-                    reply = replies[op.key]
-                    self.keys[op.key].remember(reply, t)
-                    op.write(reply.value)
-        except Exception as e:
-            error = e
-        finally:
-            if error is not None and self.deferred_error is None:
-                self.deferred_error = error
-            done()
-
     def raise_deferred(self):
         """Raise the failure of a step queued on the engine (once)."""
-        error, self.deferred_error = self.deferred_error, None
-        if error is not None:
-            raise error
+        self.deferred.raise_error()
 
     def settle(self):
-        """Wait for the steps queued on the engine (their replies are written by the I/O
-        thread, so this cannot wait on itself) and raise a failure among them."""
-        if self.deferred:
-            mx.nd.waitall()
-            self.deferred = False
-        self.raise_deferred()
+        """Wait for the steps queued on the engine and raise a failure among them."""
+        self.deferred.settle()
 
     def _check_steps_delay(self, entries):
         if self.rule is None:
@@ -353,35 +298,6 @@ class StageMachine:
             for key in keys:
                 self.keys[key].take_state(replies[key])
 
-    def _preduce_step(self, entries):
-        """docs/spec/preduce.md: the local step with the Trainer's optimizer (key by key,
-        in the Trainer's order), then ready, then the group's average."""
-        if self.updater is None or any(outs is None for _, _, outs in entries):
-            raise RuntimeError("algorithm preduce runs the Trainer's optimizer inside the "
-                               "store: create the Trainer with update_on_kvstore left at its "
-                               "default (True)")
-        for key, grad_list, outs in entries:
-            self.keys[key].outs = outs
-            self.updater(key, device_sum(grad_list), outs[0])
-        self.counts[Stage.PREDUCE] += 1
-        self._average([(key, outs) for key, _, outs in entries], final=False)
-
-    def _average(self, keys_outs, final):
-        """Report ready, wait for the group, and replace the weights by its average."""
-        group, members = self.client.ready(final=final)
-        self.groups.append((group, members))
-        if len(members) > 1:
-            flats = hostcopy.read([outs[0] for _, outs in keys_outs])
-            reply = self.client.average(group, members,
-                                        [(key, flat) for (key, _), flat in
-                                         zip(keys_outs, flats)])
-            self.counts["pushes"] += 1
-            replies = reply.wait()
-            hostcopy.write((outs[0], replies[key].value) for key, outs in keys_outs)
-        for _, outs in keys_outs:
-            for out in outs[1:]:
-                outs[0].copyto(out)
-
     # ---- outside the step schedule ----------------------------------------------------
     def push(self, entries):
         """A push on its own (``kv.push``; ssgd/asgd only): no reply, no local update; a
@@ -402,11 +318,7 @@ class StageMachine:
         last group, of every worker, averages all their models."""
         self.settle()
         if self.env.algorithm == "preduce":
-            local = [(key, r.outs) for key, r in self.keys.items() if r.outs is not None]
-            if local and not self.groups_done:
-                self.groups_done = True
-                self._average(local, final=True)
-            return
+            return self.preduce.finish()
         if self.pending is not None:
             self.pending.wait()
             self.pending = None

@@ -1,0 +1,106 @@
+"""What a training run writes and logs besides its checkpoints: the ``start`` record,
+the ``train`` record and Speedometer line of every log interval (with the stage and lr
+they report), and rank 0's ``summary.json`` (the record formats: ``ssdsgd/metrics.py``).
+
+Apart from the training loop (``ssdsgd/train.py``), which calls them with its ``Run``
+(``run`` below; not imported, so the imports go one way), so that the loop reads as
+set-up, epochs and finish, and what a run reports can be read in one place.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from ssdsgd.checkpoint import checkpoint_bytes
+from ssdsgd.metrics import Speedometer, kv_metrics, net_figures, summarize
+from ssdsgd.sync.stage import Stage, plan
+
+log = logging.getLogger("ssdsgd.train")
+
+
+def write_start(run) -> None:
+    """The ``start`` record (the progress monitor reads the run's length from it)."""
+    c, n = run.config, run.length
+    run.writer.write("start", rank=run.rank, num_workers=run.num_workers,
+                     steps_per_epoch=n.steps_per_epoch, total_steps=n.total_steps,
+                     epochs=c.train.epochs, batch_size=c.data.batch_size,
+                     warmup_steps=run.warmup, algorithm=c.sync.algorithm,
+                     delay_steps=c.sync.delay_steps, model=c.model.name,
+                     dataset=c.data.dataset, kvstore=run.kv is not None,
+                     start_epoch=run.start_epoch, start_batch=run.start_batch,
+                     start_step=run.step, slowdown=c.debug.slowdown)
+    if c.debug.slowdown != "none":
+        log.warning("debug.slowdown=%s: straggler injection is on, ranks %s are slowed on "
+                    "purpose", c.debug.slowdown,
+                    "drawn at random each step" if run.slowdown.kind == "random"
+                    else run.slowdown.slow_ranks(0))
+    log.info("rank %d/%d: %s on %s, %d samples, %d steps/epoch x %d epochs (%d steps), "
+             "batch %d, warm-up %d steps, %s", run.rank, run.num_workers, c.model.name,
+             c.data.dataset, run.dataset.n_train, n.steps_per_epoch, c.train.epochs,
+             n.total_steps, c.data.batch_size, run.warmup,
+             "kvstore ssd_sync" if run.kv is not None else "single process (no kvstore)")
+
+
+def log_interval(run, epoch: int, batch: int) -> None:
+    """The ``train`` record and the Speedometer line for the steps since the last one."""
+    stats = run.speed.stats()
+    m = kv_metrics(run.kv)
+    run.writer.write("train", step=run.step, epoch=epoch, batch=batch, **stats,
+                     stage=stage_of(run, m), lr=lr_at(run, run.step),
+                     **net_figures(run.kv, m), elapsed=time.time() - run.t_train)
+    if not np.isfinite(stats["loss"]):
+        raise FloatingPointError(f"loss is {stats['loss']} at step {run.step} "
+                                 "(diverged; lower optimizer.lr?)")
+    log.info(Speedometer.line(epoch, batch, stats))
+    run.speed.reset()
+
+
+def stage_of(run, m: dict | None = None):
+    """The stage of this worker's last step: the kvstore's own (``m``, its metrics),
+    else the schedule's plan for that step; "local" only without a kvstore."""
+    if run.kv is None:
+        return "local"
+    m = kv_metrics(run.kv) if m is None else m
+    if "stage" in m:
+        return Stage(m["stage"])
+    s = run.config.sync
+    return plan(max(run.step - 1, 0), s.algorithm, run.warmup, s.delay_steps).stage
+
+
+def lr_at(run, num_update: int) -> float:
+    """The lr of update ``num_update``, from a second, identical scheduler: MXNet's are
+    stateful, and with a kvstore the servers, not this process, run the real one."""
+    if run.lr_view is None:
+        return run.config.optimizer.lr
+    return float(run.lr_view(num_update))
+
+
+def write_summary(run, wall: float) -> dict:
+    """Rank 0: RUN_DIR/summary.json from its figures and every worker's end record."""
+    c, kv, last = run.config, run.kv, run.vals[-1]      # finish() validated
+    left = kv_metrics(kv).get("left", [])                # cluster.on_worker_failure
+    base = {
+        "name": c.name, "algorithm": c.sync.algorithm if kv is not None else "local",
+        "num_workers": run.num_workers,
+        "num_servers": c.cluster.servers if kv is not None else 0,
+        "model": c.model.name, "dataset": c.data.dataset,
+        "batch_size": c.data.batch_size,
+        "epochs": round(run.step / run.length.steps_per_epoch, 3), "steps": run.step,
+        "steps_per_epoch": run.length.steps_per_epoch, "warmup_steps": run.warmup,
+        "delay_steps": c.sync.delay_steps,
+        "final_accuracy": last.get("accuracy"),
+        "best_accuracy": max(v["accuracy"] for v in run.vals),
+        **({"final_top5": last["top5"]} if "top5" in last else {}),
+        "wall_time": wall, "total_time": time.time() - run.t_start,
+        "checkpoint_bytes": checkpoint_bytes(run.run_dir),
+        "debug_slowdown": run.slowdown.describe(),
+    }
+    base["workers_left"] = [{"rank": w["rank"], "from_step": w["from_step"],
+                             "time": w["time"] - run.t_train} for w in left]
+    summary = summarize(run.run_dir, base, wait_for=run.num_workers - len(left))
+    log.info("done: test accuracy %.4f after %d steps, %.1f s; checkpoints %.1f MB; "
+             "summary in %s", last["accuracy"], run.step, wall,
+             base["checkpoint_bytes"] / 1e6, run.run_dir / "summary.json")
+    return summary
