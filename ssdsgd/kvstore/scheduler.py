@@ -20,6 +20,7 @@ import zmq
 from . import job_status, protocol as P
 from .env import NodeEnv
 from .security import Guard
+from .topology import assign_ranks, listening, registration_error, topology
 
 
 class JobAborted(RuntimeError):
@@ -103,29 +104,14 @@ class Scheduler:
         return [i for i, n in self.nodes.items() if role is None or n["role"] == role]
 
     def _assign_ranks(self):
-        for role, count in (("server", self.env.num_servers), ("worker", self.env.num_workers)):
-            idents = self._members(role)
-            asked = [self.nodes[i]["asked_rank"] for i in idents]
-            taken = {r for r in asked if 0 <= r < count and asked.count(r) == 1}
-            free = iter(sorted(set(range(count)) - taken))
-            for i in idents:
-                r = self.nodes[i]["asked_rank"]
-                self.nodes[i]["rank"] = r if r in taken else next(free)
-        by_rank = lambda role: sorted((n for n in self.nodes.values() if n["role"] == role),
-                                      key=lambda n: n["rank"])
-        relaying = [n for n in by_rank("worker") if n["port"]]   # sync.pull_relay: chain
-        self._check_reachable(by_rank("server") + relaying)
-        addresses = [[n["host"], n["port"]] for n in by_rank("server")]
-        workers = [n["routing_id"] for n in by_rank("worker")]
-        topology = {"num_workers": self.env.num_workers, "num_servers": self.env.num_servers,
-                    "servers": addresses, "workers": workers}
-        if relaying:
-            topology["relays"] = [[n["host"], n["port"]] if n["port"] else None
-                                  for n in by_rank("worker")]
+        nodes = list(self.nodes.values())
+        assign_ranks(nodes, {"server": self.env.num_servers, "worker": self.env.num_workers})
+        self._check_reachable(listening(nodes))
+        layout = topology(nodes, self.env.num_workers, self.env.num_servers)
         now = time.monotonic()
         for ident, n in self.nodes.items():
             n["last_seen"] = now
-            self._send(ident, P.Kind.TOPOLOGY, dict(topology, rank=n["rank"]))
+            self._send(ident, P.Kind.TOPOLOGY, dict(layout, rank=n["rank"]))
         self.started = True
         self.log(f"all {len(self.nodes)} nodes registered; job started")
 
@@ -173,16 +159,9 @@ class Scheduler:
                 raise P.ProtocolError(wrong)
             if any(n.get("who") == who for n in self.nodes.values()):
                 raise P.ProtocolError(f"{who} has registered already")
-        if role == "server" and not (meta.get("host") and meta.get("port")):
-            raise P.ProtocolError("a server registers the host and port it listens on")
-        if role == "worker" and bool(meta.get("host")) != bool(meta.get("port")):
-            raise P.ProtocolError("a worker that relays pulls registers both the host and "
-                                  "the port it listens on")
-        if role == "worker" and not meta.get("routing_id"):
-            raise P.ProtocolError("a worker registers the id of its connections to the servers")
-        if role == "worker" and any(n.get("routing_id") == meta["routing_id"]
-                                    for n in self.nodes.values()):
-            raise P.ProtocolError("another worker registered the same connection id")
+        wrong = registration_error(role, meta, self.nodes.values())
+        if wrong:
+            raise P.ProtocolError(wrong)
         if self.started or len(self._members(role)) >= full[role]:
             raise P.ProtocolError(f"the job already has its {full[role]} {role}s "
                                   f"(SSDSGD_NUM_{role.upper()}S={full[role]})")
