@@ -26,7 +26,7 @@ class InProcessJob:
     """A ``Server`` started with a topology of ``workers`` workers; ``send`` delivers one
     message from a worker (or a stranger) and lets the server handle everything waiting."""
 
-    def __init__(self, workers=2, **settings):
+    def __init__(self, workers=2, limit=None, **settings):
         env = dict(node_env(1, num_workers=workers, SSDSGD_ALGORITHM="ssgd", **settings),
                    SSDSGD_ROLE="server")
         self.env = NodeEnv.from_environ({k: str(v) for k, v in env.items()})
@@ -45,9 +45,11 @@ class InProcessJob:
         self.workers = [self._dealer(where, i) for i in self.ids]
         self.stranger = self._dealer(where, b"\x01stranger")
         self.sockets = [self.router, self.scheduler, to_scheduler, *self.workers, self.stranger]
-        self.server.start({"rank": 0, "num_workers": workers, "num_servers": 1,
-                           "servers": [["127.0.0.1", 1]], "workers": [i.hex() for i in self.ids]},
-                          self.router, to_scheduler)
+        topology = {"rank": 0, "num_workers": workers, "num_servers": 1,
+                    "servers": [["127.0.0.1", 1]], "workers": [i.hex() for i in self.ids]}
+        if limit is not None:
+            topology["max_message_bytes"] = limit
+        self.server.start(topology, self.router, to_scheduler)
         self.reqs = itertools.count(1)
 
     def _dealer(self, where, ident):
@@ -205,3 +207,20 @@ def test_only_worker_0_may_set_the_optimizer(job):
     push(job, 1, 0, grads)
     (reply,) = job.replies(job.workers[0])
     np.testing.assert_array_equal(reply.tensors[0][0], np.full(SIZES[0], 6, F32))
+
+
+def test_a_message_over_the_jobs_limit_is_refused_naming_it():
+    """The topology's limit (worker 0's model), not SSDSGD_MAX_MESSAGE_BYTES, is what a
+    server takes (ZeroMQ refuses bigger frames at the port; a message of several frames
+    is checked whole)."""
+    limit = P.message_bound([4 * SIZES[0]])
+    made = InProcessJob(limit=limit)
+    try:
+        made.send(made.workers[0], P.Message(P.Kind.INIT, sender=0, req=3, records=records(
+            SIZES), tensors=[[np.zeros(n, F32)] for n in SIZES.values()]))
+        req, error = error_of(made, made.workers[0])
+        assert req == 3 and error.startswith(
+            f"message carries {4 * sum(SIZES.values())} data bytes, limit is {limit} "), error
+        assert made.server.weights.shards == {}
+    finally:
+        made.close()

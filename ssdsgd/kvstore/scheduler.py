@@ -11,7 +11,6 @@ What a synchronization mode needs of the scheduler besides (a quorum's relayed d
 preduce's groups) is its policy's (``ssdsgd/sync/scheduler_policies.py``), carried in
 POLICY messages. ``scheduler_link.SchedulerLink`` is the node side of the conversation.
 """
-import socket
 import sys
 import time
 
@@ -19,8 +18,10 @@ import zmq
 
 from . import job_status, protocol as P
 from .env import NodeEnv
+from .removals import RemovalError, Removals
 from .security import Guard
-from .topology import assign_ranks, listening, registration_error, topology
+from .topology import (assign_ranks, job_limit, listening, node_name, registration_error,
+                       topology, unreachable)
 
 
 class JobAborted(RuntimeError):
@@ -54,10 +55,6 @@ def bind_router(ctx, host, port, what, guard=None, sndhwm=1000, rcvhwm=1000, max
     return sock, port
 
 
-def node_name(info):
-    return f"{info['role']} {info['rank']} (pid {info.get('pid', '?')} on {info.get('hostname', '?')})"
-
-
 class Rejections:
     """Log lines for rejected messages: the first few of each peer (a node of the job by
     its name, strangers together), then one in a thousand -- a flood of bad messages must
@@ -89,8 +86,10 @@ class Scheduler:
         self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = {}        # group -> set of identities waiting
         self.barrier_values = {}  # group -> the largest value sent to the waiting barrier
-        self.removals = {}        # rank of a dead worker -> {waiting: servers, step: min}
+        self.removals = Removals()    # cluster.on_worker_failure: continue
         self.started = False
+        self.layout = None        # the topology, once every node registered
+        self.waiting_servers = set()   # servers not yet listening with the job's limit
         self.rejected = Rejections(self.log)
         self.policy = make_policy(env)
 
@@ -104,27 +103,35 @@ class Scheduler:
         return [i for i, n in self.nodes.items() if role is None or n["role"] == role]
 
     def _assign_ranks(self):
+        """Every node registered: ranks, then the servers' topology with the job's message
+        limit; the workers hear the servers' addresses once every server listens with it
+        (``_listening``: ZeroMQ applies a limit only to a port bound after it is set)."""
         nodes = list(self.nodes.values())
         assign_ranks(nodes, {"server": self.env.num_servers, "worker": self.env.num_workers})
-        self._check_reachable(listening(nodes))
-        layout = topology(nodes, self.env.num_workers, self.env.num_servers)
-        now = time.monotonic()
-        for ident, n in self.nodes.items():
-            n["last_seen"] = now
-            self._send(ident, P.Kind.TOPOLOGY, dict(layout, rank=n["rank"]))
-        self.started = True
-        self.log(f"all {len(self.nodes)} nodes registered; job started")
+        wrong = unreachable(listening(nodes))    # the workers would wait on it forever
+        if wrong:
+            self._abort(wrong)
+        self.layout = topology(nodes, self.env.num_workers, self.env.num_servers)
+        self.waiting_servers = set(self._members("server"))
+        self._send_topology("server")
 
-    def _check_reachable(self, servers, timeout=5.0):
-        """Abort naming a server whose advertised address cannot be reached (the workers
-        would wait on it forever): a TCP connect to each, from the scheduler's host."""
-        for n in servers:
-            try:
-                socket.create_connection((n["host"], n["port"]), timeout=timeout).close()
-            except (OSError, TypeError, ValueError) as e:
-                self._abort(f"{node_name(n)} advertised {n['host']}:{n['port']}, which the "
-                            f"scheduler cannot reach ({getattr(e, 'strerror', None) or e}); "
-                            "set its address with --interface or SSDSGD_NODE_HOST")
+    def _send_topology(self, role):
+        now = time.monotonic()
+        for ident in self._members(role):
+            self.nodes[ident]["last_seen"] = now
+            self._send(ident, P.Kind.TOPOLOGY, dict(self.layout, rank=self.nodes[ident]["rank"]))
+
+    def _listening(self, ident):
+        """A server bound its port with the job's limit (its BARRIER of group server before
+        the job started); after the last, the workers get the topology."""
+        self.waiting_servers.discard(ident)
+        if self.waiting_servers:
+            return
+        self._send_topology("worker")
+        self.started = True
+        self.log(f"all {len(self.nodes)} nodes registered; job started (messages to the "
+                 f"servers carry at most {job_limit(self.env, self.layout)} data bytes)")
+        self._record()
 
     def _record(self, abort=None):
         """The launcher's view of the job (kvstore/job_status.py)."""
@@ -169,6 +176,7 @@ class Scheduler:
                              "host": meta.get("host"), "port": meta.get("port"),
                              "pid": meta.get("pid"), "hostname": meta.get("hostname"),
                              "routing_id": meta.get("routing_id"), "who": who,
+                             "max_message": meta.get("max_message"),
                              "rank": -1, "last_seen": time.monotonic(), "finished": False}
         if (len(self._members("server")) == self.env.num_servers
                 and len(self._members("worker")) == self.env.num_workers):
@@ -193,6 +201,9 @@ class Scheduler:
 
     def _barrier(self, ident, node, meta):
         group = meta.get("group", "worker")
+        if not self.started and group == "server" and ident in self.waiting_servers:
+            self._listening(ident)
+            return
         members = [i for i in self._members() if group == "all" or self.nodes[i]["role"] == group]
         if ident not in members:
             raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
@@ -259,13 +270,13 @@ class Scheduler:
     def _remove_worker(self, ident, silent):
         """A dead worker (not rank 0) leaves: ask every server for the first step it has
         not received from it; the smallest becomes the step from which every server
-        aggregates without it (_removal_answer). Barriers no longer wait for it."""
+        aggregates without it (``removals.py``). Barriers no longer wait for it."""
         node = self.nodes.pop(ident)
         rank = node["rank"]
         self.log(f"worker {rank} sent no heartbeat for {silent:.1f} s; removing it from the "
                  "job (cluster.on_worker_failure: continue)")
-        servers = set(self._members("server"))
-        self.removals[rank] = {"waiting": servers, "step": None}
+        servers = self._members("server")
+        self.removals.begin(rank, servers)
         for i in servers:
             self._send(i, P.Kind.MEMBERSHIP, {"removed": rank})
         for group, waiting in self.barriers.items():
@@ -278,19 +289,16 @@ class Scheduler:
     def _removal_answer(self, ident, meta):
         """A server's first missing step of a removed worker; once every server has
         answered, all nodes hear the step from which the worker is out."""
-        removal = self.removals.get(meta["removed"])
-        if removal is None or ident not in removal["waiting"] or "next_step" not in meta:
-            raise P.ProtocolError("MEMBERSHIP: not an answer to a removal")
-        removal["waiting"].discard(ident)
-        step = meta["next_step"]
-        removal["step"] = step if removal["step"] is None else min(removal["step"], step)
-        if not removal["waiting"]:
-            commit = {"removed": meta["removed"], "from_step": removal["step"]}
+        try:
+            commit = self.removals.answer(ident, meta)
+        except RemovalError as e:
+            raise P.ProtocolError(str(e)) from None
+        if commit is not None:
             for i in self.nodes:
                 self._send(i, P.Kind.MEMBERSHIP, commit)
-            self.log(f"worker {meta['removed']} left the job; the servers aggregate the "
+            self.log(f"worker {commit['removed']} left the job; the servers aggregate the "
                      f"remaining {len(self._members('worker'))} workers from step "
-                     f"{removal['step']}")
+                     f"{commit['from_step']}")
 
     def _serve_one(self):
         """Read and handle one message; nothing a peer sends stops the scheduler (only a

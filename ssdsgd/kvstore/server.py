@@ -33,10 +33,10 @@ from .env import NodeEnv
 from .replies import Fatal, Peer, Replies, RequestError
 from .scheduler import JobAborted, Rejections
 from .security import Guard
+from .topology import job_limit
 from .weights import Weights
 
 PENDING_INITS = 4_096    # INIT messages one worker may have waiting for rank 0's values
-
 
 class Server:
     """``make_policy(env, rank)``: this server's synchronization policy (a
@@ -56,6 +56,7 @@ class Server:
         self.policy = None        # made by ``start``, once the rank is known
         self.pending_inits = []
         self.rank = -1
+        self.max_message_bytes = env.max_message_bytes   # the job's, from the topology
         self.rejected = Rejections(lambda text: self.log(text))
 
     # ---- carrying out the policy's decisions ------------------------------------------
@@ -265,7 +266,7 @@ class Server:
         its request id (the worker fails, naming it); only Fatal ends the loop."""
         ident, req, kind = frames[0].bytes, 0, "a message"
         try:
-            msg = P.decode(frames[1:], max_bytes=self.env.max_message_bytes)
+            msg = P.decode(frames[1:], max_bytes=self.max_message_bytes)
             req, kind = msg.req, msg.kind.name
             handler = self.HANDLERS.get(msg.kind)
             if handler is None:
@@ -305,6 +306,7 @@ class Server:
         connect to (replies leave on it, never waiting); ``scheduler``: the socket to the
         scheduler (a quorum leader's decisions, a removed worker's last step)."""
         self.rank = self.replies.rank = self.weights.rank = topo["rank"]
+        self.max_message_bytes = job_limit(self.env, topo)
         self.replies.sock, self.scheduler = sock, scheduler
         self.replies.peers = {bytes.fromhex(h): Peer(r)
                               for r, h in enumerate(topo.get("workers", []))}
