@@ -41,6 +41,7 @@ import os
 import sys
 
 import mxnet as mx
+import numpy as np
 from mxnet import gluon
 from mxnet import model as mx_model
 from mxnet.kvstore import KVStoreBase
@@ -67,7 +68,7 @@ ONE_LINE_ERRORS = (JobAborted, ServerError, EnvError, OptimizerSpecError, StateF
 class Node:
     """This process's part in the job: its environment, connection and stage machine."""
 
-    def __init__(self):
+    def __init__(self, model=None):
         if os.environ.get("DMLC_ROLE"):
             raise RuntimeError("DMLC_ROLE is set: this process is configured for MXNet's own "
                                "ps-lite, not ssdsgd; unset it (ssdsgd uses SSDSGD_* variables)")
@@ -81,7 +82,7 @@ class Node:
                            "SCRIPT ...") from None
         if self.env.role != "worker":
             raise RuntimeError(f"ssd_sync is created by workers; SSDSGD_ROLE is {self.env.role}")
-        self.client = WorkerClient(self.env)
+        self.client = WorkerClient(self.env, model)
         if os.environ.get("SSDSGD_ROLE"):      # started by a launcher, which waits for it
             self.client.io.exit_after_abort = EXIT_AFTER_ABORT
         self.machine = StageMachine(self.client, self.env)
@@ -113,11 +114,16 @@ class Process:
     def __init__(self):
         self.node = None
         self.uncaught_error = None
+        self.model = None         # the bytes of each key of the model of the next store
 
     def connect(self):
-        """The process's node, connected on first use (again after a close)."""
+        """The process's node, connected on first use (again after a close). With the
+        model known (a Trainer or Module creates its store), this worker states the
+        largest message it will send, which bounds the servers' (worker 0's sets the
+        job's limit; docs/reliability.md)."""
         if self.node is None or self.node.closed:
-            self.node = Node()
+            model, self.model = self.model, None
+            self.node = Node(model)
             atexit.register(self.node.close_at_exit)
         return self.node
 
@@ -136,9 +142,20 @@ def _is_ssdsgd_name(kvstore):
     return isinstance(kvstore, str) and kvstore.lower() in NAMES
 
 
+def declare_model(key_bytes):
+    """The next ssdsgd store this process creates is for a model whose keys have
+    ``key_bytes`` bytes each: if it is the process's first, the worker states the largest
+    message it will send, which bounds the servers' (docs/reliability.md)."""
+    PROCESS.model = list(key_bytes)
+
+
 def _create_kvstore(kvstore, num_device, arg_params):
     if _is_ssdsgd_name(kvstore):
-        kvstore = mx.kv.create(kvstore)     # then as MXNet does for a store object
+        declare_model(a.size * np.dtype(a.dtype).itemsize for a in arg_params.values())
+        try:
+            kvstore = mx.kv.create(kvstore)     # then as MXNet does for a store object
+        finally:
+            PROCESS.model = None
     return _stock["_create_kvstore"](kvstore, num_device, arg_params)
 
 

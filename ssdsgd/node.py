@@ -14,9 +14,9 @@ def _scheduler(env):
 
 
 def _server(env):
-    from .kvstore.server import Server     # MXNet (its optimizers): servers only
+    from .kvstore.server_node import ServerNode   # MXNet (its optimizers): servers only
     from .sync.server_policies import make_server_policy
-    return Server(env, make_server_policy)
+    return ServerNode(env, make_server_policy)
 
 
 ROLES = {"scheduler": _scheduler, "server": _server}

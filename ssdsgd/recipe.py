@@ -16,6 +16,8 @@ import numpy as np
 from mxnet import gluon
 
 from ssdsgd.config import Config, ConfigError, check_worker_env
+from ssdsgd.integration import declare_model
+from ssdsgd.models import build_model
 from ssdsgd.sync.registry import ALGORITHMS
 
 log = logging.getLogger("ssdsgd.train")
@@ -90,10 +92,27 @@ def check_environment(config: Config, spe_cluster: int, start_step: int = 0) -> 
     check_worker_env(config, os.environ, spe_cluster, start_step)
 
 
-def create_kvstore(config: Config, spe_cluster: int, start_step: int = 0):
+def model_key_bytes(config: Config, dataset) -> list:
+    """The bytes of each parameter of the job's model, from its shapes alone: symbolic
+    shape inference on one training sample's shape, so nothing is initialized and no
+    random number drawn; the probe is named in a scope of its own, so the network built
+    later keeps its names. Every model here is float32."""
+    x, _ = dataset.train_batch(np.arange(1), np.random.default_rng(0))
+    scope = gluon.Block(prefix="ssdsgd_probe_")
+    with scope.name_scope():
+        probe = build_model(config.model.name, dataset.num_classes)
+    out = probe(mx.sym.var("data"))
+    args, _, aux = out.infer_shape(data=x.shape)
+    shapes = [s for name, s in zip(out.list_arguments(), args) if name != "data"] + aux
+    return [4 * int(np.prod(s)) for s in shapes]
+
+
+def create_kvstore(config: Config, spe_cluster: int, start_step: int = 0, dataset=None):
     """(kv, rank, num_workers): the 'ssd_sync' store when SSDSGD_ROLE=worker, else
     (None, 0, 1). ``start_step``: the stage machine's first step (a resumed run
-    continues the warm-up / steps-delay schedule)."""
+    continues the warm-up / steps-delay schedule). With ``dataset`` the store is
+    declared for the job's model (``model_key_bytes``): the servers' message limit
+    follows it (docs/reliability.md)."""
     role = os.environ.get("SSDSGD_ROLE")
     if role is None:
         return None, 0, 1
@@ -101,6 +120,8 @@ def create_kvstore(config: Config, spe_cluster: int, start_step: int = 0):
         raise ConfigError(f"SSDSGD_ROLE={role}: ssdsgd.train runs only as a worker "
                           "(servers and the scheduler are started by the launcher)")
     check_environment(config, spe_cluster, start_step)
+    if dataset is not None:
+        declare_model(model_key_bytes(config, dataset))
     kv = mx.kv.create("ssd_sync")   # registered by ssdsgd/__init__, imported with this module
     return kv, int(kv.rank), int(kv.num_workers)
 

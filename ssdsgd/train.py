@@ -105,13 +105,14 @@ def set_up(config: Config, run_dir: Path, resume: bool, closing) -> Run:
     seed_everything(config.train.seed)
     info = checkpoint_info(run_dir) if resume else None
     spe_cluster = steps_per_epoch(config, config.cluster.workers, count_train(config))
-    kv, rank, num_workers = create_kvstore(config, spe_cluster, info["step"] if info else 0)
+    dataset = open_dataset(config)
+    kv, rank, num_workers = create_kvstore(config, spe_cluster, info["step"] if info else 0,
+                                           dataset)
     if kv is not None:
         closing.callback(kv.close)
         if num_workers != config.cluster.workers:
             log.warning("kvstore reports %d workers, config cluster.workers is %d",
                         num_workers, config.cluster.workers)
-    dataset = open_dataset(config)
     length = run_length(config, num_workers, dataset.n_train)
     if info:
         check_unfinished(run_dir, info, length)
@@ -230,7 +231,7 @@ def train_step(run: Run, x, y) -> tuple[int, float, int]:
 
 def validate(run: Run, epoch: int) -> None:
     """Rank 0: the validation figures after ``epoch``, recorded and logged (the others
-    may wait for it: the stall watch does not count it, kvstore/stall_watch.py)."""
+    may wait for it: the stall watch does not count it, kvstore/liveness.py)."""
     with run.kv.busy() if hasattr(run.kv, "busy") else contextlib.nullcontext():
         res = evaluate(run.net, run.dataset, run.ctx, run.config.data.batch_size)
     run.vals.append(res)

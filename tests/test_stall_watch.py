@@ -1,4 +1,4 @@
-"""cluster.stall_timeout (ssdsgd/kvstore/stall_watch.py): a worker whose heartbeats go on
+"""cluster.stall_timeout (ssdsgd/kvstore/liveness.py): a worker whose heartbeats go on
 while its training thread is stuck is treated as failed, so cluster.on_worker_failure
 applies. The rule in process, then real digits jobs whose worker 1 sleeps an hour before
 its first push (debug.slowdown) with its I/O thread heartbeating."""
@@ -9,7 +9,9 @@ import time
 import pytest
 
 from conftest import digits_job
-from ssdsgd.kvstore.stall_watch import StallWatch
+from types import SimpleNamespace
+
+from ssdsgd.kvstore.liveness import StallWatch, failed
 from test_e2e_configs import dist, run_dir_of, sets
 
 
@@ -64,6 +66,23 @@ def test_a_timeout_of_zero_turns_the_watch_off():
     w.report(0, 9, False, 0.0)
     w.report(1, 0, False, 0.0)
     assert w.stalled(1e9) == []
+
+
+def test_failed_names_the_dead_and_the_stuck_once_each():
+    env = SimpleNamespace(heartbeat_timeout=30.0, stall_timeout=5.0)
+    node = dict(finished=False, pid=7, hostname="h")
+    nodes = {b"a": dict(node, role="worker", rank=0, last_seen=100.0),
+             b"b": dict(node, role="worker", rank=1, last_seen=100.0),
+             b"s": dict(node, role="server", rank=0, last_seen=60.0),
+             b"f": dict(node, role="worker", rank=2, last_seen=0.0, finished=True)}
+    w = StallWatch(env.stall_timeout)
+    w.report(0, 0, False, 90.0)
+    w.report(1, 0, False, 90.0)
+    assert failed(nodes, {}, w, env, 100.0) == [
+        (b"s", "server 0 (pid 7 on h) sent no heartbeat for 40.0 s "
+               "(SSDSGD_HEARTBEAT_TIMEOUT=30); presumed dead")]
+    (ident, why), = failed(nodes, {"worker": {b"a"}}, w, env, 91.0 + 5)[1:]
+    assert ident == b"b" and why.startswith("worker 1 made no progress for 6 s")
 
 
 STUCK = [*sets(debug__slowdown="delay:1=3600", cluster__stall_timeout=3,

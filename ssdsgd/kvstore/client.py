@@ -33,12 +33,18 @@ from .relay import asks_relay
 from .requests import ENDED, Gather, KeyReply, Requests, ServerError  # noqa: F401 - API
 from .scheduler import JobAborted
 from .splitting import Coded, split
+from .topology import job_limit
 from .. import fields
 from ..settings import pipeline_pieces, quorum_size
 
 
 class WorkerClient:
-    def __init__(self, env):
+    """``model``: the bytes of each of the model's keys, if this worker knows its model
+    when it joins; it then states the largest message it will send a server
+    (``protocol.message_bound``), and worker 0's becomes the job's message limit
+    (docs/reliability.md)."""
+
+    def __init__(self, env, model=None):
         self.env = env
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
                       "messages_received": 0, "time_blocked": 0.0,
@@ -46,11 +52,18 @@ class WorkerClient:
         self.requests = Requests(self.stats)
         self.outbox = PushOutbox(self.requests.lock, self._push_group)
         self.io = IOThread(env, self.requests, self.stats, self.outbox.flush, self._abandon)
-        self.topology = self.io.start()
+        self.topology = self.io.start(P.message_bound(model) if model else None)
         self.left = self.io.left  # workers that left the job (cluster.on_worker_failure)
         self.rank = self.topology["rank"]
         self.num_workers = self.topology["num_workers"]
         self.num_servers = self.topology["num_servers"]
+        # the servers refuse bigger messages: say so before sending one
+        self.max_message_bytes = job_limit(env, self.topology)
+        self._limit = None if self.max_message_bytes == env.max_message_bytes else (
+            f"the job's limit of {self.max_message_bytes} data bytes, set by the model worker "
+            "0 had when it joined (protocol.message_bound; docs/reliability.md): a key "
+            "added since is not in it; create the store with the whole model (as "
+            "gluon.Trainer does)")
         self.keys = KeyTable(self.num_servers, env.bigarray_bound)
         self.placement = self.keys.placement
         # With a quorum (docs/spec/quorum.md) a push is one contribution to a round: one
@@ -226,7 +239,7 @@ class WorkerClient:
     @contextlib.contextmanager
     def busy(self):
         """The training thread does something other than steps for a while (rank 0's
-        validation): the stall watch does not count that time (stall_watch.py)."""
+        validation): the stall watch does not count that time (liveness.py)."""
         self.io.busy = True
         try:
             yield
@@ -299,7 +312,7 @@ class WorkerClient:
                                     tensors=tens, meta=meta)
                     self.requests.number(msg, self.rank)
                     frames = P.encode(msg)
-                    P.check_size(frames, self.env.max_message_bytes)
+                    P.check_size(frames, self.max_message_bytes, self._limit)
                     encoded.append((server, msg, frames))
             relayed = bool(flags & P.Flag.RELAY)
             futures = [self.requests.expect(

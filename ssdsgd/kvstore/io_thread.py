@@ -36,8 +36,9 @@ class IOThread:
         self.on_turn, self.on_end = on_turn, on_end
         self.ctx = zmq.Context.instance()
         self.topology = None
+        self.max_message = None
         self.left = []            # workers that left the job (cluster.on_worker_failure)
-        self.progress = 0         # requests the training thread made (stall_watch.py)
+        self.progress = 0         # requests the training thread made (liveness.py)
         self.busy = False         # it says it does something else (rank 0's validation)
         # a launched worker whose training thread is stuck (it cannot see the abort)
         # would hold its launcher for ever: the process exits this long after (None: never)
@@ -54,8 +55,11 @@ class IOThread:
         self._thread = threading.Thread(target=self._run, name="ssdsgd-io", daemon=True)
         requests.alive = self._thread.is_alive
 
-    def start(self):
-        """Register with the scheduler; returns the topology (raises why it failed)."""
+    def start(self, max_message=None):
+        """Register with the scheduler (``max_message``: the largest message this worker
+        will send a server, if it knows its model); returns the topology (raises why it
+        failed)."""
+        self.max_message = max_message
         self._thread.start()
         self._ready.wait()
         if self.requests.failure is not None:
@@ -160,7 +164,7 @@ class IOThread:
         link = SchedulerLink(self.ctx, self.env, "worker", host, port, guard)
         sockets = []
         try:
-            self.topology = link.register()
+            self.topology = link.register(self.max_message)
             self.relay.join(self.topology, link.routing_id)
             for server, (host, port) in enumerate(self.topology["servers"]):
                 s = self.ctx.socket(zmq.DEALER)

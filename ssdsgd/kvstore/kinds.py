@@ -24,9 +24,11 @@ from .. import fields as F
 
 
 class Kind(enum.IntEnum):
-    REGISTER = 1      # node -> scheduler: {role, rank, host, port, pid, routing_id}
+    REGISTER = 1      # node -> scheduler: {role, rank, host, port, pid, routing_id,
+                      # max_message (a worker: its largest message to a server)}
     TOPOLOGY = 2      # scheduler -> node: {rank, num_workers, num_servers, servers, workers,
-                      # relays}
+                      # relays, max_message_bytes (the job's limit)}; to the servers first,
+                      # each answering with a BARRIER of group server once it listens
     BARRIER = 3       # node -> scheduler, and the release back
     HEARTBEAT = 4     # node -> scheduler {progress, busy}, and the echo back
     FINISH = 5        # worker -> scheduler: done, stop watching me
@@ -67,6 +69,7 @@ _EVENT_NAME = re.compile(r"[a-z_]{1,32}\Z")
 _EVENT = (lambda v: isinstance(v, str) and bool(_EVENT_NAME.match(v)),
           "an event name (1 to 32 of a-z and _)")
 _ANY = (lambda v: True, "any JSON value")
+_BYTES = (F.int_in(1, F.MAX_STEP), "a number of bytes from 1 to 2^62")
 
 # kind -> {field: ((check, what it must be), required)}; kinds not listed carry no meta.
 META = {
@@ -75,7 +78,7 @@ META = {
                     "port": ((F.optional(F.int_in(0, 65535)), "a TCP port or null"), False),
                     "pid": ((F.int_in(0, 1 << 32), "a process id"), False),
                     "hostname": ((F.text(255), "a host name"), False),
-                    "routing_id": (F.ID, False)},
+                    "routing_id": (F.ID, False), "max_message": (_BYTES, False)},
     Kind.TOPOLOGY: {"rank": (F.RANK, True), "num_workers": (F.COUNT, True),
                     "num_servers": (F.COUNT, True),
                     "servers": ((lambda v: isinstance(v, list) and all(map(F.is_address, v)),
@@ -84,12 +87,13 @@ META = {
                                  "a list of connection ids"), False),
                     "relays": ((lambda v: isinstance(v, list) and all(
                         x is None or F.is_address(x) for x in v),
-                        "a list of [host, port] or null, one per worker"), False)},
+                        "a list of [host, port] or null, one per worker"), False),
+                    "max_message_bytes": (_BYTES, False)},
     Kind.BARRIER: {"group": (_GROUP, False),
                    "value": ((F.int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
     Kind.FINISH: {"error": (F.STR, False)},
     # a worker's: requests its training thread made, and whether it is busy with
-    # something else (rank 0's validation); kvstore/stall_watch.py
+    # something else (rank 0's validation); kvstore/liveness.py
     Kind.HEARTBEAT: {"progress": (F.STEP, False), "busy": (F.BOOL, False)},
     # scheduler -> server {removed}: which step does it not have from that worker?
     # server -> scheduler {removed, next_step}; scheduler -> all {removed, from_step}

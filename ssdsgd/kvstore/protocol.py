@@ -263,7 +263,8 @@ def _tensors(records, buffers, max_bytes):
     total = sum(len(b) for b in buffers)
     if max_bytes is not None and total > max_bytes:
         raise ProtocolError(f"message carries {total} data bytes, limit is {max_bytes}"
-                            + (" (SSDSGD_MAX_MESSAGE_BYTES)" if max_bytes else ""))
+                            + (" (the job's message limit: SSDSGD_MAX_MESSAGE_BYTES, or "
+                               "what worker 0's model needs)" if max_bytes else ""))
     tensors, spans = [], []
     # Plain Python on the records' rows (one ``tolist``): numpy's per-field access cost
     # ~10 us a key here.
@@ -342,18 +343,30 @@ def check_meta(kind, meta):
     _check_meta(kind, meta, ProtocolError)
 
 
-def check_size(frames, max_bytes):
-    """Before sending: the message fits the receiver's limit (the same
-    SSDSGD_MAX_MESSAGE_BYTES as ours), so it is not dropped unanswered by the transport."""
+def check_size(frames, max_bytes, limit=None):
+    """Before sending: the message fits the receiver's limit (the job's, which the
+    scheduler sent: ``limit`` says where it comes from; SSDSGD_MAX_MESSAGE_BYTES by
+    default), so it is not dropped unanswered by the transport."""
     data = sum(memoryview(f).nbytes for f in frames[3:])
     if data > max_bytes:
-        raise ProtocolError(f"a message of {data} data bytes exceeds "
-                            f"SSDSGD_MAX_MESSAGE_BYTES={max_bytes}; raise the limit (or lower "
-                            f"SSDSGD_CHUNK_BYTES / SSDSGD_BIGARRAY_BOUND)")
+        raise ProtocolError(f"a message of {data} data bytes exceeds " + (
+            limit or f"SSDSGD_MAX_MESSAGE_BYTES={max_bytes}; raise the limit (or lower "
+                     "SSDSGD_CHUNK_BYTES / SSDSGD_BIGARRAY_BOUND)"))
     for f in frames[:3]:
         if memoryview(f).nbytes > frame_limit(max_bytes):
             raise ProtocolError(f"a message's header frame of {memoryview(f).nbytes} bytes "
                                 f"exceeds the limit {frame_limit(max_bytes)}")
+
+
+def message_bound(key_bytes):
+    """The most data bytes any message of a worker to a server carries, for a model whose
+    keys have ``key_bytes`` bytes each: a message names a key at most once, with at most
+    MAX_TENSORS_PER_KEY tensors of its size (a COMMAND set_state: the key's optimizer
+    state; a push, an INIT, a preduce average: one), and a packed key is padded by less
+    than 8 bytes. Chunking (SSDSGD_CHUNK_BYTES) only makes messages smaller; a quorum's
+    push and a set_state go to a server whole."""
+    key_bytes = list(key_bytes)
+    return MAX_TENSORS_PER_KEY * sum(key_bytes) + 8 * len(key_bytes)
 
 
 def frame_limit(max_bytes):

@@ -11,7 +11,6 @@ What a synchronization mode needs of the scheduler besides (a quorum's relayed d
 preduce's groups) is its policy's (``ssdsgd/sync/scheduler_policies.py``), carried in
 POLICY messages. ``scheduler_link.SchedulerLink`` is the node side of the conversation.
 """
-import socket
 import sys
 import time
 
@@ -19,8 +18,11 @@ import zmq
 
 from . import job_status, protocol as P
 from .env import NodeEnv
+from .removals import RemovalError, Removals
 from .security import Guard
-from .stall_watch import StallWatch
+from .liveness import StallWatch, failed
+from .topology import (assign_ranks, job_limit, listening, node_name, registration_error,
+                       topology, unreachable)
 
 
 class JobAborted(RuntimeError):
@@ -54,10 +56,6 @@ def bind_router(ctx, host, port, what, guard=None, sndhwm=1000, rcvhwm=1000, max
     return sock, port
 
 
-def node_name(info):
-    return f"{info['role']} {info['rank']} (pid {info.get('pid', '?')} on {info.get('hostname', '?')})"
-
-
 class Rejections:
     """Log lines for rejected messages: the first few of each peer (a node of the job by
     its name, strangers together), then one in a thousand -- a flood of bad messages must
@@ -89,8 +87,10 @@ class Scheduler:
         self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = {}        # group -> set of identities waiting
         self.barrier_values = {}  # group -> the largest value sent to the waiting barrier
-        self.removals = {}        # rank of a dead worker -> {waiting: servers, step: min}
+        self.removals = Removals()    # cluster.on_worker_failure: continue
         self.started = False
+        self.layout = None        # the topology, once every node registered
+        self.waiting_servers = set()   # servers not yet listening with the job's limit
         self.rejected = Rejections(self.log)
         self.policy = make_policy(env)
         self.stalls = StallWatch(env.stall_timeout)
@@ -105,42 +105,35 @@ class Scheduler:
         return [i for i, n in self.nodes.items() if role is None or n["role"] == role]
 
     def _assign_ranks(self):
-        for role, count in (("server", self.env.num_servers), ("worker", self.env.num_workers)):
-            idents = self._members(role)
-            asked = [self.nodes[i]["asked_rank"] for i in idents]
-            taken = {r for r in asked if 0 <= r < count and asked.count(r) == 1}
-            free = iter(sorted(set(range(count)) - taken))
-            for i in idents:
-                r = self.nodes[i]["asked_rank"]
-                self.nodes[i]["rank"] = r if r in taken else next(free)
-        by_rank = lambda role: sorted((n for n in self.nodes.values() if n["role"] == role),
-                                      key=lambda n: n["rank"])
-        relaying = [n for n in by_rank("worker") if n["port"]]   # sync.pull_relay: chain
-        self._check_reachable(by_rank("server") + relaying)
-        addresses = [[n["host"], n["port"]] for n in by_rank("server")]
-        workers = [n["routing_id"] for n in by_rank("worker")]
-        topology = {"num_workers": self.env.num_workers, "num_servers": self.env.num_servers,
-                    "servers": addresses, "workers": workers}
-        if relaying:
-            topology["relays"] = [[n["host"], n["port"]] if n["port"] else None
-                                  for n in by_rank("worker")]
-        now = time.monotonic()
-        for ident, n in self.nodes.items():
-            n["last_seen"] = now
-            self._send(ident, P.Kind.TOPOLOGY, dict(topology, rank=n["rank"]))
-        self.started = True
-        self.log(f"all {len(self.nodes)} nodes registered; job started")
+        """Every node registered: ranks, then the servers' topology with the job's message
+        limit; the workers hear the servers' addresses once every server listens with it
+        (``_listening``: ZeroMQ applies a limit only to a port bound after it is set)."""
+        nodes = list(self.nodes.values())
+        assign_ranks(nodes, {"server": self.env.num_servers, "worker": self.env.num_workers})
+        wrong = unreachable(listening(nodes))    # the workers would wait on it forever
+        if wrong:
+            self._abort(wrong)
+        self.layout = topology(nodes, self.env.num_workers, self.env.num_servers)
+        self.waiting_servers = set(self._members("server"))
+        self._send_topology("server")
 
-    def _check_reachable(self, servers, timeout=5.0):
-        """Abort naming a server whose advertised address cannot be reached (the workers
-        would wait on it forever): a TCP connect to each, from the scheduler's host."""
-        for n in servers:
-            try:
-                socket.create_connection((n["host"], n["port"]), timeout=timeout).close()
-            except (OSError, TypeError, ValueError) as e:
-                self._abort(f"{node_name(n)} advertised {n['host']}:{n['port']}, which the "
-                            f"scheduler cannot reach ({getattr(e, 'strerror', None) or e}); "
-                            "set its address with --interface or SSDSGD_NODE_HOST")
+    def _send_topology(self, role):
+        now = time.monotonic()
+        for ident in self._members(role):
+            self.nodes[ident]["last_seen"] = now
+            self._send(ident, P.Kind.TOPOLOGY, dict(self.layout, rank=self.nodes[ident]["rank"]))
+
+    def _listening(self, ident):
+        """A server bound its port with the job's limit (its BARRIER of group server before
+        the job started); after the last, the workers get the topology."""
+        self.waiting_servers.discard(ident)
+        if self.waiting_servers:
+            return
+        self._send_topology("worker")
+        self.started = True
+        self.log(f"all {len(self.nodes)} nodes registered; job started (messages to the "
+                 f"servers carry at most {job_limit(self.env, self.layout)} data bytes)")
+        self._record()
 
     def _record(self, abort=None):
         """The launcher's view of the job (kvstore/job_status.py)."""
@@ -175,16 +168,9 @@ class Scheduler:
                 raise P.ProtocolError(wrong)
             if any(n.get("who") == who for n in self.nodes.values()):
                 raise P.ProtocolError(f"{who} has registered already")
-        if role == "server" and not (meta.get("host") and meta.get("port")):
-            raise P.ProtocolError("a server registers the host and port it listens on")
-        if role == "worker" and bool(meta.get("host")) != bool(meta.get("port")):
-            raise P.ProtocolError("a worker that relays pulls registers both the host and "
-                                  "the port it listens on")
-        if role == "worker" and not meta.get("routing_id"):
-            raise P.ProtocolError("a worker registers the id of its connections to the servers")
-        if role == "worker" and any(n.get("routing_id") == meta["routing_id"]
-                                    for n in self.nodes.values()):
-            raise P.ProtocolError("another worker registered the same connection id")
+        wrong = registration_error(role, meta, self.nodes.values())
+        if wrong:
+            raise P.ProtocolError(wrong)
         if self.started or len(self._members(role)) >= full[role]:
             raise P.ProtocolError(f"the job already has its {full[role]} {role}s "
                                   f"(SSDSGD_NUM_{role.upper()}S={full[role]})")
@@ -192,6 +178,7 @@ class Scheduler:
                              "host": meta.get("host"), "port": meta.get("port"),
                              "pid": meta.get("pid"), "hostname": meta.get("hostname"),
                              "routing_id": meta.get("routing_id"), "who": who,
+                             "max_message": meta.get("max_message"),
                              "rank": -1, "last_seen": time.monotonic(), "finished": False}
         if (len(self._members("server")) == self.env.num_servers
                 and len(self._members("worker")) == self.env.num_workers):
@@ -219,6 +206,9 @@ class Scheduler:
 
     def _barrier(self, ident, node, meta):
         group = meta.get("group", "worker")
+        if not self.started and group == "server" and ident in self.waiting_servers:
+            self._listening(ident)
+            return
         members = [i for i in self._members() if group == "all" or self.nodes[i]["role"] == group]
         if ident not in members:
             raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
@@ -286,13 +276,13 @@ class Scheduler:
     def _remove_worker(self, ident, why):
         """A dead or stuck worker (not rank 0) leaves: ask every server for the first step
         it has not received from it; the smallest becomes the step from which every server
-        aggregates without it (_removal_answer). Barriers no longer wait for it."""
+        aggregates without it (``removals.py``). Barriers no longer wait for it."""
         node = self.nodes.pop(ident)
         rank = node["rank"]
         self.stalls.leave(rank)
         self.log(f"{why}; removing it from the job (cluster.on_worker_failure: continue)")
-        servers = set(self._members("server"))
-        self.removals[rank] = {"waiting": servers, "step": None}
+        servers = self._members("server")
+        self.removals.begin(rank, servers)
         for i in servers:
             self._send(i, P.Kind.MEMBERSHIP, {"removed": rank})
         for group, waiting in self.barriers.items():
@@ -305,19 +295,16 @@ class Scheduler:
     def _removal_answer(self, ident, meta):
         """A server's first missing step of a removed worker; once every server has
         answered, all nodes hear the step from which the worker is out."""
-        removal = self.removals.get(meta["removed"])
-        if removal is None or ident not in removal["waiting"] or "next_step" not in meta:
-            raise P.ProtocolError("MEMBERSHIP: not an answer to a removal")
-        removal["waiting"].discard(ident)
-        step = meta["next_step"]
-        removal["step"] = step if removal["step"] is None else min(removal["step"], step)
-        if not removal["waiting"]:
-            commit = {"removed": meta["removed"], "from_step": removal["step"]}
+        try:
+            commit = self.removals.answer(ident, meta)
+        except RemovalError as e:
+            raise P.ProtocolError(str(e)) from None
+        if commit is not None:
             for i in self.nodes:
                 self._send(i, P.Kind.MEMBERSHIP, commit)
-            self.log(f"worker {meta['removed']} left the job; the servers aggregate the "
+            self.log(f"worker {commit['removed']} left the job; the servers aggregate the "
                      f"remaining {len(self._members('worker'))} workers from step "
-                     f"{removal['step']}")
+                     f"{commit['from_step']}")
 
     def _serve_one(self):
         """Read and handle one message; nothing a peer sends stops the scheduler (only a
@@ -367,12 +354,9 @@ class Scheduler:
                 time.sleep(0.2)
                 self.log("all workers finished; job done")
                 return 0
-            for ident, n in list(self.nodes.items()):
-                if not n["finished"] and now - n["last_seen"] > env.heartbeat_timeout:
-                    self._failed(ident, f"{node_name(n)} sent no heartbeat for "
-                                 f"{now - n['last_seen']:.1f} s (SSDSGD_HEARTBEAT_TIMEOUT="
-                                 f"{env.heartbeat_timeout:g}); presumed dead")
-            self._check_stalls(now)
+            for ident, why in failed(self.nodes, self.barriers, self.stalls, env, now):
+                if ident in self.nodes:       # not removed by an earlier one of this turn
+                    self._failed(ident, why)
 
     def _failed(self, ident, why):
         """A node is dead or stuck: it leaves (cluster.on_worker_failure: continue, a
@@ -383,15 +367,6 @@ class Scheduler:
             self._remove_worker(ident, why)
         else:
             self._abort(why)
-
-    def _check_stalls(self, now):
-        """Workers alive but stuck (stall_watch.py)."""
-        waiting = {self.nodes[i]["rank"] for group in self.barriers.values() for i in group
-                   if self.nodes[i]["role"] == "worker"}
-        by_rank = {n["rank"]: i for i, n in self.nodes.items() if n["role"] == "worker"}
-        for stall in self.stalls.stalled(now, waiting):
-            if stall.rank in by_rank:
-                self._failed(by_rank[stall.rank], stall.describe(self.env.stall_timeout))
 
     def close(self):
         self.sock.close(0)

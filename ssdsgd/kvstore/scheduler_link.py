@@ -58,10 +58,14 @@ class SchedulerLink:
             pass
         self.last_sent = time.monotonic()
 
-    def register(self):
-        """Block until the scheduler sends the topology; returns it (a dict)."""
+    def register(self, max_message=None):
+        """Block until the scheduler sends the topology; returns it (a dict).
+        ``max_message``: a worker's largest message to a server, if it knows its model
+        (``protocol.message_bound``); worker 0's sets the job's message limit."""
         meta = {"role": self.role, "rank": self.env.rank, "pid": os.getpid(),
                 "hostname": socket.gethostname()[:255]}
+        if max_message:
+            meta["max_message"] = int(max_message)
         if self.role == "server" or self.port:   # a worker's port: its pull relay
             meta.update(host=self.host, port=self.port)
         if self.role == "worker":
@@ -108,7 +112,7 @@ class SchedulerLink:
 
     def tick(self, progress=None):
         """Send a heartbeat when due (a worker's with ``progress()``: its meta, see
-        stall_watch.py); raise JobAborted when the scheduler went silent."""
+        liveness.py); raise JobAborted when the scheduler went silent."""
         now = time.monotonic()
         if now - self.last_sent >= self.env.heartbeat_interval:
             self.send(P.Kind.HEARTBEAT, progress() if progress else None)

@@ -8,12 +8,18 @@ else: the socket loop, the peers and their checks, decoding pushes, rank 0's ini
 values, the optimizer and checkpoint state (``weights.py``), and the replies, which lend
 the weights' buffers and never wait on a peer (``replies.py``).
 
-One thread, one ROUTER socket: a malformed or inconsistent message is answered with an
-ERROR naming the problem (and its request id) and the server keeps serving. Only the job's
-workers are served, each on the connection it registered (the scheduler says which
-connection id is which rank), and only as that rank. What one worker can make the server
-hold is bounded by the model's size and the staleness the policy allows; a worker that
-stops reading its replies fails the job, saying so.
+A ``Server`` takes no network action of its own: ``start`` hands it the scheduler's
+topology and the two sockets it answers on (the ROUTER the workers connect to, the socket to
+the scheduler), and ``handle`` takes one worker message at a time. Binding, registering and
+the loop are the process's (``server_node.py``), so a test can feed a real server real
+messages in process and read what it sends (tests/test_server_in_process.py).
+
+A malformed or inconsistent message is answered with an ERROR naming the problem (and its
+request id) and the server keeps serving. Only the job's workers are served, each on the
+connection it registered (the scheduler says which connection id is which rank), and only
+as that rank. What one worker can make the server hold is bounded by the model's size and
+the staleness the policy allows; a worker that stops reading its replies fails the job,
+saying so.
 """
 import sys
 
@@ -24,15 +30,13 @@ from ..mxglue.optimizer_spec import OptimizerSpecError, build
 from . import protocol as P
 from .compression import Compression, CompressionError
 from .env import NodeEnv
-from .replies import SNDHWM, Fatal, Peer, Replies, RequestError
-from .scheduler import JobAborted, Rejections, bind_router
-from .scheduler_link import SchedulerLink
+from .replies import Fatal, Peer, Replies, RequestError
+from .scheduler import JobAborted, Rejections
 from .security import Guard
+from .topology import job_limit
 from .weights import Weights
 
-RCVHWM = 1_000           # messages read ahead from one peer (then TCP pushes back)
 PENDING_INITS = 4_096    # INIT messages one worker may have waiting for rank 0's values
-
 
 class Server:
     """``make_policy(env, rank)``: this server's synchronization policy (a
@@ -41,23 +45,19 @@ class Server:
     def __init__(self, env: NodeEnv, make_policy, log=None):
         self.env = env
         self.make_policy = make_policy
-        self.log = log or (lambda text: print(f"ssdsgd server: {text}", file=sys.stderr, flush=True))
-        self.ctx = zmq.Context.instance()
-        self.guard = Guard.from_env(env, lambda text: self.log(text))
-        self.sock, self.port = bind_router(self.ctx, env.node_host, 0, "a server", self.guard,
-                                           sndhwm=SNDHWM, rcvhwm=RCVHWM,
-                                           maxmsgsize=P.frame_limit(env.max_message_bytes))
-        self.link = SchedulerLink(self.ctx, env, "server", env.node_host, self.port, self.guard)
+        self.log = log or self._print
+        self.guard = Guard.from_env(env, lambda text: self.log(text))    # reads a key file
         self.weights = Weights(env.num_workers, reclaim=None)
-        self.replies = Replies(self.sock, self.weights, env, lambda text: self.log(text))
+        self.replies = Replies(None, self.weights, env, lambda text: self.log(text))
         self.weights.reclaim = self.replies.reclaim
         self.actions = {"apply": self.weights.apply, "answer": self.replies.answer,
                         "fill": self.replies.fill}
-        self.policy = None        # made by ``run``, once the rank is known
+        self.scheduler = None     # the socket to the scheduler, from ``start``
+        self.policy = None        # made by ``start``, once the rank is known
         self.pending_inits = []
         self.rank = -1
+        self.max_message_bytes = env.max_message_bytes   # the job's, from the topology
         self.rejected = Rejections(lambda text: self.log(text))
-        self.log(f"listening on {env.node_host}:{self.port}; {self.guard.describe()}")
 
     # ---- carrying out the policy's decisions ------------------------------------------
     def _decide(self, reply, event, *args, **kwargs):
@@ -229,24 +229,28 @@ class Server:
         aggregates without it from E on."""
         rank = meta["removed"]
         if "from_step" not in meta:
-            self.link.send(P.Kind.MEMBERSHIP, {"removed": rank,
-                                               "next_step": self.policy.first_missing(rank)})
+            self._tell_scheduler(P.Kind.MEMBERSHIP, {
+                "removed": rank, "next_step": self.policy.first_missing(rank)})
             return
         step = meta["from_step"]
         self.log(f"worker {rank} left the job; aggregating without it from step {step}")
         self._carry_out(self.policy.leave(rank, step))
         self.replies.forget()
 
+    def _tell_scheduler(self, kind, meta, lost=None):
+        """Never waits. A message the job cannot lose (``lost``: what losing it would do)
+        stops the job when the scheduler does not take it; the heartbeats tell the rest."""
+        try:
+            self.scheduler.send_multipart(P.control(kind, meta), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if lost:
+                raise Fatal(f"the scheduler does not take server {self.rank}'s {lost}") from None
+
     def _send_decisions(self):
         """The leader's decisions of this message go to the other servers (via the
         scheduler); a decision lost would stall them, so a full queue stops the job."""
         for payload in self.policy.to_servers():
-            try:
-                self.link.sock.send_multipart(P.control(P.Kind.POLICY, payload),
-                                              flags=zmq.NOBLOCK)
-            except zmq.Again:
-                raise Fatal(f"the scheduler does not take server {self.rank}'s policy "
-                            "messages") from None
+            self._tell_scheduler(P.Kind.POLICY, payload, lost="policy messages")
 
     def _follow(self, payload):
         try:
@@ -262,7 +266,7 @@ class Server:
         its request id (the worker fails, naming it); only Fatal ends the loop."""
         ident, req, kind = frames[0].bytes, 0, "a message"
         try:
-            msg = P.decode(frames[1:], max_bytes=self.env.max_message_bytes)
+            msg = P.decode(frames[1:], max_bytes=self.max_message_bytes)
             req, kind = msg.req, msg.kind.name
             handler = self.HANDLERS.get(msg.kind)
             if handler is None:
@@ -289,47 +293,30 @@ class Server:
         finally:
             self.replies.forget()
 
-    def _start(self, topo):
-        """The scheduler's topology: this server's rank, its workers, and so its policy."""
+    def on_scheduler(self, msg):
+        """A message from the scheduler (the node's loop acts on SHUTDOWN itself)."""
+        if msg.kind == P.Kind.MEMBERSHIP:
+            self.on_membership(msg.meta)
+        elif msg.kind == P.Kind.POLICY:
+            self._follow(msg.meta)
+
+    def start(self, topo, sock, scheduler):
+        """Serve the job of the scheduler's topology ``topo``: this server's rank, its
+        workers' connection ids, and so its policy. ``sock``: the ROUTER the workers
+        connect to (replies leave on it, never waiting); ``scheduler``: the socket to the
+        scheduler (a quorum leader's decisions, a removed worker's last step)."""
         self.rank = self.replies.rank = self.weights.rank = topo["rank"]
+        self.max_message_bytes = job_limit(self.env, topo)
+        self.replies.sock, self.scheduler = sock, scheduler
         self.replies.peers = {bytes.fromhex(h): Peer(r)
                               for r, h in enumerate(topo.get("workers", []))}
         self.policy = self.make_policy(self.env, self.rank)
         self.replies.steps_ahead = self.policy.steps_ahead
-        self.log = (lambda text, r=self.rank: print(f"ssdsgd server {r}: {text}",
-                                                     file=sys.stderr, flush=True))
 
-    def run(self):
-        self._start(self.link.register())
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.link.sock, zmq.POLLIN)
-        wait_ms = max(1, int(self.env.heartbeat_interval * 1000 / 2))
-        try:
-            while True:
-                events = dict(poller.poll(wait_ms))
-                if self.link.sock in events:
-                    msg = self.link.receive()
-                    if msg.kind == P.Kind.SHUTDOWN:
-                        return 0
-                    if msg.kind == P.Kind.MEMBERSHIP:
-                        self.on_membership(msg.meta)
-                    elif msg.kind == P.Kind.POLICY:
-                        self._follow(msg.meta)
-                if self.sock in events:
-                    for _ in range(64):   # drain a burst, but keep heartbeats going
-                        try:
-                            frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self.handle(frames)
-                self.replies.prune_retired()
-                self.link.tick()
-        except Fatal as e:   # the scheduler aborts the job, naming this server and why
-            self.link.send(P.Kind.FINISH, {"error": str(e)})
-            raise
+    def _print(self, text):
+        rank = f" {self.rank}" if self.rank >= 0 else ""
+        print(f"ssdsgd server{rank}: {text}", file=sys.stderr, flush=True)
 
-    def close(self):
-        self.sock.close(0)
-        self.link.sock.close(0)
-        self.guard.close()
+    def tick(self):
+        """Between messages: drop the buffers ZeroMQ has finished sending."""
+        self.replies.prune_retired()

@@ -1,4 +1,6 @@
-"""A worker that is alive but makes no progress (cluster.stall_timeout).
+"""Which nodes have failed though no process exited: dead (no heartbeat for
+SSDSGD_HEARTBEAT_TIMEOUT) or, a worker alive but making no progress, stuck
+(cluster.stall_timeout).
 
 Heartbeats come from a worker's I/O thread, so they prove the process is alive, not that
 it trains: a training thread stuck in a dead lock, a hung data loader or a device that
@@ -16,9 +18,12 @@ A worker waiting at a barrier is never the stalled one. When every worker stands
 at the same count and none waits at a barrier (all waiting for a server) none of them
 is the cause, and the servers' own heartbeats say whether one died.
 
-Pure: the scheduler feeds it the heartbeats and asks it on every turn.
+Pure: the scheduler feeds ``StallWatch`` the heartbeats and asks ``failed`` on every
+turn what to act on.
 """
 from dataclasses import dataclass
+
+from .topology import node_name
 
 
 @dataclass
@@ -74,3 +79,18 @@ class StallWatch:
                 continue
             out.append(Stall(rank, now - w.since, w.progress, holding))
         return out
+
+
+def failed(nodes, barriers, stalls, env, now):
+    """[(connection id, why)] of the nodes dead or stuck now. ``nodes``: the scheduler's
+    records by connection id; ``barriers``: group -> the ids waiting at it."""
+    out = [(ident, f"{node_name(n)} sent no heartbeat for {now - n['last_seen']:.1f} s "
+                   f"(SSDSGD_HEARTBEAT_TIMEOUT={env.heartbeat_timeout:g}); presumed dead")
+           for ident, n in nodes.items()
+           if not n["finished"] and now - n["last_seen"] > env.heartbeat_timeout]
+    waiting = {nodes[i]["rank"] for group in barriers.values() for i in group
+               if nodes[i]["role"] == "worker"}
+    by_rank = {n["rank"]: i for i, n in nodes.items() if n["role"] == "worker"}
+    out += [(by_rank[s.rank], s.describe(env.stall_timeout))
+            for s in stalls.stalled(now, waiting) if s.rank in by_rank]
+    return out
