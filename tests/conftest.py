@@ -1,54 +1,29 @@
-"""Shared helpers for tests that start real processes (always cleaned up)."""
-import subprocess
+"""Shared helpers for tests that start real processes. Every job is started through
+tests/jobs.py, and whatever a test started is stopped when it ends, passed or failed."""
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ssdsgd.testing import clean_env, run_dist, stop_groups
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "scripts"
-PY = sys.executable
-sys.path.insert(0, str(SCRIPTS))
+import jobs  # noqa: E402
+from jobs import PY, ROOT, SCRIPTS, launch  # noqa: E402,F401 - the tests' imports
+from ssdsgd.testing import clean_env  # noqa: E402
 
 
-def launch(n, s, script_args, env=None, timeout=180, script="ssd_worker.py"):
-    """Run ``launch/dist.py -n N -s S -- python tests/scripts/SCRIPT ...``."""
-    args = ["-n", n, "-s", s]
-    for k, v in (env or {}).items():
-        args += ["--env", f"{k}={v}"]
-    args += ["--", PY, SCRIPTS / script, *script_args]
-    return run_dist(args, timeout=timeout)
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test():
+    """Every job a test started and did not close is stopped at its end."""
+    before = jobs.open_jobs()
+    yield
+    jobs.close_jobs_started_since(before)
 
 
 def load_npz(path):
     with np.load(path) as z:
         return {k: z[k] for k in z.files}
-
-
-class Procs:
-    """Processes a test started; all killed (process group) at teardown."""
-
-    def __init__(self):
-        self.items = []
-
-    def start(self, cmd, env, **kw):
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True, **kw)
-        self.items.append(p)
-        return p
-
-    def close(self):
-        stop_groups(self.items, grace=0)
-
-
-@pytest.fixture
-def procs():
-    ps = Procs()
-    yield ps
-    ps.close()
 
 
 def node_env(port, num_workers=1, num_servers=1, **extra):
@@ -76,14 +51,14 @@ def digits_job(algorithm):
 @pytest.fixture(scope="session")
 def uninterrupted_digits(tmp_path_factory):
     """algorithm -> the run directory of that job run once without interruption."""
-    from test_e2e_configs import dist, run_dir_of
+    from test_e2e_configs import run_dir_of
     done = {}
 
     def get(algorithm):
         if algorithm not in done:
             root = tmp_path_factory.mktemp(f"uninterrupted-{algorithm}")
-            p = dist(["configs/digits.yaml", *digits_job(algorithm), "--set",
-                      f"output.dir={root}"])
+            p = jobs.run(["configs/digits.yaml", *digits_job(algorithm), "--set",
+                          f"output.dir={root}"], timeout=150)
             assert p.returncode == 0, p.stderr[-3000:]
             done[algorithm] = run_dir_of(root)
         return done[algorithm]
@@ -99,8 +74,8 @@ DIGITS_DEMO = {"train.epochs": 6, "sync.warmup_steps": 44}
 @pytest.fixture(scope="session")
 def digits_demo_on_a_terminal(tmp_path_factory):
     """(exit code, everything it wrote, output.dir) of the shortened main command."""
-    from test_e2e_configs import dist_on_a_terminal
     out = tmp_path_factory.mktemp("digits-demo")
     args = [a for k, v in DIGITS_DEMO.items() for a in ("--set", f"{k}={v}")]
-    code, raw = dist_on_a_terminal(["configs/digits.yaml", *args, "--set", f"output.dir={out}"])
-    return code, raw, out
+    job = jobs.run(["configs/digits.yaml", *args, "--set", f"output.dir={out}"], timeout=150,
+                   tty=120)
+    return job.returncode, job.stdout, out

@@ -7,14 +7,14 @@ bound, the thread would not leave it while the flood outpaced it: no heartbeat, 
 scheduler would presume the worker dead. (A test of that unbounded drain depends on which
 thread the interpreter runs: it failed the job on a loaded machine and not on a quiet
 one, so it is not kept.)"""
-import subprocess
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from conftest import PY, node_env
+import jobs
+from conftest import node_env
 from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore.client import WorkerClient
 from ssdsgd.kvstore.env import NodeEnv
@@ -27,12 +27,8 @@ FLOOD = 3 * TIMEOUT    # seconds the queue is kept full
 FULL = 500             # the flooder tops the queue up to this many messages
 
 
-def _start(tmp_path, procs, env, role):
-    log = open(tmp_path / f"{role}.log", "w")
-    p = subprocess.Popen([PY, "-m", "ssdsgd.node"], env=dict(env, SSDSGD_ROLE=role),
-                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    procs.items.append(p)
-    return p
+def _start(tmp_path, env, role):
+    return jobs.node(role, env, merge=True, log=tmp_path / f"{role}.log")
 
 
 def _flood(client, frames, stop, counts):
@@ -47,11 +43,11 @@ def _flood(client, frames, stop, counts):
             time.sleep(0)
 
 
-def _job(tmp_path, procs):
+def _job(tmp_path):
     env = node_env(free_port(), SSDSGD_ALGORITHM="ssgd", SSDSGD_HEARTBEAT_INTERVAL="0.1",
                    SSDSGD_HEARTBEAT_TIMEOUT=str(TIMEOUT))
-    _start(tmp_path, procs, env, "scheduler")
-    _start(tmp_path, procs, env, "server")
+    _start(tmp_path, env, "scheduler")
+    _start(tmp_path, env, "server")
     client = WorkerClient(NodeEnv.from_environ(dict(env, SSDSGD_ROLE="worker")))
     client.init([(0, 4, F32)], [np.arange(4, dtype=F32)]).wait()
     return client
@@ -78,8 +74,8 @@ def _flood_for(client, seconds):
     return counts, client.stats["messages_received"] - received
 
 
-def test_a_full_send_queue_does_not_stop_the_heartbeats(tmp_path, procs):
-    client = _job(tmp_path, procs)
+def test_a_full_send_queue_does_not_stop_the_heartbeats(tmp_path):
+    client = _job(tmp_path)
     try:
         counts, received = _flood_for(client, FLOOD)
         # the queue was full for several heartbeat timeouts (the I/O thread sent many

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import tiny
-from conftest import PY, ROOT, SCRIPTS, launch, load_npz
+import jobs
+from conftest import PY, SCRIPTS, launch, load_npz
 
 pytestmark = pytest.mark.system
 
@@ -86,21 +87,18 @@ def _wait_for(path, timeout=60):
 
 
 def _start_long_job(tmp_path, extra_env=(), script_args=(), n=2):
-    cmd = [PY, str(ROOT / "launch" / "dist.py"), "-n", str(n), "-s", "1"]
+    args = ["-n", n, "-s", "1"]
     for kv in extra_env:
-        cmd += ["--env", kv]
-    cmd += ["--", PY, str(SCRIPTS / "ssd_worker.py"), "--out", str(tmp_path), "--steps",
-            "1000000"] + list(script_args)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, start_new_session=True)
+        args += ["--env", kv]
+    return jobs.dist([*args, "--", PY, SCRIPTS / "ssd_worker.py", "--out", tmp_path,
+                      "--steps", "1000000", *script_args])
 
 
 def _finish(job, timeout):
     try:
         out, err = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
+        job.close(grace=0)
         pytest.fail(f"the job did not end within {timeout} s")
     return out, err
 
@@ -166,9 +164,8 @@ def test_port_in_use_is_a_clear_error(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        cmd = [PY, str(ROOT / "launch" / "dist.py"), "-n", "1", "-s", "1", "--port", str(port),
-               "--", PY, str(SCRIPTS / "ssd_worker.py"), "--out", str(tmp_path)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        res = jobs.run(["-n", "1", "-s", "1", "--port", port, "--", PY,
+                        SCRIPTS / "ssd_worker.py", "--out", tmp_path], timeout=60)
     assert res.returncode != 0
     assert "port is in use" in res.stderr and str(port) in res.stderr
     assert "Traceback" not in res.stderr

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import PY, ROOT, node_env
+import jobs
+from conftest import ROOT, node_env
 from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore.client import ServerError, WorkerClient
 from ssdsgd.kvstore.env import NodeEnv
@@ -29,9 +30,9 @@ class Job:
     process; the job's key file unless ``keys=False``; with ``keys="own"`` a key file per
     process, as the launcher makes them (CURVE with ``secure``)."""
 
-    def __init__(self, tmp_path, procs, workers=1, keys=True, start_workers=True,
+    def __init__(self, tmp_path, workers=1, keys=True, start_workers=True,
                  secure=False, **extra):
-        self.tmp, self.procs, self.num_workers = tmp_path, procs, workers
+        self.tmp, self.num_workers = tmp_path, workers
         names = ["scheduler", "server 0"] + [f"worker {r}" for r in range(workers)]
         self.keyfile = (KeyFile(secure, names) if keys == "own" else
                         KeyFile(secure) if keys else None)
@@ -48,15 +49,11 @@ class Job:
             self.start_workers()
 
     def _start(self, role):
-        log = open(self.tmp / f"{role}.log", "w")
         own = self.keyfile.env_for(role, 0) if self.keyfile else {}
-        p = subprocess.Popen([PY, "-m", "ssdsgd.node"], env=dict(self.env, SSDSGD_ROLE=role, **own),
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.items.append(p)
-        return p
+        return jobs.node(role, dict(self.env, **own), merge=True)
 
     def log(self, role):
-        return (self.tmp / f"{role}.log").read_text()
+        return {"scheduler": self.sched, "server": self.server}[role].stdout
 
     def wait_log(self, role, text, timeout=60):
         deadline = time.monotonic() + timeout
@@ -112,14 +109,14 @@ class Job:
 
 
 @pytest.fixture
-def job_factory(tmp_path, procs):
-    jobs = []
+def job_factory(tmp_path):
+    made = []
 
     def make(**kw):
-        jobs.append(Job(tmp_path, procs, **kw))
-        return jobs[-1]
+        made.append(Job(tmp_path, **kw))
+        return made[-1]
     yield make
-    for j in jobs:
+    for j in made:
         j.close()
 
 
@@ -255,20 +252,15 @@ def test_a_duplicate_push_fails_the_worker_loudly(job_factory):
 
 
 def test_digits_demo_with_a_small_message_limit_exits_promptly(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SSDSGD_", "DMLC_"))}
-    env.update(SSDSGD_MAX_MESSAGE_BYTES="65536", PYTHONPATH=str(ROOT))
     started = time.monotonic()
-    proc = subprocess.Popen([PY, "launch/dist.py", "configs/digits.yaml", "--set",
-                             f"output.dir={tmp_path}"], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    job = jobs.dist(["configs/digits.yaml", "--set", f"output.dir={tmp_path}"],
+                    env=dict(SSDSGD_MAX_MESSAGE_BYTES="65536", PYTHONPATH=str(ROOT)))
     try:
-        out, err = proc.communicate(timeout=150)
+        out, err = job.communicate(timeout=150)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
+        job.close(grace=0)
         pytest.fail("the job hung with SSDSGD_MAX_MESSAGE_BYTES=65536")
-    assert proc.returncode != 0
+    assert job.returncode != 0
     assert "SSDSGD_MAX_MESSAGE_BYTES=65536" in err, err[-3000:]
     assert time.monotonic() - started < 150
 

@@ -5,17 +5,17 @@ launcher's own, a resumed run's progress, and keys that outlive no launcher."""
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, SCRIPTS
+import jobs
+from conftest import PY, SCRIPTS
 from ssdsgd.launch.cli import resolve_python
 from ssdsgd.progress import ProgressMonitor
-from test_e2e_configs import clean_env, dist, records, sets
+from test_e2e_configs import dist, records, sets
 
 
 def test_help_shows_both_forms_as_plain_text():
@@ -116,49 +116,29 @@ def _key_dir_of(pid_file: Path, timeout=60) -> Path:
 
 @pytest.mark.system
 def test_a_sigkilled_launcher_leaves_no_key_directory(tmp_path):
-    job = subprocess.Popen([PY, "launch/dist.py", "-n", "1", "-s", "1", "--", PY,
-                            str(SCRIPTS / "ssd_worker.py"), "--out", str(tmp_path),
-                            "--steps", "1000000"], cwd=ROOT, env=clean_env(),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
-    try:
+    with jobs.dist(["-n", "1", "-s", "1", "--", PY, SCRIPTS / "ssd_worker.py", "--out",
+                    tmp_path, "--steps", "1000000"]) as job:
         keys = _key_dir_of(tmp_path / "pid-rank0")
         assert keys.is_dir() and any(keys.iterdir())
-        job.kill()                          # the launcher alone, by SIGKILL
+        job.proc.kill()                     # the launcher alone, by SIGKILL
         job.wait(timeout=10)
         deadline = time.monotonic() + 20
         while keys.exists():
             assert time.monotonic() < deadline, f"{keys} outlived the launcher"
             time.sleep(0.1)
-    finally:
-        try:
-            os.killpg(job.pid, signal.SIGKILL)      # anything the launcher left
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.system
 def test_ctrl_c_says_where_the_run_is_and_how_to_resume_it(tmp_path):
-    job = subprocess.Popen([PY, "launch/dist.py", "configs/digits.yaml",
-                            *map(str, sets(output__dir=tmp_path, train__epochs=200,
-                                           debug__slowdown="delay:0=0.02",
-                                           output__plots="false"))],
-                           cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:     # the first epoch's checkpoint, so there is something to resume
+    with jobs.dist(["configs/digits.yaml", *sets(output__dir=tmp_path, train__epochs=200,
+                                                 debug__slowdown="delay:0=0.02",
+                                                 output__plots="false")]) as job:
+        def checkpointed():    # the first epoch's checkpoint, so there is something to resume
             runs = [d for d in tmp_path.iterdir() if d.is_dir()]
-            if runs and (runs[0] / "checkpoints" / "latest.json").exists():
-                break
-            assert job.poll() is None and time.monotonic() < deadline, "no checkpoint"
-            time.sleep(0.1)
+            return runs if runs and (runs[0] / "checkpoints" / "latest.json").exists() else None
+        runs = job.wait_for(checkpointed, 120, "a checkpoint")
         job.send_signal(signal.SIGINT)
         out, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
     assert job.returncode == 130
     assert f"[launcher] stopped; the run directory is {runs[0]}; continue it with: python " \
            f"launch/dist.py --resume {runs[0]}" in err, err[-2000:]

@@ -1,15 +1,13 @@
 """The local launcher leaves nothing behind (issue 12, defect 5): after SIGKILL of
 ``launch/dist.py`` every process it started exits within 30 s, although the job's
 scheduler, server and workers were healthy and heartbeating each other."""
-import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from test_e2e_configs import PY, ROOT, clean_env, sets
+import jobs
+from test_e2e_configs import sets
 
 pytestmark = pytest.mark.system
 
@@ -43,35 +41,16 @@ def wait_gone(pids, timeout):
 
 
 def test_sigkill_of_the_launcher_ends_every_child(tmp_path):
-    log = open(tmp_path / "launcher.log", "w+")
-    proc = subprocess.Popen([PY, "launch/dist.py", "configs/digits.yaml", *sets(
-        train__epochs=500, output__dir=tmp_path / "runs")], cwd=ROOT, env=clean_env(),
-        stdout=log, stderr=subprocess.STDOUT)
-    kids = []
-    try:
-        deadline = time.monotonic() + 90
-        while True:     # every node registered: the job is under way
-            log.seek(0)
-            if "job started" in log.read():
-                break
-            assert proc.poll() is None, open(tmp_path / "launcher.log").read()[-3000:]
-            assert time.monotonic() < deadline, "the job did not start training in time"
-            time.sleep(0.2)
-        kids = children(proc.pid)
+    with jobs.dist(["configs/digits.yaml", *sets(train__epochs=500,
+                                                 output__dir=tmp_path / "runs")],
+                   merge=True) as job:
+        # every node registered: the job is under way
+        job.wait_for("job started", 90, "the job starting to train")
+        kids = children(job.pid)
         assert len(kids) == 5   # scheduler, server, 2 workers, the key directory's janitor
-        proc.kill()
-        proc.wait(timeout=10)
+        job.proc.kill()
+        job.wait(timeout=10)
         t0 = time.monotonic()
         left = wait_gone(kids, 30)
         assert left == [], f"still running {time.monotonic() - t0:.0f} s after the " \
                            f"launcher's SIGKILL: {left}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in kids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        log.close()

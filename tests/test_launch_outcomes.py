@@ -4,13 +4,12 @@ heartbeat timeout the launcher blames the process the scheduler named, not the f
 exit; a server or scheduler that does not end cleanly fails the job."""
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 
-from conftest import PY, ROOT, SCRIPTS
-from test_e2e_configs import clean_env
+import jobs
+from conftest import PY, SCRIPTS
 
 pytestmark = pytest.mark.system
 
@@ -21,9 +20,7 @@ def _launcher_lines(stderr):
 
 def test_workers_that_never_joined_fail_the_job_naming_their_ranks():
     started = time.monotonic()
-    res = subprocess.run([PY, "launch/dist.py", "-n", "2", "-s", "1", "--", PY,
-                          str(SCRIPTS / "no_import.py")], capture_output=True, text=True,
-                         cwd=ROOT, env=clean_env(), timeout=120)
+    res = jobs.run(["-n", "2", "-s", "1", "--", PY, SCRIPTS / "no_import.py"], timeout=120)
     lines = _launcher_lines(res.stderr)
     assert res.returncode == 1, res.stderr[-2000:]
     assert "trained alone" in res.stdout      # the script did run, on a local store
@@ -40,9 +37,7 @@ def test_a_script_whose_ssdsgd_is_an_empty_namespace_package_fails_the_job(tmp_p
     script = tmp_path / "train.py"
     script.write_text("import ssdsgd  # an empty folder beside this script\n"
                       + (SCRIPTS / "no_import.py").read_text())
-    res = subprocess.run([PY, "launch/dist.py", "-n", "2", "-s", "1", "--", PY, str(script)],
-                         capture_output=True, text=True, cwd=ROOT, env=clean_env(),
-                         timeout=120)
+    res = jobs.run(["-n", "2", "-s", "1", "--", PY, script], timeout=120)
     assert res.returncode == 1, res.stderr[-2000:]
     assert "trained alone" in res.stdout
     lines = _launcher_lines(res.stderr)
@@ -52,21 +47,12 @@ def test_a_script_whose_ssdsgd_is_an_empty_namespace_package_fails_the_job(tmp_p
 
 
 def test_a_worker_killed_after_it_finished_leaves_the_job_a_success(tmp_path):
-    job = subprocess.Popen([PY, "launch/dist.py", "-n", "2", "-s", "1", "--", PY,
-                            str(SCRIPTS / "finish_then_wait.py"), str(tmp_path)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           cwd=ROOT, env=clean_env(), start_new_session=True)
-    try:
-        marker, deadline = tmp_path / "finished-rank1", time.monotonic() + 90
-        while not marker.exists():
-            assert job.poll() is None and time.monotonic() < deadline, "rank 1 never finished"
-            time.sleep(0.1)
+    with jobs.dist(["-n", "2", "-s", "1", "--", PY, SCRIPTS / "finish_then_wait.py",
+                    tmp_path]) as job:
+        marker = tmp_path / "finished-rank1"
+        job.wait_for(marker.exists, 90, "rank 1 finishing")
         os.kill(int(marker.read_text()), signal.SIGKILL)     # alive: it sleeps 120 s
         out, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
     assert any("worker 1" in ln and "killed by SIGKILL after it finished" in ln
                for ln in _launcher_lines(err)), err[-2000:]
     assert job.returncode == 0, err[-2000:]

@@ -78,20 +78,20 @@ def test_bad_group_size_is_a_one_line_error_before_anything_starts(tmp_path, siz
     assert not list(tmp_path.glob("info-rank*.json"))
 
 
-def test_the_server_averages_exactly_and_rejects_bad_averages(procs):
+def test_the_server_averages_exactly_and_rejects_bad_averages():
     """Two real WorkerClients in this process (a preduce job's two workers), a real
     scheduler and server: the scheduler groups them, the server answers each member with
     the rank-order mean, and refuses AVERAGEs no correct worker sends, naming why."""
     import concurrent.futures
-    from conftest import PY, node_env
+    import jobs
+    from conftest import node_env
     from ssdsgd.kvstore.client import ServerError, WorkerClient
     from ssdsgd.kvstore.env import NodeEnv
     from ssdsgd.launch.job import free_port
 
     env = node_env(free_port(), num_workers=2, num_servers=1, SSDSGD_ALGORITHM="preduce",
                    SSDSGD_HEARTBEAT_TIMEOUT=20)
-    procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="scheduler"))
-    procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="server"))
+    jobs.node("scheduler", env), jobs.node("server", env)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         clients = list(pool.map(lambda r: WorkerClient(NodeEnv.from_environ(
             dict(env, SSDSGD_ROLE="worker", SSDSGD_RANK=str(r)))), range(2)))
@@ -124,14 +124,14 @@ def test_preduce_with_per_epoch_checkpoints_finishes(tmp_path, workers):
     """Groups of 2 out of 3 or 4 workers and a checkpoint every epoch (the default): the
     workers that reach the checkpoint's barrier first are no longer ready for a group, so
     the last one's group must shrink instead of waiting for them (it hung for ever)."""
-    from ssdsgd.testing import run_dist
+    from jobs import run
     from test_e2e_configs import run_dir_of
     overrides = {"cluster.workers": workers, "sync.algorithm": "preduce",
                  "sync.group_size": 2, "train.epochs": 2, "train.checkpoint_every": 1,
                  "output.plots": "false", "output.dir": tmp_path}
-    res = run_dist(["configs/digits.yaml",
-                    *[a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]],
-                   timeout=150)
+    res = run(["configs/digits.yaml",
+               *[a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]],
+              timeout=150)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ck = run_dir_of(tmp_path) / "checkpoints"
     assert {f"epoch-0000.worker-{r}.npz" for r in range(workers)} <= {

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import PY, node_env
+import jobs
+from conftest import node_env
 from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore.client import ServerError, WorkerClient
 from ssdsgd.kvstore.env import NodeEnv
@@ -20,12 +21,11 @@ pytestmark = pytest.mark.system
 
 
 @pytest.fixture
-def one_server(procs):
+def one_server():
     port = free_port()
     env = node_env(port, num_workers=1, num_servers=1, SSDSGD_ALGORITHM="ssgd",
                    SSDSGD_HEARTBEAT_TIMEOUT=10)
-    sched = procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="scheduler"))
-    server = procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="server"))
+    sched, server = jobs.node("scheduler", env), jobs.node("server", env)
     client = WorkerClient(NodeEnv.from_environ(dict(env, SSDSGD_ROLE="worker")))
     yield client, sched, server
     client.close()
@@ -92,12 +92,11 @@ def test_job_shuts_down_cleanly_when_the_worker_finishes(one_server):
     assert server.wait(timeout=20) == 0
 
 
-def test_a_big_step_is_pipelined_in_chunks_and_reassembled(procs):
+def test_a_big_step_is_pipelined_in_chunks_and_reassembled():
     port = free_port()
     env = node_env(port, num_workers=1, num_servers=1, SSDSGD_ALGORITHM="ssgd",
                    SSDSGD_CHUNK_BYTES=64)
-    procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="scheduler"))
-    procs.start([PY, "-m", "ssdsgd.node"], dict(env, SSDSGD_ROLE="server"))
+    jobs.node("scheduler", env), jobs.node("server", env)
     client = WorkerClient(NodeEnv.from_environ(dict(env, SSDSGD_ROLE="worker")))
     try:
         for key in range(10):
