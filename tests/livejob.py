@@ -1,74 +1,37 @@
 """A launched job the test can watch while it runs (its output read line by line) and
 attack: where its scheduler and server listen, and hostile peers to send them messages."""
-import os
-import re
-import signal
-import subprocess
-import threading
-import time
-
 import zmq
 
-from conftest import PY, ROOT, SCRIPTS, load_npz
+import jobs
+from conftest import PY, SCRIPTS, load_npz
 from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore.security import load_keys
 
-LISTENING = re.compile(r"\[(scheduler|server \d+|worker \d+)\] .*listening on ([\d.]+):(\d+)")
 
-
-class LiveJob:
-    """``launch/dist.py -n N -s S [--secure] -- python tests/scripts/ssd_worker.py ...``."""
+class LiveJob(jobs.Job):
+    """``launch/dist.py -n N -s S [--secure] -- python tests/scripts/ssd_worker.py ...``,
+    started (tests/jobs.py), stdout and stderr merged."""
 
     def __init__(self, out, n=2, s=1, steps=300, env=None, secure=False, script_args=()):
-        cmd = [PY, str(ROOT / "launch" / "dist.py"), "-n", str(n), "-s", str(s)]
-        if secure:
-            cmd.append("--secure")
+        args = ["-n", n, "-s", s] + (["--secure"] if secure else [])
         for k, v in (env or {}).items():
-            cmd += ["--env", f"{k}={v}"]
-        cmd += ["--", PY, str(SCRIPTS / "ssd_worker.py"), "--out", str(out), "--steps",
-                str(steps)] + [str(a) for a in script_args]
+            args += ["--env", f"{k}={v}"]
+        args += ["--", PY, SCRIPTS / "ssd_worker.py", "--out", out, "--steps", steps,
+                 *script_args]
         self.out = out
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.lines = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def text(self):
-        return "\n".join(self.lines)
+        super().__init__([PY, str(jobs.ROOT / "launch" / "dist.py"), *map(str, args)],
+                         merge=True)
 
     def address(self, node="server 0", timeout=120):
         """tcp://host:port where ``node`` ('scheduler', 'server 0', 'worker 1': its pull
         relay) listens."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                m = LISTENING.search(line)
-                if m and m.group(1) == node:
-                    return f"tcp://{m.group(2)}:{m.group(3)}"
-            assert self.proc.poll() is None, f"the job ended early:\n{self.text[-3000:]}"
-            time.sleep(0.05)
-        raise AssertionError(f"{node} never said where it listens:\n{self.text[-3000:]}")
+        return self.listening(node, timeout)
 
     def wait(self, timeout=240):
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"the job did not end within {timeout} s:\n{self.text[-3000:]}")
-        self.reader.join(10)
-        return code
+        return super().wait(timeout)
 
     def kill(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        self.close(grace=0)
 
 
 def dealer(address, configure=None):
@@ -94,20 +57,13 @@ def answers(sock, frames, timeout=2.0):
 
 
 def job_pid(job, node="server 0"):
-    """The pid of a running job's ``node`` ('scheduler', 'server 0', 'worker 1')."""
-    port = job.address("scheduler").rsplit(":", 1)[1].encode()
+    """The pid of a running job's ``node`` ('scheduler', 'server 0', 'worker 1'), and its
+    environment."""
     role, _, rank = node.partition(" ")
-    for pid in os.listdir("/proc"):
-        try:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if (b"SSDSGD_ROLE=" + role.encode() in environ
-                and b"SSDSGD_RANK=" + (rank or "0").encode() in environ
-                and b"SSDSGD_SCHEDULER_PORT=" + port in environ
-                and any(e.startswith(b"SSDSGD_SECRET_FILE=") for e in environ)):
-            return int(pid), environ
-    raise AssertionError(f"the job's {node} process was not found")
+    pid = job.process(role, rank or "0")
+    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    assert any(e.startswith(b"SSDSGD_SECRET_FILE=") for e in environ), environ
+    return pid, environ
 
 
 def job_keys(job, node="server 0"):

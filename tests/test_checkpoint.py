@@ -2,7 +2,6 @@
 that has nothing left to train (issue 12, defect 7: it exited 0 and overwrote the run's
 summary.json with a null accuracy)."""
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ from conftest import DIGITS_EPOCHS, DIGITS_STEPS
 from ssdsgd import checkpoint as C
 from ssdsgd import train as T
 from ssdsgd.data import DataError
-from test_e2e_configs import PY, ROOT, clean_env
+from test_e2e_configs import dist
 from test_train import cfg_with, digits_job, no_role  # noqa: F401 - fixture
 
 
@@ -76,9 +75,7 @@ def test_resume_of_a_finished_job_through_the_launcher_is_refused(uninterrupted_
     before = snapshot(run)
     assert json.loads(before["summary.json"])["final_accuracy"] > 0.5
     steps = DIGITS_EPOCHS * DIGITS_STEPS
-    again = subprocess.run([PY, "launch/dist.py", "--resume", str(run), "--set",
-                            "train.log_interval=5"], capture_output=True, text=True,
-                           cwd=ROOT, env=clean_env(), timeout=150)
+    again = dist(["--resume", run, "--set", "train.log_interval=5"], timeout=150)
     assert again.returncode == 2
     assert again.stdout == ""                        # no process was started
     assert again.stderr.strip().splitlines() == [

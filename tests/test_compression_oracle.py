@@ -20,6 +20,7 @@ import yaml
 
 import push_pull_train as PP
 import train_small as T
+import jobs
 from conftest import DIGITS_DEMO, launch
 from ssdsgd.glu.simulate import simulate
 from ssdsgd.testing import run_native
@@ -169,14 +170,9 @@ def test_native_dist_sync_refuses_compression_with_the_stock_trainer():
 
 
 def _digits_job(out, compression):
-    import subprocess
-    env = {k: v for k, v in __import__('os').environ.items()
-           if not k.startswith(('SSDSGD_', 'DMLC_'))}
     demo = [a for k, v in DIGITS_DEMO.items() for a in ('--set', f'{k}={v}')]
-    p = subprocess.run([sys.executable, 'launch/dist.py', 'configs/digits.yaml', *demo,
-                        '--set', f'sync.compression={compression}', '--set', f'output.dir={out}',
-                        '--set', 'output.plots=false'],
-                       capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    p = jobs.run(['configs/digits.yaml', *demo, '--set', f'sync.compression={compression}',
+                  '--set', f'output.dir={out}', '--set', 'output.plots=false'], timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     run, = [d for d in Path(out).iterdir() if d.is_dir()]
     return json.loads((run / 'summary.json').read_text())

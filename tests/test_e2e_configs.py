@@ -2,21 +2,14 @@
 workers on small files in the real formats (CIFAR-10 binary, im2rec RecordIO), and the
 digits demo's main command, shortened. Each job is checked through what it leaves in its
 run directory (metrics JSON lines, summary.json, plots) and what the launcher prints."""
-import fcntl
 import json
-import os
-import select
-import signal
-import struct
-import subprocess
 import sys
-import termios
-import time
 from pathlib import Path
 
 import mxnet as mx
 import pytest
 
+import jobs
 from ssdsgd.metrics import read_records
 from test_data import make_cifar, write_rec
 
@@ -24,14 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def clean_env():
-    return {k: v for k, v in os.environ.items() if not k.startswith(("SSDSGD_", "DMLC_"))}
-
-
 def dist(args, timeout=150):
-    """``python launch/dist.py ARGS`` from the repository root, output captured."""
-    return subprocess.run([PY, "launch/dist.py", *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, env=clean_env(), timeout=timeout)
+    """``python launch/dist.py ARGS`` from the repository root, run to its end (tests/jobs.py:
+    stdout and stderr apart, nothing left running, the test failed after ``timeout`` s)."""
+    return jobs.run(args, timeout=timeout)
 
 
 def sets(**overrides):
@@ -140,39 +129,6 @@ def test_imagenet_resnet50_config(tmp_path):
     assert start["total_steps"] == 3 and start["warmup_steps"] == 1
     lrs = [r["lr"] for r in records(run, 0, "train")]
     assert lrs == sorted(lrs) and lrs[-1] < 0.15            # 5-epoch linear lr warm-up
-
-
-def dist_on_a_terminal(args, timeout=150, cols=120) -> tuple[int, str]:
-    """``launch/dist.py ARGS`` with stdout and stderr on a pseudo-terminal of ``cols``
-    columns, as a user at a terminal runs it: (exit code, everything it wrote)."""
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, cols, 0, 0))
-    proc = subprocess.Popen([PY, "launch/dist.py", *map(str, args)], cwd=ROOT,
-                            env=clean_env(), stdin=subprocess.DEVNULL, stdout=slave,
-                            stderr=slave, start_new_session=True)
-    os.close(slave)
-    chunks, deadline = [], time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 1.0)
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                data = os.read(master, 1 << 16)
-            except OSError:            # EIO: every writer has closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        os.close(master)
-    return code, b"".join(chunks).decode("utf-8", "replace")
 
 
 def screen(raw: str) -> list[str]:

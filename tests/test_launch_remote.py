@@ -13,14 +13,15 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import time
 
 import numpy as np
 import pytest
 
+import jobs
 from emulated_hosts import EmulatedHosts, copy_repo, unavailable
-from test_e2e_configs import PY, ROOT, clean_env, dist, run_dir_of, sets
+from ssdsgd.testing import clean_env
+from test_e2e_configs import PY, ROOT, dist, run_dir_of, sets
 from test_resume import params
 
 pytestmark = pytest.mark.system
@@ -65,21 +66,16 @@ def launcher_env(h):
 
 
 def start(h, args, log, env=None):
-    """``launch/dist.py ARGS`` on host 0 (the launcher's host), output to ``log``."""
-    return h.popen(0, [PY, "launch/dist.py", *map(str, args)], cwd=ROOT,
-                   env=env or launcher_env(h), stdout=log, stderr=subprocess.STDOUT)
+    """``launch/dist.py ARGS`` on host 0 (the launcher's host), started (tests/jobs.py);
+    its output, merged, also in the file ``log``."""
+    return jobs.dist(args, hosts=(h, 0), environ=env or launcher_env(h), merge=True,
+                     log=log)
 
 
 def run(h, args, tmp_path, timeout=240, env=None):
     log = tmp_path / "launcher.log"
-    with open(log, "w") as f:
-        p = start(h, args, f, env)
-        try:
-            p.wait(timeout=timeout)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with start(h, args, log, env) as p:
+        p.wait(timeout=timeout)
     return p.returncode, log.read_text()
 
 
@@ -94,11 +90,7 @@ def assert_nothing_left(h):
 
 
 def wait_for(log, text, proc, timeout=120):
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"no {text!r} in time: {log.read_text()[-3000:]}"
-        time.sleep(0.2)
+    proc.wait_for(lambda: text in log.read_text(), timeout, repr(text))
 
 
 def remote_pid(h, host, what):
@@ -159,9 +151,9 @@ def test_readme_commands_as_written(hosts, tmp_path, launcher):
     repo = copy_repo(tmp_path / "repo")
     env = {k: v for k, v in launcher_env(hosts).items() if k != "PYTHONPATH"}
     env["PATH"] = f"{os.path.dirname(PY)}:{env.get('PATH', '/usr/bin:/bin')}"
-    r = hosts.run(0, ["bash", "-e", "-c", readme_script(launcher)], cwd=repo, env=env,
-                  timeout=400, capture_output=False, stdout=subprocess.PIPE,
-                  stderr=subprocess.STDOUT)
+    with jobs.start(["bash", "-e", "-c", readme_script(launcher)], hosts=(hosts, 0),
+                    cwd=repo, environ=env, merge=True, grace=jobs.LAUNCHER_GRACE_S) as r:
+        r.wait(timeout=400)
     out = r.stdout
     assert r.returncode == 0, out[-4000:]
     assert "Traceback" not in out
@@ -192,16 +184,10 @@ def test_a_killed_remote_worker_ends_the_job_everywhere(hosts, tmp_path):
     """Over ssh. (Under mpi the same test passed in development: mpirun ends the job and the
     launcher names the rank; left out to keep these tests within their time.)"""
     log = tmp_path / "launcher.log"
-    with open(log, "w") as f:
-        p = start(hosts, job(hosts, LONG, tmp_path), f)
-    try:
+    with start(hosts, job(hosts, LONG, tmp_path), log) as p:
         wait_for(log, "job started", p)
         os.kill(remote_pid(hosts, 2, "ssdsgd.train"), signal.SIGKILL)
         p.wait(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     out = log.read_text()
     assert p.returncode == 1, out[-3000:]
     z = hosts.addresses[2]
@@ -215,9 +201,7 @@ def test_a_killed_remote_worker_ends_the_job_everywhere(hosts, tmp_path):
     pytest.param("mpi", signal.SIGKILL, marks=needs_mpirun)])
 def test_a_killed_launcher_leaves_nothing_on_any_host(hosts, tmp_path, launcher, sig):
     log = tmp_path / "launcher.log"
-    with open(log, "w") as f:
-        p = start(hosts, job(hosts, LONG, tmp_path, launcher=launcher), f)
-    try:
+    with start(hosts, job(hosts, LONG, tmp_path, launcher=launcher), log) as p:
         wait_for(log, "job started", p)
         assert set(hosts.job_pids()) == set(hosts.names)    # a process on every host
         p.send_signal(sig)
@@ -228,10 +212,6 @@ def test_a_killed_launcher_leaves_nothing_on_any_host(hosts, tmp_path, launcher,
         if sig == signal.SIGTERM:
             assert p.returncode == 143
             assert "[launcher] SIGTERM: stopping every process" in log.read_text()
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def test_an_unreachable_host_fails_before_anything_starts(hosts, tmp_path):

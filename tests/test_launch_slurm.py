@@ -5,14 +5,15 @@ taking its role from SLURM_PROCID, and the job ends like a local one."""
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
+import jobs
 from emulated_hosts import copy_repo
 from slurm_cluster import SlurmCluster, unavailable
-from test_e2e_configs import ROOT, clean_env, run_dir_of
+from ssdsgd.testing import clean_env
+from test_e2e_configs import ROOT, run_dir_of
 
 pytestmark = pytest.mark.system
 REASON = unavailable()
@@ -40,8 +41,11 @@ def test_readme_sbatch_command_as_written(slurm, tmp_path):
     repo = copy_repo(tmp_path / "repo")
     env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{env.get('PATH', '/usr/bin:/bin')}"
-    r = slurm.run(["bash", "-e", "-c", readme_slurm_block()], cwd=repo, env=env, timeout=400,
-                  capture_output=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # the batch job's processes get the submitter's environment, and so the job's tag
+    with jobs.start(["bash", "-e", "-c", readme_slurm_block()], cwd=repo, merge=True,
+                    environ=dict(env, SLURM_CONF=str(slurm.conf)),
+                    grace=jobs.LAUNCHER_GRACE_S) as r:
+        r.wait(timeout=400)
     out = r.stdout
     assert r.returncode == 0, f"{out[-4000:]}\n{slurm.logs()}"
     assert "Traceback" not in out
@@ -61,9 +65,9 @@ def test_readme_sbatch_command_as_written(slurm, tmp_path):
 
 def test_outside_an_allocation_it_says_how_to_get_one(slurm, tmp_path):
     env = {k: v for k, v in clean_env().items() if not k.startswith("SLURM_")}
-    r = slurm.run([sys.executable, "launch/dist.py", "-n", "2", "-s", "1", "--launcher",
-                   "slurm", "--", sys.executable, "-c", "pass"], cwd=ROOT,
-                  env=dict(env, PYTHONPATH=str(ROOT)))
+    r = jobs.run(["-n", "2", "-s", "1", "--launcher", "slurm", "--", sys.executable, "-c",
+                  "pass"], environ=dict(env, PYTHONPATH=str(ROOT), SLURM_CONF=str(slurm.conf)),
+                 timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         "launch/dist.py: error: --launcher slurm runs inside an allocation: e.g. sbatch -N 3 "

@@ -8,7 +8,6 @@
   by rank.  Skipped until launch/dist.py exists.
 """
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ssdsgd import testing  # noqa: E402
+import jobs  # noqa: E402
 from ssdsgd.launch.job import free_port  # noqa: E402
 from ssdsgd.testing import NativePSError, run_native  # noqa: E402
 
@@ -123,10 +122,7 @@ def run_dist(num_servers, out, bn, timeout=120):
     for k, v in JOB_ENV.items():
         args += ['--env', f'{k}={v}']
     args += ['--', *train_cmd('ssd_sync', out, bn)]
-    try:
-        proc = testing.run_dist(args, env=JOB_ENV, timeout=timeout, merge_output=True)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f'launch/dist.py timed out after {timeout} s:\n{e.output[-4000:]}')
+    proc = jobs.run(args, env=JOB_ENV, timeout=timeout, merge=True)
     output = proc.stdout
     assert proc.returncode == 0, f'launch/dist.py exited {proc.returncode}:\n{output[-4000:]}'
 

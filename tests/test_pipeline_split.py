@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ssdsgd import testing
+import jobs
 from ssdsgd.kvstore.splitting import PIECE_MIN, cut as _cut
 from ssdsgd.kvstore.piece_tuner import CANDIDATES, PieceTuner
 from ssdsgd.settings import BY_NAME, SettingError, pipeline_pieces
@@ -126,8 +126,8 @@ def test_auto_pieces_change_the_messages_not_the_weights(tmp_path):
                 "--env", f"SSDSGD_PIPELINE_PIECES={pieces}", "--env", "OMP_NUM_THREADS=1",
                 "--", sys.executable, str(TRAIN), "--kvstore", "ssd_sync", "--steps", "20",
                 "--hidden", "4096", "--out", str(out)]
-        proc = testing.run_dist(args, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-                                timeout=120, merge_output=True)
+        proc = jobs.run(args, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                        timeout=120, merge=True)
         assert proc.returncode == 0, proc.stdout[-3000:]
         runs[pieces] = {}
         for rank in range(2):

@@ -8,15 +8,15 @@ import os
 import random
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import DIGITS_EPOCHS as EPOCHS, DIGITS_STEPS as STEPS, digits_job
-from test_e2e_configs import PY, ROOT, clean_env, dist, records, sets
-from test_resume import children, params
+import jobs
+from test_e2e_configs import PY, dist, records, sets
+from test_resume import params
 
 pytestmark = pytest.mark.system
 
@@ -66,48 +66,35 @@ def kill_step(seed) -> int:
     return random.Random(seed).randint(STEPS + 2, STEPS + 16)
 
 
-def start(args, root: Path):
-    log = open(root.parent / f"{root.name}.log", "w+")
+def start(args):
+    """``launch/dist.py ARGS``, started, its output merged; paced unless it resumes or
+    has a slowdown of its own (which is kept)."""
     paced = "--resume" in args or any(str(a).startswith("debug.slowdown=") for a in args)
-    args = args if paced else [*args, *PACE]          # a job's own slowdown is kept
-    proc = subprocess.Popen([PY, "launch/dist.py", *map(str, args)], cwd=ROOT,
-                            env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    return proc, log
+    args = args if paced else [*args, *PACE]
+    return jobs.dist(args, merge=True)
 
 
-def wait_for_step(proc, root: Path, step: int, timeout=240) -> Path:
+def wait_for_step(job, root: Path, step: int, timeout=240) -> Path:
     """The run directory, once rank 0 has logged a step >= ``step``."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def reached():
         runs = [d for d in root.iterdir() if d.is_dir()] if root.exists() else []
         if runs and (runs[0] / "metrics" / "worker-0.jsonl").exists():
             steps = [r["step"] for r in records(runs[0], 0, "train")]
             if steps and max(steps) >= step:
                 return runs[0]
-        assert proc.poll() is None, "the job ended before the kill"
-        assert time.monotonic() < deadline, "the job did not reach the step in time"
-        time.sleep(0.05)
+    return job.wait_for(reached, timeout, f"rank 0 logging step {step} (the kill)")
 
 
 def kill_once_with_a_restart(args, root, step, role, rank):
     """Run ``launch/dist.py ARGS --max-restarts 1``, SIGKILL process (role, rank) once
     rank 0 has logged ``step``, wait for the job to end by itself (exit 0); returns (its
     run directory, the launcher's output)."""
-    proc, log = start([*args, "--max-restarts", 1], root)
-    try:
-        run = wait_for_step(proc, root, step)
-        victim, = [c for c in children(proc.pid) if role_of(c) == (role, rank)]
+    with start([*args, "--max-restarts", 1]) as job:
+        run = wait_for_step(job, root, step)
+        victim, = [c for c in job.processes() if role_of(c) == (role, rank)]
         os.kill(victim, signal.SIGKILL)
-        assert proc.wait(timeout=300) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.seek(0)
-        out = log.read()
-        log.close()
-    return run, out
+        assert job.wait(timeout=300) == 0
+    return run, job.stdout
 
 
 @pytest.mark.parametrize("role", ["worker", "server", "scheduler"])
@@ -145,20 +132,15 @@ def test_a_killed_launcher_leaves_nothing_and_resume_ends_as_if_uninterrupted(
     reference = uninterrupted("ssd")
     root = tmp_path / "runs"
     args = ["configs/digits.yaml", *JOBS["ssd"], *sets(output__dir=root)]
-    proc, log = start(args, root)
-    try:
-        run = wait_for_step(proc, root, kill_step("launcher"))
-        kids = children(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    with start(args) as job:
+        run = wait_for_step(job, root, kill_step("launcher"))
+        kids = job.processes()
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
         deadline = time.monotonic() + 30
         while any(Path(f"/proc/{k}").exists() and role_of(k) for k in kids):
             assert time.monotonic() < deadline, "a process outlived its launcher by 30 s"
             time.sleep(0.1)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
     # the resumed run unpaced: the pace only had to let the kill land before the end
     resumed = dist([*args, "--resume", run, *sets(debug__slowdown="none")], timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -173,21 +155,14 @@ def test_with_continue_a_killed_worker_leaves_and_the_job_finishes(tmp_path, alg
     who left and from which step."""
     root = tmp_path / "runs"
     step = kill_step(f"continue-{algorithm}")
-    proc, log = start(["configs/digits.yaml", *JOBS[algorithm], *sets(
-        output__dir=root, cluster__on_worker_failure="continue",
-        cluster__heartbeat_interval=0.2, cluster__heartbeat_timeout=1.0)], root)
-    try:
-        run = wait_for_step(proc, root, step)
-        victim, = [c for c in children(proc.pid) if role_of(c) == ("worker", 1)]
+    with start(["configs/digits.yaml", *JOBS[algorithm], *sets(
+            output__dir=root, cluster__on_worker_failure="continue",
+            cluster__heartbeat_interval=0.2, cluster__heartbeat_timeout=1.0)]) as job:
+        run = wait_for_step(job, root, step)
+        victim, = [c for c in job.processes() if role_of(c) == ("worker", 1)]
         os.kill(victim, signal.SIGKILL)
-        assert proc.wait(timeout=300) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.seek(0)
-        out = log.read()
-        log.close()
+        assert job.wait(timeout=300) == 0
+    out = job.stdout
     assert re.search(r"worker 1 \(pid \d+\) was killed by SIGKILL; the job continues "
                      "without it", out), out[-3000:]
     assert "worker 1 left the job" in out

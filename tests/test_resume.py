@@ -6,8 +6,6 @@ uninterrupted runs are made once per session (conftest.uninterrupted_digits)."""
 import json
 import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import mxnet as mx
@@ -16,20 +14,10 @@ import pytest
 
 from conftest import DIGITS_EPOCHS as EPOCHS, DIGITS_STEPS as STEPS, digits_job
 from ssdsgd import report
-from test_e2e_configs import PY, ROOT, clean_env, dist, records, sets
+import jobs
+from test_e2e_configs import dist, records, sets
 
 pytestmark = pytest.mark.system
-
-
-def children(pid: int) -> list[int]:
-    """The launcher's child processes (scheduler, servers, workers)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out
 
 
 def kill_job_after_first_checkpoint(args, root: Path, timeout=150,
@@ -38,33 +26,21 @@ def kill_job_after_first_checkpoint(args, root: Path, timeout=150,
     ``ready(latest.json's record)`` holds) is on disk, SIGKILL every process of the job
     (each child runs in a session of its own, so each is killed by its own process
     group), then the launcher. Returns the run directory."""
-    log = open(root.parent / f"{root.name}-killed.log", "w")
-    proc = subprocess.Popen([PY, "launch/dist.py", *map(str, args)], cwd=ROOT,
-                            env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            runs = [d for d in root.iterdir() if d.is_dir()] if root.exists() else []
-            latest = runs[0] / "checkpoints" / "latest.json" if runs else None
-            if latest and latest.exists() and ready(json.loads(latest.read_text())):
-                break
-            assert proc.poll() is None, f"the job ended before its first checkpoint " \
-                f"({(root.parent / f'{root.name}-killed.log').read_text()[-2000:]})"
-            assert time.monotonic() < deadline, "no checkpoint in time"
-            time.sleep(0.02)
-        for child in children(proc.pid):
+    def checkpointed():
+        runs = [d for d in root.iterdir() if d.is_dir()] if root.exists() else []
+        latest = runs[0] / "checkpoints" / "latest.json" if runs else None
+        if latest and latest.exists() and ready(json.loads(latest.read_text())):
+            return runs[0]
+    with jobs.dist(args, merge=True) as job:
+        run = job.wait_for(checkpointed, timeout, "its first checkpoint")
+        for child in job.processes():
             try:
                 os.killpg(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        log.close()
-    return runs[0]
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+    return run
 
 
 def params(path: Path) -> dict:
