@@ -283,10 +283,18 @@ def test_only_processes_with_the_job_key_can_register(job_factory, tmp_path):
             assert time.monotonic() - started < 10
         c0, c1 = job.start_workers()
         assert (c0.rank, c1.rank) == (0, 1)
+        # the workers asked after the strays and were answered: an answer to the strays
+        # could have come by now
         for stray in strays:
             assert not stray.poll(500), "a stray got an answer from the scheduler"
         log = job.wait_log("scheduler", "refused a connection")
         assert "wrong PLAIN token" in log
+        # the control: with the job's keys the same message is answered within the 2 s
+        # the others get (an error: this connection never registered)
+        insider = raw_peer(job.server_address, job.keys())
+        assert ask(insider, frames_of(P.Kind.COMMAND, b'{"command": "get_state"}', sender=1),
+                   timeout=2) is not None
+        insider.close(0)
         for keys in (None, JobKeys.load(other.path)):
             server = raw_peer(job.server_address, keys)
             assert ask(server, frames_of(P.Kind.COMMAND, b'{"command": "get_state"}', sender=1), timeout=2) is None

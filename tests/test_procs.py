@@ -54,12 +54,23 @@ def reaped_with_pid_of(stranger):
 
 
 def test_stop_groups_leaves_a_reused_pid_alone(stranger):
-    stop_groups([reaped_with_pid_of(stranger)], grace=0)
+    # the control, a live group of ours in the same call, shows that a group the call
+    # kills is gone within the 0.3 s the stranger is then given
+    control = subprocess.Popen(SLEEP, start_new_session=True)
+    stop_groups([reaped_with_pid_of(stranger), control], grace=0)
+    assert _gone(control.pid, timeout=0.3), "the control group was not killed"
     time.sleep(0.3)
     assert stranger.poll() is None, "the stranger's group was killed"
 
 
 def test_local_process_signal_leaves_a_reused_pid_alone(stranger):
+    control = subprocess.Popen(SLEEP, start_new_session=True)   # as above
+    try:
+        LocalProcess("worker", 1, control).signal(signal.SIGKILL)
+        assert _gone(control.pid, timeout=0.3), "the control group was not killed"
+    finally:
+        control.kill()
+        control.wait()
     LocalProcess("worker", 0, reaped_with_pid_of(stranger)).signal(signal.SIGKILL)
     time.sleep(0.3)
     assert stranger.poll() is None, "the stranger's group was killed"

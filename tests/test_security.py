@@ -140,8 +140,19 @@ def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secur
                                                            results, f"{name} -> {where}"))
                 t.start()
                 threads.append(t)
-        for t in threads:
+        # the control: a process of the job (worker 0's key, acting as worker 1) sending
+        # the same messages is answered (refused) within the 3 s the others get
+        insider, controls, checks = job_keys(job, "worker 0"), {}, []
+        for where, address, frames in (("scheduler", scheduler, register),
+                                       ("server 0", server, push)):
+            t = threading.Thread(target=_attack, args=(
+                address, lambda sock, w=where: Guard(insider, print).client(sock, w), frames,
+                controls, where))
+            t.start()
+            checks.append(t)
+        for t in threads + checks:
             t.join(30)
+        assert all(controls.get(w) is not None for w in ("scheduler", "server 0")), controls
         assert len(results) == len(threads) and all(r is None for r in results.values()), results
         assert job.wait() == 0, job.text[-3000:]
     finally:
