@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
 import jobs  # noqa: E402
-from jobs import PY, ROOT, SCRIPTS, launch  # noqa: E402,F401 - the tests' imports
+from jobs import PY, ROOT, SCRIPTS  # noqa: E402,F401 - the tests' imports
 from ssdsgd.testing import clean_env  # noqa: E402
 
 

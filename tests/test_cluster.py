@@ -11,7 +11,8 @@ import pytest
 
 import tiny
 import jobs
-from conftest import PY, SCRIPTS, launch, load_npz
+from conftest import PY, SCRIPTS, load_npz
+from jobs import launch
 
 pytestmark = pytest.mark.system
 

@@ -21,7 +21,8 @@ import yaml
 import push_pull_train as PP
 import train_small as T
 import jobs
-from conftest import DIGITS_DEMO, launch
+from conftest import DIGITS_DEMO
+from jobs import launch
 from ssdsgd.glu.simulate import simulate
 from ssdsgd.testing import run_native
 

@@ -15,7 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, SCRIPTS, launch
+from conftest import ROOT, SCRIPTS
+from jobs import launch
 from ssdsgd.testing import run_native
 
 pytestmark = pytest.mark.system

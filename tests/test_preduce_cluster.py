@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import tiny
-from conftest import launch, load_npz
+from conftest import load_npz
+from jobs import launch
 from ssdsgd.glu.preduce import arrival_groups, simulate_preduce
 
 pytestmark = pytest.mark.system

@@ -7,7 +7,8 @@ import pytest
 from mxnet import gluon
 
 import tiny
-from conftest import launch, load_npz
+from conftest import load_npz
+from jobs import launch
 from ssdsgd.glu.simulate_quorum import simulate_quorum
 from ssdsgd.settings import quorum_size
 from ssdsgd.slowdown import Slowdown

@@ -14,7 +14,8 @@ import pytest
 from mxnet import gluon
 
 import tiny
-from conftest import launch, load_npz
+from conftest import load_npz
+from jobs import launch
 from ssdsgd.glu.simulate import simulate
 
 STEPS, WARMUP, BATCH = 12, 3, 8
