@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 import jobs
+from conftest import DIGITS_EPOCHS, digits_job
 from emulated_hosts import EmulatedHosts, copy_repo, unavailable
 from ssdsgd.testing import clean_env
-from test_e2e_configs import PY, ROOT, dist, run_dir_of, sets
+from test_e2e_configs import PY, ROOT, run_dir_of, sets
 from test_resume import params
 
 pytestmark = pytest.mark.system
@@ -32,9 +33,10 @@ needs_mpirun = pytest.mark.skipif(not shutil.which("mpirun"),
                                   reason="mpirun is not installed (Debian: openmpi-bin)")
 LAUNCHERS = ["ssh", pytest.param("mpi", marks=needs_mpirun)]
 
-EPOCHS = 2
-SSGD = dict(sync__algorithm="ssgd", train__epochs=EPOCHS, train__checkpoint_every=1,
-            output__plots="false")     # the README test checks the plots
+# the checkpoint tests' ssgd digits job (conftest.digits_job): its local run, the
+# reference, is made once per session for them and for these tests
+SSGD = dict(a.split("=", 1) for a in digits_job("ssgd")[1::2])
+EPOCHS = DIGITS_EPOCHS
 LEFT_S = 30           # no process of the job may be left on any host after this
 
 
@@ -53,12 +55,9 @@ def hosts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local_ssgd(tmp_path_factory):
+def local_ssgd(uninterrupted_digits):
     """The reference: the same ssgd job run by the local launcher."""
-    root = tmp_path_factory.mktemp("local")
-    p = dist(["configs/digits.yaml", *sets(**SSGD, output__dir=root)])
-    assert p.returncode == 0, p.stderr[-3000:]
-    return run_dir_of(root)
+    return uninterrupted_digits("ssgd")
 
 
 def launcher_env(h):

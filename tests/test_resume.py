@@ -5,6 +5,7 @@ the checkpoint), from an epoch's end or mid-epoch (train.checkpoint_every_s). Th
 uninterrupted runs are made once per session (conftest.uninterrupted_digits)."""
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -47,16 +48,33 @@ def params(path: Path) -> dict:
     return {k: v.asnumpy() for k, v in mx.nd.load(str(path)).items()}
 
 
+@pytest.fixture(scope="module")
+def killed_ssgd(tmp_path_factory):
+    """The checkpoint tests' ssgd job killed after its first checkpoint, made once for the
+    two tests that start from it: each works on a copy (one resumes it, one plants a
+    pickle in it first)."""
+    root = tmp_path_factory.mktemp("killed-ssgd") / "b"
+    return kill_job_after_first_checkpoint(["configs/digits.yaml", *digits_job("ssgd"),
+                                            *sets(output__dir=root)], root)
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    """A copy of the run directory ``run`` under ``tmp_path``/b (the run needs nothing of
+    its old place: --resume RUN_DIR reads and writes RUN_DIR)."""
+    return Path(shutil.copytree(run, tmp_path / "b" / run.name))
+
+
 def killed_and_resumed(tmp_path, uninterrupted_digits, algorithm, more=(), resume_args=(),
-                       ready=lambda latest: True) -> tuple[Path, Path, dict]:
+                       ready=lambda latest: True, killed=None) -> tuple[Path, Path, dict]:
     """The uninterrupted run of the checkpoint tests' job (A, shared with
     tests/test_recovery.py), and the same job (with ``more``: settings that change no
-    weight) killed after its first checkpoint that ``ready`` accepts and resumed (B);
-    returns (A, B, B's checkpoint record at the kill)."""
+    weight) killed after its first checkpoint that ``ready`` accepts (or a copy of
+    ``killed``, that job killed so already) and resumed (B); returns (A, B, B's
+    checkpoint record at the kill)."""
     a = uninterrupted_digits(algorithm)
-    b = kill_job_after_first_checkpoint(["configs/digits.yaml", *digits_job(algorithm), *more,
-                                         *sets(output__dir=tmp_path / "b")], tmp_path / "b",
-                                        ready=ready)
+    b = copy_of(killed, tmp_path) if killed is not None else kill_job_after_first_checkpoint(
+        ["configs/digits.yaml", *digits_job(algorithm), *more,
+         *sets(output__dir=tmp_path / "b")], tmp_path / "b", ready=ready)
     latest = json.loads((b / "checkpoints" / "latest.json").read_text())
     assert latest["next_epoch"] < EPOCHS and not (b / "summary.json").exists()  # mid-run
     resumed = dist(["--resume", b, *resume_args])
@@ -81,8 +99,10 @@ def after_resume(run: Path, rank: int = 0) -> list[dict]:
     return [r for r in records(run, rank, "train") if r["time"] > start["time"]]
 
 
-def test_killed_ssgd_job_resumes_to_the_same_weights(tmp_path, uninterrupted_digits):
-    a, b, latest = killed_and_resumed(tmp_path, uninterrupted_digits, "ssgd")
+def test_killed_ssgd_job_resumes_to_the_same_weights(tmp_path, uninterrupted_digits,
+                                                     killed_ssgd):
+    a, b, latest = killed_and_resumed(tmp_path, uninterrupted_digits, "ssgd",
+                                      killed=killed_ssgd)
     assert_same_final_weights(a, b)
     for rank in (0, 1):
         starts = records(b, rank, "start")
@@ -184,7 +204,7 @@ class _RunsCommand:
         return (os.system, (self.command,))
 
 
-def test_a_pickled_optimizer_state_file_is_refused_and_never_run(tmp_path):
+def test_a_pickled_optimizer_state_file_is_refused_and_never_run(tmp_path, killed_ssgd):
     """Issue 30, item 1: a checkpoint's STEM.states replaced by a pickle of os.system ran
     the command in both workers at --resume. The states are arrays + JSON now; the pickle
     is refused in one line and its command does not run."""
@@ -194,9 +214,7 @@ def test_a_pickled_optimizer_state_file_is_refused_and_never_run(tmp_path):
     pickle.loads(payload)                        # the payload is live: loaded, it runs
     assert marker.exists()
     marker.unlink()
-    run = kill_job_after_first_checkpoint(
-        ["configs/digits.yaml", *digits_job("ssgd"), *sets(output__dir=tmp_path / "b")],
-        tmp_path / "b")
+    run = copy_of(killed_ssgd, tmp_path)     # the ssgd job killed after its first checkpoint
     latest = json.loads((run / "checkpoints" / "latest.json").read_text())
     states = run / "checkpoints" / latest["states"]
     assert states.read_bytes()[:4] == b"PK\x03\x04"        # what is saved: an .npz
