@@ -1,5 +1,6 @@
 """A launched job the test can watch while it runs (its output read line by line) and
 attack: where its scheduler and server listen, and hostile peers to send them messages."""
+import numpy as np
 import zmq
 
 import jobs
@@ -83,3 +84,10 @@ def undisturbed_weights(tmp_path_factory, steps, env):
         job = LiveJob(out, steps=steps, env=env)
         assert job.wait() == 0, job.text[-3000:]
     return load_npz(out / "final-rank0.npz")
+
+
+def assert_undisturbed(out, undisturbed):
+    """Worker 0's final weights in ``out`` equal the undisturbed job's, bit for bit."""
+    final = load_npz(out / "final-rank0.npz")
+    for k in undisturbed:
+        np.testing.assert_array_equal(final[k], undisturbed[k])

@@ -11,8 +11,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from conftest import load_npz, node_env
-from livejob import LiveJob, dealer, job_keys, job_pid, undisturbed_weights
+from conftest import node_env
+from livejob import LiveJob, dealer, job_keys, job_pid, undisturbed_weights, assert_undisturbed
 from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore import fragments as F
 from ssdsgd.kvstore.env import NodeEnv
@@ -100,9 +100,7 @@ def test_an_oversized_frame_to_a_workers_relay_is_refused_unbuffered(tmp_path, u
         assert job.wait(timeout=300) == 0, job.text[-3000:]
     finally:
         job.kill()
-    final = load_npz(tmp_path / "final-rank0.npz")
-    for k in undisturbed:
-        np.testing.assert_array_equal(final[k], undisturbed[k])
+    assert_undisturbed(tmp_path, undisturbed)
 
 
 def test_a_relayed_reply_is_bounded_by_the_request_it_answers():
@@ -145,9 +143,7 @@ def test_a_servers_limit_follows_the_model_not_the_setting(tmp_path, undisturbed
         assert job.wait(timeout=300) == 0, job.text[-3000:]
     finally:
         job.kill()
-    final = load_npz(tmp_path / "final-rank0.npz")
-    for k in undisturbed:
-        np.testing.assert_array_equal(final[k], undisturbed[k])
+    assert_undisturbed(tmp_path, undisturbed)
 
 
 def test_the_jobs_limit_is_worker_0s_largest_message_within_the_setting():

@@ -10,8 +10,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from conftest import load_npz
-from livejob import LiveJob, answers, dealer, job_keys, undisturbed_weights
+from livejob import LiveJob, answers, dealer, job_keys, undisturbed_weights, assert_undisturbed
 from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore.security import Guard, JobKeys, KeyFile, SecurityError, load_keys
 
@@ -158,9 +157,7 @@ def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secur
     finally:
         job.kill()
     assert "refused a connection" in job.text     # the ZAP handler said whom it refused
-    final = load_npz(tmp_path / "final-rank0.npz")
-    for k in undisturbed:
-        np.testing.assert_array_equal(final[k], undisturbed[k])
+    assert_undisturbed(tmp_path, undisturbed)
 
 
 def _handshake(bound_keys, peer_keys, peer):
