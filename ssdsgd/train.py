@@ -232,7 +232,7 @@ def train_step(run: Run, x, y) -> tuple[int, float, int]:
 def validate(run: Run, epoch: int) -> None:
     """Rank 0: the validation figures after ``epoch``, recorded and logged (the others
     may wait for it: the stall watch does not count it, kvstore/liveness.py)."""
-    with run.kv.busy() if hasattr(run.kv, "busy") else contextlib.nullcontext():
+    with run.kv.busy() if run.kv is not None else contextlib.nullcontext():
         res = evaluate(run.net, run.dataset, run.ctx, run.config.data.batch_size)
     run.vals.append(res)
     elapsed = time.time() - run.t_train

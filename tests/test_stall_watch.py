@@ -24,7 +24,7 @@ def test_a_worker_behind_the_others_without_progress_is_stalled_after_the_timeou
     w.report(1, 2, False, 4.0)
     (stall,) = w.stalled(5.5)
     assert (stall.rank, stall.progress, stall.seconds) == (1, 2, 5.5)
-    assert ("worker 1 made no progress for 6 s (its requests stayed at 2 while another "
+    assert ("worker 1 made no progress for 6 s (its pushes stayed at 2 while another "
             "worker's reached 4;") in stall.describe(5.0)
     assert "SSDSGD_STALL_TIMEOUT=5" in stall.describe(5.0)
     w.report(1, 3, False, 6.0)                      # it moved: the clock starts again
@@ -100,7 +100,7 @@ def test_a_stuck_worker_aborts_the_job_naming_it(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 1, out[-3000:]
     assert re.search(r"the scheduler aborted the job: worker 1 made no progress for \d+ s "
-                     r"\(its requests stayed at 0 while worker 0 waited for it at a "
+                     r"\(its pushes stayed at 0 while worker 0 waited for it at a "
                      r"barrier; heartbeats still came: presumed stuck, "
                      r"SSDSGD_STALL_TIMEOUT=3\)", out), out[-3000:]
     assert took < 60, took          # the hour's sleep was not waited for

@@ -38,7 +38,7 @@ class IOThread:
         self.topology = None
         self.max_message = None
         self.left = []            # workers that left the job (cluster.on_worker_failure)
-        self.progress = 0         # requests the training thread made (liveness.py)
+        self.progress = 0         # pushes the training thread made (liveness.py)
         self.busy = False         # it says it does something else (rank 0's validation)
         # a launched worker whose training thread is stuck (it cannot see the abort)
         # would hold its launcher for ever: the process exits this long after (None: never)

@@ -5,7 +5,7 @@ SSDSGD_HEARTBEAT_TIMEOUT) or, a worker alive but making no progress, stuck
 Heartbeats come from a worker's I/O thread, so they prove the process is alive, not that
 it trains: a training thread stuck in a dead lock, a hung data loader or a device that
 stopped answering keeps its heartbeats going and held an ssd job forever. So each
-heartbeat also carries how many requests the worker's training thread has made
+heartbeat also carries how many pushes the worker's training thread has made
 (``progress``) and whether it says it is busy with something else (rank 0's validation).
 
 A worker is stalled when its progress has not moved for ``timeout`` seconds (not
@@ -36,12 +36,12 @@ class _Worker:
 class Stall:
     rank: int
     seconds: float            # without progress
-    progress: int             # its requests
+    progress: int             # its pushes
     holding: str              # whom it holds up, and how
 
     def describe(self, timeout):
         return (f"worker {self.rank} made no progress for {self.seconds:.0f} s (its "
-                f"requests stayed at {self.progress} while {self.holding}; heartbeats "
+                f"pushes stayed at {self.progress} while {self.holding}; heartbeats "
                 f"still came: presumed stuck, SSDSGD_STALL_TIMEOUT={timeout:g})")
 
 
