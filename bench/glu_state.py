@@ -399,7 +399,9 @@ def main(argv=None) -> int:
 
 def measure(args) -> dict:
     base = QUICK if args.quick else {}
-    pick = lambda name: getattr(args, name) or base.get(name) or DEFAULTS[name]  # noqa: E731
+    def pick(name):     # 0 is a value (--warmup 0), only None is "not given"
+        given = getattr(args, name)
+        return given if given is not None else base.get(name, DEFAULTS[name])
     s = {name: pick(name) for name in ('lrs', 'ks', 'states', 'seeds', 'steps', 'short',
                                        'warmup')}
     from ssdsgd.glu.rules import GLU_STATES
