@@ -486,6 +486,10 @@ def run_digits(args, kv):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.workload != 'digits':
+        # the run's length, as ssdsgd's training program states it (an auto warm-up is a
+        # share of it); the digits job states it by its cosine schedule's max_update
+        os.environ.setdefault('SSDSGD_TOTAL_STEPS', str(args.warmup + args.steps))
     kv = make_kvstore(args.kvstore)
     rank = kv.rank if kv is not None else int(os.environ.get('BENCH_WORKER_INDEX', '0'))
     if args.workload == 'digits':

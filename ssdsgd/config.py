@@ -34,6 +34,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from . import settings as S
+from .sync import auto
 from .config_schema import ConfigError, apply_override, build, copy_tree, show
 from .config_schema import typed_field as _f
 
@@ -274,13 +275,28 @@ def save_config(config: Config, path: str | os.PathLike) -> None:
 
 def resolve_warmup_steps(config: Config, steps_per_epoch: int | None = None) -> int:
     """The warm-up length T_w in steps: sync.warmup_epochs * steps_per_epoch if
-    warmup_epochs is set (it overrides warmup_steps), else sync.warmup_steps."""
+    warmup_epochs is set (it overrides warmup_steps), else sync.warmup_steps, whose
+    ``auto`` is a share of the run (ssdsgd/sync/auto.py)."""
+    if config.sync.warmup_epochs is None and not auto.is_auto(config.sync.warmup_steps):
+        return int(config.sync.warmup_steps)
+    steps_per_epoch = _steps_per_epoch(config, steps_per_epoch)
     if config.sync.warmup_epochs is None:
-        return config.sync.warmup_steps
+        return auto.warmup_steps("auto", total_steps(config, steps_per_epoch))[0]
+    return int(round(config.sync.warmup_epochs * steps_per_epoch))
+
+
+def total_steps(config: Config, steps_per_epoch: int | None = None) -> int:
+    """The run's length in steps (checkpoint.run_length's, for cluster.workers)."""
+    total = config.train.epochs * _steps_per_epoch(config, steps_per_epoch)
+    return total if config.train.max_steps is None else min(total, config.train.max_steps)
+
+
+def _steps_per_epoch(config: Config, steps_per_epoch: int | None) -> int:
+    """The given count, else counted from the data (cheap: file sizes, index lengths)."""
     if steps_per_epoch is None:
         from ssdsgd.data import steps_per_epoch as _spe
         steps_per_epoch = _spe(config, config.cluster.workers)
-    return int(round(config.sync.warmup_epochs * steps_per_epoch))
+    return steps_per_epoch
 
 
 def _env_values(config: Config, section: str | None = None,
@@ -289,8 +305,8 @@ def _env_values(config: Config, section: str | None = None,
     (of ``section`` only, if given); warm-up resolved to steps."""
     values = {name: value for name, value in _setting_values(config).items()
               if S.BY_NAME[name].env and section in (None, S.BY_NAME[name].section)}
-    if "warmup_steps" in values:
-        values["warmup_steps"] = resolve_warmup_steps(config, steps_per_epoch)
+    if "warmup_steps" in values and config.sync.warmup_epochs is not None:
+        values["warmup_steps"] = str(resolve_warmup_steps(config, steps_per_epoch))
     if values.get("quorum") == "all" and values.get("max_staleness") == \
             S.BY_NAME["max_staleness"].default:
         # no quorum: the job's variables stay those of a job before quorums existed
@@ -312,7 +328,8 @@ def cluster_env(config: Config) -> dict[str, str]:
 
 
 def _worker_values(config: Config, steps_per_epoch: int | None, start_step: int) -> dict:
-    return dict(_env_values(config, None, steps_per_epoch), start_step=start_step)
+    return dict(_env_values(config, None, steps_per_epoch), start_step=start_step,
+                total_steps=total_steps(config, steps_per_epoch))
 
 
 def job_env(config: Config, steps_per_epoch: int | None = None,

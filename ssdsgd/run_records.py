@@ -15,6 +15,8 @@ import numpy as np
 
 from ssdsgd.checkpoint import checkpoint_bytes
 from ssdsgd.metrics import Speedometer, kv_metrics, net_figures, summarize
+from ssdsgd.settings import count_or_auto
+from ssdsgd.sync.auto import K_UNTIMED
 from ssdsgd.sync.stage import Stage, plan
 
 log = logging.getLogger("ssdsgd.train")
@@ -65,8 +67,9 @@ def stage_of(run, m: dict | None = None):
     m = kv_metrics(run.kv) if m is None else m
     if "stage" in m:
         return Stage(m["stage"])
-    s = run.config.sync
-    return plan(max(run.step - 1, 0), s.algorithm, run.warmup, s.delay_steps).stage
+    s = run.config.sync          # not the stage machine: ssgd/asgd/preduce, or k pinned
+    return plan(max(run.step - 1, 0), s.algorithm, run.warmup,
+                count_or_auto(s.delay_steps) or K_UNTIMED).stage
 
 
 def lr_at(run, num_update: int) -> float:
@@ -80,7 +83,8 @@ def lr_at(run, num_update: int) -> float:
 def write_summary(run, wall: float) -> dict:
     """Rank 0: RUN_DIR/summary.json from its figures and every worker's end record."""
     c, kv, last = run.config, run.kv, run.vals[-1]      # finish() validated
-    left = kv_metrics(kv).get("left", [])                # cluster.on_worker_failure
+    m = kv_metrics(kv)
+    left = m.get("left", [])                             # cluster.on_worker_failure
     base = {
         "name": c.name, "algorithm": c.sync.algorithm if kv is not None else "local",
         "num_workers": run.num_workers,
@@ -89,7 +93,9 @@ def write_summary(run, wall: float) -> dict:
         "batch_size": c.data.batch_size,
         "epochs": round(run.step / run.length.steps_per_epoch, 3), "steps": run.step,
         "steps_per_epoch": run.length.steps_per_epoch, "warmup_steps": run.warmup,
-        "delay_steps": c.sync.delay_steps,
+        "delay_steps": m.get("delay_steps", c.sync.delay_steps),
+        # what the job chose for the knobs left at auto, and why (sync/auto.py)
+        "choices": m.get("choices", {}),
         "final_accuracy": last.get("accuracy"),
         "best_accuracy": max(v["accuracy"] for v in run.vals),
         **({"final_top5": last["top5"]} if "top5" in last else {}),

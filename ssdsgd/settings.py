@@ -14,9 +14,9 @@ attribute, the variable the launcher writes and the documentation follow. This m
 imports nothing from ssdsgd but that registry (itself a leaf): the transport (low) and
 the config (high) both read it.
 
-    values = read_env(os.environ)                     # {"delay_steps": 5, ...}
+    values = read_env(os.environ)                     # {"delay_steps": "5", ...}
     to_env(num_workers=2, start_step=40)              # {"SSDSGD_NUM_WORKERS": "2", ...}
-    BY_NAME["delay_steps"].check(0)                   # SettingError: expected an integer >= 1
+    BY_NAME["delay_steps"].check(0)         # SettingError: expected auto or an integer >= 1
 """
 from __future__ import annotations
 
@@ -132,6 +132,14 @@ class Setting:
                     raise SettingError(f"expected {self.expects()}") from None
                 value = int(number)
             return self.check(value)
+        if self.int_text:
+            try:
+                number = float(text)
+            except ValueError:
+                pass
+            else:
+                if number.is_integer():         # "500.0", as for an int setting
+                    text = str(int(number))
         return self.check(text)
 
     def format(self, value) -> str:
@@ -234,6 +242,20 @@ def _quorum(text: str) -> Optional[str]:
     return "expected all, majority, solo or an integer >= 1"
 
 
+def _count(low: int) -> Callable[[str], Optional[str]]:
+    """The form of a count a job may choose itself: auto or an integer >= low."""
+    def check(text: str) -> Optional[str]:
+        if text == "auto" or (text.isdigit() and int(text) >= low):
+            return None
+        return f"expected auto or an integer >= {low}"
+    return check
+
+
+def count_or_auto(text: str) -> Optional[int]:
+    """A count setting's value: the integer, or None for auto."""
+    return None if text == "auto" else int(text)
+
+
 def _pieces(text: str) -> Optional[str]:
     """pipeline_pieces' form: auto or an integer 1..64."""
     if text == "auto" or (text.isdigit() and 1 <= int(text) <= 64):
@@ -310,12 +332,20 @@ SETTINGS = (
     Setting("group_size", int, 2, "P: workers whose models one partial reduce averages "
             "(algorithm preduce; 2 <= P <= N)", env="SSDSGD_GROUP_SIZE",
             path="sync.group_size", min=2),
-    Setting("warmup_steps", int, 500, "T_w: synchronous warm-up steps",
-            env="SSDSGD_WARMUP_STEPS", path="sync.warmup_steps", min=0),
+    Setting("warmup_steps", str, "auto", "T_w: synchronous warm-up steps; auto: 5 % of the "
+            "run (SSDSGD_TOTAL_STEPS), at least 4 and at most 500, or 100 if the run's length "
+            "is unknown (docs/auto.md)", env="SSDSGD_WARMUP_STEPS", path="sync.warmup_steps",
+            validate=_count(0), int_text=True, form="auto or an integer >= 0"),
     Setting("warmup_epochs", float, None, "if set, overrides warmup_steps: round(epochs x steps "
             "per epoch)", path="sync.warmup_epochs", min=0.0, optional=True),
-    Setting("delay_steps", int, 5, "k: pull period in steps", env="SSDSGD_DELAY_STEPS",
-            path="sync.delay_steps", min=1),
+    Setting("delay_steps", str, "auto", "k: pull period in steps; auto: rank 0 times the "
+            "warm-up's steps and picks the smallest k in [2, 10] whose pulls cost at most 10 % "
+            "of a step (5 if the warm-up is too short to time; docs/auto.md)",
+            env="SSDSGD_DELAY_STEPS", path="sync.delay_steps", validate=_count(1),
+            int_text=True, form="auto or an integer >= 1"),
+    Setting("total_steps", int, None, "the run's length in steps, if known (ssdsgd's "
+            "training program sets it; a script may): the auto warm-up is a share of it",
+            env="SSDSGD_TOTAL_STEPS", min=1, optional=True),
     Setting("pull_schedule", str, "aligned", "when in each period of k steps a worker pulls "
             "(ssd): aligned (the spec: every worker at the same step) or staggered (worker i "
             "floor(i k / N) steps earlier, so the N pulls do not cross the servers' links as "

@@ -29,6 +29,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.cluster import jobs, netns, plan, rows  # noqa: E402
+from ssdsgd.sync.auto import K_MAX  # noqa: E402
 
 PY = sys.executable
 TINY_BYTES = 4 * (64 * 32 + 64 + 128 * 64 + 128 + 10 * 128 + 10)   # TINY_SHAPES in bench.cluster
@@ -481,7 +482,7 @@ def test_a_row_is_a_name_plus_settings_checked_against_the_settings_table(tmp_pa
     one-line error naming the row and the key."""
     k5 = rows.parse_row('ssd-k5-2bit', {'sync.delay_steps': 5, 'sync.compression': '2bit'})
     assert (k5.kind, k5.mode, k5.k, k5.compression, dict(k5.settings)) == (
-        'ssd', 'ssd', 5, '2bit', {'delay_steps': 5})
+        'ssd', 'ssd', 5, '2bit', {'delay_steps': '5'})
     q = rows.parse_row('q3', {'sync.quorum': 3})           # YAML's integer, the text "3"
     assert q.quorum == '3' and q.straggler_tolerant
     # a setting without a config key goes by its variable, as the settings table spells it
@@ -491,7 +492,7 @@ def test_a_row_is_a_name_plus_settings_checked_against_the_settings_table(tmp_pa
     for overrides, words in (
             ({'sync.delay_step': 5}, "unknown setting 'sync.delay_step' (did you mean "
                                      "sync.delay_steps?)"),
-            ({'sync.delay_steps': 0}, 'sync.delay_steps: expected an integer >= 1, got 0'),
+            ({'sync.delay_steps': 0}, 'sync.delay_steps: expected auto or an integer >= 1, got 0'),
             ({'cluster.workers': 4}, 'cluster.workers is not a row setting'),
             ({'SSDSGD_RANK': 1}, 'SSDSGD_RANK is not a row setting'),
             ({'kvstore': 'dist_foo'}, 'kvstore: expected one of'),
@@ -525,12 +526,14 @@ def test_every_experiment_has_a_defaults_row_that_is_given_nothing():
         assert 'defaults' in names, name
     d = rows.system('defaults')
     assert d.defaults and d.settings == () and d.label == 'ssd_sync defaults'
-    assert (d.kind, d.mode, d.k) == ('ssd', 'ssd', 5)            # settings.py's defaults
+    # settings.py's defaults: k auto, planned for the largest k it may choose
+    assert (d.kind, d.mode, d.k, d.k_auto) == ('ssd', 'ssd', K_MAX, True)
+    assert 'k=auto' not in d.label and rows.system('ssd-k5').k_auto is False
     assert jobs.job_settings(d, 2, 'corrected') == {}
     assert jobs.job_settings(rows.system('ssd-k5'), 2, 'corrected') == {
-        'delay_steps': 5, 'warmup_steps': 2, 'glu_state': 'corrected'}
+        'delay_steps': '5', 'warmup_steps': 2, 'glu_state': 'corrected'}
     assert jobs.job_settings(rows.system('ssd-k10-2bit-w4-relay'), 10) == {
-        'delay_steps': 10, 'warmup_steps': 4, 'pull_relay': 'chain'}
+        'delay_steps': '10', 'warmup_steps': '4', 'pull_relay': 'chain'}
     assert jobs.job_settings(rows.system('native-sync'), 2, 'exact') == {}
     # the shell's SSDSGD_* variables would reach every job through the launcher
     os.environ['SSDSGD_DELAY_STEPS'] = '7'

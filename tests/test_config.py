@@ -62,7 +62,7 @@ def test_paper_settings_in_reproduction_configs():
     assert c.optimizer.lr_schedule.type == "step"
     assert c.optimizer.lr_schedule.step_epochs == [80, 120]
     assert c.optimizer.lr_schedule.factor == 0.1
-    assert (c.sync.warmup_steps, c.sync.delay_steps) == (500, 5)
+    assert (c.sync.warmup_steps, c.sync.delay_steps) == ("500", "5")   # pinned: the paper's
     i = load_config(ROOT / "configs" / "imagenet_resnet50_asgd.yaml")
     assert (i.cluster.workers, i.cluster.servers, i.data.batch_size, i.train.epochs) == \
         (3, 3, 128, 90)
@@ -76,16 +76,16 @@ def test_defaults_and_overrides(tmp_path):
     path = write(tmp_path, MINIMAL)
     cfg = load_config(path, ["sync.delay_steps=10", "optimizer.lr_schedule.type=cosine",
                              "train.gpus=[0, 1]", "sync.lr_local=0.01", "optimizer.wd=1e-4"])
-    assert cfg.sync.delay_steps == 10
+    assert cfg.sync.delay_steps == "10"
     assert cfg.optimizer.lr_schedule.type == "cosine"
     assert cfg.train.gpus == [0, 1]
     assert cfg.sync.lr_local == 0.01
     assert cfg.optimizer.wd == 1e-4          # '1e-4' is a string to PyYAML: accepted
-    assert cfg.sync.algorithm == "ssd" and cfg.sync.warmup_steps == 500
+    assert cfg.sync.algorithm == "ssd" and cfg.sync.warmup_steps == "auto"
     assert cfg.sync.local_rule == "glu" and cfg.sync.glu_state == "exact"
     assert cfg.cluster.heartbeat_timeout == 30.0
-    assert cfg.to_dict()["sync"]["delay_steps"] == 10
-    assert load_config(path).sync.delay_steps == 5  # the file itself is unchanged
+    assert cfg.to_dict()["sync"]["delay_steps"] == "10"
+    assert load_config(path).sync.delay_steps == "auto"  # the file itself is unchanged
 
 
 BAD = [
@@ -96,7 +96,7 @@ BAD = [
     (dict(cluster={"workers": -1}), [], ["cluster.workers: expected an integer >= 1", "-1"]),
     (dict(cluster={"workers": 2.5}), [], ["cluster.workers: expected an integer"]),
     (dict(train={"epochs": True}), [], ["train.epochs: expected an integer"]),
-    (dict(sync={"delay_steps": 0}), [], ["sync.delay_steps: expected an integer >= 1", "0"]),
+    (dict(sync={"delay_steps": 0}), [], ["sync.delay_steps: expected auto or an integer >= 1", "0"]),
     (dict(sync={"algorithm": "fast"}), [], ["sync.algorithm: expected one of ssd, ssgd, asgd"]),
     (dict(sync={"local_rule": "glue"}), [], ["sync.local_rule: expected one of glu, sgd, none"]),
     (dict(model={"name": "resnet18"}), [], ["model.name: expected one of"]),
@@ -136,7 +136,7 @@ BAD = [
     ({}, ["=5"], ["--set '=5'", "dotted key"]),
     ({}, ["sync..delay_steps=5"], ["dotted key"]),
     ({}, ["sync.delay_steps=[1"], ["--set 'sync.delay_steps=[1'", "not a YAML"]),
-    ({}, ["sync.delay_steps=0"], ["sync.delay_steps: expected an integer >= 1, got 0"]),
+    ({}, ["sync.delay_steps=0"], ["sync.delay_steps: expected auto or an integer >= 1, got 0"]),
     ({}, ["sync.nope=1"], ["sync.nope: unknown key"]),
     ({}, ["model.name.x=1"], ["model.name is not a section"]),
 ]

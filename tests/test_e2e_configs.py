@@ -247,7 +247,7 @@ LAUNCHER_ERRORS = {
     "wrong type": (lambda t: ["configs/digits.yaml", "--set", "cluster.workers=two"],
                    ["cluster.workers: expected an integer >= 1, got 'two'"]),
     "impossible value": (lambda t: ["configs/digits.yaml", "--set", "sync.delay_steps=0"],
-                         ["sync.delay_steps: expected an integer >= 1, got 0",
+                         ["sync.delay_steps: expected auto or an integer >= 1, got 0",
                           "configs/digits.yaml"]),
     "bad --set": (lambda t: ["configs/digits.yaml", "--set", "sync.delay_steps"],
                   ["--set 'sync.delay_steps': expected KEY=VALUE"]),

@@ -194,9 +194,10 @@ def test_environment_text_forms():
     means unset, booleans (for settings to come) as 1/0, true/false, yes/no."""
     env = NodeEnv.from_environ(dict(PORT, SSDSGD_WARMUP_STEPS="500.0", SSDSGD_DELAY_STEPS=" 7",
                                     SSDSGD_LR_LOCAL="", SSDSGD_ALGORITHM=""))
-    assert (env.warmup_steps, env.delay_steps, env.lr_local, env.algorithm) == (500, 7, None,
-                                                                                "ssd")
-    with pytest.raises(EnvError, match=r"^SSDSGD_DELAY_STEPS='2.5': expected an integer >= 1$"):
+    assert (env.warmup_steps, env.delay_steps, env.lr_local, env.algorithm) == ("500", "7",
+                                                                                None, "ssd")
+    with pytest.raises(EnvError, match=r"^SSDSGD_DELAY_STEPS='2.5': expected auto or an "
+                                       r"integer >= 1$"):
         NodeEnv.from_environ(dict(PORT, SSDSGD_DELAY_STEPS="2.5"))
     flag = S.Setting("flag", bool, False, "a switch", env="SSDSGD_FLAG")
     assert [flag.parse(t) for t in ("1", "true", "Yes", "0", "false", "no")] == [True] * 3 + \
@@ -229,7 +230,7 @@ def test_launcher_env_check():
         ("SSDSGD_NUM_WORKERS", "x"): "--env SSDSGD_NUM_WORKERS='x': expected an integer",
         ("SSDSGD_SCHEDULER_HOST", "h"): "the launcher sets SSDSGD_SCHEDULER_HOST",
         ("SSDSGD_ALGORITM", "ssgd"): "unknown setting (did you mean SSDSGD_ALGORITHM?",
-        ("SSDSGD_DELAY_STEPS", "0"): "SSDSGD_DELAY_STEPS='0': expected an integer >= 1",
+        ("SSDSGD_DELAY_STEPS", "0"): "SSDSGD_DELAY_STEPS='0': expected auto or an integer >= 1",
     }
     for (key, value), message in cases.items():
         with pytest.raises(S.SettingError) as info:
@@ -247,7 +248,8 @@ def test_worker_check_follows_the_config():
     with pytest.raises(ConfigError, match="^SSDSGD_LR_LOCAL=0.5 in the environment, but the "
                                           "config gives unset"):
         check_worker_env(cfg, dict(env, SSDSGD_LR_LOCAL="0.5"), 10)
-    with pytest.raises(ConfigError, match=r"^SSDSGD_DELAY_STEPS='x': expected an integer"):
+    with pytest.raises(ConfigError, match=r"^SSDSGD_DELAY_STEPS='x': expected auto or an "
+                                          r"integer"):
         check_worker_env(cfg, dict(env, SSDSGD_DELAY_STEPS="x"), 10)
     filled = {}
     check_worker_env(cfg, filled, 10, start_step=5)

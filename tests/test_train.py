@@ -214,7 +214,7 @@ def test_total_steps():
 
 
 def test_worker_mode_environment_checks(monkeypatch):
-    cfg = cfg_with(cluster={"workers": 2}, sync={"delay_steps": 7})
+    cfg = cfg_with(cluster={"workers": 2}, sync={"delay_steps": 7, "warmup_steps": 500})
     monkeypatch.setenv("SSDSGD_ROLE", "server")
     with pytest.raises(ConfigError, match="SSDSGD_ROLE=server"):
         R.create_kvstore(cfg, 22)

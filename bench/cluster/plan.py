@@ -27,7 +27,7 @@ class System:
     label: str            # the table's row name
     kind: str             # 'native', 'ssd' or 'none'
     mode: str = ''        # native: dist_sync | dist_async; ssd: sync.algorithm
-    k: int = 0            # ssd: sync.delay_steps (0 for the other algorithms)
+    k: int = 0            # ssd: sync.delay_steps (0 for the other algorithms; auto: K_MAX)
     p: int = 0            # preduce: sync.group_size
     compression: str = ''  # push compression type ('2bit', 'topk') or '' for none
     quorum: str = ''      # sync.quorum if the row sets it
@@ -38,6 +38,7 @@ class System:
     staggered: bool = False  # sync.pull_schedule staggered (docs/spec/staggered_pulls.md)
     state_pulls: bool = False  # ssd: pulls carry the momentum too (glu_state exact; resolved)
     relay: bool = False   # sync.pull_relay chain (docs/spec/pull_relay.md)
+    k_auto: bool = False  # ssd: k is the job's choice (sync.delay_steps auto)
     settings: tuple = ()  # ssd_sync: the row's (setting name, value) pairs, for the job
     defaults: bool = False  # changes nothing and is given nothing: a user's defaults
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from ssdsgd import settings as table
+from ssdsgd.sync.auto import K_MAX
 
 from .plan import System
 
@@ -101,12 +102,15 @@ def _system(name, kvstore, values):
         how = f' + {kind} (push/pull)' if kind else ''
         return System(name, f'native {kvstore}{how}', 'native', kvstore, **common)
     algorithm = values.get('algorithm', table.BY_NAME['algorithm'].default)
-    k = values.get('delay_steps', table.BY_NAME['delay_steps'].default) \
-        if algorithm == 'ssd' else 0
+    k_setting = values.get('delay_steps', table.BY_NAME['delay_steps'].default)
+    # k auto is chosen by the job (ssdsgd/sync/auto.py): plan for the largest it may pick
+    k = (table.count_or_auto(k_setting) or K_MAX) if algorithm == 'ssd' else 0
     p = values.get('group_size', table.BY_NAME['group_size'].default) \
         if algorithm == 'preduce' else 0
-    return System(name, label(values, algorithm, k, p), 'ssd', algorithm, k, p,
-                  quorum=values.get('quorum', ''), warmup=values.get('warmup_steps', -1),
+    warmup = values.get('warmup_steps', 'auto')
+    return System(name, label(values, algorithm, k_setting if k else 0, p), 'ssd', algorithm,
+                  k, p, k_auto=bool(k) and k_setting == 'auto', quorum=values.get('quorum', ''),
+                  warmup=-1 if warmup == 'auto' else int(warmup),
                   glu_state=values.get('glu_state', ''),
                   staggered=values.get('pull_schedule') == 'staggered',
                   relay=values.get('pull_relay') == 'chain',

@@ -225,7 +225,8 @@ def steady_step(result, system):
     counts; needs m >= 2. Other rows: every step but the first."""
     e = result.get('step_ends') or []
     if system.kind == 'ssd' and system.mode == 'ssd' and system.k:
-        k = system.k
+        # the k the job ran (its own choice when auto), else the row's
+        k = int((result.get('kv_metrics_end') or {}).get('delay_steps') or system.k)
         m = len(e) // k
         if m < 2:
             return None

@@ -173,7 +173,7 @@ def _prepare(args):
     runner = make_launcher(options_from(args), config.cluster.workers, config.cluster.servers,
                            config.cluster.hosts)
     check_port(args.port, runner)       # before the run directory exists
-    _warn_whole_warmup(config, env, length)
+    _warn_whole_warmup(config, length)
     try:
         if not args.resume:
             run_dir = str(new_run_dir(config))
@@ -188,9 +188,10 @@ def _prepare(args):
     return config, run_dir, length, env, runner
 
 
-def _warn_whole_warmup(config, env, length):
+def _warn_whole_warmup(config, length):
     """SSD-SGD whose synchronous warm-up is as long as the run never delays a pull."""
-    warmup = int(env.get(BY_NAME["warmup_steps"].env) or 0)
+    from ..config import resolve_warmup_steps
+    warmup = resolve_warmup_steps(config, length.steps_per_epoch)
     if config.sync.algorithm == "ssd" and warmup >= length.total_steps:
         print(f"[launcher] warning: the warm-up ({warmup} steps, sync.warmup_steps or "
               f"sync.warmup_epochs) covers the whole run ({length.total_steps} steps): every "

@@ -1,7 +1,8 @@
 """Which server policy a job's settings choose. The node wiring (``ssdsgd.node``) hands
 ``make_server_policy`` to the server, which calls it once it knows its rank: the
 transport names no policy."""
-from ..settings import quorum_size
+from ..settings import count_or_auto, quorum_size
+from .auto import K_MAX
 from .averaging import GroupAverages
 from .dense import Async, DenseSync
 from .quorum import QuorumRounds
@@ -10,7 +11,9 @@ from .stage import steps_ahead_bound
 
 def make_server_policy(env, rank):
     """The policy of server ``rank`` for the job ``env`` describes (a NodeEnv)."""
-    n, steps_ahead = env.num_workers, steps_ahead_bound(env.algorithm, env.delay_steps)
+    # k auto is chosen by the workers at the end of the warm-up, at most K_MAX
+    k = count_or_auto(env.delay_steps) or K_MAX
+    n, steps_ahead = env.num_workers, steps_ahead_bound(env.algorithm, k)
     averaging = GroupAverages(n) if env.algorithm == "preduce" else None
     quorum = quorum_size(env.quorum, n)
     if env.algorithm == "asgd":

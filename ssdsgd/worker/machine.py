@@ -24,6 +24,7 @@ The machine speaks to the servers only through the client's API (``init``, ``pus
 ``pull``): it builds no message and never sees how keys are split over servers.
 """
 import dataclasses
+import time
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from ..mxglue.optimizer_spec import build
 from . import checkpoint_state
 from .deferred import DeferredSteps, device_sum
 from .preduce import PreduceSteps
+from ..sync.auto import K_UNTIMED, Schedule
 from ..sync.stage import Stage, delays_pulls, plan, pull_offset
 
 
@@ -83,10 +85,15 @@ class StageMachine:
         # update count (rounds, not this worker's steps), and the end waits for every
         # worker (final pull).
         self.quorum = bool(getattr(client, "quorum", False))
-        # This worker's place in each pull period (0 unless the pulls are staggered; the
-        # settings refuse staggered pulls where there is no pull period or a quorum).
-        self.offset = pull_offset(client.rank, client.num_workers, env.delay_steps,
-                                  env.pull_schedule)
+        # T_w and k in force: pinned, or chosen by the job (sync/auto.py); k is agreed at
+        # the end of the warm-up, and then this worker's place in each pull period (0
+        # unless the pulls are staggered) follows from it.
+        self.schedule = Schedule(env, client.rank)
+        if delays_pulls(env.algorithm):
+            self.schedule.say(self.schedule.describe())
+        self.offset = 0
+        if not self.schedule.undecided:
+            self._set_offset()
         self.preduce = PreduceSteps(client, self.keys, self.counts)
         self.deferred = DeferredSteps(client, self.keys)   # steps queued on MXNet's engine
         self.final_done = False      # quorum: the final pull is answered
@@ -99,6 +106,7 @@ class StageMachine:
     def set_optimizer(self, spec, updater=None):
         """``updater``: MXNet's updater of the Trainer's own optimizer (preduce runs it)."""
         self.preduce.updater = updater
+        self.schedule.learn_length(spec, self.t)
         self.rule = None
         if delays_pulls(self.env.algorithm):
             self.rule = make_local_rule(self.env.local_rule, lambda: build(spec),
@@ -126,14 +134,39 @@ class StageMachine:
     def step(self, entries):
         """entries: (key, grads, outs); outs None means write the result into grads."""
         self.settle()
-        blocked0 = self.client.stats["time_blocked"]
+        stats = self.client.stats
+        blocked0 = stats["time_blocked"]
+        self.schedule.begin(self.t, time.perf_counter(), stats)
         if self.env.algorithm == "preduce":
             self.preduce.step(entries)
-            self.t += 1
-            self.last_step_blocked = self.client.stats["time_blocked"] - blocked0
-            return
-        p = plan(self.t, self.env.algorithm, self.env.warmup_steps, self.env.delay_steps,
-                 self.offset)
+        else:
+            self._stage_step(entries)
+        self.schedule.end(time.perf_counter(), stats)
+        self.t += 1
+        self.last_step_blocked = stats["time_blocked"] - blocked0
+        if self.t == self.schedule.warmup_steps and self._choosing_k():
+            self.schedule.decide(self.client.barrier)       # every worker, same step
+            self._set_offset()
+
+    def _choosing_k(self):
+        return self.schedule.undecided and delays_pulls(self.env.algorithm)
+
+    def _set_offset(self):
+        self.offset = pull_offset(self.client.rank, self.client.num_workers,
+                                  self.schedule.delay_steps, self.env.pull_schedule)
+
+    def _plan(self, t):
+        if t >= self.schedule.warmup_steps and self._choosing_k():
+            # no warm-up step was timed here (T_w = 0, or resumed past it without a k):
+            # the same fallback on every worker, no agreement needed
+            self.schedule.set_delay(K_UNTIMED, "auto, untimed: no warm-up step to time")
+            self._set_offset()
+        return plan(t, self.env.algorithm, self.schedule.warmup_steps,
+                    self.schedule.delay_steps, self.offset)
+
+    def _stage_step(self, entries):
+        """ssgd, asgd, ssd: the stage of step t (sync/stage.py)."""
+        p = self._plan(self.t)
         if not p.synchronous:
             self._check_steps_delay(entries)
             self._fetch_state(entries)
@@ -149,8 +182,6 @@ class StageMachine:
             self._synchronous_step(entries, reply)
         else:
             self._steps_delay_step(entries, grads, reply)
-        self.t += 1
-        self.last_step_blocked = self.client.stats["time_blocked"] - blocked0
 
     # ---- a synchronous step queued on MXNet's engine ----------------------------------
     def can_defer(self, entries):
@@ -192,7 +223,7 @@ class StageMachine:
         steps-delay pull, and the last warm-up step's (the first reset's)."""
         needs_state = self.rule is not None and self.rule.needs_state
         return needs_state and p.request_pull and \
-            (not p.synchronous or self.t == self.env.warmup_steps - 1)
+            (not p.synchronous or self.t == self.schedule.warmup_steps - 1)
 
     def _dated(self, reply, step):
         """When the global weights of ``reply`` are from: this worker's step, or with a
@@ -352,8 +383,12 @@ class StageMachine:
         stats = dict(self.client.stats)
         stats.update(self.counts)
         stats["step"] = self.t
-        stats["stage"] = plan(max(self.t - 1, 0), self.env.algorithm, self.env.warmup_steps,
-                              self.env.delay_steps, self.offset).stage
+        stats["stage"] = plan(max(self.t - 1, 0), self.env.algorithm,
+                              self.schedule.warmup_steps, self.schedule.delay_steps,
+                              self.offset).stage
+        stats["warmup_steps"] = self.schedule.warmup_steps
+        stats["delay_steps"] = self.schedule.delay_steps
+        stats["choices"] = self.schedule.choices
         stats["last_step_blocked"] = self.last_step_blocked
         stats["left"] = list(self.client.left)
         return stats
