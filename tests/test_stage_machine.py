@@ -37,6 +37,7 @@ class FakeServer:
         self.pushed = {}                         # (key, step) -> {rank: NDArray}
         self.waiting = {}                        # (key, step) -> [(FakeRequest, with_state)]
         self.cond = threading.Condition()
+        self.barrier_values, self.barriers_done, self.barrier_result = [], 0, None
 
     def reply(self, key, with_state):
         w = self.weights[key]
@@ -97,6 +98,7 @@ class FakeClient:
         self.last_push, self.received = None, -1
         self.ahead = []     # per push: steps beyond the last global weights received
         self.codes_pushes = False   # pushes are kept, uncompressed, until the server reads them
+        self.barriers = []          # what each barrier returned
 
     def init(self, keys, values=None):
         with self.server.cond:
@@ -122,6 +124,27 @@ class FakeClient:
                 self.server.push(self.rank, key, self.pushes[key], grad, request, state)
                 self.pushes[key] += 1
         return request
+
+    def residuals(self):            # no compression here: no error feedback to save
+        return {}
+
+    def load_residuals(self, residuals):
+        assert residuals == {}
+
+    def barrier(self, value=0):
+        """The scheduler's barrier: returns once every worker is in, with the largest
+        value any passed (how rank 0 tells the others a decision)."""
+        server = self.server
+        with server.cond:
+            done = server.barriers_done
+            server.barrier_values.append(value)
+            if len(server.barrier_values) == self.num_workers:
+                server.barrier_result = max(server.barrier_values)
+                server.barrier_values, server.barriers_done = [], done + 1
+                server.cond.notify_all()
+            assert server.cond.wait_for(lambda: server.barriers_done > done, timeout=60)
+            self.barriers.append(server.barrier_result)
+            return server.barrier_result
 
     def pull(self, keys, *, latest=False, state=False):
         as_of = -1 if latest or self.last_push is None else self.last_push

@@ -40,7 +40,7 @@ class System:
     relay: bool = False   # sync.pull_relay chain (docs/spec/pull_relay.md)
     k_auto: bool = False  # ssd: k is the job's choice (sync.delay_steps auto)
     settings: tuple = ()  # ssd_sync: the row's (setting name, value) pairs, for the job
-    defaults: bool = False  # changes nothing and is given nothing: a user's defaults
+    defaults: bool = False  # a user's defaults (at most sync.compression set): given nothing
 
     @property
     def synchronous(self):

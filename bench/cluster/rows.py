@@ -115,7 +115,7 @@ def _system(name, kvstore, values):
                   staggered=values.get('pull_schedule') == 'staggered',
                   relay=values.get('pull_relay') == 'chain',
                   settings=tuple((n, v) for n, v in values.items() if n != 'compression'),
-                  defaults=not values, **common)
+                  defaults=set(values) <= {'compression'}, **common)
 
 
 #: how a label names a setting a row changes (others: "key value")
@@ -131,8 +131,9 @@ _SAID = {
 
 def label(values, algorithm, k, p):
     """The table's name of an ssd_sync row: the algorithm, then what the row changes."""
-    if not values:
-        return 'ssd_sync defaults'
+    if set(values) <= {'compression'}:          # a user's defaults, compressed or not
+        return 'ssd_sync defaults' + ''.join(_SAID['compression'](str(v))
+                                             for v in values.values())
     text = f'ssd_sync {algorithm}' + (f' k={k}' if k else '') + (f' P={p}' if p else '')
     for name, value in values.items():
         if name in ('algorithm', 'delay_steps', 'group_size'):

@@ -1,0 +1,168 @@
+"""The knobs a job chooses itself (ssdsgd/sync/auto.py): the warm-up from the run's length,
+k from the warm-up's timings, agreed by every worker, said and recorded."""
+import json
+import math
+
+import pytest
+
+from ssdsgd.sync import auto
+from ssdsgd.sync.auto import K_MAX, K_MIN, SLACK, Schedule, Timings
+from ssdsgd.kvstore.env import NodeEnv
+
+from test_stage_machine import Job
+from test_e2e_configs import dist, records, run_dir_of, sets
+
+
+def _env(**settings):
+    env = {"SSDSGD_SCHEDULER_PORT": "1", "SSDSGD_ROLE": "worker"}
+    env.update({f"SSDSGD_{name.upper()}": str(value) for name, value in settings.items()})
+    return NodeEnv.from_environ(env)
+
+
+# ---- the warm-up ----------------------------------------------------------------------
+def test_the_warmup_is_a_share_of_the_run_within_bounds():
+    assert auto.warmup_steps("auto", 504)[0] == 26                  # 5 %, rounded up
+    assert auto.warmup_steps("auto", 66)[0] == auto.WARMUP_MIN      # never too short to time
+    assert auto.warmup_steps("auto", 10 ** 6)[0] == auto.WARMUP_MAX
+    steps, why = auto.warmup_steps("auto", None)
+    assert steps == auto.WARMUP_UNKNOWN_LENGTH and "SSDSGD_TOTAL_STEPS" in why
+    assert auto.warmup_steps("40", 504) == (40, "pinned")
+    for total in (20, 66, 220, 504, 5000):      # a run long enough to gain is never all warm-up
+        assert auto.warmup_steps("auto", total)[0] < total
+
+
+def test_an_unknown_length_is_taken_from_the_lr_schedulers_max_update(capsys):
+    spec = {"name": "sgd", "params": {}, "lr_scheduler": {
+        "name": "CosineScheduler", "params": {"max_update": 880, "base_lr": 0.1}}}
+    s = Schedule(_env(), rank=0)
+    assert s.warmup_steps == auto.WARMUP_UNKNOWN_LENGTH
+    s.learn_length(spec, t=0)
+    assert s.warmup_steps == 44 and "max_update" in s.choices["warmup_steps"]["why"]
+    assert "ssdsgd: warm-up 44 steps" in capsys.readouterr().err
+    known = Schedule(_env(total_steps=60), rank=0)     # the stated length wins
+    known.learn_length(spec, t=0)
+    assert known.warmup_steps == auto.WARMUP_MIN
+    pinned = Schedule(_env(warmup_steps=7), rank=0)
+    pinned.learn_length(spec, t=0)
+    assert pinned.warmup_steps == 7 and pinned.choices["warmup_steps"]["why"] == "pinned"
+
+
+# ---- k ----------------------------------------------------------------------------------
+def _k_meets_slack(t, k):
+    """The rule's condition, restated: a pull's excess over one step's compute, spread
+    over k steps, is within SLACK of the push-every-step bound."""
+    per_byte = t.round_s / (t.sent_bytes + t.received_bytes)
+    excess = per_byte * t.pull_bytes - t.compute_s
+    return excess <= SLACK * max(t.compute_s, per_byte * t.sent_bytes) * k
+
+
+@pytest.mark.parametrize("compute_s", [0.001, 0.01, 0.05, 0.2, 0.8, 3.0])
+@pytest.mark.parametrize("round_s,sent,received,pull", [
+    (4.0, 100e6, 100e6, 200e6),     # ResNet-50 shapes, 1 Gbit/s, exact state
+    (2.0, 6e6, 100e6, 200e6),       # the same with 2bit pushes
+    (0.4, 100e6, 100e6, 100e6),     # 10 Gbit/s, no state
+    (0.004, 1e5, 1e5, 2e5),         # a small model on loopback
+])
+def test_k_is_the_smallest_that_hides_the_pulls_within_the_bounds(compute_s, round_s, sent,
+                                                                  received, pull):
+    t = Timings(compute_s, round_s, sent, received, pull)
+    k, why = auto.delay_steps(t)
+    assert K_MIN <= k <= K_MAX and why.startswith("auto: compute")
+    if K_MIN < k < K_MAX:
+        assert _k_meets_slack(t, k) and not _k_meets_slack(t, k - 1)
+    elif k == K_MAX:
+        assert not _k_meets_slack(t, k - 1)
+    else:
+        assert k == K_MIN
+
+
+def test_k_follows_what_the_link_costs():
+    cheap = auto.delay_steps(Timings(0.8, 0.4, 100e6, 100e6, 200e6))[0]
+    dear = auto.delay_steps(Timings(0.8, 4.0, 100e6, 100e6, 200e6))[0]
+    assert (cheap, dear) == (K_MIN, K_MAX)
+
+
+def test_the_warmup_is_timed_from_its_second_step():
+    s = Schedule(_env(warmup_steps=4, delay_steps="auto"), rank=0)
+    clock, stats = 0.0, {"time_blocked": 0.0, "bytes_sent": 0, "bytes_received": 0}
+    for t in range(4):
+        clock += 0.5 if t else 9.0                   # the first step's set-up is not timed
+        s.begin(t, clock, stats)
+        stats = {"time_blocked": stats["time_blocked"] + 0.25,
+                 "bytes_sent": stats["bytes_sent"] + 1000,
+                 "bytes_received": stats["bytes_received"] + (3000 if t == 3 else 1000)}
+        clock += 0.25
+        s.end(clock, stats)
+    assert s.timings() == Timings(0.5, 0.25, 1000, 1000, 3000)    # the last reply: the pull
+
+
+def test_a_warmup_too_short_to_time_falls_back_to_the_papers_k():
+    s = Schedule(_env(warmup_steps=1), rank=0)
+    assert s.decide(None) == auto.K_UNTIMED
+    assert "untimed" in s.choices["delay_steps"]["why"]
+
+
+# ---- the stage machine: every worker takes rank 0's k -----------------------------------
+def test_every_worker_takes_rank_0s_k_at_the_end_of_the_warmup(capsys, monkeypatch):
+    chosen = iter([7, 3, 4])                         # what each worker's timings would give
+
+    def timed(timings, k_max=K_MAX):
+        return next(chosen), "auto: test"
+    monkeypatch.setattr(auto, "delay_steps", timed)
+    job = Job(3, algorithm="ssd", warmup_steps=4, delay_steps="auto", local_rule="glu",
+              glu_state="exact")
+    job.run(4)
+    ks = [m.schedule.delay_steps for m in job.machines]
+    assert [c.barriers for c in job.clients] == [[ks[0]]] * 3 and ks[0] in (7, 3, 4)
+    job.run(2 * ks[0] + 1)
+    for client in job.clients:                  # pulls every k steps after the warm-up
+        pulls = [step for kind, step, pull, *_ in client.log if kind == "push" and pull]
+        assert pulls == [0, 1, 2, 3] + [4 + ks[0] - 1, 4 + 2 * ks[0] - 1]
+    assert f"ssdsgd: k = {ks[0]}" in capsys.readouterr().err
+    m = job.machines[1].metrics()
+    assert m["delay_steps"] == ks[0] and m["warmup_steps"] == 4
+    assert set(m["choices"]) == {"warmup_steps", "delay_steps"}
+
+
+def test_a_resumed_worker_keeps_the_k_its_job_chose():
+    job = Job(2, algorithm="ssd", warmup_steps=4, delay_steps="auto", local_rule="glu",
+              glu_state="exact")
+    job.run(9)
+    saved = [m.state_dict() for m in job.machines]
+    k = job.machines[0].schedule.delay_steps
+    assert all(meta["delay_steps"] == k for _, meta in saved)
+    again = Job(2, algorithm="ssd", warmup_steps=4, delay_steps="auto", local_rule="glu",
+                glu_state="exact", start_step=9)
+    for m, (arrays, meta) in zip(again.machines, saved):
+        m.load_state_dict(arrays, meta)
+        assert m.schedule.delay_steps == k
+        assert "before the restart" in m.schedule.choices["delay_steps"]["why"]
+
+
+def test_no_warmup_and_k_auto_takes_the_fallback_on_every_worker_without_agreeing():
+    job = Job(2, algorithm="ssd", warmup_steps=0, delay_steps="auto", local_rule="sgd")
+    job.run(6)
+    assert [m.schedule.delay_steps for m in job.machines] == [auto.K_UNTIMED] * 2
+
+
+# ---- a real job ---------------------------------------------------------------------------
+@pytest.mark.system
+def test_a_job_with_the_defaults_says_and_records_what_it_chose(tmp_path):
+    """The digits demo with sync.warmup_steps and sync.delay_steps at auto: rank 0 says
+    both choices, every worker runs the same k, and the summary records why."""
+    p = dist(["configs/digits.yaml", *sets(sync__warmup_steps="auto", sync__delay_steps="auto",
+                                           train__epochs=3, output__plots="false",
+                                           output__dir=tmp_path)], timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = run_dir_of(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    total = summary["steps"]
+    assert summary["warmup_steps"] == max(auto.WARMUP_MIN, math.ceil(0.05 * total))
+    assert K_MIN <= summary["delay_steps"] <= K_MAX
+    assert "SSDSGD_TOTAL_STEPS" in summary["choices"]["warmup_steps"]["why"]
+    assert summary["choices"]["delay_steps"]["why"].startswith("auto: compute")
+    ends = [records(run, rank, "end")[-1] for rank in (0, 1)]
+    assert [e["kv"]["delay_steps"] for e in ends] == [summary["delay_steps"]] * 2
+    text = p.stdout + p.stderr
+    assert f"ssdsgd: warm-up {summary['warmup_steps']} steps (auto" in text
+    assert f"ssdsgd: k = {summary['delay_steps']} (auto: compute" in text
