@@ -53,6 +53,7 @@ from .kvstore.env import EnvError, NodeEnv
 from .mxglue.state_file import StateFileError
 from .mxglue.optimizer_spec import OptimizerSpecError
 from .kvstore.scheduler import JobAborted
+from .sync.auto import relay_listens
 from .worker.machine import StageMachine
 
 NAME = "ssd_sync"   # what users pass as kvstore=; MXNet registers SSD_Sync under it
@@ -82,7 +83,7 @@ class Node:
                            "SCRIPT ...") from None
         if self.env.role != "worker":
             raise RuntimeError(f"ssd_sync is created by workers; SSDSGD_ROLE is {self.env.role}")
-        self.client = WorkerClient(self.env, model)
+        self.client = WorkerClient(self.env, model, relay=relay_listens(self.env))
         if os.environ.get("SSDSGD_ROLE"):      # started by a launcher, which waits for it
             self.client.io.exit_after_abort = EXIT_AFTER_ABORT
         self.machine = StageMachine(self.client, self.env)

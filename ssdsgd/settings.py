@@ -351,12 +351,14 @@ SETTINGS = (
             "floor(i k / N) steps earlier, so the N pulls do not cross the servers' links as "
             "one burst; docs/spec/staggered_pulls.md)", env="SSDSGD_PULL_SCHEDULE",
             path="sync.pull_schedule", choices=("aligned", "staggered")),
-    Setting("pull_relay", str, "off", "how the weights that several workers pull at the same "
-            "step reach them: off (every worker gets its copy from the servers, as ps-lite "
-            "does) or chain (a server sends one copy, to the lowest rank; each worker passes "
-            "it on to the next, so a server's link carries one copy instead of N; same "
-            "bytes, same results; docs/spec/pull_relay.md)", env="SSDSGD_PULL_RELAY",
-            path="sync.pull_relay", choices=("off", "chain")),
+    Setting("pull_relay", str, "auto", "how the weights that several workers pull at the "
+            "same step reach them: off (every worker gets its copy from the servers, as "
+            "ps-lite does), chain (a server sends one copy, to the lowest rank; each worker "
+            "passes it on to the next, so a server's link carries one copy instead of N; same "
+            "bytes, same results; docs/spec/pull_relay.md) or auto (chain where rank 0's "
+            "warm-up timings show the pulls are not hidden behind compute, in an ssd job of "
+            ">= 3 workers with aligned pulls, no quorum and no continue; docs/auto.md)",
+            env="SSDSGD_PULL_RELAY", path="sync.pull_relay", choices=("auto", "off", "chain")),
     Setting("local_rule", str, "glu", "the worker's local update between pulls (docs/glu.md)",
             env="SSDSGD_LOCAL_RULE", path="sync.local_rule", choices=("glu", "sgd", "none")),
     Setting("glu_state", str, "exact", "glu's optimizer state at a reset: the servers' exact "

@@ -66,8 +66,8 @@ def _k_meets_slack(t, k):
 def test_k_is_the_smallest_that_hides_the_pulls_within_the_bounds(compute_s, round_s, sent,
                                                                   received, pull):
     t = Timings(compute_s, round_s, sent, received, pull)
-    k, why = auto.delay_steps(t)
-    assert K_MIN <= k <= K_MAX and why.startswith("auto: compute")
+    k, relay, why = auto.delay_steps(t)
+    assert K_MIN <= k <= K_MAX and why.startswith("auto: compute") and relay is False
     if K_MIN < k < K_MAX:
         assert _k_meets_slack(t, k) and not _k_meets_slack(t, k - 1)
     elif k == K_MAX:
@@ -80,6 +80,43 @@ def test_k_follows_what_the_link_costs():
     cheap = auto.delay_steps(Timings(0.8, 0.4, 100e6, 100e6, 200e6))[0]
     dear = auto.delay_steps(Timings(0.8, 4.0, 100e6, 100e6, 200e6))[0]
     assert (cheap, dear) == (K_MIN, K_MAX)
+
+
+def test_the_relay_is_chosen_where_the_pulls_are_not_hidden_and_a_chain_can_form():
+    hidden = Timings(0.8, 0.4, 100e6, 100e6, 200e6)            # pull 0.4 s < compute
+    burst = Timings(0.3, 0.3, 6e6, 100e6, 200e6)               # 2bit: pull 0.57 s > compute
+    assert auto.delay_steps(hidden, relay_workers=4)[1] is False    # off where it costs
+    k_alone, relay, _ = auto.delay_steps(burst, relay_workers=0)
+    assert relay is False
+    k_chain, relay, why = auto.delay_steps(burst, relay_workers=4)
+    assert relay is True and "relayed" in why and k_chain < k_alone
+    assert auto.delay_steps(burst, relay_workers=2)[1] is False     # no chain of 2
+
+
+def _relay_env(**over):
+    values = dict(num_workers=4, algorithm="ssd", pull_schedule="aligned", quorum="all",
+                  on_worker_failure="abort", pull_relay="auto")
+    values.update(over)
+    return _env(**values)
+
+
+def test_an_auto_relay_listens_only_where_the_registry_allows_a_chain():
+    assert auto.relay_listens(_relay_env())
+    assert auto.relay_listens(_relay_env(pull_relay="chain", num_workers=2))
+    for refused in (dict(pull_relay="off"), dict(num_workers=2), dict(algorithm="ssgd"),
+                    dict(pull_schedule="staggered"), dict(quorum="majority"),
+                    dict(on_worker_failure="continue")):
+        assert not auto.relay_listens(_relay_env(**refused)), refused
+
+
+def test_a_pinned_relay_or_one_the_job_cannot_have_is_not_decided():
+    s = Schedule(_relay_env(warmup_steps=4, delay_steps=5), rank=0, relay_workers=0)
+    assert not s.undecided and s.choices["pull_relay"]["value"] == "off"
+    assert "cannot relay" in s.choices["pull_relay"]["why"]
+    s = Schedule(_relay_env(warmup_steps=4, delay_steps=5, pull_relay="chain"), rank=0)
+    assert s.relay is True and s.choices["pull_relay"] == {"value": "chain", "why": "pinned"}
+    s = Schedule(_relay_env(warmup_steps=4, delay_steps=5), rank=0, relay_workers=4)
+    assert s.undecided and s.delay_steps == 5      # k pinned, the relay still the job's
 
 
 def test_the_warmup_is_timed_from_its_second_step():
@@ -98,22 +135,23 @@ def test_the_warmup_is_timed_from_its_second_step():
 
 def test_a_warmup_too_short_to_time_falls_back_to_the_papers_k():
     s = Schedule(_env(warmup_steps=1), rank=0)
-    assert s.decide(None) == auto.K_UNTIMED
-    assert "untimed" in s.choices["delay_steps"]["why"]
+    s.decide(None)
+    assert s.delay_steps == auto.K_UNTIMED and "untimed" in s.choices["delay_steps"]["why"]
 
 
 # ---- the stage machine: every worker takes rank 0's k -----------------------------------
 def test_every_worker_takes_rank_0s_k_at_the_end_of_the_warmup(capsys, monkeypatch):
     chosen = iter([7, 3, 4])                         # what each worker's timings would give
 
-    def timed(timings, k_max=K_MAX):
-        return next(chosen), "auto: test"
+    def timed(timings, k_max=K_MAX, relay_workers=0):
+        return next(chosen), False, "auto: test"
     monkeypatch.setattr(auto, "delay_steps", timed)
     job = Job(3, algorithm="ssd", warmup_steps=4, delay_steps="auto", local_rule="glu",
               glu_state="exact")
     job.run(4)
     ks = [m.schedule.delay_steps for m in job.machines]
-    assert [c.barriers for c in job.clients] == [[ks[0]]] * 3 and ks[0] in (7, 3, 4)
+    # one barrier, where rank 0 passed 2 k + relay and the others 0
+    assert [c.barriers for c in job.clients] == [[2 * ks[0]]] * 3 and ks[0] in (7, 3, 4)
     job.run(2 * ks[0] + 1)
     for client in job.clients:                  # pulls every k steps after the warm-up
         pulls = [step for kind, step, pull, *_ in client.log if kind == "push" and pull]
@@ -121,7 +159,7 @@ def test_every_worker_takes_rank_0s_k_at_the_end_of_the_warmup(capsys, monkeypat
     assert f"ssdsgd: k = {ks[0]}" in capsys.readouterr().err
     m = job.machines[1].metrics()
     assert m["delay_steps"] == ks[0] and m["warmup_steps"] == 4
-    assert set(m["choices"]) == {"warmup_steps", "delay_steps"}
+    assert set(m["choices"]) == {"warmup_steps", "delay_steps", "pull_relay"}
 
 
 def test_a_resumed_worker_keeps_the_k_its_job_chose():

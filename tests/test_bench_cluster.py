@@ -322,6 +322,25 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
 
 @pytest.mark.system
 @needs_netns
+def test_the_defaults_row_runs_and_reports_the_jobs_own_choices(tmp_path):
+    """A user's defaults across shaped links, 3 workers, compute far below a pull: the job
+    chooses its warm-up, k and (the pulls not hidden) the relay; the row reports them and
+    the pulls were relayed."""
+    out, raw = tmp_path / 'out', tmp_path / 'raw'
+    cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix', '--workloads', 'emulated:tiny@1gbit',
+           '--workers', '3', '--servers', '1', '--systems', 'defaults', '--steps', '8',
+           '--warmup', '5', '--compute-ratio', '0.1', '--out', str(out), '--raw', str(raw)]
+    with bench_process(cmd) as proc:
+        text, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, text[-3000:]
+    [row] = json.loads((out / 'cluster.json').read_text())['matrix'][0]['rows']
+    assert row['status'] == 'ok', row
+    assert row['warmup_steps'] == 4 and 2 <= row['k'] <= 10         # 5 % of 13 steps: 4
+    assert row['pull_relay'] == 'chain' and row['replies_relayed'] > 0, row
+
+
+@pytest.mark.system
+@needs_netns
 def test_compression_rows_and_tta_comm(tmp_path):
     """The compressed rows (native + 2bit through push/pull, ssd_sync with the Trainer's
     compression_params) send compressed pushes across the links, the comm-bound

@@ -181,7 +181,7 @@ def test_sync_env_matches_design_doc_names(tmp_path):
                              "SSDSGD_WARMUP_STEPS": "7",
                              "SSDSGD_DELAY_STEPS": "3", "SSDSGD_LOCAL_RULE": "sgd",
                              "SSDSGD_GLU_STATE": "exact", "SSDSGD_LR_LOCAL": "0.5",
-                             "SSDSGD_PULL_SCHEDULE": "aligned", "SSDSGD_PULL_RELAY": "off"}
+                             "SSDSGD_PULL_SCHEDULE": "aligned", "SSDSGD_PULL_RELAY": "auto"}
     assert "SSDSGD_LR_LOCAL" not in sync_env(parse_config(MINIMAL))
     cfg = parse_config(merged(cluster={"workers": 3, "servers": 2, "heartbeat_timeout": 5}))
     assert cluster_env(cfg) == {"SSDSGD_NUM_WORKERS": "3", "SSDSGD_NUM_SERVERS": "2",

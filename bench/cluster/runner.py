@@ -236,6 +236,15 @@ def steady_step(result, system):
     return (e[-1] - e[0]) / (len(e) - 1)
 
 
+def ran_with(results, system):
+    """k, the pull relay and the warm-up the job ran with: the row's settings, or the
+    job's own choices where they were auto (rank 0's kvstore figures; docs/auto.md)."""
+    ran = results[0].get('kv_metrics_end') or {}
+    return {'k': int(ran.get('delay_steps') or system.k),
+            'pull_relay': ran.get('pull_relay') or ('chain' if system.relay else 'off'),
+            'warmup_steps': ran.get('warmup_steps')}
+
+
 def summarize(results, system, workload, rate_bits, num_workers, num_servers, bound_s):
     """One table row from the workers' result files."""
     start = min(r['t_start'] for r in results)
@@ -246,9 +255,9 @@ def summarize(results, system, workload, rate_bits, num_workers, num_servers, bo
     row = {
         'system': system.key, 'label': system.label, 'workload': workload.name,
         'rate_bits': rate_bits, 'workers': num_workers, 'servers': num_servers,
-        'k': system.k, 'glu_state': system.glu_state,
+        'glu_state': system.glu_state,
         'pull_schedule': 'staggered' if system.staggered else 'aligned',
-        'pull_relay': 'chain' if system.relay else 'off', 'steps': steps, 'wall_s': wall,
+        **ran_with(results, system), 'steps': steps, 'wall_s': wall,
         'samples_per_s': samples / wall if wall > 0 else None,
         'step_s': wall / steps if steps else None,
         'compute_per_step_s': sum(r['compute_s'] for r in results) / len(results) / steps,
@@ -279,6 +288,7 @@ def summarize(results, system, workload, rate_bits, num_workers, num_servers, bo
     if all(kvm):
         row['kv_bytes_per_step'] = sum(m.get('bytes_sent', 0) + m.get('bytes_received', 0)
                                        for m in kvm) / len(kvm) / steps
+        row['replies_relayed'] = sum(m.get('replies_relayed_in', 0) for m in kvm)
     if bound_s:
         row['bound_samples_per_s'] = bound_s
         if row.get('steady_samples_per_s'):

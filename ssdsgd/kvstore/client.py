@@ -42,9 +42,10 @@ class WorkerClient:
     """``model``: the bytes of each of the model's keys, if this worker knows its model
     when it joins; it then states the largest message it will send a server
     (``protocol.message_bound``), and worker 0's becomes the job's message limit
-    (docs/reliability.md)."""
+    (docs/reliability.md). ``relay``: open a pull relay (default: sync.pull_relay is
+    chain; the stage machine turns ``relay_on`` on where the job chose it)."""
 
-    def __init__(self, env, model=None):
+    def __init__(self, env, model=None, relay=None):
         self.env = env
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
                       "messages_received": 0, "time_blocked": 0.0,
@@ -52,7 +53,8 @@ class WorkerClient:
         self.requests = Requests(self.stats)
         self.outbox = PushOutbox(self.requests.lock, self._push_group)
         self.io = IOThread(env, self.requests, self.stats, self.outbox.flush, self._abandon)
-        self.topology = self.io.start(P.message_bound(model) if model else None)
+        self.topology = self.io.start(P.message_bound(model) if model else None,
+                                      env.pull_relay == "chain" if relay is None else relay)
         self.left = self.io.left  # workers that left the job (cluster.on_worker_failure)
         self.rank = self.topology["rank"]
         self.num_workers = self.topology["num_workers"]
@@ -71,6 +73,7 @@ class WorkerClient:
         # (The settings refuse a quorum with asgd and with relayed pulls.)
         self.quorum = quorum_size(env.quorum, self.num_workers) < self.num_workers
         self.relays = self.topology.get("relays")
+        self.relay_on = env.pull_relay == "chain"   # auto: the stage machine's choice
         self.compression = None   # pushes are compressed with it (set_compression)
         self._residuals = None    # this worker's error feedback, one residual per key
         # SSDSGD_PIPELINE_PIECES: fixed, or timed on this worker's pulling pushes (auto)
@@ -283,7 +286,7 @@ class WorkerClient:
         ``Coded`` gradient, dtype); every key must be placed already. ``every``: exactly
         one message to every server, keys for it or not (a quorum's contributions and
         final pulls)."""
-        if self.relays and reply and not every and asks_relay(kind, flags):
+        if self.relays and self.relay_on and reply and not every and asks_relay(kind, flags):
             flags |= P.Flag.RELAY
         return self._request(kind, entries, step=step, flags=flags, meta=meta, reply=reply,
                              every=every, chunk_bytes=None if every else self.env.chunk_bytes)

@@ -55,11 +55,11 @@ class IOThread:
         self._thread = threading.Thread(target=self._run, name="ssdsgd-io", daemon=True)
         requests.alive = self._thread.is_alive
 
-    def start(self, max_message=None):
+    def start(self, max_message=None, relay=False):
         """Register with the scheduler (``max_message``: the largest message this worker
-        will send a server, if it knows its model); returns the topology (raises why it
-        failed)."""
-        self.max_message = max_message
+        will send a server, if it knows its model; ``relay``: open a pull relay); returns
+        the topology (raises why it failed)."""
+        self.max_message, self._listen_relay = max_message, relay
         self._thread.start()
         self._ready.wait()
         if self.requests.failure is not None:
@@ -150,7 +150,7 @@ class IOThread:
         it has one) and open a DEALER to every server."""
         host = port = None
         relay_in = guard = None
-        if self.env.pull_relay == "chain":
+        if self._listen_relay:
             guard = Guard.from_env(self.env, lambda text: print(
                 f"ssdsgd worker: {text}", file=sys.stderr, flush=True))
             relay_in, port = bind_router(

@@ -21,8 +21,8 @@ from .env import NodeEnv
 from .removals import RemovalError, Removals
 from .security import Guard
 from .liveness import StallWatch, failed
-from .topology import (assign_ranks, job_limit, listening, node_name, registration_error,
-                       topology, unreachable)
+from .topology import (assign_ranks, job_limit, node_name, reachable_or_why,
+                       registration_error, topology)
 
 
 class JobAborted(RuntimeError):
@@ -110,7 +110,10 @@ class Scheduler:
         (``_listening``: ZeroMQ applies a limit only to a port bound after it is set)."""
         nodes = list(self.nodes.values())
         assign_ranks(nodes, {"server": self.env.num_servers, "worker": self.env.num_workers})
-        wrong = unreachable(listening(nodes))    # the workers would wait on it forever
+        # the workers would wait on an unreachable node forever
+        wrong, note = reachable_or_why(nodes, optional_relays=self.env.pull_relay == "auto")
+        if note:
+            self.log(note)
         if wrong:
             self._abort(wrong)
         self.layout = topology(nodes, self.env.num_workers, self.env.num_servers)

@@ -57,6 +57,20 @@ def unreachable(nodes, timeout=5.0):
     return None
 
 
+def reachable_or_why(nodes, optional_relays=False):
+    """(why the job cannot start, a note), each None if there is nothing to say. Every
+    server and relaying worker must be reachable at its advertised address; a pull relay
+    the job may do without (``optional_relays``: sync.pull_relay auto) is dropped instead,
+    every worker's, so the topology has none and no pull is relayed."""
+    wrong = unreachable(listening(nodes))
+    if not wrong or not optional_relays or unreachable(by_rank(nodes, "server")):
+        return wrong, None
+    for n in nodes:
+        if n["role"] == "worker":
+            n["host"] = n["port"] = None
+    return None, f"no pull relay in this job: {wrong}"
+
+
 def listening(nodes):
     """The nodes whose ports others connect to: the servers, and the workers that relay
     pulls (sync.pull_relay: chain), in rank order."""

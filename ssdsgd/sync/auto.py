@@ -1,6 +1,6 @@
 """The knobs that only trade speed, chosen by the job when left at ``auto`` (the default):
-the warm-up T_w from the run's length, and k from the warm-up's own timings
-(docs/auto.md has the rules and the measurements they rest on).
+the warm-up T_w from the run's length, and k and the pull relay from the warm-up's own
+timings (docs/auto.md has the rules and the measurements they rest on).
 
 Pure functions, and a ``Schedule`` that the worker's stage machine asks for the T_w and k
 in force. Every worker must use the same k (the spec's schedule), so rank 0 decides from
@@ -32,8 +32,25 @@ TIMED_MIN = 2                   # timed warm-up steps the k rule needs (the firs
 TIMED_LAST = 20                 # the k rule reads the last this many warm-up steps
 
 
+RELAY_MIN_WORKERS = 3           # an auto relay needs a chain of at least this many
+
+
 def is_auto(value) -> bool:
     return value == "auto"
+
+
+def relay_listens(env) -> bool:
+    """Does this worker open a pull relay (docs/spec/pull_relay.md)? With ``chain``,
+    always; with ``auto``, where a relay may be chosen: SSD-SGD's aligned pulls, no quorum,
+    no worker left behind (each is refused with ``chain``: sync/registry.py), and a chain
+    of RELAY_MIN_WORKERS or more."""
+    from ..settings import quorum_size
+    from .stage import delays_pulls
+    if env.pull_relay != "auto":
+        return env.pull_relay == "chain"
+    return (delays_pulls(env.algorithm) and env.pull_schedule == "aligned"
+            and env.on_worker_failure != "continue" and env.num_workers >= RELAY_MIN_WORKERS
+            and quorum_size(env.quorum, env.num_workers) == env.num_workers)
 
 
 def warmup_steps(setting, total_steps: int | None,
@@ -73,38 +90,52 @@ class Timings:
     pull_bytes: float
 
 
-def delay_steps(t: Timings, k_max: int = K_MAX) -> tuple[int, str]:
-    """k and why. The link time a byte costs is the round's time over the round's bytes;
-    a push then costs ``push_s``, a pull ``pull_s``. A steps-delay step takes about
+def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0):
+    """(k, relay, why). The link time a byte costs is the round's time over the round's
+    bytes; a push then costs ``push_s``, a pull ``pull_s``. A steps-delay step takes about
     max(compute, push) (the push-every-step bound), and a pull that does not fit in the
     step after it adds (pull - compute) once per k steps: k keeps that within SLACK of the
-    bound."""
+    bound. ``relay_workers``: the chain a relay would have (0: no relay possible); it is
+    chosen when the pull is not hidden, and a relayed pull is taken to cost
+    2 / relay_workers of one from the servers (the servers' link carries one copy instead
+    of N; the rest is the chain's hops)."""
     per_byte = t.round_s / max(t.sent_bytes + t.received_bytes, 1.0)
     push_s, pull_s = per_byte * t.sent_bytes, per_byte * t.pull_bytes
+    relay = relay_workers >= RELAY_MIN_WORKERS and pull_s > t.compute_s
+    cost_s = pull_s * 2 / relay_workers if relay else pull_s
     bound = max(t.compute_s, push_s, 1e-6)
-    excess = pull_s - t.compute_s
+    excess = cost_s - t.compute_s
     k = K_MIN if excess <= 0 else math.ceil(excess / (SLACK * bound))
     k = min(k_max, max(K_MIN, k))
-    return k, (f"auto: compute {t.compute_s * 1e3:.1f} ms/step, push {push_s * 1e3:.1f} ms, "
-               f"pull {pull_s * 1e3:.1f} ms (from the warm-up's {t.round_s * 1e3:.1f} ms "
-               f"rounds), k within [{K_MIN}, {k_max}]")
+    return k, relay, (
+        f"auto: compute {t.compute_s * 1e3:.1f} ms/step, push {push_s * 1e3:.1f} ms, pull "
+        f"{pull_s * 1e3:.1f} ms (from the warm-up's {t.round_s * 1e3:.1f} ms rounds)"
+        + (f", relayed ~{cost_s * 1e3:.1f} ms" if relay else "")
+        + f"; k within [{K_MIN}, {k_max}]")
 
 
 class Schedule:
-    """T_w and k in force on one worker. ``begin``/``end`` bracket every step so the
-    warm-up is timed; ``decide`` at the end of the warm-up's last step (every worker at
-    the same step) agrees on k. ``choices``: what was chosen and why, for the log and the
-    run's summary."""
+    """T_w, k and the pull relay in force on one worker. ``begin``/``end`` bracket every
+    step so the warm-up is timed; ``decide`` at the end of the warm-up's last step (every
+    worker at the same step) agrees on what was left to the job. ``choices``: what was
+    chosen and why, for the log and the run's summary. ``relay_workers``: the chain a
+    relay would have (0 if this job cannot relay: ``relay_listens``)."""
 
-    def __init__(self, env, rank: int):
+    def __init__(self, env, rank: int, relay_workers: int = 0):
         self.rank, self._setting = rank, env.warmup_steps
         self._length_known = env.total_steps is not None
         self.warmup_steps, why_w = warmup_steps(env.warmup_steps, env.total_steps)
-        self.auto_k = is_auto(env.delay_steps)
-        self.delay_steps = None if self.auto_k else int(env.delay_steps)
         self.choices = {"warmup_steps": {"value": self.warmup_steps, "why": why_w}}
-        if not self.auto_k:
+        self.delay_steps = None if is_auto(env.delay_steps) else int(env.delay_steps)
+        if self.delay_steps is not None:
             self.choices["delay_steps"] = {"value": self.delay_steps, "why": "pinned"}
+        self.relay_workers = relay_workers if is_auto(env.pull_relay) else 0
+        self.relay = None if self.relay_workers else env.pull_relay == "chain"
+        if self.relay is not None:
+            self.choices["pull_relay"] = {"value": _relay_name(self.relay), "why": (
+                "pinned" if not is_auto(env.pull_relay) else
+                "auto: off, this job cannot relay (it needs ssd's aligned pulls, no quorum, "
+                f"no worker left behind and at least {RELAY_MIN_WORKERS} workers)")}
         self._samples = []        # (compute_s, round_s, sent, received) of timed steps
         self._left = None         # when the last step returned (clock)
         self._before = None
@@ -123,7 +154,8 @@ class Schedule:
 
     @property
     def undecided(self) -> bool:
-        return self.delay_steps is None
+        """Something is left to ``decide`` (k or the relay)."""
+        return self.delay_steps is None or self.relay is None
 
     def begin(self, t: int, now: float, stats: dict):
         self._before = (t, now, *_counters(stats))
@@ -144,27 +176,38 @@ class Schedule:
         return Timings(*(statistics.median(c) for c in columns),
                        pull_bytes=max(self._samples[-1][3], statistics.median(columns[3])))
 
-    def decide(self, agree) -> int:
-        """k, from rank 0's timings; ``agree(value)`` returns rank 0's value on every
-        worker (the client's barrier: the largest value any worker passed)."""
+    def decide(self, agree):
+        """k and the relay where auto, from rank 0's timings; ``agree(value)`` returns
+        rank 0's value on every worker (the client's barrier: the largest value any worker
+        passed), None: no agreement needed (every worker takes the fallback)."""
         timings = self.timings()
         if timings is None:
-            k, why = K_UNTIMED, (f"auto, untimed: fewer than {TIMED_MIN} timed warm-up "
-                                 f"steps (T_w = {self.warmup_steps})")
+            k, relay, why = K_UNTIMED, False, (f"auto, untimed: fewer than {TIMED_MIN} timed "
+                                               f"warm-up steps (T_w = {self.warmup_steps})")
         else:
-            k, why = delay_steps(timings)
+            k, relay, why = delay_steps(timings, relay_workers=self.relay_workers)
+        k = k if self.delay_steps is None else self.delay_steps
+        relay = relay if self.relay is None else self.relay
         if agree is not None:
-            agreed = agree(k if self.rank == 0 else 0)
-            if agreed != k:
-                why = f"auto: rank 0's choice (this worker's timings gave {k})"
-            k = agreed
-        self.set_delay(k, why)
-        return k
+            agreed = agree(2 * k + relay if self.rank == 0 else 0)
+            if agreed != 2 * k + relay:
+                why = f"auto: rank 0's choice (this worker's timings gave k = {k})"
+            k, relay = agreed // 2, bool(agreed % 2)
+        self.set_choice(k, relay, why)
 
-    def set_delay(self, k: int, why: str):
-        self.delay_steps = k
-        self.choices["delay_steps"] = {"value": k, "why": why}
-        self.say(f"k = {k} ({why})")
+    def set_choice(self, k: int, relay: bool, why: str):
+        """Take k and the relay (where auto) and say so."""
+        said = []
+        if self.delay_steps is None:
+            self.delay_steps = k
+            self.choices["delay_steps"] = {"value": k, "why": why}
+            said.append(f"k = {k}")
+        if self.relay is None:
+            self.relay = relay
+            self.choices["pull_relay"] = {"value": _relay_name(relay), "why": why}
+            said.append(f"pull relay {_relay_name(relay)}")
+        if said:
+            self.say(f"{', '.join(said)} ({why})")
 
     def say(self, line: str):
         """Rank 0 tells the user (stderr: a script need not have set up logging)."""
@@ -173,10 +216,16 @@ class Schedule:
 
     def describe(self) -> str:
         """The start-up line."""
-        k = self.choices.get("delay_steps")
-        return (f"warm-up {self.warmup_steps} steps ({self.choices['warmup_steps']['why']}); "
-                + (f"k = {k['value']} (pinned)" if k else
-                   "k: auto, chosen at the end of the warm-up from its timings"))
+        k, relay = self.choices.get("delay_steps"), self.choices.get("pull_relay")
+        auto = [name for name, c in (("k", k), ("the pull relay", relay)) if c is None]
+        return (f"warm-up {self.warmup_steps} steps ({self.choices['warmup_steps']['why']})"
+                + (f"; k = {k['value']} (pinned)" if k else "")
+                + (f"; {' and '.join(auto)}: auto, chosen at the end of the warm-up from "
+                   "its timings" if auto else ""))
+
+
+def _relay_name(on: bool) -> str:
+    return "chain" if on else "off"
 
 
 def _counters(stats: dict) -> tuple:

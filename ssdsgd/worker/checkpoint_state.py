@@ -14,7 +14,8 @@ def state_dict(machine):
     local rule's own state. Taken between two steps."""
     machine.settle()
     arrays, meta = {}, {"t": machine.t, "keys": {}, "pending": None,
-                        "delay_steps": machine.schedule.delay_steps}
+                        "delay_steps": machine.schedule.delay_steps,
+                        "relay": machine.schedule.relay}
     if machine.pending is not None:
         replies = machine.pending.wait()
         machine.pending = _Done(replies)
@@ -56,11 +57,11 @@ def load_state_dict(machine, arrays, meta):
         if f"k{key}.local" in arrays:
             hostcopy.write((out, arrays[f"k{key}.local"].reshape(-1)) for out in r.params)
     if meta.get("delay_steps") is not None and machine.schedule.undecided:
-        # the k the job chose before the restart (sync/auto.py): every worker's checkpoint
-        # holds rank 0's, so they agree again without timing anything
-        machine.schedule.set_delay(int(meta["delay_steps"]), "auto, as chosen before the "
-                                   "restart")
-        machine._set_offset()
+        # what the job chose before the restart (sync/auto.py): every worker's checkpoint
+        # holds rank 0's choice, so they agree again without timing anything
+        machine.schedule.set_choice(int(meta["delay_steps"]), bool(meta.get("relay")),
+                                    "auto, as chosen before the restart")
+        machine.take_choices()
     if meta["pending"] is not None:
         machine.pending = _Done({int(k): _get_reply(arrays, f"p{k}", m)
                               for k, m in meta["pending"].items()})

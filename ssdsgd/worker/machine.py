@@ -85,15 +85,16 @@ class StageMachine:
         # update count (rounds, not this worker's steps), and the end waits for every
         # worker (final pull).
         self.quorum = bool(getattr(client, "quorum", False))
-        # T_w and k in force: pinned, or chosen by the job (sync/auto.py); k is agreed at
-        # the end of the warm-up, and then this worker's place in each pull period (0
-        # unless the pulls are staggered) follows from it.
-        self.schedule = Schedule(env, client.rank)
+        # T_w, k and the pull relay in force: pinned, or chosen by the job (sync/auto.py);
+        # k and the relay are agreed at the end of the warm-up, and then this worker's
+        # place in each pull period (0 unless the pulls are staggered) follows from k.
+        self.schedule = Schedule(env, client.rank, relay_workers=client.num_workers
+                                 if getattr(client, "relays", None) else 0)
         if delays_pulls(env.algorithm):
             self.schedule.say(self.schedule.describe())
         self.offset = 0
         if not self.schedule.undecided:
-            self._set_offset()
+            self.take_choices()
         self.preduce = PreduceSteps(client, self.keys, self.counts)
         self.deferred = DeferredSteps(client, self.keys)   # steps queued on MXNet's engine
         self.final_done = False      # quorum: the final pull is answered
@@ -144,23 +145,27 @@ class StageMachine:
         self.schedule.end(time.perf_counter(), stats)
         self.t += 1
         self.last_step_blocked = stats["time_blocked"] - blocked0
-        if self.t == self.schedule.warmup_steps and self._choosing_k():
+        if self.t == self.schedule.warmup_steps and self._choosing():
             self.schedule.decide(self.client.barrier)       # every worker, same step
-            self._set_offset()
+            self.take_choices()
 
-    def _choosing_k(self):
+    def _choosing(self):
         return self.schedule.undecided and delays_pulls(self.env.algorithm)
 
-    def _set_offset(self):
+    def take_choices(self):
+        """k and the relay are known: this worker's place in each pull period follows,
+        and its pulls ask to be relayed or not."""
         self.offset = pull_offset(self.client.rank, self.client.num_workers,
                                   self.schedule.delay_steps, self.env.pull_schedule)
+        self.client.relay_on = bool(self.schedule.relay)
 
     def _plan(self, t):
-        if t >= self.schedule.warmup_steps and self._choosing_k():
+        if t >= self.schedule.warmup_steps and self._choosing():
             # no warm-up step was timed here (T_w = 0, or resumed past it without a k):
             # the same fallback on every worker, no agreement needed
-            self.schedule.set_delay(K_UNTIMED, "auto, untimed: no warm-up step to time")
-            self._set_offset()
+            self.schedule.set_choice(K_UNTIMED, False, "auto, untimed: no warm-up step "
+                                                       "to time")
+            self.take_choices()
         return plan(t, self.env.algorithm, self.schedule.warmup_steps,
                     self.schedule.delay_steps, self.offset)
 
@@ -388,6 +393,7 @@ class StageMachine:
                               self.offset).stage
         stats["warmup_steps"] = self.schedule.warmup_steps
         stats["delay_steps"] = self.schedule.delay_steps
+        stats["pull_relay"] = self.schedule.choices.get("pull_relay", {}).get("value")
         stats["choices"] = self.schedule.choices
         stats["last_step_blocked"] = self.last_step_blocked
         stats["left"] = list(self.client.left)
