@@ -6,7 +6,7 @@ checks every key: an unknown key, a wrong type or an impossible value raises
 :class:`ConfigError` with a one-line message that names the key's dotted path and what
 was expected, e.g.::
 
-    sync.delay_steps: expected an integer >= 1, got 0 (configs/digits.yaml)
+    sync.delay_steps: expected auto or an integer >= 1, got 0 (configs/digits.yaml)
 
 API used by the launcher::
 
