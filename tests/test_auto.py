@@ -34,15 +34,15 @@ def test_the_warmup_is_a_share_of_the_run_within_bounds():
 def test_an_unknown_length_is_taken_from_the_lr_schedulers_max_update(capsys):
     spec = {"name": "sgd", "params": {}, "lr_scheduler": {
         "name": "CosineScheduler", "params": {"max_update": 880, "base_lr": 0.1}}}
-    s = Schedule(_env(), rank=0)
+    s = Schedule(_env(), rank=0, num_workers=4)
     assert s.warmup_steps == auto.WARMUP_UNKNOWN_LENGTH
     s.learn_length(spec, t=0)
     assert s.warmup_steps == 44 and "max_update" in s.choices["warmup_steps"]["why"]
     assert "ssdsgd: warm-up 44 steps" in capsys.readouterr().err
-    known = Schedule(_env(total_steps=60), rank=0)     # the stated length wins
+    known = Schedule(_env(total_steps=60), rank=0, num_workers=4)     # the stated length wins
     known.learn_length(spec, t=0)
     assert known.warmup_steps == auto.WARMUP_MIN
-    pinned = Schedule(_env(warmup_steps=7), rank=0)
+    pinned = Schedule(_env(warmup_steps=7), rank=0, num_workers=4)
     pinned.learn_length(spec, t=0)
     assert pinned.warmup_steps == 7 and pinned.choices["warmup_steps"]["why"] == "pinned"
 
@@ -110,31 +110,33 @@ def test_an_auto_relay_listens_only_where_the_registry_allows_a_chain():
 
 
 def test_a_pinned_relay_or_one_the_job_cannot_have_is_not_decided():
-    s = Schedule(_relay_env(warmup_steps=4, delay_steps=5), rank=0, relay_workers=0)
+    s = Schedule(_relay_env(warmup_steps=4, delay_steps=5), rank=0, num_workers=4)
     assert not s.undecided and s.choices["pull_relay"]["value"] == "off"
     assert "cannot relay" in s.choices["pull_relay"]["why"]
-    s = Schedule(_relay_env(warmup_steps=4, delay_steps=5, pull_relay="chain"), rank=0)
+    s = Schedule(_relay_env(warmup_steps=4, delay_steps=5, pull_relay="chain"), rank=0,
+                 num_workers=4)
     assert s.relay is True and s.choices["pull_relay"] == {"value": "chain", "why": "pinned"}
-    s = Schedule(_relay_env(warmup_steps=4, delay_steps=5), rank=0, relay_workers=4)
+    s = Schedule(_relay_env(warmup_steps=4, delay_steps=5), rank=0, num_workers=4,
+                 relay_workers=4)
     assert s.undecided and s.delay_steps == 5      # k pinned, the relay still the job's
 
 
 def test_the_warmup_is_timed_from_its_second_step():
-    s = Schedule(_env(warmup_steps=4, delay_steps="auto"), rank=0)
-    clock, stats = 0.0, {"time_blocked": 0.0, "bytes_sent": 0, "bytes_received": 0}
+    s = Schedule(_env(warmup_steps=4, delay_steps="auto"), rank=0, num_workers=1)
+    now = [0.0]
+    stats = {"time_blocked": 0.0, "bytes_sent": 0, "bytes_received": 0}
     for t in range(4):
-        clock += 0.5 if t else 9.0                   # the first step's set-up is not timed
-        s.begin(t, clock, stats)
-        stats = {"time_blocked": stats["time_blocked"] + 0.25,
-                 "bytes_sent": stats["bytes_sent"] + 1000,
-                 "bytes_received": stats["bytes_received"] + (3000 if t == 3 else 1000)}
-        clock += 0.25
-        s.end(clock, stats)
+        now[0] += 0.5 if t else 9.0                  # the first step's set-up is not timed
+        with s.timed(t, stats, clock=lambda: now[0]):
+            stats["time_blocked"] += 0.25
+            stats["bytes_sent"] += 1000
+            stats["bytes_received"] += 3000 if t == 3 else 1000
+            now[0] += 0.25
     assert s.timings() == Timings(0.5, 0.25, 1000, 1000, 3000)    # the last reply: the pull
 
 
 def test_a_warmup_too_short_to_time_falls_back_to_the_papers_k():
-    s = Schedule(_env(warmup_steps=1), rank=0)
+    s = Schedule(_env(warmup_steps=1), rank=0, num_workers=4)
     s.decide(None)
     assert s.delay_steps == auto.K_UNTIMED and "untimed" in s.choices["delay_steps"]["why"]
 

@@ -42,8 +42,8 @@ class WorkerClient:
     """``model``: the bytes of each of the model's keys, if this worker knows its model
     when it joins; it then states the largest message it will send a server
     (``protocol.message_bound``), and worker 0's becomes the job's message limit
-    (docs/reliability.md). ``relay``: open a pull relay (default: sync.pull_relay is
-    chain; the stage machine turns ``relay_on`` on where the job chose it)."""
+    (docs/reliability.md). ``relay``: open a pull relay (default: if pull_relay is chain;
+    with auto, the stage machine sets ``relay_on`` once the job chose)."""
 
     def __init__(self, env, model=None, relay=None):
         self.env = env

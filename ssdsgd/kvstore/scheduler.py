@@ -111,9 +111,7 @@ class Scheduler:
         nodes = list(self.nodes.values())
         assign_ranks(nodes, {"server": self.env.num_servers, "worker": self.env.num_workers})
         # the workers would wait on an unreachable node forever
-        wrong, note = reachable_or_why(nodes, optional_relays=self.env.pull_relay == "auto")
-        if note:
-            self.log(note)
+        wrong = reachable_or_why(nodes, self.env.pull_relay == "auto", self.log)
         if wrong:
             self._abort(wrong)
         self.layout = topology(nodes, self.env.num_workers, self.env.num_servers)

@@ -57,18 +57,19 @@ def unreachable(nodes, timeout=5.0):
     return None
 
 
-def reachable_or_why(nodes, optional_relays=False):
-    """(why the job cannot start, a note), each None if there is nothing to say. Every
-    server and relaying worker must be reachable at its advertised address; a pull relay
-    the job may do without (``optional_relays``: sync.pull_relay auto) is dropped instead,
-    every worker's, so the topology has none and no pull is relayed."""
+def reachable_or_why(nodes, optional_relays=False, log=print):
+    """Why the job cannot start, or None. Every server and relaying worker must be
+    reachable at its advertised address; a pull relay the job may do without
+    (``optional_relays``: sync.pull_relay auto) is dropped instead, every worker's, so the
+    topology has none and no pull is relayed (said through ``log``)."""
     wrong = unreachable(listening(nodes))
     if not wrong or not optional_relays or unreachable(by_rank(nodes, "server")):
-        return wrong, None
+        return wrong
     for n in nodes:
         if n["role"] == "worker":
             n["host"] = n["port"] = None
-    return None, f"no pull relay in this job: {wrong}"
+    log(f"no pull relay in this job: {wrong}")
+    return None
 
 
 def listening(nodes):

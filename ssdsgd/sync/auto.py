@@ -10,10 +10,14 @@ agreement, every worker computes it from the same figures. Pinning a knob
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
 import sys
+import time
+
+from . import stage
 
 # The warm-up: a share of the run, at least the steps the k rule times, at most the
 # paper's CIFAR-10 warm-up (a longer run needs no longer one); docs/auto.md.
@@ -45,10 +49,9 @@ def relay_listens(env) -> bool:
     no worker left behind (each is refused with ``chain``: sync/registry.py), and a chain
     of RELAY_MIN_WORKERS or more."""
     from ..settings import quorum_size
-    from .stage import delays_pulls
     if env.pull_relay != "auto":
         return env.pull_relay == "chain"
-    return (delays_pulls(env.algorithm) and env.pull_schedule == "aligned"
+    return (stage.delays_pulls(env.algorithm) and env.pull_schedule == "aligned"
             and env.on_worker_failure != "continue" and env.num_workers >= RELAY_MIN_WORKERS
             and quorum_size(env.quorum, env.num_workers) == env.num_workers)
 
@@ -115,14 +118,19 @@ def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0):
 
 
 class Schedule:
-    """T_w, k and the pull relay in force on one worker. ``begin``/``end`` bracket every
-    step so the warm-up is timed; ``decide`` at the end of the warm-up's last step (every
-    worker at the same step) agrees on what was left to the job. ``choices``: what was
-    chosen and why, for the log and the run's summary. ``relay_workers``: the chain a
-    relay would have (0 if this job cannot relay: ``relay_listens``)."""
+    """T_w, k and the pull relay in force on one worker, and so the plan of each step
+    (``plan``). ``begin``/``end`` bracket every step so the warm-up is timed;
+    ``after_step`` at the end of the warm-up's last step (every worker at the same step)
+    agrees on what was left to the job. ``choices``: what was chosen and why, for the log
+    and the run's summary. ``relay_workers``: the chain a relay would have (0 if this job
+    cannot relay: ``relay_listens``); ``on_choice(schedule)`` is called once k and the
+    relay are known."""
 
-    def __init__(self, env, rank: int, relay_workers: int = 0):
-        self.rank, self._setting = rank, env.warmup_steps
+    def __init__(self, env, rank: int, num_workers: int, relay_workers: int = 0,
+                 on_choice=None):
+        self.rank, self.num_workers, self._setting = rank, num_workers, env.warmup_steps
+        self.algorithm, self.pull_schedule = env.algorithm, env.pull_schedule
+        self.on_choice, self.offset = on_choice, 0   # offset: this worker's pull_offset
         self._length_known = env.total_steps is not None
         self.warmup_steps, why_w = warmup_steps(env.warmup_steps, env.total_steps)
         self.choices = {"warmup_steps": {"value": self.warmup_steps, "why": why_w}}
@@ -139,6 +147,10 @@ class Schedule:
         self._samples = []        # (compute_s, round_s, sent, received) of timed steps
         self._left = None         # when the last step returned (clock)
         self._before = None
+        if not self.undecided:
+            self._chosen()
+        if stage.delays_pulls(self.algorithm):
+            self.say(self.describe())
 
     def learn_length(self, optimizer_spec, t: int):
         """An auto warm-up whose run length was unknown takes it from the lr scheduler
@@ -157,16 +169,37 @@ class Schedule:
         """Something is left to ``decide`` (k or the relay)."""
         return self.delay_steps is None or self.relay is None
 
-    def begin(self, t: int, now: float, stats: dict):
-        self._before = (t, now, *_counters(stats))
+    def plan(self, t: int):
+        """The stage of step ``t`` (sync/stage.py). Past the warm-up with nothing timed
+        (T_w = 0, or resumed past it without a recorded choice) every worker takes the
+        same fallback, with no agreement needed."""
+        if t >= self.warmup_steps and self._choosing():
+            self.set_choice(K_UNTIMED, False, "auto, untimed: no warm-up step to time")
+        return self.stage_of(t)
 
-    def end(self, now: float, stats: dict):
-        t, start, *before = self._before
+    def stage_of(self, t: int):
+        """``plan`` without choosing anything (metrics)."""
+        return stage.plan(t, self.algorithm, self.warmup_steps, self.delay_steps, self.offset)
+
+    def after_step(self, t_next: int, agree):
+        """After the warm-up's last step: every worker decides, together (``decide``)."""
+        if t_next == self.warmup_steps and self._choosing():
+            self.decide(agree)
+
+    def _choosing(self):
+        return self.undecided and stage.delays_pulls(self.algorithm)
+
+    @contextlib.contextmanager
+    def timed(self, t: int, stats: dict, clock=time.perf_counter):
+        """Around step ``t``: a warm-up step but the first is timed (``stats``: the
+        client's, read before and after)."""
+        start, before = clock(), _counters(stats)
+        yield
         if 0 < t < self.warmup_steps and self._left is not None:
             self._samples.append((start - self._left, *(
                 after - b for after, b in zip(_counters(stats), before))))
             del self._samples[:-TIMED_LAST]
-        self._left = now
+        self._left = clock()
 
     def timings(self) -> Timings | None:
         """The medians of the timed steps (the last one's reply as the pull), or None."""
@@ -208,6 +241,13 @@ class Schedule:
             said.append(f"pull relay {_relay_name(relay)}")
         if said:
             self.say(f"{', '.join(said)} ({why})")
+        self._chosen()
+
+    def _chosen(self):
+        self.offset = stage.pull_offset(self.rank, self.num_workers, self.delay_steps,
+                                        self.pull_schedule)
+        if self.on_choice is not None:
+            self.on_choice(self)
 
     def say(self, line: str):
         """Rank 0 tells the user (stderr: a script need not have set up logging)."""

@@ -61,7 +61,6 @@ def load_state_dict(machine, arrays, meta):
         # holds rank 0's choice, so they agree again without timing anything
         machine.schedule.set_choice(int(meta["delay_steps"]), bool(meta.get("relay")),
                                     "auto, as chosen before the restart")
-        machine.take_choices()
     if meta["pending"] is not None:
         machine.pending = _Done({int(k): _get_reply(arrays, f"p{k}", m)
                               for k, m in meta["pending"].items()})

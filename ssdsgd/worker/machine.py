@@ -24,7 +24,6 @@ The machine speaks to the servers only through the client's API (``init``, ``pus
 ``pull``): it builds no message and never sees how keys are split over servers.
 """
 import dataclasses
-import time
 
 import numpy as np
 
@@ -34,8 +33,8 @@ from ..mxglue.optimizer_spec import build
 from . import checkpoint_state
 from .deferred import DeferredSteps, device_sum
 from .preduce import PreduceSteps
-from ..sync.auto import K_UNTIMED, Schedule
-from ..sync.stage import Stage, delays_pulls, plan, pull_offset
+from ..sync.auto import Schedule
+from ..sync.stage import Stage, delays_pulls
 
 
 @dataclasses.dataclass
@@ -88,13 +87,9 @@ class StageMachine:
         # T_w, k and the pull relay in force: pinned, or chosen by the job (sync/auto.py);
         # k and the relay are agreed at the end of the warm-up, and then this worker's
         # place in each pull period (0 unless the pulls are staggered) follows from k.
-        self.schedule = Schedule(env, client.rank, relay_workers=client.num_workers
-                                 if getattr(client, "relays", None) else 0)
-        if delays_pulls(env.algorithm):
-            self.schedule.say(self.schedule.describe())
-        self.offset = 0
-        if not self.schedule.undecided:
-            self.take_choices()
+        self.schedule = Schedule(env, client.rank, client.num_workers, relay_workers=(
+            client.num_workers if getattr(client, "relays", None) else 0),
+            on_choice=lambda s: setattr(client, "relay_on", bool(s.relay)))
         self.preduce = PreduceSteps(client, self.keys, self.counts)
         self.deferred = DeferredSteps(client, self.keys)   # steps queued on MXNet's engine
         self.final_done = False      # quorum: the final pull is answered
@@ -135,43 +130,19 @@ class StageMachine:
     def step(self, entries):
         """entries: (key, grads, outs); outs None means write the result into grads."""
         self.settle()
-        stats = self.client.stats
-        blocked0 = stats["time_blocked"]
-        self.schedule.begin(self.t, time.perf_counter(), stats)
-        if self.env.algorithm == "preduce":
-            self.preduce.step(entries)
-        else:
-            self._stage_step(entries)
-        self.schedule.end(time.perf_counter(), stats)
+        blocked0 = self.client.stats["time_blocked"]
+        with self.schedule.timed(self.t, self.client.stats):
+            if self.env.algorithm == "preduce":
+                self.preduce.step(entries)
+            else:
+                self._stage_step(entries)
         self.t += 1
-        self.last_step_blocked = stats["time_blocked"] - blocked0
-        if self.t == self.schedule.warmup_steps and self._choosing():
-            self.schedule.decide(self.client.barrier)       # every worker, same step
-            self.take_choices()
-
-    def _choosing(self):
-        return self.schedule.undecided and delays_pulls(self.env.algorithm)
-
-    def take_choices(self):
-        """k and the relay are known: this worker's place in each pull period follows,
-        and its pulls ask to be relayed or not."""
-        self.offset = pull_offset(self.client.rank, self.client.num_workers,
-                                  self.schedule.delay_steps, self.env.pull_schedule)
-        self.client.relay_on = bool(self.schedule.relay)
-
-    def _plan(self, t):
-        if t >= self.schedule.warmup_steps and self._choosing():
-            # no warm-up step was timed here (T_w = 0, or resumed past it without a k):
-            # the same fallback on every worker, no agreement needed
-            self.schedule.set_choice(K_UNTIMED, False, "auto, untimed: no warm-up step "
-                                                       "to time")
-            self.take_choices()
-        return plan(t, self.env.algorithm, self.schedule.warmup_steps,
-                    self.schedule.delay_steps, self.offset)
+        self.last_step_blocked = self.client.stats["time_blocked"] - blocked0
+        self.schedule.after_step(self.t, self.client.barrier)   # every worker, same step
 
     def _stage_step(self, entries):
         """ssgd, asgd, ssd: the stage of step t (sync/stage.py)."""
-        p = self._plan(self.t)
+        p = self.schedule.plan(self.t)
         if not p.synchronous:
             self._check_steps_delay(entries)
             self._fetch_state(entries)
@@ -388,9 +359,7 @@ class StageMachine:
         stats = dict(self.client.stats)
         stats.update(self.counts)
         stats["step"] = self.t
-        stats["stage"] = plan(max(self.t - 1, 0), self.env.algorithm,
-                              self.schedule.warmup_steps, self.schedule.delay_steps,
-                              self.offset).stage
+        stats["stage"] = self.schedule.stage_of(max(self.t - 1, 0)).stage
         stats["warmup_steps"] = self.schedule.warmup_steps
         stats["delay_steps"] = self.schedule.delay_steps
         stats["pull_relay"] = self.schedule.choices.get("pull_relay", {}).get("value")
