@@ -158,7 +158,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
                 p.wait()
     assert bad_p.returncode == 2
     assert bad_err.strip().splitlines() == [
-        f"error: sync.delay_steps: expected an integer >= 1, got 0 ({bad})"]
+        f"error: sync.delay_steps: expected auto or an integer >= 1, got 0 ({bad})"]
     assert nodata_p.returncode == 2
     assert nodata_err.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'absent'}: CIFAR-10 data directory not found (data.path)")
