@@ -162,6 +162,43 @@ def test_a_servers_limit_follows_the_model_not_the_setting(tmp_path, undisturbed
 
 
 @pytest.mark.system
+def test_a_message_of_many_frames_each_under_the_limit_is_held_whole_then_freed(
+        tmp_path, undisturbed):
+    """Issue 30 item 4, gap 2: a measurement, not a fix (docs/reliability.md, "Size").
+    ZeroMQ's MAXMSGSIZE bounds a frame, not a message, and libzmq hands over a multipart
+    message only once its last frame is in: a process holding worker 0's key sends server
+    0 one message of 64 frames of 3 MiB, each under the port's frame limit, and the
+    server holds all 192 MiB before it can look at the first. Then it refuses the message
+    (its header announces no data frame), the memory goes back, and the job trains as if
+    nobody had sent it."""
+    job = LiveJob(tmp_path, steps=STEPS, env={"SSDSGD_ALGORITHM": "ssgd"})
+    frame, count = 3 << 20, 64
+    assert frame <= P.frame_limit(0)       # under the limit of any server's port
+    try:
+        pid, sock, events = insider(job, "server 0")
+        base = rss_kb(pid)
+        peak = PeakRSS(pid)
+        head = P.encode(P.Message(P.Kind.PUSH, sender=0, req=7))
+        sock.send_multipart(head + [np.ones(frame, np.uint8)] * count, copy=False)
+        assert sock.poll(60_000), "server 0 never answered the message"
+        reply = P.decode(sock.recv_multipart())
+        assert reply.kind == P.Kind.ERROR and reply.req == 7, reply
+        assert f"header announces 0 data frames, message has {count}" in reply.meta["error"]
+        assert not events.poll(0), "the connection was dropped: the frames were refused"
+        time.sleep(0.5)
+        held, after = peak.close() - base, rss_kb(pid) - base
+        events.close(0)
+        sock.close(0)
+        total = frame * count >> 10
+        assert held > total * 3 // 4, f"server 0 held {held} KiB of a {total} KiB message"
+        assert after < total // 4, f"server 0 kept {after} KiB after refusing the message"
+        assert job.wait(timeout=300) == 0, job.text[-3000:]
+    finally:
+        job.kill()
+    assert_undisturbed(tmp_path, undisturbed)
+
+
+@pytest.mark.system
 def test_a_module_given_a_store_made_before_it_states_its_model(tmp_path):
     """MXNet's fit.py creates the store first (``kv = mx.kv.create(...)``, for the rank)
     and hands it to ``mod.fit(kvstore=kv)``: the servers' limit is still the model's
