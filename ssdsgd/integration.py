@@ -119,9 +119,8 @@ class Process:
 
     def connect(self):
         """The process's node, connected on first use (again after a close). With the
-        model known (a Trainer or Module creates its store), this worker states the
-        largest message it will send, which bounds the servers' (worker 0's sets the
-        job's limit; docs/reliability.md)."""
+        model known (a Trainer or Module creates its store), worker 0 states the largest
+        message it will send, which becomes the servers' limit (docs/reliability.md)."""
         if self.node is None or self.node.closed:
             model, self.model = self.model, None
             self.node = Node(model)
@@ -144,15 +143,24 @@ def _is_ssdsgd_name(kvstore):
 
 
 def declare_model(key_bytes):
-    """The next ssdsgd store this process creates is for a model whose keys have
-    ``key_bytes`` bytes each: if it is the process's first, the worker states the largest
-    message it will send, which bounds the servers' (docs/reliability.md)."""
-    PROCESS.model = list(key_bytes)
+    """This process's store is for a model whose keys have ``key_bytes`` bytes each.
+    Worker 0 states the largest message it will send, which becomes the servers' limit
+    (docs/reliability.md): at once if the process has joined the job already (a store
+    created before its model, as MXNet's fit.py does), else when its first store joins.
+    A model declared after worker 0's first message to a server changes nothing."""
+    node = PROCESS.node
+    if node is not None and not node.closed:
+        node.client.start.declare_model(list(key_bytes))
+    else:
+        PROCESS.model = list(key_bytes)
 
 
 def _create_kvstore(kvstore, num_device, arg_params):
-    if _is_ssdsgd_name(kvstore):
+    """MXNet's own, after stating the model (Module and the Trainer pass it here, with
+    a store's name or with a store created before the model)."""
+    if (_is_ssdsgd_name(kvstore) or is_ssdsgd_store(kvstore)) and arg_params:
         declare_model(a.size * np.dtype(a.dtype).itemsize for a in arg_params.values())
+    if _is_ssdsgd_name(kvstore):
         try:
             kvstore = mx.kv.create(kvstore)     # then as MXNet does for a store object
         finally:

@@ -391,9 +391,10 @@ SETTINGS = (
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),
     Setting("max_message_bytes", int, 1 << 34, "the most data bytes a message to a server "
             "may carry; below it, the job's limit is what worker 0's model needs (8 x its "
-            "bytes) when the store is created with the model (a bigger frame is refused "
-            "unbuffered, at its size header); a worker's pull relay takes pieces of at most "
-            "2 MiB whatever this is (docs/reliability.md)",
+            "bytes) once its store is given the model (by a Trainer or Module, before its "
+            "first message to a server; the servers bind their ports with it, and a bigger "
+            "frame is refused unbuffered, at its size header); a worker's pull relay takes "
+            "pieces of at most 2 MiB whatever this is (docs/reliability.md)",
             env="SSDSGD_MAX_MESSAGE_BYTES", min=1, max=1 << 62),
     Setting("chunk_bytes", int, 4 << 20, "a server's part of a step is sent in messages of "
             "about this size (pipelining)", env="SSDSGD_CHUNK_BYTES", min=1),

@@ -136,14 +136,15 @@ def test_a_turn_of_the_io_thread_sends_at_most_send_per_turn_messages():
     thread = io_thread.IOThread.__new__(io_thread.IOThread)    # its queue and counters only
     thread._commands, thread.stats = queue.SimpleQueue(), {"messages_sent": 0,
                                                            "bytes_sent": 0}
+    thread._sockets = [out]
     total = 3 * io_thread.SEND_PER_TURN + 5
     for i in range(total):
         thread._commands.put((0, [str(i).encode()]))
     try:
-        assert thread._send_queued(None, [out], io_thread.SEND_PER_TURN) is True
+        assert thread._send_queued(None, io_thread.SEND_PER_TURN) is True
         got = [into.recv() for _ in range(thread.stats["messages_sent"])]
         assert got == [str(i).encode() for i in range(io_thread.SEND_PER_TURN)]
-        assert thread._send_queued(None, [out], None) is False
+        assert thread._send_queued(None, None) is False
         assert thread.stats["messages_sent"] == total
     finally:
         into.close(linger=0)

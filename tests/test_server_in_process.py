@@ -46,10 +46,9 @@ class InProcessJob:
         self.stranger = self._dealer(where, b"\x01stranger")
         self.sockets = [self.router, self.scheduler, to_scheduler, *self.workers, self.stranger]
         topology = {"rank": 0, "num_workers": workers, "num_servers": 1,
-                    "servers": [["127.0.0.1", 1]], "workers": [i.hex() for i in self.ids]}
-        if limit is not None:
-            topology["max_message_bytes"] = limit
-        self.server.start(topology, self.router, to_scheduler)
+                    "workers": [i.hex() for i in self.ids]}
+        self.server.start(topology, to_scheduler)
+        self.server.listen(self.router, self.env.max_message_bytes if limit is None else limit)
         self.reqs = itertools.count(1)
 
     def _dealer(self, where, ident):

@@ -45,6 +45,7 @@ def _raw_request(address, frames):
 
 def test_malformed_frames_are_rejected_and_the_server_keeps_serving(one_server):
     client, sched, server = one_server
+    client.start.await_servers()
     host, port = client.topology["servers"][0]
     address = f"tcp://{host}:{port}"
     good = P.encode(P.Message(P.Kind.PULL, sender=0, req=5))

@@ -33,17 +33,18 @@ from .relay import asks_relay
 from .requests import ENDED, Gather, KeyReply, Requests, ServerError  # noqa: F401 - API
 from .scheduler import JobAborted
 from .splitting import Coded, split
-from .topology import job_limit
+from .startup import WorkerStart
 from .. import fields
 from ..settings import pipeline_pieces, quorum_size
 
 
 class WorkerClient:
     """``model``: the bytes of each of the model's keys, if this worker knows its model
-    when it joins; it then states the largest message it will send a server
-    (``protocol.message_bound``), and worker 0's becomes the job's message limit
-    (docs/reliability.md). ``relay``: open a pull relay (default: if pull_relay is chain;
-    with auto, the stage machine sets ``relay_on`` once the job chose)."""
+    when it joins (else ``start.declare_model`` once it does): worker 0 states the
+    largest message it will send a server (``protocol.message_bound``), which becomes the
+    job's message limit; the servers bind their ports with it (``startup.WorkerStart``,
+    docs/reliability.md). ``relay``: open a pull relay (default: if pull_relay is
+    chain; with auto, the stage machine sets ``relay_on`` once the job chose)."""
 
     def __init__(self, env, model=None, relay=None):
         self.env = env
@@ -53,19 +54,12 @@ class WorkerClient:
         self.requests = Requests(self.stats)
         self.outbox = PushOutbox(self.requests.lock, self._push_group)
         self.io = IOThread(env, self.requests, self.stats, self.outbox.flush, self._abandon)
-        self.topology = self.io.start(P.message_bound(model) if model else None,
-                                      env.pull_relay == "chain" if relay is None else relay)
+        self.topology = self.io.start(env.pull_relay == "chain" if relay is None else relay)
         self.left = self.io.left  # workers that left the job (cluster.on_worker_failure)
         self.rank = self.topology["rank"]
         self.num_workers = self.topology["num_workers"]
         self.num_servers = self.topology["num_servers"]
-        # the servers refuse bigger messages: say so before sending one
-        self.max_message_bytes = job_limit(env, self.topology)
-        self._limit = None if self.max_message_bytes == env.max_message_bytes else (
-            f"the job's limit of {self.max_message_bytes} data bytes, set by the model worker "
-            "0 had when it joined (protocol.message_bound; docs/reliability.md): a key "
-            "added since is not in it; create the store with the whole model (as "
-            "gluon.Trainer does)")
+        self.start = WorkerStart(env, self.rank, self.io, self.requests)
         self.keys = KeyTable(self.num_servers, env.bigarray_bound)
         self.placement = self.keys.placement
         # With a quorum (docs/spec/quorum.md) a push is one contribution to a round: one
@@ -79,6 +73,8 @@ class WorkerClient:
         # SSDSGD_PIPELINE_PIECES: fixed, or timed on this worker's pulling pushes (auto)
         self.pieces = PieceTuner(pipeline_pieces(env.pipeline_pieces))
         self.stats["pipeline_pieces"] = self.pieces.value
+        if model is not None:
+            self.start.declare_model(model)
 
     # ---- the API -----------------------------------------------------------------------
     def init(self, keys, values=None):
@@ -212,6 +208,7 @@ class WorkerClient:
             # the others (docs/spec/quorum.md, rule 2a): a slow one may need them to close
             # the round of its own push before it can reach the barrier
             self.exchange(P.Kind.POLICY, [], meta={"event": "pause"}, every=True).wait()
+        self.start.declare_model(None)     # worker 0 never waits for the others unstated
         msg = self.io.call_scheduler(P.Kind.BARRIER, {"group": "worker", "value": int(value)},
                                      P.Kind.BARRIER)
         return int((msg.meta or {}).get("value", 0))
@@ -221,6 +218,7 @@ class WorkerClient:
         for the group the scheduler forms with it: (group number, member ranks)."""
         if self.requests.failure is not None:
             raise self.requests.failure
+        self.start.declare_model(None)
         meta = self.io.call_scheduler(P.Kind.POLICY, {"event": "ready", "final": final},
                                       P.Kind.POLICY).meta
         if (meta.get("event") != "group" or not fields.int_in(0, fields.MAX_STEP)(
@@ -254,6 +252,7 @@ class WorkerClient:
         queued, stop the thread."""
         if self.io.alive and self.requests.failure is None:
             try:
+                self.start.declare_model(None)     # the servers bind, then shut down
                 self.io.call_scheduler(P.Kind.FINISH, {"error": error} if error else None,
                                        P.Kind.ACK)
             except JobAborted:
@@ -301,6 +300,7 @@ class WorkerClient:
         """Split, number, encode, check the size of, and queue a request's messages; the
         Gather of their replies (None without ``reply``). Nothing is queued unless every
         message is within SSDSGD_MAX_MESSAGE_BYTES (else the server would drop it unread)."""
+        self.start.await_servers()
         messages = split(self.placement, entries, chunk_bytes, self.pieces.value)
         if every:
             for server in range(self.num_servers):
@@ -315,7 +315,7 @@ class WorkerClient:
                                     tensors=tens, meta=meta)
                     self.requests.number(msg, self.rank)
                     frames = P.encode(msg)
-                    P.check_size(frames, self.max_message_bytes, self._limit)
+                    P.check_size(frames, self.start.max_message_bytes, self.start.limit)
                     encoded.append((server, msg, frames))
             relayed = bool(flags & P.Flag.RELAY)
             futures = [self.requests.expect(

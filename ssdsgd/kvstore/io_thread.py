@@ -36,7 +36,11 @@ class IOThread:
         self.on_turn, self.on_end = on_turn, on_end
         self.ctx = zmq.Context.instance()
         self.topology = None
-        self.max_message = None
+        # resolved once every server listens and this thread has connected to each
+        # (the scheduler's LISTEN, startup.py): a worker's first message to a server waits
+        self.listening = requests.expect_control(P.Kind.LISTEN)
+        self._sockets = []        # a DEALER to each server, once they listen
+        self._poller = zmq.Poller()
         self.left = []            # workers that left the job (cluster.on_worker_failure)
         self.progress = 0         # pushes the training thread made (liveness.py)
         self.busy = False         # it says it does something else (rank 0's validation)
@@ -55,11 +59,10 @@ class IOThread:
         self._thread = threading.Thread(target=self._run, name="ssdsgd-io", daemon=True)
         requests.alive = self._thread.is_alive
 
-    def start(self, max_message=None, relay=False):
-        """Register with the scheduler (``max_message``: the largest message this worker
-        will send a server, if it knows its model; ``relay``: open a pull relay); returns
-        the topology (raises why it failed)."""
-        self.max_message, self._listen_relay = max_message, relay
+    def start(self, relay=False):
+        """Register with the scheduler (``relay``: open a pull relay); returns the
+        topology (raises why it failed)."""
+        self._listen_relay = relay
         self._thread.start()
         self._ready.wait()
         if self.requests.failure is not None:
@@ -119,7 +122,7 @@ class IOThread:
 
     def _run(self):
         try:
-            link, sockets = self._connect()
+            link = self._connect()
         except Exception as e:   # registration failed: report it to the constructor
             self.requests.failure = e if isinstance(e, JobAborted) else JobAborted(str(e))
             self._wake_in.close(0)
@@ -127,7 +130,7 @@ class IOThread:
         finally:
             self._ready.set()
         try:
-            self._serve(link, sockets)
+            self._serve(link)
         except JobAborted as e:
             rank = self.topology["rank"] if self.topology else "?"
             print(f"ssdsgd worker {rank}: {e}", file=sys.stderr, flush=True)
@@ -138,7 +141,7 @@ class IOThread:
         except Exception as e:  # a bug here must not leave the main thread waiting
             self.requests.fail(JobAborted(f"the worker's I/O thread failed: {e!r}"))
         finally:
-            for s in sockets:
+            for s in self._sockets:
                 s.close()   # LINGER flushes queued pushes (bounded by the heartbeat timeout)
             self.relay.close()
             link.sock.close(0)
@@ -147,7 +150,7 @@ class IOThread:
 
     def _connect(self):
         """Register with the scheduler (with the address of this worker's pull relay, if
-        it has one) and open a DEALER to every server."""
+        it has one); the servers come later (``_connect_servers``)."""
         host = port = None
         relay_in = guard = None
         if self._listen_relay:
@@ -162,30 +165,37 @@ class IOThread:
         self.relay = PullRelay(self.ctx, self.env, self.requests, self.stats, self._sent,
                                relay_in, guard)
         link = SchedulerLink(self.ctx, self.env, "worker", host, port, guard)
-        sockets = []
         try:
-            self.topology = link.register(self.max_message)
+            self.topology = link.register()
             self.relay.join(self.topology, link.routing_id)
-            for server, (host, port) in enumerate(self.topology["servers"]):
-                s = self.ctx.socket(zmq.DEALER)
-                sockets.append(s)
-                s.setsockopt(zmq.SNDHWM, 0)
-                s.setsockopt(zmq.RCVHWM, 0)
-                s.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
-                link.secure(s, server)     # this worker's connection id and keys
-                s.connect(f"tcp://{host}:{port}")
         except Exception:
-            for s in sockets + [link.sock]:
-                s.close(0)
+            link.sock.close(0)
             self.relay.close()
             raise
-        return link, sockets
+        return link
 
-    def _serve(self, link, sockets):
+    def _connect_servers(self, link, meta):
+        """The scheduler's LISTEN: every server listens, with the job's message limit; a
+        DEALER to each, then the waiting first request may go."""
+        self.topology.update(meta)
+        for server, (host, port) in enumerate(meta["servers"]):
+            s = self.ctx.socket(zmq.DEALER)
+            self._sockets.append(s)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.LINGER, int(self.env.heartbeat_timeout * 1000))
+            link.secure(s, server)     # this worker's connection id and keys
+            s.connect(f"tcp://{host}:{port}")
+            self._poller.register(s, zmq.POLLIN)
+        fut = self.requests.take_control(P.Kind.LISTEN)
+        if fut is not None:
+            fut.set_result(meta)
+
+    def _serve(self, link):
         """Poll until ``close``: send what the main thread queued, hand replies to their
         futures, keep the heartbeats going."""
-        poller = zmq.Poller()
-        for s in [self._wake_in, link.sock] + sockets:
+        poller = self._poller
+        for s in [self._wake_in, link.sock]:
             poller.register(s, zmq.POLLIN)
         if self.relay.sock is not None:
             poller.register(self.relay.sock, zmq.POLLIN)
@@ -200,11 +210,10 @@ class IOThread:
                     except zmq.Again:
                         break
             self.on_turn()
-            backlog = self._send_queued(link, sockets, None if self._stopping
-                                        else SEND_PER_TURN)
+            backlog = self._send_queued(link, None if self._stopping else SEND_PER_TURN)
             if link.sock in events and self._on_scheduler(link):
                 return      # the scheduler acknowledged FINISH: no more heartbeats
-            for server, s in enumerate(sockets):
+            for server, s in enumerate(self._sockets):
                 if s in events:
                     self._receive(s, server)
             if self.relay.sock in events:
@@ -216,7 +225,7 @@ class IOThread:
     def _progress(self):
         return {"progress": self.progress, "busy": self.busy}
 
-    def _send_queued(self, link, sockets, limit):
+    def _send_queued(self, link, limit):
         """Send up to ``limit`` queued messages (None: all); True if some are left."""
         sent = 0
         while limit is None or sent < limit:
@@ -224,7 +233,7 @@ class IOThread:
                 target, frames = self._commands.get_nowait()
             except queue.Empty:
                 return False
-            self._sent(link.sock if target == "scheduler" else sockets[target], frames)
+            self._sent(link.sock if target == "scheduler" else self._sockets[target], frames)
             sent += 1
         return True
 
@@ -239,6 +248,9 @@ class IOThread:
         """A scheduler message: resolve the barrier or finish it answers. True after the
         acknowledgement of FINISH."""
         msg = link.receive()
+        if msg.kind == P.Kind.LISTEN and "servers" in msg.meta and not self._sockets:
+            self._connect_servers(link, msg.meta)
+            return False
         if msg.kind == P.Kind.MEMBERSHIP and "from_step" in msg.meta:
             self.left.append({"rank": msg.meta["removed"], "from_step": msg.meta["from_step"],
                               "time": time.time()})

@@ -1,9 +1,10 @@
 """The vocabulary: which messages exist, and which meta fields each carries, of what type.
 
-Seventeen kinds, in three groups, and three flags:
+Eighteen kinds, in three groups, and three flags:
 
 * membership (node <-> scheduler; ps-lite's control commands): REGISTER, TOPOLOGY,
-  BARRIER, HEARTBEAT, FINISH, SHUTDOWN, ABORT, MEMBERSHIP (a worker leaves the job);
+  LISTEN (the servers' ports, bound once the job's message limit is known), BARRIER,
+  HEARTBEAT, FINISH, SHUTDOWN, ABORT, MEMBERSHIP (a worker leaves the job);
 * data (worker <-> server): INIT, PUSH, PULL, and the answers REPLY, ACK, ERROR;
   FRAGMENT carries a piece of a relayed REPLY (sync.pull_relay: chain);
 * generic: COMMAND (worker -> every server: the job's optimizer, compression, or
@@ -24,11 +25,10 @@ from .. import fields as F
 
 
 class Kind(enum.IntEnum):
-    REGISTER = 1      # node -> scheduler: {role, rank, host, port, pid, routing_id,
-                      # max_message (a worker: its largest message to a server)}
-    TOPOLOGY = 2      # scheduler -> node: {rank, num_workers, num_servers, servers, workers,
-                      # relays, max_message_bytes (the job's limit)}; to the servers first,
-                      # each answering with a BARRIER of group server once it listens
+    REGISTER = 1      # node -> scheduler: {role, rank, host, port (a worker's relay), pid,
+                      # routing_id}
+    TOPOLOGY = 2      # scheduler -> node, once all registered: {rank, num_workers,
+                      # num_servers, workers, relays}; no server listens yet (LISTEN)
     BARRIER = 3       # node -> scheduler, and the release back
     HEARTBEAT = 4     # node -> scheduler {progress, busy}, and the echo back
     FINISH = 5        # worker -> scheduler: done, stop watching me
@@ -45,6 +45,10 @@ class Kind(enum.IntEnum):
                       # frames; step: its index; {of, sizes, relay}
     COMMAND = 16      # worker -> server: {command, ...}; reply: ACK, or the state
     POLICY = 17       # any node -> any node: {event, ...}, a policy's own message
+    LISTEN = 18       # worker 0 -> scheduler {max_message}: its model's largest message
+                      # (none: it knows no model); scheduler -> server {max_message_bytes}:
+                      # bind with it; server -> scheduler {port}: bound; scheduler ->
+                      # worker {servers, max_message_bytes}: where the servers listen
 
 
 class Flag(enum.IntFlag):
@@ -78,17 +82,18 @@ META = {
                     "port": ((F.optional(F.int_in(0, 65535)), "a TCP port or null"), False),
                     "pid": ((F.int_in(0, 1 << 32), "a process id"), False),
                     "hostname": ((F.text(255), "a host name"), False),
-                    "routing_id": (F.ID, False), "max_message": (_BYTES, False)},
+                    "routing_id": (F.ID, False)},
     Kind.TOPOLOGY: {"rank": (F.RANK, True), "num_workers": (F.COUNT, True),
                     "num_servers": (F.COUNT, True),
-                    "servers": ((lambda v: isinstance(v, list) and all(map(F.is_address, v)),
-                                 "a list of [host, port]"), True),
                     "workers": ((lambda v: isinstance(v, list) and all(F.ID[0](x) for x in v),
                                  "a list of connection ids"), False),
                     "relays": ((lambda v: isinstance(v, list) and all(
                         x is None or F.is_address(x) for x in v),
-                        "a list of [host, port] or null, one per worker"), False),
-                    "max_message_bytes": (_BYTES, False)},
+                        "a list of [host, port] or null, one per worker"), False)},
+    Kind.LISTEN: {"max_message": (_BYTES, False), "max_message_bytes": (_BYTES, False),
+                  "port": ((F.int_in(1, 65535), "a TCP port"), False),
+                  "servers": ((lambda v: isinstance(v, list) and all(map(F.is_address, v)),
+                               "a list of [host, port]"), False)},
     Kind.BARRIER: {"group": (_GROUP, False),
                    "value": ((F.int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
     Kind.FINISH: {"error": (F.STR, False)},

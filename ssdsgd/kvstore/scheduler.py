@@ -17,12 +17,14 @@ import time
 import zmq
 
 from . import job_status, protocol as P
+from .barriers import Barriers
 from .env import NodeEnv
 from .removals import RemovalError, Removals
 from .security import Guard
 from .liveness import StallWatch, failed
-from .topology import (assign_ranks, job_limit, node_name, reachable_or_why,
-                       registration_error, topology)
+from .startup import Startup, StartupError
+from .topology import (assign_ranks, by_rank, job_limit, node_name, reachable_or_why,
+                       record, registration, topology, unreachable)
 
 
 class JobAborted(RuntimeError):
@@ -32,10 +34,11 @@ class JobAborted(RuntimeError):
 def bind_router(ctx, host, port, what, guard=None, sndhwm=1000, rcvhwm=1000, maxmsgsize=-1):
     """A ROUTER socket bound to host:port (port 0: a free one); a clear error if taken.
 
-    Every option is set before ``bind``: ZeroMQ applies a listening socket's options to
-    the connections it accepts later, never to those already accepted (the high-water
-    marks bound what one peer can queue; MAXMSGSIZE refuses a bigger frame without
-    buffering it; the guard decides who may connect at all)."""
+    Every option is set before ``bind``: the listener takes a copy of the socket's options
+    when it is bound, and options set afterwards apply to no connection, later ones
+    included (tests/test_message_limits.py). The high-water marks bound what one peer can
+    queue; MAXMSGSIZE refuses a bigger frame without buffering it; the guard decides who
+    may connect at all."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -85,12 +88,11 @@ class Scheduler:
                                            maxmsgsize=P.frame_limit(0))
         self.log(f"listening on {env.scheduler_host}:{self.port}; {self.guard.describe()}")
         self.nodes = {}           # identity (the connection) -> info dict
-        self.barriers = {}        # group -> set of identities waiting
-        self.barrier_values = {}  # group -> the largest value sent to the waiting barrier
+        self.barriers = Barriers()
         self.removals = Removals()    # cluster.on_worker_failure: continue
+        self.counts = {"server": env.num_servers, "worker": env.num_workers}
         self.started = False
-        self.layout = None        # the topology, once every node registered
-        self.waiting_servers = set()   # servers not yet listening with the job's limit
+        self.startup = None       # once every node registered: the servers' binding
         self.rejected = Rejections(self.log)
         self.policy = make_policy(env)
         self.stalls = StallWatch(env.stall_timeout)
@@ -102,39 +104,49 @@ class Scheduler:
             pass  # the peer is gone or does not read; heartbeats will tell
 
     def _members(self, role=None):
-        return [i for i, n in self.nodes.items() if role is None or n["role"] == role]
+        """The connections of ``role``'s nodes (None or 'all': every node)."""
+        return [i for i, n in self.nodes.items() if role in (None, "all", n["role"])]
 
     def _assign_ranks(self):
-        """Every node registered: ranks, then the servers' topology with the job's message
-        limit; the workers hear the servers' addresses once every server listens with it
-        (``_listening``: ZeroMQ applies a limit only to a port bound after it is set)."""
+        """Every node registered: ranks and the topology, to every node. The servers bind
+        their ports once worker 0 states its model, and only then do the workers hear
+        where (``_listen``; startup.py says why)."""
         nodes = list(self.nodes.values())
-        assign_ranks(nodes, {"server": self.env.num_servers, "worker": self.env.num_workers})
-        # the workers would wait on an unreachable node forever
+        assign_ranks(nodes, self.counts)
+        # the workers would wait on an unreachable relay forever
         wrong = reachable_or_why(nodes, self.env.pull_relay == "auto", self.log)
         if wrong:
             self._abort(wrong)
-        self.layout = topology(nodes, self.env.num_workers, self.env.num_servers)
-        self.waiting_servers = set(self._members("server"))
-        self._send_topology("server")
-
-    def _send_topology(self, role):
+        layout = topology(nodes, self.env.num_workers, self.env.num_servers)
+        self.startup = Startup(self._members("server"))
         now = time.monotonic()
-        for ident in self._members(role):
-            self.nodes[ident]["last_seen"] = now
-            self._send(ident, P.Kind.TOPOLOGY, dict(self.layout, rank=self.nodes[ident]["rank"]))
-
-    def _listening(self, ident):
-        """A server bound its port with the job's limit (its BARRIER of group server before
-        the job started); after the last, the workers get the topology."""
-        self.waiting_servers.discard(ident)
-        if self.waiting_servers:
-            return
-        self._send_topology("worker")
+        for ident, node in self.nodes.items():
+            node["last_seen"] = now
+            self._send(ident, P.Kind.TOPOLOGY, dict(layout, rank=node["rank"]))
         self.started = True
-        self.log(f"all {len(self.nodes)} nodes registered; job started (messages to the "
-                 f"servers carry at most {job_limit(self.env, self.layout)} data bytes)")
-        self._record()
+        self.log(f"all {len(self.nodes)} nodes registered; job started (the servers listen "
+                 "once worker 0 states its model)")
+
+    def _listen(self, ident, node, meta):
+        """LISTEN (startup.py): worker 0's model goes to every server as the job's limit;
+        after the last server's port, every worker hears where the servers listen."""
+        if self.startup is None:
+            raise P.ProtocolError("LISTEN before every node registered")
+        try:
+            step = self.startup.on_listen(ident, node, meta, self.nodes.values())
+        except StartupError as e:
+            raise P.ProtocolError(str(e)) from None
+        if step is None:
+            return
+        role, out = step
+        if role == "worker":      # a server the workers cannot reach: they would wait
+            wrong = unreachable(by_rank(self.nodes.values(), "server"))
+            if wrong:
+                self._abort(wrong)
+            self.log(f"every server listens; messages to the servers carry at most "
+                     f"{job_limit(self.env, out)} data bytes")
+        for i in self._members(role):
+            self._send(i, P.Kind.LISTEN, out)
 
     def _record(self, abort=None):
         """The launcher's view of the job (kvstore/job_status.py)."""
@@ -156,33 +168,16 @@ class Scheduler:
         the handshake, that the process holds a key of the job). With a key per process
         the node is the one its key names: another rank, or that rank twice, is refused."""
         role = meta["role"]
-        full = {"server": self.env.num_servers, "worker": self.env.num_workers}
         if ident in self.nodes:
             raise P.ProtocolError(f"this connection already registered as "
                                   f"{self.nodes[ident]['role']}")
         who = self.guard.sender(frame)
-        if who is not None:
-            if meta.get("rank", -1) == -1 and who.startswith(role + " "):
-                meta = dict(meta, rank=int(who.split()[1]))     # its key says which
-            wrong = self.guard.wrong_claim(frame, role, meta.get("rank", -1))
-            if wrong:
-                raise P.ProtocolError(wrong)
-            if any(n.get("who") == who for n in self.nodes.values()):
-                raise P.ProtocolError(f"{who} has registered already")
-        wrong = registration_error(role, meta, self.nodes.values())
+        meta, wrong = registration(role, meta, who, self.nodes.values(), self.counts,
+                                   self.started)
         if wrong:
             raise P.ProtocolError(wrong)
-        if self.started or len(self._members(role)) >= full[role]:
-            raise P.ProtocolError(f"the job already has its {full[role]} {role}s "
-                                  f"(SSDSGD_NUM_{role.upper()}S={full[role]})")
-        self.nodes[ident] = {"role": role, "asked_rank": meta.get("rank", -1),
-                             "host": meta.get("host"), "port": meta.get("port"),
-                             "pid": meta.get("pid"), "hostname": meta.get("hostname"),
-                             "routing_id": meta.get("routing_id"), "who": who,
-                             "max_message": meta.get("max_message"),
-                             "rank": -1, "last_seen": time.monotonic(), "finished": False}
-        if (len(self._members("server")) == self.env.num_servers
-                and len(self._members("worker")) == self.env.num_workers):
+        self.nodes[ident] = record(meta, role, who, time.monotonic())
+        if all(len(self._members(r)) == n for r, n in self.counts.items()):
             self._assign_ranks()
         self._record()
 
@@ -207,27 +202,19 @@ class Scheduler:
 
     def _barrier(self, ident, node, meta):
         group = meta.get("group", "worker")
-        if not self.started and group == "server" and ident in self.waiting_servers:
-            self._listening(ident)
-            return
-        members = [i for i in self._members() if group == "all" or self.nodes[i]["role"] == group]
+        members = self._members(group)
         if ident not in members:
             raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
-        waiting = self.barriers.setdefault(group, set())
-        waiting.add(ident)
-        self.barrier_values[group] = max(self.barrier_values.get(group, 0), meta.get("value", 0))
-        if waiting >= set(members):
-            self._release(group)
+        release = self.barriers.arrive(group, ident, meta.get("value", 0), members)
+        if release:
+            self._release(*release)
         elif node["role"] == "worker":
             self._decide(self.policy.at_barrier, node["rank"])
 
-    def _release(self, group):
+    def _release(self, group, waiting, value):
         """Every member hears the largest value any sent."""
-        value = self.barrier_values.pop(group, 0)
-        waiting = self.barriers[group]
         for i in waiting:
             self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
-        waiting.clear()
         self.policy.barrier_released()
 
     def _membership(self, ident, node, meta):
@@ -248,7 +235,7 @@ class Scheduler:
 
     HANDLERS = {P.Kind.HEARTBEAT: _heartbeat, P.Kind.BARRIER: _barrier,
                 P.Kind.MEMBERSHIP: _membership, P.Kind.FINISH: _finish,
-                P.Kind.POLICY: _policy_event}
+                P.Kind.POLICY: _policy_event, P.Kind.LISTEN: _listen}
 
     def _decide(self, event, *args):
         """Run a policy event; send the messages it decides (sync/scheduler_policies.py)."""
@@ -286,12 +273,8 @@ class Scheduler:
         self.removals.begin(rank, servers)
         for i in servers:
             self._send(i, P.Kind.MEMBERSHIP, {"removed": rank})
-        for group, waiting in self.barriers.items():
-            waiting.discard(ident)
-            members = [i for i in self._members() if group == "all"
-                       or self.nodes[i]["role"] == group]
-            if waiting and waiting >= set(members):
-                self._release(group)
+        for release in self.barriers.leave(ident, self._members):
+            self._release(*release)
 
     def _removal_answer(self, ident, meta):
         """A server's first missing step of a removed worker; once every server has
@@ -355,7 +338,7 @@ class Scheduler:
                 time.sleep(0.2)
                 self.log("all workers finished; job done")
                 return 0
-            for ident, why in failed(self.nodes, self.barriers, self.stalls, env, now):
+            for ident, why in failed(self.nodes, self.barriers.waiting, self.stalls, env, now):
                 if ident in self.nodes:       # not removed by an earlier one of this turn
                     self._failed(ident, why)
 

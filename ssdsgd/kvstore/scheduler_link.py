@@ -58,15 +58,14 @@ class SchedulerLink:
             pass
         self.last_sent = time.monotonic()
 
-    def register(self, max_message=None):
-        """Block until the scheduler sends the topology; returns it (a dict).
-        ``max_message``: a worker's largest message to a server, if it knows its model
-        (``protocol.message_bound``); worker 0's sets the job's message limit."""
+    def register(self):
+        """Block until the scheduler sends the topology; returns it (a dict). A server
+        names its host; its port comes later (LISTEN, startup.py)."""
         meta = {"role": self.role, "rank": self.env.rank, "pid": os.getpid(),
                 "hostname": socket.gethostname()[:255]}
-        if max_message:
-            meta["max_message"] = int(max_message)
-        if self.role == "server" or self.port:   # a worker's port: its pull relay
+        if self.role == "server":
+            meta["host"] = self.host
+        elif self.port:      # a worker's port: its pull relay
             meta.update(host=self.host, port=self.port)
         if self.role == "worker":
             meta["routing_id"] = self.routing_id.hex()

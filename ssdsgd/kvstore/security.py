@@ -140,6 +140,16 @@ def identity(role, rank):
     return "scheduler" if role == "scheduler" else f"{role} {rank}"
 
 
+def claim_error(who, role, rank):
+    """None if a connection holding ``who``'s key (None: keys name no node) may act as
+    ``role`` ``rank``; else why not, in one line."""
+    claimed = identity(role, rank)
+    if who is None or who == claimed:
+        return None
+    return (f"a connection holding {who}'s key cannot act as {claimed} (each process "
+            "holds its own key; SSDSGD_SECRET_FILE)")
+
+
 # Whose processes connect to the ports of a role: the scheduler's, servers and workers;
 # a server's, and a worker's pull relay, workers only.
 CONNECTS_TO = {"scheduler": ("server", "worker"), "server": ("worker",), "worker": ("worker",)}
@@ -423,11 +433,7 @@ class Guard:
     def wrong_claim(self, frame, role, rank):
         """None if the connection of ``frame`` may act as ``role`` ``rank``; else why not,
         in one line."""
-        who, claimed = self.sender(frame), identity(role, rank)
-        if who is None or who == claimed:
-            return None
-        return (f"a connection holding {who}'s key cannot act as {claimed} (each process "
-                "holds its own key; SSDSGD_SECRET_FILE)")
+        return claim_error(self.sender(frame), role, rank)
 
     def describe(self):
         return {"open": "open: no SSDSGD_SECRET_FILE, any process that reaches this port "

@@ -9,8 +9,8 @@ values, the optimizer and checkpoint state (``weights.py``), and the replies, wh
 the weights' buffers and never wait on a peer (``replies.py``).
 
 A ``Server`` takes no network action of its own: ``start`` hands it the scheduler's
-topology and the two sockets it answers on (the ROUTER the workers connect to, the socket to
-the scheduler), and ``handle`` takes one worker message at a time. Binding, registering and
+topology and the socket to the scheduler, ``listen`` the ROUTER the workers connect to
+(bound with the job's message limit), and ``handle`` takes one worker message at a time. Binding, registering and
 the loop are the process's (``server_node.py``), so a test can feed a real server real
 messages in process and read what it sends (tests/test_server_in_process.py).
 
@@ -33,7 +33,6 @@ from .env import NodeEnv
 from .replies import Fatal, Peer, Replies, RequestError
 from .scheduler import JobAborted, Rejections
 from .security import Guard
-from .topology import job_limit
 from .weights import Weights
 
 PENDING_INITS = 4_096    # INIT messages one worker may have waiting for rank 0's values
@@ -56,7 +55,7 @@ class Server:
         self.policy = None        # made by ``start``, once the rank is known
         self.pending_inits = []
         self.rank = -1
-        self.max_message_bytes = env.max_message_bytes   # the job's, from the topology
+        self.max_message_bytes = env.max_message_bytes   # the job's, from ``listen``
         self.rejected = Rejections(lambda text: self.log(text))
 
     # ---- carrying out the policy's decisions ------------------------------------------
@@ -300,18 +299,21 @@ class Server:
         elif msg.kind == P.Kind.POLICY:
             self._follow(msg.meta)
 
-    def start(self, topo, sock, scheduler):
+    def start(self, topo, scheduler):
         """Serve the job of the scheduler's topology ``topo``: this server's rank, its
-        workers' connection ids, and so its policy. ``sock``: the ROUTER the workers
-        connect to (replies leave on it, never waiting); ``scheduler``: the socket to the
+        workers' connection ids, and so its policy. ``scheduler``: the socket to the
         scheduler (a quorum leader's decisions, a removed worker's last step)."""
         self.rank = self.replies.rank = self.weights.rank = topo["rank"]
-        self.max_message_bytes = job_limit(self.env, topo)
-        self.replies.sock, self.scheduler = sock, scheduler
+        self.scheduler = scheduler
         self.replies.peers = {bytes.fromhex(h): Peer(r)
                               for r, h in enumerate(topo.get("workers", []))}
         self.policy = self.make_policy(self.env, self.rank)
         self.replies.steps_ahead = self.policy.steps_ahead
+
+    def listen(self, sock, max_message_bytes):
+        """``sock``: the ROUTER the workers connect to, bound with the job's message
+        limit ``max_message_bytes`` (startup.py); replies leave on it, never waiting."""
+        self.replies.sock, self.max_message_bytes = sock, max_message_bytes
 
     def _print(self, text):
         rank = f" {self.rank}" if self.rank >= 0 else ""

@@ -1,25 +1,23 @@
 """A server process: the sockets and the loop around a ``server.Server``.
 
-It binds the ROUTER the workers connect to, registers with the scheduler
-(``scheduler_link``), hands the server the topology and both sockets, then reads: worker
-messages go to ``Server.handle``, the scheduler's to ``Server.on_scheduler``, and the
-heartbeats keep going between them. What the server decides is ``server.py``'s.
+It registers with the scheduler (``scheduler_link``), hands the server the topology, waits
+for the job's message limit, binds the ROUTER the workers connect to with it, says where
+(LISTEN), then reads: worker messages go to ``Server.handle``, the scheduler's to
+``Server.on_scheduler``, and the heartbeats keep going between them. What the server
+decides is ``server.py``'s.
 
-The port's message limit is the job's, which the topology brings (worker 0's model, within
-SSDSGD_MAX_MESSAGE_BYTES). ZeroMQ gives a listening port the options it had when bound,
-so the port is bound twice: first with the limit of control messages, to register its
-address (no worker knows it yet), then, once the topology came, again on the same address
-with the job's limit; a BARRIER of group server tells the scheduler, which only then sends
-the workers the servers' addresses.
+The port's message limit is the job's: worker 0's model, within SSDSGD_MAX_MESSAGE_BYTES,
+which the scheduler's LISTEN brings (``startup.py``). ZeroMQ gives a listening port the
+options it had when bound, so the port is bound once that limit is known, and only
+then: a port the server registered and bound again later could be taken by another
+process in between.
 """
-import time
-
 import zmq
 
 from . import protocol as P
 from .env import NodeEnv
 from .replies import SNDHWM, Fatal
-from .scheduler import JobAborted, bind_router
+from .scheduler import bind_router
 from .scheduler_link import SchedulerLink
 from .server import Server
 from .topology import job_limit
@@ -40,42 +38,44 @@ class ServerNode:
     def log(self, text):
         self.server.log(text)
 
-    def _bind(self, port, max_bytes):
-        self.sock, port = bind_router(zmq.Context.instance(), self.env.node_host, port,
+    def _bind(self, max_bytes):
+        self.sock, port = bind_router(zmq.Context.instance(), self.env.node_host, 0,
                                       "a server", self.server.guard, sndhwm=SNDHWM,
                                       rcvhwm=RCVHWM, maxmsgsize=P.frame_limit(max_bytes))
         return port
 
-    def _rebind(self, port, max_bytes, timeout=5.0):
-        """The same port again, with the job's limit (the old socket's close is
-        asynchronous: the address may be busy for a moment)."""
-        self.sock.close(0)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return self._bind(port, max_bytes)
-            except JobAborted:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-
     def run(self):
         env = self.env
-        port = self._bind(0, 0)      # control messages only, until the job's limit is known
-        self.link = SchedulerLink(zmq.Context.instance(), env, "server", env.node_host, port,
+        self.link = SchedulerLink(zmq.Context.instance(), env, "server", env.node_host, None,
                                   self.server.guard)
-        topo = self.link.register()
-        limit = job_limit(env, topo)
-        self._rebind(port, limit)
-        self.log(f"listening on {env.node_host}:{port}, messages of up to {limit} data "
-                 f"bytes; {self.server.guard.describe()}")
-        self.server.start(topo, self.sock, self.link.sock)
-        self.link.send(P.Kind.BARRIER, {"group": "server"})    # listening: workers may come
+        self.server.start(self.link.register(), self.link.sock)
         try:
+            limit = self._await_limit()
+            if limit is None:
+                return 0
+            port = self._bind(limit)     # the job's limit, before any worker knows the port
+            self.server.listen(self.sock, limit)
+            self.log(f"listening on {env.node_host}:{port}, messages of up to {limit} data "
+                     f"bytes; {self.server.guard.describe()}")
+            self.link.send(P.Kind.LISTEN, {"port": port})     # the workers may come
             return self._serve()
         except Fatal as e:   # the scheduler aborts the job, naming this server and why
             self.link.send(P.Kind.FINISH, {"error": str(e)})
             raise
+
+    def _await_limit(self):
+        """Heartbeats and the scheduler's messages until it says the job's limit (worker 0
+        stated its model, startup.py); None if the job ended first."""
+        wait_ms = max(1, int(self.env.heartbeat_interval * 1000 / 2))
+        while True:
+            if self.link.sock.poll(wait_ms):
+                msg = self.link.receive()
+                if msg.kind == P.Kind.SHUTDOWN:
+                    return None
+                if msg.kind == P.Kind.LISTEN:
+                    return job_limit(self.env, msg.meta)
+                self.server.on_scheduler(msg)
+            self.link.tick()
 
     def _serve(self):
         poller = zmq.Poller()

@@ -1,22 +1,40 @@
 """The job's layout, decided by the scheduler from the nodes that registered: whether a
-REGISTER's fields fit its role, each node's rank, the topology every node receives, and
-whether the addresses in it can be reached. Functions over the scheduler's records of the
-nodes (dicts with ``role``, ``asked_rank``, ``host``, ``port``, ``routing_id``,
-``max_message``; ``rank`` once assigned); all pure but ``unreachable``, which connects."""
+REGISTER's fields fit its role, each node's rank, the topology every node receives, the
+servers' addresses once they listen, and whether the addresses can be reached. Functions
+over the scheduler's records of the nodes (dicts with ``role``, ``asked_rank``, ``host``,
+``port``, ``routing_id``; ``rank`` once assigned); all pure but ``unreachable``, which
+connects."""
 import socket
+
+from .security import claim_error
 
 
 def node_name(info):
     return f"{info['role']} {info['rank']} (pid {info.get('pid', '?')} on {info.get('hostname', '?')})"
 
 
-def registration_error(role, meta, nodes):
+def registration(role, meta, who, nodes, counts, started):
+    """A REGISTER of ``role`` with ``meta`` (fields already type-checked) beside the
+    ``nodes`` registered so far: (its meta, why it cannot join or None). ``who``: the node
+    its key names ('worker 1'; None when the keys name no node), whose rank it takes if it
+    asked for none; ``counts``: role -> how many the job has; ``started``: all came."""
+    if who is not None and meta.get("rank", -1) == -1 and who.startswith(role + " "):
+        meta = dict(meta, rank=int(who.split()[1]))     # its key says which
+    wrong = claim_error(who, role, meta.get("rank", -1))
+    if wrong is None and who is not None and any(n.get("who") == who for n in nodes):
+        wrong = f"{who} has registered already"
+    return meta, wrong or _registration_error(role, meta, nodes, counts, started)
+
+
+def _registration_error(role, meta, nodes, counts, started):
     """Why a REGISTER of ``role`` with ``meta`` (fields already type-checked) cannot join
-    beside the ``nodes`` registered so far; None if it can."""
-    if role == "server" and not (meta.get("host") and meta.get("port")):
-        return "a server registers the host and port it listens on"
-    if role == "server" and "max_message" in meta:
-        return "only a worker states the largest message it sends"
+    beside the ``nodes`` registered so far (``counts``: role -> how many the job has;
+    ``started``: all have registered); None if it can."""
+    if role == "server" and not meta.get("host"):
+        return "a server registers the host it will listen on"
+    if role == "server" and meta.get("port"):
+        return ("a server has no port when it registers: it binds one once the job's "
+                "message limit is known, and says so with LISTEN")
     if role == "worker":
         if bool(meta.get("host")) != bool(meta.get("port")):
             return ("a worker that relays pulls registers both the host and the port it "
@@ -25,7 +43,19 @@ def registration_error(role, meta, nodes):
             return "a worker registers the id of its connections to the servers"
         if any(n.get("routing_id") == meta["routing_id"] for n in nodes):
             return "another worker registered the same connection id"
+    if started or sum(n["role"] == role for n in nodes) >= counts[role]:
+        return (f"the job already has its {counts[role]} {role}s "
+                f"(SSDSGD_NUM_{role.upper()}S={counts[role]})")
     return None
+
+
+def record(meta, role, who, now):
+    """The scheduler's record of a node that registered with ``meta``; ``who``: the node
+    its key names (None: the keys name no node)."""
+    return {"role": role, "asked_rank": meta.get("rank", -1), "host": meta.get("host"),
+            "port": meta.get("port"), "pid": meta.get("pid"), "hostname": meta.get("hostname"),
+            "routing_id": meta.get("routing_id"), "who": who, "rank": -1, "last_seen": now,
+            "finished": False}
 
 
 def assign_ranks(nodes, counts):
@@ -57,13 +87,19 @@ def unreachable(nodes, timeout=5.0):
     return None
 
 
+def relays(nodes):
+    """The workers whose ports others connect to (their pull relays: sync.pull_relay:
+    chain), in rank order; bound before they register, so checked with the ranks."""
+    return [n for n in by_rank(nodes, "worker") if n["port"]]
+
+
 def reachable_or_why(nodes, optional_relays=False, log=print):
-    """Why the job cannot start, or None. Every server and relaying worker must be
-    reachable at its advertised address; a pull relay the job may do without
-    (``optional_relays``: sync.pull_relay auto) is dropped instead, every worker's, so the
-    topology has none and no pull is relayed (said through ``log``)."""
-    wrong = unreachable(listening(nodes))
-    if not wrong or not optional_relays or unreachable(by_rank(nodes, "server")):
+    """Why the job cannot start, or None: every relaying worker must be reachable at its
+    advertised address (the servers bind later, startup.py). A pull relay the job may
+    do without (``optional_relays``: sync.pull_relay auto) is dropped instead, every
+    worker's, so the topology has none and no pull is relayed (said through ``log``)."""
+    wrong = unreachable(relays(nodes))
+    if not wrong or not optional_relays:
         return wrong
     for n in nodes:
         if n["role"] == "worker":
@@ -72,38 +108,26 @@ def reachable_or_why(nodes, optional_relays=False, log=print):
     return None
 
 
-def listening(nodes):
-    """The nodes whose ports others connect to: the servers, and the workers that relay
-    pulls (sync.pull_relay: chain), in rank order."""
-    return by_rank(nodes, "server") + [n for n in by_rank(nodes, "worker") if n["port"]]
-
-
-def message_limit(nodes):
-    """The most data bytes a message to a server may carry, as the model says: what
-    worker 0 stated its largest message would be (``protocol.message_bound`` of its
-    model); None when it knew no model when it registered (a store created before the
-    model). Every node takes it within its own SSDSGD_MAX_MESSAGE_BYTES (``job_limit``)."""
-    stated = [n.get("max_message") for n in nodes if n["role"] == "worker" and n["rank"] == 0]
-    return stated[0] if stated else None
+def servers(nodes):
+    """Every server's address, in rank order, once each said where it listens (LISTEN)."""
+    return [[n["host"], n["port"]] for n in by_rank(nodes, "server")]
 
 
 def job_limit(env, topo):
-    """A node's message limit: the model's, from the topology (``message_limit``), never
-    above this node's own SSDSGD_MAX_MESSAGE_BYTES (a user may lower it)."""
+    """A node's message limit: the model's, as worker 0 stated it (``max_message_bytes``
+    of the scheduler's LISTEN, which ``topo`` holds), never above this node's own
+    SSDSGD_MAX_MESSAGE_BYTES (a user may lower it)."""
     return min(env.max_message_bytes, topo.get("max_message_bytes", env.max_message_bytes))
 
 
 def topology(nodes, num_workers, num_servers):
-    """What every node receives (besides its own ``rank``): the servers' addresses, the
-    workers' connection ids in rank order, the model's message limit if worker 0 stated
-    one (``message_limit``) and, when any worker relays pulls, every worker's relay
-    address (None for one that does not)."""
+    """What every node receives once all registered (besides its own ``rank``): the
+    workers' connection ids in rank order and, when any worker relays pulls, every
+    worker's relay address (None for one that does not). The servers' addresses come
+    later (``servers``), once each listens with the job's message limit."""
     workers = by_rank(nodes, "worker")
     layout = {"num_workers": num_workers, "num_servers": num_servers,
-              "servers": [[n["host"], n["port"]] for n in by_rank(nodes, "server")],
               "workers": [n["routing_id"] for n in workers]}
-    if message_limit(nodes):
-        layout["max_message_bytes"] = message_limit(nodes)
     if any(n["port"] for n in workers):
         layout["relays"] = [[n["host"], n["port"]] if n["port"] else None for n in workers]
     return layout
