@@ -11,6 +11,7 @@
   - namespaces left by a run whose process is gone are removed at start, those of a live
     run are not; a failed build removes what it made.
 """
+import argparse
 import contextlib
 import functools
 import json
@@ -184,6 +185,93 @@ def test_a_row_can_have_its_own_2bit_threshold_and_warmup():
                 {'sync.warmup_steps': 1.5}, {'sync.compression': '2bit:-1'}):
         with pytest.raises(rows.RowError):
             rows.parse_row('bad', bad)
+
+
+def test_seeds_parser_takes_ranges_and_lists_and_refuses_the_rest():
+    from bench.cluster import args as cli_args, seeds
+    assert seeds.parse_seeds('0-4') == [0, 1, 2, 3, 4]
+    assert seeds.parse_seeds('0,3,7') == [0, 3, 7]
+    assert seeds.parse_seeds(' 2 , 5-6 ') == [2, 5, 6]
+    assert seeds.parse_seeds('3') == [3]
+    for bad, words in (('', 'no seed'), ('4-2', '4-2'), ('a', "'a'"), ('1,1', 'twice'),
+                       ('0-', "'0-'"), ('-1', "'-1'"), ('1,,2', "''")):
+        with pytest.raises(argparse.ArgumentTypeError) as e:
+            seeds.parse_seeds(bad)
+        assert words in str(e.value) and '\n' not in str(e.value), (bad, e.value)
+    # the default: the one seed each experiment ran before (tta-comm: --tta-comm-seed)
+    args = cli_args.parse_args([])
+    assert [seeds.seeds_of(args, x) for x in ('tta', 'tta-comm', 'hetero')] == [[0], [0], [0]]
+    args = cli_args.parse_args(['--tta-comm-seed', '3'])
+    assert seeds.seeds_of(args, 'tta-comm') == [3] and seeds.seeds_of(args, 'tta') == [0]
+    args = cli_args.parse_args(['--seeds', '0-2'])
+    assert [seeds.seeds_of(args, x) for x in ('tta', 'tta-comm', 'hetero')] == [[0, 1, 2]] * 3
+
+
+def test_seeds_option_errors_are_one_line(capsys):
+    from bench.cluster import args as cli_args
+    for argv in (['--seeds', '5-1'], ['--seeds', '0-2', '--tta-comm-seed', '1']):
+        with pytest.raises(SystemExit):
+            cli_args.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith('python -m bench.cluster: error: ') and '--seeds' in err[-1]
+
+
+def test_mlperf_aggregate_drops_fastest_and_slowest():
+    from bench.cluster.seeds import olympic
+    a = olympic([12.0, 10.0, 30.0, 11.0, 13.0])
+    assert a == {'mean': 12.0, 'min': 10.0, 'max': 30.0, 'n': 5, 'reached': 5}
+    assert olympic([3.0, 1.0, 2.0])['mean'] == 2.0
+    assert olympic([4.0])['mean'] == 4.0 and olympic([4.0])['n'] == 1      # one seed: itself
+    assert olympic([4.0, 6.0])['mean'] == 5.0                               # two: both
+    # a seed that never reached the target is the slowest: dropped as such
+    a = olympic([12.0, None, 10.0, 11.0, 13.0])
+    assert (a['mean'], a['min'], a['max'], a['reached']) == (12.0, 10.0, None, 4)
+    # two never reached: one of them is among the kept, so there is no mean
+    a = olympic([12.0, None, 10.0, None, 13.0])
+    assert (a['mean'], a['reached'], a['n']) == (None, 3, 5)
+    # fewer than 3 reached: no mean
+    assert olympic([1.0, 2.0, None])['mean'] is None
+    assert olympic([1.0, 2.0, 3.0, None])['mean'] == 2.5
+    assert olympic([1.0, 2.0, None, None])['mean'] is None
+    assert olympic([None])['mean'] is None and olympic([None])['reached'] == 0
+    assert olympic([])['mean'] is None
+
+
+def test_aggregate_rows_keep_the_spread_and_count_the_seeds():
+    from bench.cluster import report, seeds
+
+    def run(system, seed, tta, final, status='ok'):
+        return {'system': system, 'label': system, 'status': status, 'seed': seed,
+                'time_to_target_s': tta, 'steps_to_target': None if tta is None else 10 * tta,
+                'final_accuracy': final, 'best_accuracy': final, 'wall_s': 30.0 + seed}
+    rows = [run('native-sync', 0, 20.0, 0.97), run('ssd', 0, 9.0, 0.96),
+            run('native-sync', 1, 22.0, 0.98), run('ssd', 1, None, 0.95),
+            run('native-sync', 2, 24.0, 0.99), run('ssd', 2, 11.0, 0.94),
+            run('native-sync', 3, 26.0, 0.96), run('ssd', 3, 10.0, 0.97, 'failed')]
+    agg = {a['system']: a for a in seeds.aggregate(rows, [0, 1, 2, 3])}
+    nat, ssd = agg['native-sync'], agg['ssd']
+    assert [nat['seeds'], ssd['seeds']] == [[0, 1, 2, 3], [0, 1, 2]]
+    assert nat['time_to_target_s'] == 23.0 and nat['time_to_target_s_spread'] == [20.0, 26.0]
+    assert nat['final_accuracy'] == pytest.approx(0.975) and nat['reached'] == 4
+    assert nat['final_accuracy_spread'] == [0.96, 0.99]
+    # ssd: 3 seeds ran (one failed), one never reached: drop 9 and "never", keep 11
+    assert ssd['time_to_target_s'] is None and (ssd['reached'], ssd['runs']) == (2, 3)
+    assert ssd['failed'] == 1 and '1 of 4 seeds failed' in ssd['label']
+    assert ssd['final_accuracy'] == pytest.approx(0.95)
+    assert seeds.cell(ssd, 'time_to_target_s', '.2f') == 'not reached in 1 of 3 [9.00-never]'
+    assert seeds.cell(nat, 'time_to_target_s', '.2f') == '23.00 [20.00-26.00]'
+    assert seeds.cell(nat, 'steps_to_target', 'd') == '230.0 [200-260]'
+    # one seed: the row's own figures, as before
+    one = seeds.aggregate(rows[:2], [0])
+    assert seeds.cell(one[0], 'time_to_target_s', '.2f') == '20.00'
+    assert seeds.cell(one[0], 'steps_to_target', 'd') == '200'
+    part = {'target': 0.95, 'desc': 'd', 'rate_bits': 1e9, 'workers': 2, 'servers': 1,
+            'seeds': [0, 1, 2, 3], 'rows': rows, 'aggregate': list(agg.values())}
+    assert seeds.judged(part) is part['aggregate']
+    text = report.tta_table(part, md=True)
+    assert 'seeds 0, 1, 2, 3' in text and '23.00 [20.00-26.00]' in text
+    assert '4 of 4' in text and 'not reached in 1 of 3' in text
+    assert seeds.judged({'rows': rows[:2]}) == rows[:2]          # a page from an old JSON
 
 
 def test_tta_comm_seed_goes_to_every_worker():

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from ssdsgd.report import text_table
 
+from . import seeds
 from .netns import rate_label
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,24 +118,53 @@ def scaling_table(scaling, md=False):
 
 
 def tta_table(tta, md=False):
+    """The time-to-accuracy table: one row per run, or with several seeds one per row of
+    the experiment (the MLPerf aggregate with its spread), then each seed's figures."""
     if not tta.get('rows'):
         return ''
-    headers = ['system', f"time to {tta['target']:.0%} (s)", 'steps to target',
-               'final accuracy', 'best accuracy', 'whole run (s)', 'steps', 's/step',
-               'CPU s/step worker', 'CPU s/step server']
+    many = seeds.several(tta)
+    headers = ['system', f"time to {tta['target']:.0%} (s)"] + (['reached'] if many else []) + [
+        'steps to target', 'final accuracy', 'best accuracy', 'whole run (s)', 'steps',
+        's/step', 'CPU s/step worker', 'CPU s/step server']
     rows = []
-    for r in tta['rows']:
+    for r in seeds.judged(tta):
         label = r['label'] if r.get('status', 'ok') == 'ok' else f"{r['label']} ({r['status']})"
-        rows.append([label, _f(r.get('time_to_target_s'), '.2f', 'not reached'),
-                     _f(r.get('steps_to_target'), 'd'), _f(r.get('final_accuracy'), '.4f'),
-                     _f(r.get('best_accuracy'), '.4f'), _f(r.get('wall_s'), '.1f'),
-                     _f(r.get('steps'), 'd'), _f(r.get('step_s'), '.3f'),
-                     _f(r.get('worker_cpu_per_step_s'), '.3f'),
-                     _f(r.get('server_cpu_per_step_s'), '.3f')])
+        reached = [f"{r.get('reached', 0)} of {r.get('runs', 0)}"] if many else []
+        rows.append([label, seeds.cell(r, 'time_to_target_s', '.2f', 'not reached')] +
+                    reached + [seeds.cell(r, key, spec) for key, spec in (
+                        ('steps_to_target', 'd'), ('final_accuracy', '.4f'),
+                        ('best_accuracy', '.4f'), ('wall_s', '.1f'), ('steps', 'd'),
+                        ('step_s', '.3f'), ('worker_cpu_per_step_s', '.3f'),
+                        ('server_cpu_per_step_s', '.3f'))])
     title = (f"Time to accuracy: {tta['desc']} | {rate_label(tta['rate_bits'])} per link | "
              f"{tta['workers']} workers, {tta['servers']} server(s)")
-    return (f"**{title}**\n\n{md_table(headers, rows)}\n" if md
+    text = (f"**{title}**\n\n{md_table(headers, rows)}\n" if md
             else f"{title}\n{text_table(headers, rows)}\n")
+    return text + (per_seed_table(tta, md) if many else '')
+
+
+def per_seed_table(part, md=False):
+    """Every seed's time to the target and final accuracy, one column per seed."""
+    order = part.get('seeds') or []
+    headers = ['system'] + [f'seed {s}' for s in order]
+    rows = []
+    for system in dict.fromkeys(r['system'] for r in part['rows']):
+        runs = {r.get('seed'): r for r in part['rows'] if r['system'] == system}
+        cells = []
+        for seed in order:
+            r = runs.get(seed)
+            if r is None or r.get('status', 'ok') != 'ok':
+                cells.append('-' if r is None else r['status'])
+                continue
+            cells.append(f"{_f(r.get('time_to_target_s'), '.2f', 'not reached')} / "
+                         f"{_f(r.get('final_accuracy'), '.4f')}")
+        rows.append([next(iter(runs.values()))['label']] + cells)
+    title = (f"Each seed: time to {part['target']:.2%} (s) / final accuracy"
+             if isinstance(part.get('target'), float) else
+             'Each seed: time to the target (s) / final accuracy')
+    intro = f"- {seeds.rule_text(part)}\n"
+    return (f"\n{intro}\n**{title}**\n\n{md_table(headers, rows)}\n" if md
+            else f"{intro}{title}\n{text_table(headers, rows)}\n")
 
 
 def hetero_tables(het, md=False):

@@ -3,7 +3,7 @@ wide MLP where the links bound the step (``--only tta-comm``), with the latter's
 rank 0's accuracy curve gives each row's time and steps to the target."""
 from __future__ import annotations
 
-from . import netns, plan, report, rows
+from . import netns, plan, report, rows, seeds
 from .plan import Workload
 from .targets import check
 
@@ -37,7 +37,7 @@ def run_tta_comm(bench, args, log):
                     f'1e-4 cosine over {args.tta_comm_epochs} epochs; ssd: warm-up '
                     f'{args.tta_comm_warmup} steps, glu_state '
                     f'{args.glu_state or "(default)"}; 2bit threshold {args.threshold:g}; '
-                    f'seed {args.tta_comm_seed}'),
+                    f'seed {seeds.seeds_of(args, "tta-comm")[0]}'),
            'rows': []}
     w = Workload(f'digits MLP {h}', 'digits', f'mlp{h}', 32, param_bytes=nbytes)
     yield from tta_rows(bench, args, tta, w,
@@ -45,11 +45,14 @@ def run_tta_comm(bench, args, log):
                         tta_comm_worker_args(args), args.tta_comm_warmup, log)
 
 
-def tta_comm_worker_args(args):
-    """cluster_worker.py's arguments for every tta-comm row (the same for all rows)."""
+def tta_comm_worker_args(args, seed=None):
+    """cluster_worker.py's arguments for every tta-comm row of one seed (default: the
+    first of the experiment's seeds)."""
+    if seed is None:
+        seed = seeds.seeds_of(args, 'tta-comm')[0]
     return ['--workload', 'digits', '--epochs', args.tta_comm_epochs, '--batch', 32,
             '--lr', args.tta_comm_lr, '--eval-every', 2, '--hidden', args.tta_comm_hidden,
-            '--deferred-eval', '--seed', args.tta_comm_seed]
+            '--deferred-eval', '--seed', seed]
 
 
 def tta_rows(bench, args, tta, workload, systems, wargs, warmup, log):
