@@ -310,6 +310,24 @@ def test_tta_comm_checks_take_the_ssd_row_that_meets_the_most_targets():
     assert cli.tta_comm_checks(tta) == []
 
 
+def test_tta_comm_checks_judge_the_aggregates_of_several_seeds():
+    """With several seeds the checks' ratios are of the rows' MLPerf aggregates, not of
+    one seed; a native row that most seeds never brought to the target says so."""
+    from bench.cluster import seeds, tta as cli
+    times = {'native-sync': (26.0, 30.0, 20.0), 'native-sync-2bit': (None, 40.0, None),
+             'ssgd': (27.0, 28.0, 29.0), 'ssd-k10-2bit-w4': (12.0, 9.0, 13.0)}
+    runs = [{'system': key, 'label': key, 'status': 'ok', 'seed': seed,
+             'time_to_target_s': ts[seed], 'final_accuracy': 0.97 + 0.001 * seed}
+            for seed in range(3) for key, ts in times.items()]
+    tta = {'target': 0.95, 'seeds': [0, 1, 2], 'rows': runs,
+           'aggregate': seeds.aggregate(runs, [0, 1, 2])}
+    checks = cli.tta_comm_checks(tta)
+    assert checks[0]['measured'] == '2.17' and checks[0]['met']          # 26 / 12
+    assert checks[1]['measured'] == ('not reached by native dist_sync + 2bit in 2 of 3 '
+                                     'seeds') and checks[1]['met']
+    assert checks[2]['measured'] == '+0.0000'
+
+
 def test_hetero_rows_with_a_quorum_or_partial_reduce_are_the_tolerant_ones():
     hetero_rows = rows.catalog().names('hetero')
     assert {r.key for r in hetero_rows if r.straggler_tolerant} == {

@@ -285,11 +285,16 @@ def _scaling_plot(plt, sc):
 
 def _tta_plot(plt, tta, what):
     fig, ax = plt.subplots(figsize=(7, 4))
-    for r in tta['rows']:
+    colors = {key: f'C{i % 10}' for i, key in enumerate(dict.fromkeys(
+        r['system'] for r in tta['rows']))}
+    labelled = set()
+    for r in tta['rows']:       # every seed's curve, one colour per row of the table
         if r.get('curve'):
             t, acc = zip(*[(e[1], e[2]) for e in r['curve']])
             ls = '--' if r['system'].startswith('native') else '-'
-            ax.plot(t, acc, ls, label=r['label'])
+            ax.plot(t, acc, ls, color=colors[r['system']], lw=1 if seeds.several(tta) else 1.5,
+                    label=None if r['system'] in labelled else r['label'])
+            labelled.add(r['system'])
     ax.axhline(tta['target'], color='gray', lw=0.8, ls='--')
     ax.set_xlabel('wall-clock seconds')
     ax.set_ylabel('test accuracy (rank 0)')
