@@ -374,6 +374,35 @@ def test_hetero_checks_take_the_tolerant_row_that_meets_the_most_targets():
     assert [c['met'] for c in cli.hetero_checks(case)] == [True, None, True]
 
 
+def test_hetero_case_over_several_seeds_is_judged_on_its_aggregates():
+    """The auto target is ssgd's aggregate final accuracy; each run's time to it, then
+    each row's aggregate (samples/s too), and the checks and the table use those."""
+    from types import SimpleNamespace
+    from bench.cluster import hetero as cli, report
+
+    def run(system, seed, sps, hit_time, final):
+        curve = [[2, 1.0, 0.5], [4, hit_time, final]]
+        return {'system': system, 'label': system, 'status': 'ok', 'seed': seed,
+                'samples_per_s': sps, 'curve': curve, 'final_accuracy': final,
+                'best_accuracy': final, 'wall_s': 20.0, 'worker_steps': [40, 40, 40, 20 + seed]}
+    case = {'name': 'slow', 'title': '(a)', 'slowdown': 'delay', 'seeds': [0, 1, 2],
+            'rows': [run('ssgd', 0, 100, 10.0, 0.975), run('ssd-k5-majority', 0, 170, 6.0, 0.975),
+                     run('ssgd', 1, 90, 11.0, 0.98), run('ssd-k5-majority', 1, 160, 7.0, 0.975),
+                     run('ssgd', 2, 80, 12.0, 0.97), run('ssd-k5-majority', 2, 150, 9.0, 0.976)]}
+    cli.finish_case(case, SimpleNamespace(hetero_target='auto'), lambda _t: None)
+    assert case['target'] == 0.97 and 'MLPerf aggregate of 3 seeds' in case['target_rule']
+    agg = {a['system']: a for a in case['aggregate']}
+    assert (agg['ssgd']['samples_per_s'], agg['ssd-k5-majority']['samples_per_s']) == (90, 160)
+    assert agg['ssd-k5-majority']['time_to_target_s'] == 7.0
+    assert agg['ssd-k5-majority']['worker_steps'] == [40, 40, 40, 21]
+    checks = {c['id']: c['measured'] for c in case['checks']}
+    assert checks == {'hetero.vs_ssgd': '1.778', 'hetero.time_vs_ssgd': '1.571',
+                      'hetero.final_vs_ssgd': '0.000'}
+    text = report.hetero_tables({'cases': [case], 'target': 'auto', 'desc': 'd',
+                                 'rate_bits': 1e8, 'workers': 4, 'servers': 1}, md=True)
+    assert '160.0 [150.0-170.0]' in text and '3 of 3' in text and 'seed 2' in text
+
+
 def test_without_root_says_so_and_exits_cleanly(monkeypatch, capsys):
     from bench.cluster import __main__ as cli
     monkeypatch.setattr(os, 'geteuid', lambda: 1000)

@@ -168,42 +168,53 @@ def per_seed_table(part, md=False):
 
 
 def hetero_tables(het, md=False):
-    """One table per straggler case: throughput, time to accuracy, final accuracy."""
+    """One table per straggler case: throughput, time to accuracy, final accuracy (with
+    several seeds each row's aggregate with its spread, then each seed's figures)."""
     out = []
     for case in het.get('cases', []):
         if not case['rows']:
             continue
-        ssgd = next((r for r in case['rows'] if r['system'] == 'ssgd'
-                     and r.get('samples_per_s')), None)
+        many = seeds.several(case)
+        shown = seeds.judged(case)
+        ssgd = next((r for r in shown if r['system'] == 'ssgd' and r.get('samples_per_s')),
+                    None)
         target = case.get('target', het['target'])
         headers = ['system', 'samples/s', 'x ssgd', f"time to {target:.2%} (s)"
-                   if isinstance(target, float) else 'time to target (s)',
-                   'steps to it', 'x ssgd (sooner)', 'final accuracy', 'best accuracy',
-                   'job (s)', 'steps per worker']
-        rows = []
-        for r in case['rows']:
-            ok = r.get('status', 'ok') == 'ok'
-            label = r['label'] if ok else f"{r['label']} ({r['status']})"
-            sp = r.get('samples_per_s')
-            tt = r.get('time_to_target_s')
-            rows.append([label, _f(sp, '.1f'),
-                         _f(sp / ssgd['samples_per_s'] if ssgd and sp else None, '.2f'),
-                         _f(tt, '.2f', 'not reached'), _f(r.get('steps_to_target'), 'd'),
-                         _f(ssgd['time_to_target_s'] / tt if ssgd and tt and
-                            ssgd.get('time_to_target_s') else None, '.2f'),
-                         _f(r.get('final_accuracy'), '.4f'), _f(r.get('best_accuracy'), '.4f'),
-                         _f(r.get('wall_s'), '.1f'),
-                         '/'.join(str(x) for x in r.get('worker_steps', [])) or '-'])
+                   if isinstance(target, float) else 'time to target (s)'] + (
+            ['reached'] if many else []) + [
+            'steps to it', 'x ssgd (sooner)', 'final accuracy', 'best accuracy',
+            'job (s)', 'steps per worker']
+        rows = [_hetero_cells(r, ssgd, many) for r in shown]
         title = (f"{case['title']} (debug.slowdown {case['slowdown']}): {het['desc']} | "
                  f"{rate_label(het['rate_bits'])} per link | {het['workers']} workers, "
                  f"{het['servers']} server(s)")
         table = md_table(headers, rows) if md else text_table(headers, rows)
         out.append(f"**{title}**\n\n{table}\n" if md else f"{title}\n{table}\n")
+        if many:
+            out.append(per_seed_table(case, md))
         if case.get('target_rule'):
             out.append(f"- target accuracy: {case['target_rule']}\n")
         if case.get('checks'):
             out.append(checks_text(case['checks']) + '\n')
     return '\n'.join(out)
+
+
+def _hetero_cells(r, ssgd, many):
+    """One row of a straggler case's table; the ratios to ssgd are of the figures shown
+    (with several seeds, the aggregates)."""
+    ok = r.get('status', 'ok') == 'ok'
+    label = r['label'] if ok else f"{r['label']} ({r['status']})"
+    sp, tt = r.get('samples_per_s'), r.get('time_to_target_s')
+    reached = [f"{r.get('reached', 0)} of {r.get('runs', 0)}"] if many else []
+    return [label, seeds.cell(r, 'samples_per_s', '.1f'),
+            _f(sp / ssgd['samples_per_s'] if ssgd and sp else None, '.2f'),
+            seeds.cell(r, 'time_to_target_s', '.2f', 'not reached')] + reached + [
+            seeds.cell(r, 'steps_to_target', 'd'),
+            _f(ssgd['time_to_target_s'] / tt if ssgd and tt and
+               ssgd.get('time_to_target_s') else None, '.2f'),
+            seeds.cell(r, 'final_accuracy', '.4f'), seeds.cell(r, 'best_accuracy', '.4f'),
+            seeds.cell(r, 'wall_s', '.1f'),
+            '/'.join(str(x) for x in r.get('worker_steps', [])) or '-']
 
 
 def checks_text(checks):
