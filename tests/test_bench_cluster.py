@@ -517,6 +517,39 @@ def test_compression_rows_and_tta_comm(tmp_path):
 
 @pytest.mark.system
 @needs_netns
+def test_tta_comm_over_seeds_keeps_every_run_and_reports_the_aggregate(tmp_path):
+    """--seeds 0-2: every row runs once per seed (a seed's rows one after another), the
+    JSON keeps each run and the aggregate, the page names the seeds and shows it."""
+    out, raw = tmp_path / 'out', tmp_path / 'raw'
+    cmd = [PY, '-m', 'bench.cluster', '--only', 'tta-comm', '--seeds', '0-2',
+           '--tta-comm-systems', 'native-sync,ssd-k2', '--tta-comm-workers', '2',
+           '--tta-comm-hidden', '64', '--tta-comm-epochs', '1', '--tta-comm-warmup', '2',
+           '--tta-comm-target', '0.3', '--name', 'seeds', '--out', str(out), '--raw', str(raw)]
+    with bench_process(cmd) as proc:
+        text, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, text[-3000:]
+    assert ours(proc.pid) == []
+    tc = json.loads((out / 'seeds.json').read_text())['tta_comm']
+    assert tc['seeds'] == [0, 1, 2]
+    assert [(r['seed'], r['system']) for r in tc['rows']] == [
+        (seed, key) for seed in (0, 1, 2) for key in ('native-sync', 'ssd-k2')]
+    assert all(r['status'] == 'ok' and r['curve'] for r in tc['rows']), tc['rows']
+    ssd_curves = [tuple(e[2] for e in r['curve']) for r in tc['rows'] if r['system'] == 'ssd-k2']
+    assert len(set(ssd_curves)) > 1          # the seeds changed the initial weights
+    agg = {a['system']: a for a in tc['aggregate']}
+    assert set(agg) == {'native-sync', 'ssd-k2'}
+    for a in agg.values():
+        finals = sorted(r['final_accuracy'] for r in tc['rows'] if r['system'] == a['system'])
+        assert a['seeds'] == [0, 1, 2] and a['runs'] == 3
+        assert a['final_accuracy'] == pytest.approx(finals[1])      # the middle of 3
+        assert a['final_accuracy_spread'] == [finals[0], finals[2]]
+    page = (out / 'seeds.md').read_text()
+    assert 'seeds 0, 1, 2' in page and 'Each seed' in page and '| reached |' in page
+    assert 'MLPerf aggregate' in page
+
+
+@pytest.mark.system
+@needs_netns
 def test_ctrl_c_tears_the_cluster_down(tmp_path):
     cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix', '--workloads', 'emulated:tiny@1gbit',
            '--workers', '2', '--systems', 'native-sync', '--steps', '100000', '--no-write',

@@ -117,6 +117,14 @@ def scaling_table(scaling, md=False):
             else f"{title}\n{text_table(headers, rows)}\n")
 
 
+#: the figures shown with their spread over the seeds (the others: the aggregate alone)
+SPREAD = ('time_to_target_s', 'final_accuracy', 'wall_s', 'samples_per_s')
+
+
+def _pct(target):
+    return f'{target:.0%}' if round(target * 100, 6) == round(target * 100) else f'{target:.2%}'
+
+
 def tta_table(tta, md=False):
     """The time-to-accuracy table: one row per run, or with several seeds one per row of
     the experiment (the MLPerf aggregate with its spread), then each seed's figures."""
@@ -131,7 +139,7 @@ def tta_table(tta, md=False):
         label = r['label'] if r.get('status', 'ok') == 'ok' else f"{r['label']} ({r['status']})"
         reached = [f"{r.get('reached', 0)} of {r.get('runs', 0)}"] if many else []
         rows.append([label, seeds.cell(r, 'time_to_target_s', '.2f', 'not reached')] +
-                    reached + [seeds.cell(r, key, spec) for key, spec in (
+                    reached + [seeds.cell(r, key, spec, spread=key in SPREAD) for key, spec in (
                         ('steps_to_target', 'd'), ('final_accuracy', '.4f'),
                         ('best_accuracy', '.4f'), ('wall_s', '.1f'), ('steps', 'd'),
                         ('step_s', '.3f'), ('worker_cpu_per_step_s', '.3f'),
@@ -159,12 +167,12 @@ def per_seed_table(part, md=False):
             cells.append(f"{_f(r.get('time_to_target_s'), '.2f', 'not reached')} / "
                          f"{_f(r.get('final_accuracy'), '.4f')}")
         rows.append([next(iter(runs.values()))['label']] + cells)
-    title = (f"Each seed: time to {part['target']:.2%} (s) / final accuracy"
+    title = (f"Each seed: time to {_pct(part['target'])} (s) / final accuracy"
              if isinstance(part.get('target'), float) else
              'Each seed: time to the target (s) / final accuracy')
     intro = f"- {seeds.rule_text(part)}\n"
     return (f"\n{intro}\n**{title}**\n\n{md_table(headers, rows)}\n" if md
-            else f"{intro}{title}\n{text_table(headers, rows)}\n")
+            else f"\n{intro}\n{title}\n{text_table(headers, rows)}\n")
 
 
 def hetero_tables(het, md=False):
@@ -209,10 +217,11 @@ def _hetero_cells(r, ssgd, many):
     return [label, seeds.cell(r, 'samples_per_s', '.1f'),
             _f(sp / ssgd['samples_per_s'] if ssgd and sp else None, '.2f'),
             seeds.cell(r, 'time_to_target_s', '.2f', 'not reached')] + reached + [
-            seeds.cell(r, 'steps_to_target', 'd'),
+            seeds.cell(r, 'steps_to_target', 'd', spread=False),
             _f(ssgd['time_to_target_s'] / tt if ssgd and tt and
                ssgd.get('time_to_target_s') else None, '.2f'),
-            seeds.cell(r, 'final_accuracy', '.4f'), seeds.cell(r, 'best_accuracy', '.4f'),
+            seeds.cell(r, 'final_accuracy', '.4f'),
+            seeds.cell(r, 'best_accuracy', '.4f', spread=False),
             seeds.cell(r, 'wall_s', '.1f'),
             '/'.join(str(x) for x in r.get('worker_steps', [])) or '-']
 

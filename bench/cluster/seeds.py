@@ -117,25 +117,22 @@ def _num(x, spec):
     return format(int(round(x)) if spec == 'd' else x, spec)
 
 
-def cell(row, key, spec, none='-', never='not reached'):
-    """A table cell: the figure, and for an aggregate of several runs its spread
-    '[min-max]' ('never' as the max when a run never reached the target); a time with no
-    mean says in how many runs it was not reached."""
+def cell(row, key, spec, none='-', never='not reached', spread=True):
+    """A table cell: the figure, and for an aggregate of several runs (unless not
+    ``spread``) its spread '[min-max]' ('never' as the max when a run never reached the
+    target); a time with no mean says in how many runs it was not reached."""
     v = row.get(key)
-    spread = row.get(f'{key}_spread')
-    if not spread or row.get('runs', 1) <= 1:
-        return none if v is None else _num(v, spec)
-    n = row['runs']
-    if v is None:
-        text = (f"{never} in {n - row.get('reached', 0)} of {n}" if key in TIME_KEYS
-                else none)
+    n = row.get('runs', 1)
+    if v is not None:
+        text = _num(v, '.1f' if n > 1 and spec == 'd' else spec)     # a mean of counts
+    elif n > 1 and key in TIME_KEYS:
+        text = f"{never} in {n - row.get('reached', 0)} of {n}"
     else:
-        text = _num(v, '.1f' if spec == 'd' else spec)
-    lo, hi = spread
-    if lo is None:
+        text = none
+    lo, hi = row.get(f'{key}_spread') or (None, None)
+    if n <= 1 or not spread or lo is None:
         return text
-    hi_text = 'never' if hi is None else _num(hi, spec)
-    return f'{text} [{_num(lo, spec)}-{hi_text}]'
+    return f"{text} [{_num(lo, spec)}-{'never' if hi is None else _num(hi, spec)}]"
 
 
 def rule_text(part):
