@@ -18,6 +18,10 @@ configured rate both ways. The experiments (``--only``, one module each):
   hetero   the digits demo with a straggler (debug.slowdown): (a) one worker 2x slower,
            (b) eager-SGD's random delays; written to hetero.md/.json (hetero.py)
 
+tta, tta-comm and hetero run every row once per seed of --seeds (0-4, 0,3,7) and report
+each row's MLPerf aggregate: fastest and slowest run dropped, the mean of the rest, the
+spread beside it (seeds.py).
+
 A row is a name plus the settings it changes, spelled as in docs/training.md's settings
 table: bench/cluster/rows.yaml defines them (ssd-k5-2bit: {sync.delay_steps: 5,
 sync.compression: 2bit}) and each experiment's default rows, every one with a `defaults`
