@@ -11,6 +11,7 @@
   - namespaces left by a run whose process is gone are removed at start, those of a live
     run are not; a failed build removes what it made.
 """
+import argparse
 import contextlib
 import functools
 import json
@@ -186,6 +187,93 @@ def test_a_row_can_have_its_own_2bit_threshold_and_warmup():
             rows.parse_row('bad', bad)
 
 
+def test_seeds_parser_takes_ranges_and_lists_and_refuses_the_rest():
+    from bench.cluster import args as cli_args, seeds
+    assert seeds.parse_seeds('0-4') == [0, 1, 2, 3, 4]
+    assert seeds.parse_seeds('0,3,7') == [0, 3, 7]
+    assert seeds.parse_seeds(' 2 , 5-6 ') == [2, 5, 6]
+    assert seeds.parse_seeds('3') == [3]
+    for bad, words in (('', 'no seed'), ('4-2', '4-2'), ('a', "'a'"), ('1,1', 'twice'),
+                       ('0-', "'0-'"), ('-1', "'-1'"), ('1,,2', "''")):
+        with pytest.raises(argparse.ArgumentTypeError) as e:
+            seeds.parse_seeds(bad)
+        assert words in str(e.value) and '\n' not in str(e.value), (bad, e.value)
+    # the default: the one seed each experiment ran before (tta-comm: --tta-comm-seed)
+    args = cli_args.parse_args([])
+    assert [seeds.seeds_of(args, x) for x in ('tta', 'tta-comm', 'hetero')] == [[0], [0], [0]]
+    args = cli_args.parse_args(['--tta-comm-seed', '3'])
+    assert seeds.seeds_of(args, 'tta-comm') == [3] and seeds.seeds_of(args, 'tta') == [0]
+    args = cli_args.parse_args(['--seeds', '0-2'])
+    assert [seeds.seeds_of(args, x) for x in ('tta', 'tta-comm', 'hetero')] == [[0, 1, 2]] * 3
+
+
+def test_seeds_option_errors_are_one_line(capsys):
+    from bench.cluster import args as cli_args
+    for argv in (['--seeds', '5-1'], ['--seeds', '0-2', '--tta-comm-seed', '1']):
+        with pytest.raises(SystemExit):
+            cli_args.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith('python -m bench.cluster: error: ') and '--seeds' in err[-1]
+
+
+def test_mlperf_aggregate_drops_fastest_and_slowest():
+    from bench.cluster.seeds import olympic
+    a = olympic([12.0, 10.0, 30.0, 11.0, 13.0])
+    assert a == {'mean': 12.0, 'min': 10.0, 'max': 30.0, 'n': 5, 'reached': 5}
+    assert olympic([3.0, 1.0, 2.0])['mean'] == 2.0
+    assert olympic([4.0])['mean'] == 4.0 and olympic([4.0])['n'] == 1      # one seed: itself
+    assert olympic([4.0, 6.0])['mean'] == 5.0                               # two: both
+    # a seed that never reached the target is the slowest: dropped as such
+    a = olympic([12.0, None, 10.0, 11.0, 13.0])
+    assert (a['mean'], a['min'], a['max'], a['reached']) == (12.0, 10.0, None, 4)
+    # two never reached: one of them is among the kept, so there is no mean
+    a = olympic([12.0, None, 10.0, None, 13.0])
+    assert (a['mean'], a['reached'], a['n']) == (None, 3, 5)
+    # fewer than 3 reached: no mean
+    assert olympic([1.0, 2.0, None])['mean'] is None
+    assert olympic([1.0, 2.0, 3.0, None])['mean'] == 2.5
+    assert olympic([1.0, 2.0, None, None])['mean'] is None
+    assert olympic([None])['mean'] is None and olympic([None])['reached'] == 0
+    assert olympic([])['mean'] is None
+
+
+def test_aggregate_rows_keep_the_spread_and_count_the_seeds():
+    from bench.cluster import report, seeds
+
+    def run(system, seed, tta, final, status='ok'):
+        return {'system': system, 'label': system, 'status': status, 'seed': seed,
+                'time_to_target_s': tta, 'steps_to_target': None if tta is None else 10 * tta,
+                'final_accuracy': final, 'best_accuracy': final, 'wall_s': 30.0 + seed}
+    rows = [run('native-sync', 0, 20.0, 0.97), run('ssd', 0, 9.0, 0.96),
+            run('native-sync', 1, 22.0, 0.98), run('ssd', 1, None, 0.95),
+            run('native-sync', 2, 24.0, 0.99), run('ssd', 2, 11.0, 0.94),
+            run('native-sync', 3, 26.0, 0.96), run('ssd', 3, 10.0, 0.97, 'failed')]
+    agg = {a['system']: a for a in seeds.aggregate(rows, [0, 1, 2, 3])}
+    nat, ssd = agg['native-sync'], agg['ssd']
+    assert [nat['seeds'], ssd['seeds']] == [[0, 1, 2, 3], [0, 1, 2]]
+    assert nat['time_to_target_s'] == 23.0 and nat['time_to_target_s_spread'] == [20.0, 26.0]
+    assert nat['final_accuracy'] == pytest.approx(0.975) and nat['reached'] == 4
+    assert nat['final_accuracy_spread'] == [0.96, 0.99]
+    # ssd: 3 seeds ran (one failed), one never reached: drop 9 and "never", keep 11
+    assert ssd['time_to_target_s'] is None and (ssd['reached'], ssd['runs']) == (2, 3)
+    assert ssd['failed'] == 1 and '1 of 4 seeds failed' in ssd['label']
+    assert ssd['final_accuracy'] == pytest.approx(0.95)
+    assert seeds.cell(ssd, 'time_to_target_s', '.2f') == 'not reached in 1 of 3 [9.00-never]'
+    assert seeds.cell(nat, 'time_to_target_s', '.2f') == '23.00 [20.00-26.00]'
+    assert seeds.cell(nat, 'steps_to_target', 'd') == '230.0 [200-260]'
+    # one seed: the row's own figures, as before
+    one = seeds.aggregate(rows[:2], [0])
+    assert seeds.cell(one[0], 'time_to_target_s', '.2f') == '20.00'
+    assert seeds.cell(one[0], 'steps_to_target', 'd') == '200'
+    part = {'target': 0.95, 'desc': 'd', 'rate_bits': 1e9, 'workers': 2, 'servers': 1,
+            'seeds': [0, 1, 2, 3], 'rows': rows, 'aggregate': list(agg.values())}
+    assert seeds.judged(part) is part['aggregate']
+    text = report.tta_table(part, md=True)
+    assert 'seeds 0, 1, 2, 3' in text and '23.00 [20.00-26.00]' in text
+    assert '4 of 4' in text and 'not reached in 1 of 3' in text
+    assert seeds.judged({'rows': rows[:2]}) == rows[:2]          # a page from an old JSON
+
+
 def test_tta_comm_seed_goes_to_every_worker():
     from bench import cluster_worker
     from bench.cluster import args as cli_args, tta
@@ -220,6 +308,24 @@ def test_tta_comm_checks_take_the_ssd_row_that_meets_the_most_targets():
         True, True, False]
     tta['rows'] = tta['rows'][:3]
     assert cli.tta_comm_checks(tta) == []
+
+
+def test_tta_comm_checks_judge_the_aggregates_of_several_seeds():
+    """With several seeds the checks' ratios are of the rows' MLPerf aggregates, not of
+    one seed; a native row that most seeds never brought to the target says so."""
+    from bench.cluster import seeds, tta as cli
+    times = {'native-sync': (26.0, 30.0, 20.0), 'native-sync-2bit': (None, 40.0, None),
+             'ssgd': (27.0, 28.0, 29.0), 'ssd-k10-2bit-w4': (12.0, 9.0, 13.0)}
+    runs = [{'system': key, 'label': key, 'status': 'ok', 'seed': seed,
+             'time_to_target_s': ts[seed], 'final_accuracy': 0.97 + 0.001 * seed}
+            for seed in range(3) for key, ts in times.items()]
+    tta = {'target': 0.95, 'seeds': [0, 1, 2], 'rows': runs,
+           'aggregate': seeds.aggregate(runs, [0, 1, 2])}
+    checks = cli.tta_comm_checks(tta)
+    assert checks[0]['measured'] == '2.17' and checks[0]['met']          # 26 / 12
+    assert checks[1]['measured'] == ('not reached by native dist_sync + 2bit in 2 of 3 '
+                                     'seeds') and checks[1]['met']
+    assert checks[2]['measured'] == '+0.0000'
 
 
 def test_hetero_rows_with_a_quorum_or_partial_reduce_are_the_tolerant_ones():
@@ -266,6 +372,35 @@ def test_hetero_checks_take_the_tolerant_row_that_meets_the_most_targets():
         True, True, True]
     case['rows'].pop()
     assert [c['met'] for c in cli.hetero_checks(case)] == [True, None, True]
+
+
+def test_hetero_case_over_several_seeds_is_judged_on_its_aggregates():
+    """The auto target is ssgd's aggregate final accuracy; each run's time to it, then
+    each row's aggregate (samples/s too), and the checks and the table use those."""
+    from types import SimpleNamespace
+    from bench.cluster import hetero as cli, report
+
+    def run(system, seed, sps, hit_time, final):
+        curve = [[2, 1.0, 0.5], [4, hit_time, final]]
+        return {'system': system, 'label': system, 'status': 'ok', 'seed': seed,
+                'samples_per_s': sps, 'curve': curve, 'final_accuracy': final,
+                'best_accuracy': final, 'wall_s': 20.0, 'worker_steps': [40, 40, 40, 20 + seed]}
+    case = {'name': 'slow', 'title': '(a)', 'slowdown': 'delay', 'seeds': [0, 1, 2],
+            'rows': [run('ssgd', 0, 100, 10.0, 0.975), run('ssd-k5-majority', 0, 170, 6.0, 0.975),
+                     run('ssgd', 1, 90, 11.0, 0.98), run('ssd-k5-majority', 1, 160, 7.0, 0.975),
+                     run('ssgd', 2, 80, 12.0, 0.97), run('ssd-k5-majority', 2, 150, 9.0, 0.976)]}
+    cli.finish_case(case, SimpleNamespace(hetero_target='auto'), lambda _t: None)
+    assert case['target'] == 0.97 and 'MLPerf aggregate of 3 seeds' in case['target_rule']
+    agg = {a['system']: a for a in case['aggregate']}
+    assert (agg['ssgd']['samples_per_s'], agg['ssd-k5-majority']['samples_per_s']) == (90, 160)
+    assert agg['ssd-k5-majority']['time_to_target_s'] == 7.0
+    assert agg['ssd-k5-majority']['worker_steps'] == [40, 40, 40, 21]
+    checks = {c['id']: c['measured'] for c in case['checks']}
+    assert checks == {'hetero.vs_ssgd': '1.778', 'hetero.time_vs_ssgd': '1.571',
+                      'hetero.final_vs_ssgd': '0.000'}
+    text = report.hetero_tables({'cases': [case], 'target': 'auto', 'desc': 'd',
+                                 'rate_bits': 1e8, 'workers': 4, 'servers': 1}, md=True)
+    assert '160.0 [150.0-170.0]' in text and '3 of 3' in text and 'seed 2' in text
 
 
 def test_without_root_says_so_and_exits_cleanly(monkeypatch, capsys):
@@ -378,6 +513,39 @@ def test_compression_rows_and_tta_comm(tmp_path):
         assert r['status'] == 'ok' and r['curve'] and r['steps'] == 1437 // (2 * 32), r
         assert [e[0] for e in r['curve']] == sorted(e[0] for e in r['curve'])
     assert '## Time to accuracy at a comm-bound point' in (out / 'comp.md').read_text()
+
+
+@pytest.mark.system
+@needs_netns
+def test_tta_comm_over_seeds_keeps_every_run_and_reports_the_aggregate(tmp_path):
+    """--seeds 0-2: every row runs once per seed (a seed's rows one after another), the
+    JSON keeps each run and the aggregate, the page names the seeds and shows it."""
+    out, raw = tmp_path / 'out', tmp_path / 'raw'
+    cmd = [PY, '-m', 'bench.cluster', '--only', 'tta-comm', '--seeds', '0-2',
+           '--tta-comm-systems', 'native-sync,ssd-k2', '--tta-comm-workers', '2',
+           '--tta-comm-hidden', '64', '--tta-comm-epochs', '1', '--tta-comm-warmup', '2',
+           '--tta-comm-target', '0.3', '--name', 'seeds', '--out', str(out), '--raw', str(raw)]
+    with bench_process(cmd) as proc:
+        text, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, text[-3000:]
+    assert ours(proc.pid) == []
+    tc = json.loads((out / 'seeds.json').read_text())['tta_comm']
+    assert tc['seeds'] == [0, 1, 2]
+    assert [(r['seed'], r['system']) for r in tc['rows']] == [
+        (seed, key) for seed in (0, 1, 2) for key in ('native-sync', 'ssd-k2')]
+    assert all(r['status'] == 'ok' and r['curve'] for r in tc['rows']), tc['rows']
+    ssd_curves = [tuple(e[2] for e in r['curve']) for r in tc['rows'] if r['system'] == 'ssd-k2']
+    assert len(set(ssd_curves)) > 1          # the seeds changed the initial weights
+    agg = {a['system']: a for a in tc['aggregate']}
+    assert set(agg) == {'native-sync', 'ssd-k2'}
+    for a in agg.values():
+        finals = sorted(r['final_accuracy'] for r in tc['rows'] if r['system'] == a['system'])
+        assert a['seeds'] == [0, 1, 2] and a['runs'] == 3
+        assert a['final_accuracy'] == pytest.approx(finals[1])      # the middle of 3
+        assert a['final_accuracy_spread'] == [finals[0], finals[2]]
+    page = (out / 'seeds.md').read_text()
+    assert 'seeds 0, 1, 2' in page and 'Each seed' in page and '| reached |' in page
+    assert 'MLPerf aggregate' in page
 
 
 @pytest.mark.system

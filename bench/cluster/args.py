@@ -18,6 +18,10 @@ configured rate both ways. The experiments (``--only``, one module each):
   hetero   the digits demo with a straggler (debug.slowdown): (a) one worker 2x slower,
            (b) eager-SGD's random delays; written to hetero.md/.json (hetero.py)
 
+tta, tta-comm and hetero run every row once per seed of --seeds (0-4, 0,3,7) and report
+each row's MLPerf aggregate: fastest and slowest run dropped, the mean of the rest, the
+spread beside it (seeds.py).
+
 A row is a name plus the settings it changes, spelled as in docs/training.md's settings
 table: bench/cluster/rows.yaml defines them (ssd-k5-2bit: {sync.delay_steps: 5,
 sync.compression: 2bit}) and each experiment's default rows, every one with a `defaults`
@@ -33,7 +37,7 @@ import argparse
 
 from ssdsgd.settings import BY_NAME
 
-from . import hetero, rows
+from . import hetero, rows, seeds
 
 REPO_DOCS = 'docs/benchmarks'
 
@@ -111,9 +115,14 @@ def parse_args(argv=None):
     p.add_argument('--tta-comm-epochs', type=int, default=8)
     p.add_argument('--tta-comm-lr', type=float, default=0.1)
     p.add_argument('--tta-comm-warmup', type=int, default=10)
-    p.add_argument('--tta-comm-seed', type=int, default=0,
-                   help="every row's --seed (initial weights and data order); rerun with "
-                   "others to see how far steps to the target move between seeds")
+    p.add_argument('--tta-comm-seed', type=int, default=None,
+                   help="every tta-comm row's --seed (initial weights and data order), "
+                   "default 0; --seeds runs several")
+    p.add_argument('--seeds', type=seeds.parse_seeds, default=None, metavar='0-4|0,3,7',
+                   help='run every row of tta, tta-comm and hetero once per seed (the rows '
+                   'of a seed one after another) and report the MLPerf aggregate: with >= 3 '
+                   'seeds the fastest and slowest dropped, the mean of the rest, the spread '
+                   'beside it (default: the one seed each ran before: 0, or --tta-comm-seed)')
     p.add_argument('--tta-comm-systems', help='rows (default: rows.yaml\'s)')
     p.add_argument('--latency-ms', type=float, default=0.0,
                    help='added round-trip latency per link (needs netem in the kernel)')
@@ -138,6 +147,8 @@ def parse_args(argv=None):
         args.scaling_workers = '1,2,4'
     if q and args.tta_epochs == 20:
         args.tta_epochs = 10
+    if args.seeds and args.tta_comm_seed is not None:
+        p.error('--seeds and --tta-comm-seed: give one (--seeds applies to tta-comm too)')
     try:
         for spec in args.row:
             rows.catalog().add(spec)

@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from . import seeds
 from .report import (checks_text, hetero_tables, matrix_tables, scaling_table,
                      tta_table)
 
@@ -66,6 +67,14 @@ def _notes(meta):
     return ['## Notes from the run', ''] + [f'- {n}' for n in meta['notes']] + ['']
 
 
+def _judged_on(part):
+    """With several seeds, the line that says the checks judge the aggregates."""
+    if not seeds.several(part):
+        return []
+    return [f"The checks judge each row's MLPerf aggregate over seeds "
+            f"{', '.join(map(str, part['seeds']))} (the table below), not one seed.", '']
+
+
 def hetero_markdown(results):
     """hetero.md: the heterogeneity tables of one run (discussion: heterogeneity.md)."""
     meta = results['meta']
@@ -95,8 +104,8 @@ def markdown(results, images, stem='cluster'):
         lines += ['## Time to accuracy', '', tta_table(results['tta'], md=True)]
     tc = results.get('tta_comm') or {}
     if tc.get('rows'):
-        lines += ['## Time to accuracy at a comm-bound point', '',
-                  checks_text(tc.get('checks', [])), '', tta_table(tc, md=True)]
+        lines += ['## Time to accuracy at a comm-bound point', ''] + _judged_on(tc) + [
+            checks_text(tc.get('checks', [])), '', tta_table(tc, md=True)]
     for img in images:
         lines += [f'![{img.stem}]({img.name})', '']
     return '\n'.join(lines + _notes(meta))

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from ssdsgd.report import text_table
 
+from . import seeds
 from .netns import rate_label
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,64 +117,113 @@ def scaling_table(scaling, md=False):
             else f"{title}\n{text_table(headers, rows)}\n")
 
 
+#: the figures shown with their spread over the seeds (the others: the aggregate alone)
+SPREAD = ('time_to_target_s', 'final_accuracy', 'wall_s', 'samples_per_s')
+
+
+def _pct(target):
+    return f'{target:.0%}' if round(target * 100, 6) == round(target * 100) else f'{target:.2%}'
+
+
 def tta_table(tta, md=False):
+    """The time-to-accuracy table: one row per run, or with several seeds one per row of
+    the experiment (the MLPerf aggregate with its spread), then each seed's figures."""
     if not tta.get('rows'):
         return ''
-    headers = ['system', f"time to {tta['target']:.0%} (s)", 'steps to target',
-               'final accuracy', 'best accuracy', 'whole run (s)', 'steps', 's/step',
-               'CPU s/step worker', 'CPU s/step server']
+    many = seeds.several(tta)
+    headers = ['system', f"time to {tta['target']:.0%} (s)"] + (['reached'] if many else []) + [
+        'steps to target', 'final accuracy', 'best accuracy', 'whole run (s)', 'steps',
+        's/step', 'CPU s/step worker', 'CPU s/step server']
     rows = []
-    for r in tta['rows']:
+    for r in seeds.judged(tta):
         label = r['label'] if r.get('status', 'ok') == 'ok' else f"{r['label']} ({r['status']})"
-        rows.append([label, _f(r.get('time_to_target_s'), '.2f', 'not reached'),
-                     _f(r.get('steps_to_target'), 'd'), _f(r.get('final_accuracy'), '.4f'),
-                     _f(r.get('best_accuracy'), '.4f'), _f(r.get('wall_s'), '.1f'),
-                     _f(r.get('steps'), 'd'), _f(r.get('step_s'), '.3f'),
-                     _f(r.get('worker_cpu_per_step_s'), '.3f'),
-                     _f(r.get('server_cpu_per_step_s'), '.3f')])
+        reached = [f"{r.get('reached', 0)} of {r.get('runs', 0)}"] if many else []
+        rows.append([label, seeds.cell(r, 'time_to_target_s', '.2f', 'not reached')] +
+                    reached + [seeds.cell(r, key, spec, spread=key in SPREAD) for key, spec in (
+                        ('steps_to_target', 'd'), ('final_accuracy', '.4f'),
+                        ('best_accuracy', '.4f'), ('wall_s', '.1f'), ('steps', 'd'),
+                        ('step_s', '.3f'), ('worker_cpu_per_step_s', '.3f'),
+                        ('server_cpu_per_step_s', '.3f'))])
     title = (f"Time to accuracy: {tta['desc']} | {rate_label(tta['rate_bits'])} per link | "
              f"{tta['workers']} workers, {tta['servers']} server(s)")
-    return (f"**{title}**\n\n{md_table(headers, rows)}\n" if md
+    text = (f"**{title}**\n\n{md_table(headers, rows)}\n" if md
             else f"{title}\n{text_table(headers, rows)}\n")
+    return text + (per_seed_table(tta, md) if many else '')
+
+
+def per_seed_table(part, md=False):
+    """Every seed's time to the target and final accuracy, one column per seed."""
+    order = part.get('seeds') or []
+    headers = ['system'] + [f'seed {s}' for s in order]
+    rows = []
+    for system in dict.fromkeys(r['system'] for r in part['rows']):
+        runs = {r.get('seed'): r for r in part['rows'] if r['system'] == system}
+        cells = []
+        for seed in order:
+            r = runs.get(seed)
+            if r is None or r.get('status', 'ok') != 'ok':
+                cells.append('-' if r is None else r['status'])
+                continue
+            cells.append(f"{_f(r.get('time_to_target_s'), '.2f', 'not reached')} / "
+                         f"{_f(r.get('final_accuracy'), '.4f')}")
+        rows.append([next(iter(runs.values()))['label']] + cells)
+    title = (f"Each seed: time to {_pct(part['target'])} (s) / final accuracy"
+             if isinstance(part.get('target'), float) else
+             'Each seed: time to the target (s) / final accuracy')
+    intro = f"- {seeds.rule_text(part)}\n"
+    return (f"\n{intro}\n**{title}**\n\n{md_table(headers, rows)}\n" if md
+            else f"\n{intro}\n{title}\n{text_table(headers, rows)}\n")
 
 
 def hetero_tables(het, md=False):
-    """One table per straggler case: throughput, time to accuracy, final accuracy."""
+    """One table per straggler case: throughput, time to accuracy, final accuracy (with
+    several seeds each row's aggregate with its spread, then each seed's figures)."""
     out = []
     for case in het.get('cases', []):
         if not case['rows']:
             continue
-        ssgd = next((r for r in case['rows'] if r['system'] == 'ssgd'
-                     and r.get('samples_per_s')), None)
+        many = seeds.several(case)
+        shown = seeds.judged(case)
+        ssgd = next((r for r in shown if r['system'] == 'ssgd' and r.get('samples_per_s')),
+                    None)
         target = case.get('target', het['target'])
         headers = ['system', 'samples/s', 'x ssgd', f"time to {target:.2%} (s)"
-                   if isinstance(target, float) else 'time to target (s)',
-                   'steps to it', 'x ssgd (sooner)', 'final accuracy', 'best accuracy',
-                   'job (s)', 'steps per worker']
-        rows = []
-        for r in case['rows']:
-            ok = r.get('status', 'ok') == 'ok'
-            label = r['label'] if ok else f"{r['label']} ({r['status']})"
-            sp = r.get('samples_per_s')
-            tt = r.get('time_to_target_s')
-            rows.append([label, _f(sp, '.1f'),
-                         _f(sp / ssgd['samples_per_s'] if ssgd and sp else None, '.2f'),
-                         _f(tt, '.2f', 'not reached'), _f(r.get('steps_to_target'), 'd'),
-                         _f(ssgd['time_to_target_s'] / tt if ssgd and tt and
-                            ssgd.get('time_to_target_s') else None, '.2f'),
-                         _f(r.get('final_accuracy'), '.4f'), _f(r.get('best_accuracy'), '.4f'),
-                         _f(r.get('wall_s'), '.1f'),
-                         '/'.join(str(x) for x in r.get('worker_steps', [])) or '-'])
+                   if isinstance(target, float) else 'time to target (s)'] + (
+            ['reached'] if many else []) + [
+            'steps to it', 'x ssgd (sooner)', 'final accuracy', 'best accuracy',
+            'job (s)', 'steps per worker']
+        rows = [_hetero_cells(r, ssgd, many) for r in shown]
         title = (f"{case['title']} (debug.slowdown {case['slowdown']}): {het['desc']} | "
                  f"{rate_label(het['rate_bits'])} per link | {het['workers']} workers, "
                  f"{het['servers']} server(s)")
         table = md_table(headers, rows) if md else text_table(headers, rows)
         out.append(f"**{title}**\n\n{table}\n" if md else f"{title}\n{table}\n")
+        if many:
+            out.append(per_seed_table(case, md))
         if case.get('target_rule'):
             out.append(f"- target accuracy: {case['target_rule']}\n")
         if case.get('checks'):
             out.append(checks_text(case['checks']) + '\n')
     return '\n'.join(out)
+
+
+def _hetero_cells(r, ssgd, many):
+    """One row of a straggler case's table; the ratios to ssgd are of the figures shown
+    (with several seeds, the aggregates)."""
+    ok = r.get('status', 'ok') == 'ok'
+    label = r['label'] if ok else f"{r['label']} ({r['status']})"
+    sp, tt = r.get('samples_per_s'), r.get('time_to_target_s')
+    reached = [f"{r.get('reached', 0)} of {r.get('runs', 0)}"] if many else []
+    return [label, seeds.cell(r, 'samples_per_s', '.1f'),
+            _f(sp / ssgd['samples_per_s'] if ssgd and sp else None, '.2f'),
+            seeds.cell(r, 'time_to_target_s', '.2f', 'not reached')] + reached + [
+            seeds.cell(r, 'steps_to_target', 'd', spread=False),
+            _f(ssgd['time_to_target_s'] / tt if ssgd and tt and
+               ssgd.get('time_to_target_s') else None, '.2f'),
+            seeds.cell(r, 'final_accuracy', '.4f'),
+            seeds.cell(r, 'best_accuracy', '.4f', spread=False),
+            seeds.cell(r, 'wall_s', '.1f'),
+            '/'.join(str(x) for x in r.get('worker_steps', [])) or '-']
 
 
 def checks_text(checks):
@@ -255,11 +305,16 @@ def _scaling_plot(plt, sc):
 
 def _tta_plot(plt, tta, what):
     fig, ax = plt.subplots(figsize=(7, 4))
-    for r in tta['rows']:
+    colors = {key: f'C{i % 10}' for i, key in enumerate(dict.fromkeys(
+        r['system'] for r in tta['rows']))}
+    labelled = set()
+    for r in tta['rows']:       # every seed's curve, one colour per row of the table
         if r.get('curve'):
             t, acc = zip(*[(e[1], e[2]) for e in r['curve']])
             ls = '--' if r['system'].startswith('native') else '-'
-            ax.plot(t, acc, ls, label=r['label'])
+            ax.plot(t, acc, ls, color=colors[r['system']], lw=1 if seeds.several(tta) else 1.5,
+                    label=None if r['system'] in labelled else r['label'])
+            labelled.add(r['system'])
     ax.axhline(tta['target'], color='gray', lw=0.8, ls='--')
     ax.set_xlabel('wall-clock seconds')
     ax.set_ylabel('test accuracy (rank 0)')
