@@ -23,6 +23,7 @@ from .scheduler import JobAborted, bind_router
 from .scheduler_link import SchedulerLink
 from .server import Server
 from .topology import job_limit
+from .. import timeline
 
 RCVHWM = 1_000           # messages read ahead from one peer (then TCP pushes back)
 BURST = 64               # worker messages read in a row before the heartbeats' turn
@@ -65,6 +66,7 @@ class ServerNode:
         self.link = SchedulerLink(zmq.Context.instance(), env, "server", env.node_host, port,
                                   self.server.guard)
         topo = self.link.register()
+        timeline.start_node(env, "server", topo["rank"])   # if SSDSGD_TIMELINE (timeline.py)
         limit = job_limit(env, topo)
         self._rebind(port, limit)
         self.log(f"listening on {env.node_host}:{port}, messages of up to {limit} data "
@@ -104,3 +106,4 @@ class ServerNode:
             if sock is not None:
                 sock.close(0)
         self.server.guard.close()
+        timeline.RECORDER.close()
