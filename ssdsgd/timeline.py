@@ -29,8 +29,8 @@ object a line:
     {"dropped": n}             spans not recorded: the cap was reached
 
 Memory is bounded by FLUSH_EVERY spans, the file by ``cap`` spans a process (MAX_SPANS:
-about 65 MB); the spans beyond it are counted, and the process says once that it
-reached the cap.
+16 MB; the merge of a job's files then takes seconds, not minutes); the spans beyond it
+are counted, and the process says once that it reached the cap.
 """
 import array
 import atexit
@@ -44,7 +44,7 @@ import threading
 import time
 
 now = time.perf_counter
-MAX_SPANS = 1_000_000
+MAX_SPANS = 250_000       # a worker records about 5.5 a step: 45,000 steps
 FLUSH_EVERY = 4_096
 FIELDS = 6                # doubles a span
 PROBES = 8                # round trips measured at once, not one a heartbeat interval
@@ -85,7 +85,8 @@ class Recorder:
         self.cap, self.last_step_end, self._step = cap, None, None
         self._reset()
         self._append([{"process": {"role": role, "rank": rank, "pid": os.getpid(),
-                                   "host": socket.gethostname(), "cap": cap}}])
+                                   "host": socket.gethostname(), "cap": cap}}],
+                     fresh_line=True)
         self.on = True
         if not self._exit_hook:
             atexit.register(self.close)
@@ -201,10 +202,16 @@ class Recorder:
             self.flush()
             self.on = False
 
-    def _append(self, objects):
+    def _append(self, objects, fresh_line=False):
+        """``fresh_line``: first end a line a killed process left torn (its segment's last)."""
         try:
-            with open(self.path, "a") as f:
-                f.write("".join(json.dumps(o, separators=(",", ":")) + "\n" for o in objects))
+            with open(self.path, "ab+") as f:      # (appends go to the end, seek or not)
+                size, torn = f.seek(0, os.SEEK_END), False
+                if fresh_line and size:
+                    f.seek(size - 1)
+                    torn = f.read(1) != b"\n"
+                f.write(("\n" if torn else "").encode() + "".join(
+                    json.dumps(o, separators=(",", ":")) + "\n" for o in objects).encode())
         except OSError as e:       # a timeline must never stop training
             print(f"ssdsgd timeline: cannot write {self.path}: {e}; recording stops",
                   file=sys.stderr, flush=True)

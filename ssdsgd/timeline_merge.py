@@ -10,8 +10,9 @@ requests overlap there) and ``RUN_DIR/timeline.png``. The launcher of a job with
 ``train.timeline`` does the same at its end.
 
 The clock is the scheduler's: each process's times are moved by its offset to it, from
-the heartbeat round trip that was shortest (so the error is at most half of it; on one
-host every process reads the same clock, and the offsets come out at a few microseconds).
+the shortest heartbeat round trip of each minute (so the error is at most half of it),
+interpolated between minutes; processes on the scheduler's host read its clock already
+and stay as they are.
 
 **Who the others waited for.** A worker's ``blocked`` span inside a ``pull`` (a
 synchronous step t) or a ``reset`` (the steps-delay stage's wait for the pull of step
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import base64
 import collections
+import functools
 import json
+import math
 import os
 from pathlib import Path
 
@@ -41,6 +44,8 @@ COLORS = {"compute": "#c7c7c7", "step": "#e8e8e8", "push": "#1f77b4", "blocked":
           "pull": "#ff7f0e", "reset": "#9467bd", "local_update": "#2ca02c",
           "send": "#17becf", "barrier": "#000000", "apply": "#bcbd22",
           "finish": "#8c564b"}
+MANY_TO_DRAW = 50_000          # the PNG draws the last this many spans (all the run's, or
+                               # a window at its end: single steps are not seen in more)
 Span = collections.namedtuple("Span", "role rank lane name start end args")
 
 
@@ -56,22 +61,25 @@ def read_file(path) -> list[dict]:
     with open(path) as f:
         for line in f:
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "process" in obj:
-                segments.append(dict(obj["process"], clock=[], dropped=0, spans=[], names=[]))
-            elif not segments:
-                continue
-            elif "names" in obj:
-                segments[-1]["names"] += obj["names"]
-            elif "spans" in obj:
-                segments[-1]["spans"] += _decode(obj["spans"], segments[-1]["names"])
-            elif "offset" in obj:
-                segments[-1]["clock"].append((obj["at"], obj["offset"], obj["rtt"]))
-            elif "dropped" in obj:
-                segments[-1]["dropped"] = obj["dropped"]
+                _read_line(json.loads(line), segments)
+            except (ValueError, KeyError, IndexError, TypeError):
+                continue        # torn by a killed process: the rest still counts
     return segments
+
+
+def _read_line(obj, segments):
+    if "process" in obj:
+        segments.append(dict(obj["process"], clock=[], dropped=0, spans=[], names=[]))
+    elif not segments:
+        return
+    elif "names" in obj:
+        segments[-1]["names"] += obj["names"]
+    elif "spans" in obj:
+        segments[-1]["spans"] += _decode(obj["spans"], segments[-1]["names"])
+    elif "offset" in obj:
+        segments[-1]["clock"].append((obj["at"], obj["offset"], obj["rtt"]))
+    elif "dropped" in obj:
+        segments[-1]["dropped"] = obj["dropped"]
 
 
 def _decode(text, names) -> list[tuple]:
@@ -209,37 +217,71 @@ def _pid(role, rank):
     return rank if role == "worker" else 100_000 + rank
 
 
-def chrome_trace(spans, segments) -> dict:
-    """Chrome's trace event format: an ``X`` event per span (``b``/``e`` on async lanes),
-    microseconds from the first span; a process per node, a thread per lane, named."""
+def trace_events(spans, segments):
+    """Chrome's trace event format, one event at a time: an ``X`` event per span (``b``
+    and ``e`` on async lanes), in microseconds from the first span; a process per node, a
+    thread per lane, named."""
     t0 = min((s.start for s in spans), default=0.0)
-    events, tids = [], {}
+    tids = {}
     for seg in segments:
-        if seg["role"] not in ROLES:
-            continue
-        pid = _pid(seg["role"], seg["rank"])
-        events.append({"ph": "M", "name": "process_name", "pid": pid,
-                       "args": {"name": f"{seg['role']} {seg['rank']}"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": pid,
-                       "args": {"sort_index": pid}})
+        if seg["role"] in ROLES:
+            pid = _pid(seg["role"], seg["rank"])
+            yield {"ph": "M", "name": "process_name", "pid": pid,
+                   "args": {"name": f"{seg['role']} {seg['rank']}"}}
+            yield {"ph": "M", "name": "process_sort_index", "pid": pid,
+                   "args": {"sort_index": pid}}
     for n, s in enumerate(spans):
         pid = _pid(s.role, s.rank)
         tid = tids.get((pid, s.lane))
         if tid is None:
             tid = tids[(pid, s.lane)] = len([k for k in tids if k[0] == pid]) + 1
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                           "args": {"name": s.lane}})
+            yield {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                   "args": {"name": s.lane}}
         ts, dur = round((s.start - t0) * 1e6, 3), round((s.end - s.start) * 1e6, 3)
         base = {"name": s.name, "cat": s.role, "pid": pid, "tid": tid}
         if s.lane.startswith(ASYNC_LANES):
-            events.append(dict(base, ph="b", ts=ts, id=n, args=s.args or {}))
-            events.append(dict(base, ph="e", ts=round(ts + dur, 3), id=n))
+            yield dict(base, ph="b", ts=ts, id=n, args=s.args or {})
+            yield dict(base, ph="e", ts=round(ts + dur, 3), id=n)
         else:
-            events.append(dict(base, ph="X", ts=ts, dur=dur, args=s.args or {}))
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"clock": "the scheduler's time.perf_counter(), from the first span",
-                          "measured offsets": {f"{s['role']} {s['rank']}": offsets(
-                              s["clock"])[1] for s in segments if s["role"] in ROLES}}}
+            yield dict(base, ph="X", ts=ts, dur=dur, args=s.args or {})
+
+
+def _trace_meta(segments) -> dict:
+    return {"displayTimeUnit": "ms", "otherData": {
+        "clock": "the scheduler's time.perf_counter(), from the first span",
+        "measured offsets": {f"{s['role']} {s['rank']}": offsets(s["clock"])[1]
+                             for s in segments if s["role"] in ROLES}}}
+
+
+def chrome_trace(spans, segments) -> dict:
+    """The whole trace as one dict (``write_trace`` writes it without holding it)."""
+    return dict(_trace_meta(segments), traceEvents=list(trace_events(spans, segments)))
+
+
+def write_trace(path, spans, segments) -> Path:
+    """The trace of ``chrome_trace``, written event by event (a big job's trace would
+    need gigabytes as one object), then renamed into place. An ``X`` event, most of
+    them, is formatted from cached pieces: json.dumps of each dict took most of a big
+    merge's time."""
+    path = Path(path)
+    tmp = path.with_suffix(".json.tmp")
+    head = functools.lru_cache(maxsize=None)(lambda name, cat, pid, tid: json.dumps(
+        {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid})[:-1])
+    quote = functools.lru_cache(maxsize=None)(json.dumps)
+    with open(tmp, "w") as f:
+        f.write(json.dumps(_trace_meta(segments))[:-1] + ',"traceEvents":[')
+        for n, e in enumerate(trace_events(spans, segments)):
+            if e["ph"] == "X" and len(e["args"]) <= 1:
+                args = "".join(f'{quote(k)}:{v!r}' if type(v) in (int, float) and math.isfinite(v)
+                               else f'{quote(k)}:{json.dumps(v)}' for k, v in e["args"].items())
+                text = (head(e["name"], e["cat"], e["pid"], e["tid"]) +
+                        f',"ts":{e["ts"]!r},"dur":{e["dur"]!r},"args":{{{args}}}}}')
+            else:
+                text = json.dumps(e, separators=(",", ":"))
+            f.write(("," if n else "") + text)
+        f.write("]}\n")
+    os.replace(tmp, path)
+    return path
 
 
 def _main_lanes(spans) -> dict:
@@ -254,18 +296,22 @@ def _main_lanes(spans) -> dict:
 
 def plot(spans, parents, path, title) -> Path:
     """A PNG with one lane per rank: its main lane's spans, each nested span drawn
-    over its parent, narrower."""
+    over its parent, narrower (of a long run, the window at its end that holds the last
+    MANY_TO_DRAW spans)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     nodes = sorted({(s.role, s.rank) for s in spans}, key=lambda n: (ROLES.index(n[0]), n[1]))
     t0 = min((s.start for s in spans), default=0.0)
+    since = sorted(s.start for s in spans)[-MANY_TO_DRAW] if len(spans) > MANY_TO_DRAW else t0
+    if since > t0:
+        title += f" (the PNG: the last {max(s.end for s in spans) - since:.0f} s)"
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.7 * len(nodes)), dpi=100)
     lanes = _main_lanes(spans)
     rows = {node: row for row, node in enumerate(nodes)}
     bars = collections.defaultdict(list)      # (name, depth, row) -> [(x, width)]
     for i, s in enumerate(spans):
-        if s.lane == lanes.get((s.role, s.rank)):
+        if s.lane == lanes.get((s.role, s.rank)) and s.start >= since:
             depth, p = 0, parents[i]
             while p is not None:
                 depth, p = depth + 1, parents[p]
@@ -298,10 +344,7 @@ def merge(run_dir, draw=True) -> dict:
     spans = spans_of(segments)
     parents, bad = nesting(spans)
     who = slowest(spans, parents)
-    trace = run_dir / "timeline.json"
-    tmp = trace.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(chrome_trace(spans, segments), separators=(",", ":")))
-    os.replace(tmp, trace)
+    trace = write_trace(run_dir / "timeline.json", spans, segments)
     out = dict(who, trace=trace, png=None, spans=len(spans), not_nested=len(bad),
                dropped=sum(s["dropped"] for s in segments),
                nodes=sorted({(s["role"], s["rank"]) for s in segments if s["role"] in ROLES}))

@@ -227,3 +227,17 @@ def test_a_merge_writes_the_trace_the_png_and_the_summary(tmp_path, capsys):
 def test_a_run_without_a_timeline_is_an_error(tmp_path, capsys):
     assert report.main([str(tmp_path), "--timeline"]) == 2
     assert "no timeline/*.jsonl" in capsys.readouterr().err
+
+
+def test_a_process_killed_mid_line_leaves_the_next_segment_readable(tmp_path, rec):
+    rec.start(tmp_path, "worker", 1)
+    rec.span("push", 1.0, 2.0, "m", "step", 0)
+    rec.close()
+    with open(tmp_path / "worker-1.jsonl", "a") as f:
+        f.write('{"spans":"AAAA')                     # torn: the process was killed
+    rec.start(tmp_path, "worker", 1)                  # the job restarted
+    rec.span("pull", 3.0, 4.0, "m", "waits_for", 0)
+    rec.close()
+    first, second = M.read_file(tmp_path / "worker-1.jsonl")
+    assert first["spans"] == [("push", "m", 1.0, 2.0, {"step": 0})]
+    assert second["spans"] == [("pull", "m", 3.0, 4.0, {"waits_for": 0})]
