@@ -54,7 +54,7 @@ CLOCK_WINDOW = 60.0       # s: one offset (the shortest round trip's) per window
 
 class Recorder:
     """The spans of one process (see the module's doc). The training thread and the I/O
-    thread both record; only ``flush`` takes a lock."""
+    thread both record; only ``flush`` and a name seen for the first time take a lock."""
 
     def __init__(self):
         self.on = False
