@@ -122,6 +122,9 @@ class TrainConfig:
     checkpoint_every_s: Optional[float] = field(default=S.BY_NAME["checkpoint_every_s"].default,
                                                 metadata={"setting": S.BY_NAME["checkpoint_every_s"],
                                                           "doc": S.BY_NAME["checkpoint_every_s"].doc})
+    timeline: bool = field(default=S.BY_NAME["timeline"].default,
+                           metadata={"setting": S.BY_NAME["timeline"],
+                                     "doc": S.BY_NAME["timeline"].doc})
     gpus: list[int] = _f(factory=list, doc="GPU ids; empty: CPU")
 
 

@@ -1,6 +1,8 @@
 """Compare runs: a table and accuracy plots.
 
     python -m ssdsgd.report RUN_DIR [RUN_DIR ...] [--out DIR]
+    python -m ssdsgd.report RUN_DIR --timeline
+
 
 Prints one row per run (final and best test accuracy, training wall time, job
 throughput, bytes moved by the workers, mean time a worker was blocked on the network)
@@ -8,6 +10,11 @@ and writes two PNG plots, test accuracy vs wall-clock time and vs epoch, one lin
 run; prints their paths. A run without summary.json (still running, or crashed) is
 reported from its metrics files and marked "incomplete". The default output directory
 is ``report/`` next to the (first) run directory.
+
+With ``--timeline`` it merges each run's per-process timeline instead (a job run with
+``train.timeline``; ``ssdsgd/timeline_merge.py``): RUN_DIR/timeline.json, a Chrome trace,
+RUN_DIR/timeline.png, one lane per rank, and the slowest rank with how long the others
+waited for it, also added to summary.json.
 """
 from __future__ import annotations
 
@@ -197,13 +204,30 @@ def finished_run(run_dir, out_dir=None, plots=True) -> list[str]:
     return lines
 
 
+def timelines(run_dirs) -> int:
+    """``--timeline``: merge each run's timeline and print what it found."""
+    from ssdsgd.timeline_merge import TimelineError, lines, merge
+    for run_dir in run_dirs:
+        try:
+            out = merge(run_dir)
+        except (TimelineError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(lines(out)))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ssdsgd.report",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", metavar="RUN_DIR")
     ap.add_argument("--out", help="where to write the PNG plots (default: report/ next to "
                     "the first run directory)")
+    ap.add_argument("--timeline", action="store_true", help="merge each run's timeline "
+                    "(train.timeline) into RUN_DIR/timeline.json and timeline.png")
     args = ap.parse_args(argv)
+    if args.timeline:
+        return timelines(args.runs)
     try:
         runs = [load_run(d) for d in args.runs]
     except ReportError as exc:

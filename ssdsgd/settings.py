@@ -386,6 +386,17 @@ SETTINGS = (
             "seconds have passed since the last checkpoint (rank 0's clock, looked at every "
             "train.log_interval steps); unset: at epoch ends only (train.checkpoint_every)",
             path="train.checkpoint_every_s", min=1.0, max=604800.0, optional=True),
+    # --- the timeline (docs/training.md#the-timeline)
+    Setting("timeline", bool, True, "every worker and server records its spans (worker: "
+            "compute, step, push, pull, reset, local update, blocked, barrier; server: each "
+            "message, apply, send, queue) into RUN_DIR/timeline/; the launcher merges them "
+            "into timeline.json (Chrome trace) and timeline.png at the end and names the "
+            "slowest rank (python -m ssdsgd.report RUN_DIR --timeline does it again); on: "
+            "it costs well under 1 % of a step (docs/training.md#the-timeline)",
+            env="SSDSGD_TIMELINE", path="train.timeline"),
+    Setting("timeline_dir", str, None, "where a process writes its timeline; the launcher "
+            "of a configured job sets it to RUN_DIR/timeline (with --, give it with --env, "
+            "or nothing is recorded)", env="SSDSGD_TIMELINE_DIR", optional=True),
     # --- the transport
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),

@@ -4,7 +4,8 @@ training program -> adapter (store.py, integration.py) -> stage machine (worker/
 rules (glu/) -> worker client (kvstore/client.py) -> protocol; server and scheduler ->
 protocol. Nothing below imports from above, and only the client and the nodes speak the
 protocol. settings.py (the one settings table) and fields.py (the checks of a peer's
-values) are leaves every layer may read."""
+values) are leaves every layer may read; so is timeline.py, the process's recorder of
+spans, which the worker, the transport and the nodes call (its merge is not)."""
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,14 @@ def test_the_checks_of_a_peers_values_are_a_leaf():
     assert _imports(PKG / "fields.py") == set()
 
 
+def test_the_timeline_recorder_is_a_leaf():
+    assert _imports(PKG / "timeline.py") == set()
+    assert _imports(PKG / "timeline_merge.py") == {"timeline"}
+
+
+LEAVES = {"timeline"}     # may be imported from any layer
+
+
 def test_the_mxnet_helpers_are_a_leaf():
     for module, deps in _graph("mxglue").items():
         assert all(d.startswith(("mxglue", "settings")) for d in deps), (module, deps)
@@ -57,8 +66,8 @@ def test_the_policies_know_no_transport():
 
 def test_the_transport_imports_nothing_from_above():
     for module, deps in _graph("kvstore").items():
-        assert all(d.startswith(("kvstore", "mxglue", "settings", "fields")) for d in deps), \
-            (module, deps)
+        assert all(d in LEAVES or d.startswith(("kvstore", "mxglue", "settings", "fields"))
+                   for d in deps), (module, deps)
     graph = _graph("kvstore")
     assert "kvstore.server" not in graph["kvstore.client"]
     for node in ("kvstore.server", "kvstore.scheduler"):
@@ -70,7 +79,7 @@ def test_the_stage_machine_and_the_local_rules_stay_below_the_adapter():
                                         "settings")),
                             ("glu", ("glu", "kvstore", "mxglue", "sync", "settings"))):
         for module, deps in _graph(folder).items():
-            assert all(d.startswith(allowed) for d in deps), (module, deps)
+            assert all(d in LEAVES or d.startswith(allowed) for d in deps), (module, deps)
     assert "kvstore.protocol" not in _graph("worker")["worker.machine"], \
         "the stage machine must use the client's API, not build messages"
 

@@ -35,6 +35,7 @@ from .scheduler import JobAborted
 from .splitting import Coded, split
 from .startup import WorkerStart
 from .. import fields
+from .. import timeline
 from ..settings import pipeline_pieces, quorum_size
 
 
@@ -57,6 +58,7 @@ class WorkerClient:
         self.topology = self.io.start(env.pull_relay == "chain" if relay is None else relay)
         self.left = self.io.left  # workers that left the job (cluster.on_worker_failure)
         self.rank = self.topology["rank"]
+        timeline.start_node(env, "worker", self.rank)   # if SSDSGD_TIMELINE (timeline.py)
         self.num_workers = self.topology["num_workers"]
         self.num_servers = self.topology["num_servers"]
         self.start = WorkerStart(env, self.rank, self.io, self.requests)
@@ -258,6 +260,7 @@ class WorkerClient:
             except JobAborted:
                 pass
         self.io.stop()
+        timeline.RECORDER.flush()
 
     def wait(self, fut):
         """The future's result; raises why if the I/O thread failed or ended."""

@@ -21,6 +21,7 @@ from .relay import PullRelay
 from .scheduler import JobAborted, bind_router
 from .scheduler_link import SchedulerLink
 from .security import Guard
+from ..timeline import RECORDER as TIMELINE
 
 RECV_PER_TURN = 64
 SEND_PER_TURN = 64
@@ -99,6 +100,7 @@ class IOThread:
             return self.requests.wait(fut)
         finally:
             self.stats["time_blocked"] += time.perf_counter() - waited
+            TIMELINE.span(kind.name.lower(), waited)     # a barrier, a finish, a group
 
     def stop(self):
         """End the thread once what is queued is sent (the client has said FINISH)."""
@@ -238,7 +240,9 @@ class IOThread:
         return True
 
     def _sent(self, sock, frames):
+        t0 = time.perf_counter()
         sock.send_multipart(frames, copy=False)
+        TIMELINE.span("send", t0)
         self.stats["messages_sent"] += 1
         self.stats["bytes_sent"] += sum(
             len(f) if isinstance(f, bytes) else len(f.buffer) if isinstance(f, zmq.Frame)

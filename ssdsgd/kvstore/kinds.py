@@ -74,6 +74,7 @@ _EVENT = (lambda v: isinstance(v, str) and bool(_EVENT_NAME.match(v)),
           "an event name (1 to 32 of a-z and _)")
 _ANY = (lambda v: True, "any JSON value")
 _BYTES = (F.int_in(1, F.MAX_STEP), "a number of bytes from 1 to 2^62")
+_CLOCK = (F.is_number, "a clock reading in seconds")
 
 # kind -> {field: ((check, what it must be), required)}; kinds not listed carry no meta.
 META = {
@@ -98,8 +99,11 @@ META = {
                    "value": ((F.int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
     Kind.FINISH: {"error": (F.STR, False)},
     # a worker's: requests its training thread made, and whether it is busy with
-    # something else (rank 0's validation); kvstore/liveness.py
-    Kind.HEARTBEAT: {"progress": (F.STEP, False), "busy": (F.BOOL, False)},
+    # something else (rank 0's validation); kvstore/liveness.py. A node that records a
+    # timeline adds its clock's ``sent``; the echo carries it back with the scheduler's
+    # ``time`` (ssdsgd/timeline.py: the offset between the two clocks)
+    Kind.HEARTBEAT: {"progress": (F.STEP, False), "busy": (F.BOOL, False),
+                     "sent": (_CLOCK, False), "time": (_CLOCK, False)},
     # scheduler -> server {removed}: which step does it not have from that worker?
     # server -> scheduler {removed, next_step}; scheduler -> all {removed, from_step}
     Kind.MEMBERSHIP: {"removed": (F.WORKER, True), "next_step": (F.STEP, False),

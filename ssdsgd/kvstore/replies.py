@@ -14,6 +14,7 @@ import zmq
 from . import protocol as P
 from . import fragments as F
 from .scheduler import JobAborted
+from ..timeline import RECORDER as TIMELINE, now, traced
 
 SNDHWM = 10_000          # replies queued for one peer before it counts as not reading
 
@@ -39,7 +40,7 @@ class Reply:
     """A reply being assembled: values snapshotted per key as their step is applied.
     ``shards[i]`` is the key of slot i."""
     __slots__ = ("ident", "req", "shards", "records", "parts", "missing", "with_state", "lr",
-                 "tracker", "peer", "relay")
+                 "tracker", "peer", "relay", "received")
 
     def __init__(self, ident, req, shards, with_state, peer, relay=False):
         n = len(shards)
@@ -49,6 +50,7 @@ class Reply:
         self.tracker = None       # set once sent: ZeroMQ is done with the buffers when done
         self.peer = peer
         peer.open += 1
+        self.received = now()     # the timeline's queue span (Replies.sent)
 
 
 class Replies:
@@ -67,6 +69,7 @@ class Replies:
         self._relayed = []      # complete replies that may travel through a chain of workers
 
     # ---- sending -------------------------------------------------------------------
+    @traced("send")
     def send(self, ident, msg):
         """Send without ever waiting: a worker whose queue is full does not read (the job
         cannot go on without it: Fatal); a stranger's reply is dropped. ``msg``: a Message
@@ -96,6 +99,14 @@ class Replies:
                 raise Fatal(f"worker {peer.rank} does not read its replies ("
                             f"{len(peer.inflight)} unsent); stopping the job")
         return tracker
+
+    @staticmethod
+    def sent(reply):
+        """The timeline's ``queue`` span of a request: from its handling to its reply, the
+        time the server held it (waiting for the other workers' pushes, applying)."""
+        if TIMELINE.on:
+            TIMELINE.span("queue", reply.received, lane=f"queue w{reply.peer.rank}",
+                          key="req", value=reply.req)
 
     def empty(self, ident, req, kind=P.Kind.REPLY):
         """A reply (or ACK) without keys."""
@@ -193,6 +204,7 @@ class Replies:
                 meta={"lr": reply.lr} if reply.lr is not None else None))
             self._encoded[sig] = body
         reply.tracker = self.send(reply.ident, P.readdress(body, reply.req))
+        self.sent(reply)
         if reply.tracker is None:          # not sent: nothing reads the views any more
             reply.tracker = zmq.MessageTracker()
 
@@ -229,6 +241,7 @@ class Replies:
             tracker = zmq.MessageTracker(*trackers)
             for reply in replies:     # every reply's views are lent until these are sent
                 reply.tracker = tracker
+                self.sent(reply)
 
     # ---- lending -------------------------------------------------------------------
     def reclaim(self, shard):

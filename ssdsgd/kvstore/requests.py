@@ -11,6 +11,7 @@ import numpy as np
 
 from . import protocol as P
 from .scheduler import JobAborted
+from ..timeline import RECORDER as TIMELINE
 
 ENDED = "the worker's I/O thread has stopped; the job is over"
 
@@ -141,7 +142,9 @@ class Gather:
         out, waited = {}, time.perf_counter()
         for fut in self.futures:
             self._take(out, self.requests.wait(fut))
-        self.requests.stats["time_blocked"] += time.perf_counter() - waited
+        end = time.perf_counter()
+        self.requests.stats["time_blocked"] += end - waited
+        TIMELINE.span("blocked", waited, end)
         return out
 
     def then(self, callback):

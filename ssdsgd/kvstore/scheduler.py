@@ -21,6 +21,7 @@ from .barriers import Barriers
 from .env import NodeEnv
 from .removals import RemovalError, Removals
 from .security import Guard
+from .. import timeline
 from .liveness import StallWatch, failed
 from .startup import Startup, StartupError
 from .topology import (assign_ranks, by_rank, job_limit, node_name, reachable_or_why,
@@ -96,6 +97,9 @@ class Scheduler:
         self.rejected = Rejections(self.log)
         self.policy = make_policy(env)
         self.stalls = StallWatch(env.stall_timeout)
+        # the timeline's reference clock: its file names the host whose processes read
+        # this clock (ssdsgd/timeline_merge.py)
+        timeline.start_node(env, "scheduler", 0)
 
     def _send(self, ident, kind, meta=None, req=0):
         try:
@@ -198,7 +202,8 @@ class Scheduler:
         if node["role"] == "worker" and "progress" in meta:
             self.stalls.report(node["rank"], meta["progress"], meta.get("busy", False),
                                node["last_seen"])
-        self._send(ident, P.Kind.HEARTBEAT)
+        self._send(ident, P.Kind.HEARTBEAT, {"sent": meta["sent"], "time": time.perf_counter()}
+                   if "sent" in meta else None)    # the node's clock offset (timeline.py)
 
     def _barrier(self, ident, node, meta):
         group = meta.get("group", "worker")
@@ -355,3 +360,4 @@ class Scheduler:
     def close(self):
         self.sock.close(0)
         self.guard.close()
+        timeline.RECORDER.close()

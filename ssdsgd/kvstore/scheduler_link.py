@@ -12,6 +12,7 @@ from . import protocol as P
 from .env import NodeEnv
 from .scheduler import JobAborted
 from .security import Guard
+from ..timeline import PROBE_S, RECORDER as TIMELINE
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -113,8 +114,11 @@ class SchedulerLink:
         """Send a heartbeat when due (a worker's with ``progress()``: its meta, see
         liveness.py); raise JobAborted when the scheduler went silent."""
         now = time.monotonic()
-        if now - self.last_sent >= self.env.heartbeat_interval:
-            self.send(P.Kind.HEARTBEAT, progress() if progress else None)
+        if now - self.last_sent >= (PROBE_S if TIMELINE.probing else self.env.heartbeat_interval):
+            meta = progress() if progress else None
+            if TIMELINE.on:      # the echo tells the clock offset (ssdsgd/timeline.py)
+                meta = dict(meta or {}, sent=time.perf_counter())
+            self.send(P.Kind.HEARTBEAT, meta)
         if now - self.last_heard > self.env.heartbeat_timeout:
             raise JobAborted(f"lost the scheduler at {self.env.scheduler_host}:"
                              f"{self.env.scheduler_port}: no answer for "
@@ -129,6 +133,8 @@ class SchedulerLink:
         except P.ProtocolError as e:
             raise JobAborted(f"the scheduler sent a malformed message: {e}") from None
         self.last_heard = time.monotonic()
+        if msg.kind == P.Kind.HEARTBEAT and {"sent", "time"} <= msg.meta.keys():
+            TIMELINE.clock(msg.meta["sent"], time.perf_counter(), msg.meta["time"])
         if msg.kind == P.Kind.ABORT:
             raise JobAborted(f"the job was aborted: {msg.meta.get('reason')}")
         if msg.kind == P.Kind.ERROR:

@@ -34,6 +34,7 @@ from .replies import Fatal, Peer, Replies, RequestError
 from .scheduler import JobAborted, Rejections
 from .security import Guard
 from .weights import Weights
+from ..timeline import RECORDER as TIMELINE, now
 
 PENDING_INITS = 4_096    # INIT messages one worker may have waiting for rank 0's values
 
@@ -263,7 +264,7 @@ class Server:
     def handle(self, frames):
         """One message. Nothing in it can stop the server: a bad one gets an ERROR with
         its request id (the worker fails, naming it); only Fatal ends the loop."""
-        ident, req, kind = frames[0].bytes, 0, "a message"
+        ident, req, kind, t0 = frames[0].bytes, 0, "a message", now()
         try:
             msg = P.decode(frames[1:], max_bytes=self.max_message_bytes)
             req, kind = msg.req, msg.kind.name
@@ -291,6 +292,7 @@ class Server:
             self._reject(ident, req, f"internal error on {kind}: {e!r}")
         finally:
             self.replies.forget()
+            TIMELINE.span(kind, t0)     # the timeline: PUSH, PULL, ...
 
     def on_scheduler(self, msg):
         """A message from the scheduler (the node's loop acts on SHUTDOWN itself)."""

@@ -21,6 +21,7 @@ from .scheduler import bind_router
 from .scheduler_link import SchedulerLink
 from .server import Server
 from .topology import job_limit
+from .. import timeline
 
 RCVHWM = 1_000           # messages read ahead from one peer (then TCP pushes back)
 BURST = 64               # worker messages read in a row before the heartbeats' turn
@@ -48,7 +49,9 @@ class ServerNode:
         env = self.env
         self.link = SchedulerLink(zmq.Context.instance(), env, "server", env.node_host, None,
                                   self.server.guard)
-        self.server.start(self.link.register(), self.link.sock)
+        topo = self.link.register()
+        timeline.start_node(env, "server", topo["rank"])   # if SSDSGD_TIMELINE (timeline.py)
+        self.server.start(topo, self.link.sock)
         try:
             limit = self._await_limit()
             if limit is None:
@@ -104,3 +107,4 @@ class ServerNode:
             if sock is not None:
                 sock.close(0)
         self.server.guard.close()
+        timeline.RECORDER.close()

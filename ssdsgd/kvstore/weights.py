@@ -13,6 +13,7 @@ from ..mxglue.update_groups import sgd_call, size_groups
 from . import protocol as P
 from .codecs import CompressionError, Packed
 from .replies import RequestError
+from ..timeline import traced
 
 AGGREGATE_KEYS = 45      # keys per multi-tensor optimizer call (MXNet's kernels take <= 45)
 
@@ -199,6 +200,7 @@ class Weights:
         except CompressionError as e:
             raise RequestError(f"key {shard.key}: {e}") from None
 
+    @traced("apply")
     def apply(self, grads, pushes=0):
         """grads: ``[(key, gradients in rank order, scale)]`` (a policy's apply action).
         The sum is written straight into the buffer the optimizer reads (no extra copy of

@@ -199,15 +199,24 @@ def _warn_whole_warmup(config, length):
               flush=True)
 
 
-def _report(run_dir, seconds, plots):
-    """The finished job's accuracy line and, with ``output.plots``, its plots
-    (ssdsgd.report.finished_run)."""
+def _report(run_dir, seconds, plots, timeline=False):
+    """With ``train.timeline`` the merged timeline (ssdsgd.timeline_merge: the slowest
+    rank, also into summary.json); then, last, the finished job's accuracy line and,
+    with ``output.plots``, its plots (ssdsgd.report.finished_run)."""
     from ..report import ReportError, finished_run
+    first = []
+    if timeline:
+        from ..timeline_merge import lines as timeline_lines, merge
+        try:
+            first = timeline_lines(merge(run_dir, draw=plots))
+        except (ImportError, OSError, ValueError) as e:
+            first = [f"no timeline to merge ({e})"]
     try:
         lines = finished_run(run_dir, plots=plots)
     except (ReportError, ImportError, OSError, ValueError) as e:
         lines = [f"no result to report ({e})"]
     lines[0] += f"; job {seconds:.1f} s"
+    lines = first + lines
     for line in lines:
         print(f"[launcher] {line}", flush=True)
 
@@ -252,7 +261,7 @@ def _config_form(argv):
         print(f"[launcher] {_restart_line(attempt + 1, restarts, failures, whence or 'from the start (no checkpoint yet)')}",
               file=sys.stderr, flush=True)
     if code == 0:
-        _report(run_dir, time.monotonic() - t0, config.output.plots)
+        _report(run_dir, time.monotonic() - t0, config.output.plots, config.train.timeline)
     return _gave_up(code, restarts)
 
 
@@ -279,6 +288,9 @@ def _run_training(config, run_dir, length, env, runner, port, resume, failures, 
            "--run-dir", run_dir]
     if resume:
         cmd += ["--resume", run_dir]
+    if config.train.timeline:     # where every process records (ssdsgd/timeline.py)
+        env = dict(env, **to_env(timeline_dir=os.path.abspath(os.path.join(run_dir,
+                                                                            "timeline"))))
     progress = ProgressMonitor(run_dir, length.total_steps, tty=sys.stderr.isatty(),
                                start_step=start if resume else None)
     return run_job(config.cluster.workers, config.cluster.servers, cmd, env,

@@ -35,6 +35,7 @@ from .deferred import DeferredSteps, device_sum
 from .preduce import PreduceSteps
 from ..sync.auto import Schedule
 from ..sync.stage import Stage, delays_pulls
+from ..timeline import RECORDER as TIMELINE, now
 
 
 @dataclasses.dataclass
@@ -130,6 +131,7 @@ class StageMachine:
     def step(self, entries):
         """entries: (key, grads, outs); outs None means write the result into grads."""
         self.settle()
+        TIMELINE.begin_step(self.t)
         blocked0 = self.client.stats["time_blocked"]
         with self.schedule.timed(self.t, self.client.stats):
             if self.env.algorithm == "preduce":
@@ -137,6 +139,7 @@ class StageMachine:
             else:
                 self._stage_step(entries)
         self.t += 1
+        TIMELINE.end_step()
         self.last_step_blocked = self.client.stats["time_blocked"] - blocked0
         self.schedule.after_step(self.t, self.client.barrier)   # every worker, same step
 
@@ -209,6 +212,7 @@ class StageMachine:
     def _push(self, entries, *, copy, pull=False, state=False):
         """Spec step 2, shared by every stage and ``kv.push``: push g_i(t), each key's
         gradients summed over the worker's devices. Returns them and the pull's reply."""
+        t0 = now()
         grads = {key: device_sum(grad_list) for key, grad_list, _ in entries}
         one_device = {key for key, grad_list, _ in entries if len(grad_list) == 1}
         flats = hostcopy.read(list(grads.values()), copy=copy and not self.client.codes_pushes,
@@ -218,10 +222,12 @@ class StageMachine:
         self.counts["pushes"] += 1
         if pull:
             self.counts["pulls"] += 1
+        TIMELINE.span("push", t0, key="step", value=self.t)
         return grads, reply
 
     def _synchronous_step(self, entries, reply):
         """Warm-up, ssgd, asgd: wait for w_G(t) and write it into the parameters."""
+        t0 = now()
         replies = reply.wait()
         for key, _, outs in entries:
             self.keys[key].remember(replies[key], self._dated(replies[key], self.t))
@@ -233,6 +239,7 @@ class StageMachine:
                 pairs.append((out, replies[key].value))
                 slots.append(("w" if outs is not None else "g", key, device))
         hostcopy.write(pairs, views=self.views, slots=slots)
+        TIMELINE.span("pull", t0, key="waits_for", value=self.t)  # timeline_merge
 
     def _steps_delay_step(self, entries, grads, reply):
         """Spec steps 3-5 after the push (which carried the pull request of step 5)."""
@@ -245,9 +252,11 @@ class StageMachine:
                 unseeded.append(key)
         if unseeded:
             self._reset(unseeded)
+        t0 = now()
         self.rule.update_many([key for key, _, _ in entries],
                               [outs[0] for _, _, outs in entries],
                               [grads[key] for key, _, _ in entries])
+        TIMELINE.span("local_update", t0)
         for _, _, outs in entries:
             for out in outs[1:]:
                 outs[0].copyto(out)
@@ -255,10 +264,12 @@ class StageMachine:
 
     def _reset_to_pulled(self):
         """Spec step 3: w_i <- w_G(t - 1) from the pull requested at t - 1."""
+        t0 = now()
         replies, self.pending = self.pending.wait(), None
         for key, reply in replies.items():
             self.keys[key].remember(reply, self._dated(reply, self.t - 1))
         self._reset(list(replies), write_weights=True)
+        TIMELINE.span("reset", t0, key="waits_for", value=self.t - 1)
 
     def _reset(self, keys, write_weights=False):
         """Spec step 3 for ``keys``: re-seed the local rule from the global model and (with

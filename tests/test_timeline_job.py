@@ -1,0 +1,98 @@
+"""A real 2-worker digits job with ``train.timeline`` on: every rank's spans are there,
+on the scheduler's clock, and they nest (a step's push, pull, reset and local update
+inside that step, the waits inside those; a server's apply and send inside the message
+that caused them); the launcher merged them and named the slowest rank."""
+import json
+
+import pytest
+
+from ssdsgd import timeline_merge as M
+from test_e2e_configs import dist, run_dir_of, sets
+
+STEPS = 44      # 2 epochs of 22 steps (1797 digits / (2 workers x 32))
+WARMUP = 4
+
+
+def _ancestors(spans, parents, i):
+    p = parents[i]
+    while p is not None:
+        yield spans[p]
+        p = parents[p]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("timeline")
+    p = dist(["configs/digits.yaml", *sets(
+        train__epochs=2, train__timeline="true", sync__warmup_steps=WARMUP,
+        sync__delay_steps=2, output__dir=root / "runs")])
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return p, run_dir_of(root / "runs")
+
+
+@pytest.mark.system
+def test_every_rank_recorded_its_spans_and_they_nest(run):
+    _, run_dir = run
+    assert sorted(f.name for f in (run_dir / "timeline").iterdir()) == [
+        "scheduler-0.jsonl", "server-0.jsonl", "worker-0.jsonl", "worker-1.jsonl"]
+    segments = M.load(run_dir)
+    spans = M.spans_of(segments)
+    parents, bad = M.nesting(spans)
+    assert bad == []
+    for rank in (0, 1):
+        mine = [(i, s) for i, s in enumerate(spans) if (s.role, s.rank) == ("worker", rank)]
+        names = [s.name for _, s in mine]
+        assert names.count("step") == names.count("push") == STEPS
+        assert names.count("compute") == STEPS - 1
+        assert names.count("pull") == WARMUP             # the synchronous steps
+        assert names.count("local_update") == STEPS - WARMUP
+        assert names.count("reset") > 0 and names.count("blocked") > 0
+        assert names.count("send") >= STEPS              # on the I/O thread's lane
+        for i, s in mine:
+            up = list(_ancestors(spans, parents, i))
+            if s.name in ("push", "pull", "reset", "local_update"):
+                step, = [a for a in up if a.name == "step"]      # in its step, once
+                if s.name == "push":
+                    assert s.args == step.args == {"step": s.args["step"]}
+                else:
+                    waits_for = (s.args or {}).get("waits_for", step.args["step"])
+                    assert step.args["step"] - waits_for in (0, 1)
+            if s.name == "blocked" and up and up[0].name in ("pull", "reset"):
+                assert s.start >= up[0].start and s.end <= up[0].end
+        waits = [s for i, s in mine if s.name == "blocked"
+                 and any(a.name in ("pull", "reset") for a in _ancestors(spans, parents, i))]
+        assert waits, "a step that waited for the others"
+    server = [(i, s) for i, s in enumerate(spans) if s.role == "server"]
+    assert {"PUSH", "apply", "send", "queue"} <= {s.name for _, s in server}
+    for i, s in server:
+        if s.name in ("apply", "send"):
+            assert parents[i] is not None and spans[parents[i]].name.isupper(), s
+    assert {s.lane for _, s in server if s.name == "queue"} == {"queue w0", "queue w1"}
+
+
+@pytest.mark.system
+def test_the_clock_offsets_were_measured_and_are_within_their_bounds(run):
+    """Every process of this job reads the same clock (one host), so each measured
+    offset must be within half its round trip of 0: what NTP's midpoint promises."""
+    _, run_dir = run
+    for seg in M.load(run_dir):
+        if seg["role"] == "scheduler":
+            continue
+        assert seg["clock"], (seg["role"], seg["rank"])
+        for _, offset, rtt in seg["clock"]:
+            assert abs(offset) <= rtt / 2 + 1e-9
+
+
+@pytest.mark.system
+def test_the_launcher_merged_the_timeline(run):
+    p, run_dir = run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["slowest_rank"] in (0, 1) and summary["waited_for_slowest_s"] >= 0
+    assert (f"[launcher] timeline: {run_dir / 'timeline.json'} (" in p.stdout
+            and f"slowest rank: worker {summary['slowest_rank']};" in p.stdout)
+    assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    trace = json.loads((run_dir / "timeline.json").read_text())
+    named = {e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert named == {"worker 0", "worker 1", "server 0"}
+    assert all(e["ts"] >= 0 for e in trace["traceEvents"] if "ts" in e)
