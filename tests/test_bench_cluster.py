@@ -75,6 +75,19 @@ def bench_process(cmd):
             proc.communicate()
 
 
+def run_bench(args, tmp_path, timeout):
+    """``python -m bench.cluster ARGS`` into tmp_path/out (raw results in tmp_path/raw), run
+    to its end: it exited 0 and left no namespace of its own behind. Returns (its output,
+    the out directory, its pid)."""
+    out = tmp_path / 'out'
+    cmd = [PY, '-m', 'bench.cluster', *args, '--out', str(out), '--raw', str(tmp_path / 'raw')]
+    with bench_process(cmd) as proc:
+        text, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, text[-3000:]
+    assert ours(proc.pid) == []
+    return text, out, proc.pid
+
+
 def ours(pid):
     return [ns for ns in netns.list_namespaces() if ns.startswith(f'{netns.PREFIX}{pid}-')]
 
@@ -415,20 +428,15 @@ def test_without_root_says_so_and_exits_cleanly(monkeypatch, capsys):
 @pytest.mark.system
 @needs_netns
 def test_tiny_benchmark_runs_across_namespaces(tmp_path):
-    out, raw = tmp_path / 'out', tmp_path / 'raw'
-    cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix,tta',
-           '--workloads', 'emulated:tiny@1gbit', '--workers', '2', '--servers', '1',
-           '--systems', 'native-sync,ssgd,ssd-k2', '--steps', '3', '--warmup', '1',
-           '--tta-systems', 'ssgd', '--tta-epochs', '1', '--tta-rate', '1gbit',
-           '--out', str(out), '--raw', str(raw)]
-    with bench_process(cmd) as proc:
-        text, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, text[-3000:]
+    text, out, pid = run_bench(
+        ['--only', 'matrix,tta', '--workloads', 'emulated:tiny@1gbit', '--workers', '2',
+         '--servers', '1', '--systems', 'native-sync,ssgd,ssd-k2', '--steps', '3',
+         '--warmup', '1', '--tta-systems', 'ssgd', '--tta-epochs', '1', '--tta-rate', '1gbit'],
+        tmp_path, timeout=240)
     # namespaces made (scheduler + server + 2 workers) and all removed again
     m = re.search(r'made (\d+) hosts \(198\.18\.0\.10\.\.198\.18\.0\.(\d+)\)', text)
     assert m and int(m.group(1)) == 4, text[-3000:]
     assert 'cluster removed' in text
-    assert ours(proc.pid) == []
     # the tables were printed
     for label in ('native dist_sync', 'ssd_sync ssgd', 'ssd_sync ssd k=2', 'samples/s',
                   'vs dist_sync', 'of bound', 'Time to accuracy'):
@@ -443,7 +451,7 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
         assert r['samples_per_s'] > 0 and r['steps'] >= 3
         # each worker on its own host: two different devices of this run's cluster
         devs = r['net_devs']
-        assert len(set(devs)) == 2 and all(re.fullmatch(rf'h{proc.pid}-\d+', d) for d in devs)
+        assert len(set(devs)) == 2 and all(re.fullmatch(rf'h{pid}-\d+', d) for d in devs)
         # the gradients crossed the shaped links: at least one push per step each way out
         assert r['tx_bytes_per_step'] >= TINY_BYTES
         assert r['leftover_pids'] == 0
@@ -461,13 +469,10 @@ def test_the_defaults_row_runs_and_reports_the_jobs_own_choices(tmp_path):
     """A user's defaults across shaped links, 3 workers, compute far below a pull: the job
     chooses its warm-up, k and (the pulls not hidden) the relay; the row reports them and
     the pulls were relayed."""
-    out, raw = tmp_path / 'out', tmp_path / 'raw'
-    cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix', '--workloads', 'emulated:tiny@1gbit',
-           '--workers', '3', '--servers', '1', '--systems', 'defaults', '--steps', '8',
-           '--warmup', '5', '--compute-ratio', '0.1', '--out', str(out), '--raw', str(raw)]
-    with bench_process(cmd) as proc:
-        text, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, text[-3000:]
+    _, out, _ = run_bench(
+        ['--only', 'matrix', '--workloads', 'emulated:tiny@1gbit', '--workers', '3',
+         '--servers', '1', '--systems', 'defaults', '--steps', '8', '--warmup', '5',
+         '--compute-ratio', '0.1'], tmp_path, timeout=240)
     [row] = json.loads((out / 'cluster.json').read_text())['matrix'][0]['rows']
     assert row['status'] == 'ok', row
     assert row['warmup_steps'] == 4 and 2 <= row['k'] <= 10         # 5 % of 13 steps: 4
@@ -480,18 +485,14 @@ def test_compression_rows_and_tta_comm(tmp_path):
     """The compressed rows (native + 2bit through push/pull, ssd_sync with the Trainer's
     compression_params) send compressed pushes across the links, the comm-bound
     time-to-accuracy part runs, and --name keeps the run of record's files."""
-    out, raw = tmp_path / 'out', tmp_path / 'raw'
-    cmd = [PY, '-m', 'bench.cluster', '--only', 'matrix,tta-comm',
-           '--workloads', 'emulated:tiny@1gbit', '--workers', '2', '--servers', '1',
-           '--systems', 'native-sync-2bit,ssgd,ssgd-2bit', '--steps', '3', '--warmup', '1',
-           '--tta-comm-systems', 'native-sync-2bit,ssd-k2-2bit,ssd-k2-2bit-t1-w1',
-           '--tta-comm-workers', '2',
-           '--tta-comm-hidden', '64', '--tta-comm-epochs', '1', '--tta-comm-warmup', '2',
-           '--tta-comm-target', '0.3', '--name', 'comp', '--out', str(out), '--raw', str(raw)]
-    with bench_process(cmd) as proc:
-        text, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, text[-3000:]
-    assert ours(proc.pid) == []
+    text, out, _ = run_bench(
+        ['--only', 'matrix,tta-comm', '--workloads', 'emulated:tiny@1gbit', '--workers', '2',
+         '--servers', '1', '--systems', 'native-sync-2bit,ssgd,ssgd-2bit', '--steps', '3',
+         '--warmup', '1',
+         '--tta-comm-systems', 'native-sync-2bit,ssd-k2-2bit,ssd-k2-2bit-t1-w1',
+         '--tta-comm-workers', '2', '--tta-comm-hidden', '64', '--tta-comm-epochs', '1',
+         '--tta-comm-warmup', '2', '--tta-comm-target', '0.3', '--name', 'comp'],
+        tmp_path, timeout=300)
     assert 'native dist_sync + 2bit (push/pull)' in text and 'ssd_sync ssgd + 2bit' in text
     assert sorted(p.name for p in out.iterdir()) == ['comp.json', 'comp.md', 'comp_matrix.png',
                                                      'comp_tta_comm.png']
@@ -520,15 +521,11 @@ def test_compression_rows_and_tta_comm(tmp_path):
 def test_tta_comm_over_seeds_keeps_every_run_and_reports_the_aggregate(tmp_path):
     """--seeds 0-2: every row runs once per seed (a seed's rows one after another), the
     JSON keeps each run and the aggregate, the page names the seeds and shows it."""
-    out, raw = tmp_path / 'out', tmp_path / 'raw'
-    cmd = [PY, '-m', 'bench.cluster', '--only', 'tta-comm', '--seeds', '0-2',
-           '--tta-comm-systems', 'native-sync,ssd-k2', '--tta-comm-workers', '2',
-           '--tta-comm-hidden', '64', '--tta-comm-epochs', '1', '--tta-comm-warmup', '2',
-           '--tta-comm-target', '0.3', '--name', 'seeds', '--out', str(out), '--raw', str(raw)]
-    with bench_process(cmd) as proc:
-        text, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, text[-3000:]
-    assert ours(proc.pid) == []
+    _, out, _ = run_bench(
+        ['--only', 'tta-comm', '--seeds', '0-2', '--tta-comm-systems', 'native-sync,ssd-k2',
+         '--tta-comm-workers', '2', '--tta-comm-hidden', '64', '--tta-comm-epochs', '1',
+         '--tta-comm-warmup', '2', '--tta-comm-target', '0.3', '--name', 'seeds'],
+        tmp_path, timeout=400)
     tc = json.loads((out / 'seeds.json').read_text())['tta_comm']
     assert tc['seeds'] == [0, 1, 2]
     assert [(r['seed'], r['system']) for r in tc['rows']] == [
