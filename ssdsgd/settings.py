@@ -242,29 +242,21 @@ def _quorum(text: str) -> Optional[str]:
     return "expected all, majority, solo or an integer >= 1"
 
 
-def _count(low: int) -> Callable[[str], Optional[str]]:
-    """The form of a count a job may choose itself: auto or an integer >= low."""
+def _count(low: int, high: Optional[int] = None) -> Callable[[str], Optional[str]]:
+    """The form of a count a job may choose itself: auto or an integer >= low (and <=
+    high, if given)."""
     def check(text: str) -> Optional[str]:
-        if text == "auto" or (text.isdigit() and int(text) >= low):
+        if text == "auto" or (text.isdigit() and low <= int(text)
+                              and (high is None or int(text) <= high)):
             return None
-        return f"expected auto or an integer >= {low}"
+        return f"expected auto or an integer >= {low}" + (
+            f" and <= {high}" if high is not None else "")
     return check
 
 
 def count_or_auto(text: str) -> Optional[int]:
-    """A count setting's value: the integer, or None for auto."""
-    return None if text == "auto" else int(text)
-
-
-def _pieces(text: str) -> Optional[str]:
-    """pipeline_pieces' form: auto or an integer 1..64."""
-    if text == "auto" or (text.isdigit() and 1 <= int(text) <= 64):
-        return None
-    return "expected auto or an integer >= 1 and <= 64"
-
-
-def pipeline_pieces(text: str) -> Optional[int]:
-    """The fixed count, or None for auto."""
+    """A count setting's value (pipeline_pieces, delay_steps, ...): the integer, or None
+    for auto."""
     return None if text == "auto" else int(text)
 
 
@@ -414,7 +406,7 @@ SETTINGS = (
             "answers the first while the rest arrive: pays on slow links, costs server CPU per "
             "message on fast ones; auto: each worker times its first steps with 1, 4 and 8 "
             "and keeps the fastest (docs/benchmarks/small_steps.md)",
-            env="SSDSGD_PIPELINE_PIECES", validate=_pieces, int_text=True,
+            env="SSDSGD_PIPELINE_PIECES", validate=_count(1, 64), int_text=True,
             form="auto or an integer >= 1 and <= 64"),
     Setting("start_step", int, 0, "the worker's first global step (a resumed job continues "
             "the stage schedule; the launcher sets it from the checkpoint)",

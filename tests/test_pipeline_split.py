@@ -10,7 +10,7 @@ import pytest
 import jobs
 from ssdsgd.kvstore.splitting import PIECE_MIN, cut as _cut
 from ssdsgd.kvstore.piece_tuner import CANDIDATES, PieceTuner
-from ssdsgd.settings import BY_NAME, SettingError, pipeline_pieces
+from ssdsgd.settings import BY_NAME, SettingError, count_or_auto
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "tests" / "scripts" / "train_small.py"
@@ -104,7 +104,7 @@ def test_a_fixed_count_is_never_timed():
 
 @pytest.mark.parametrize("text,value", [("auto", None), ("1", 1), ("64", 64)])
 def test_the_setting_takes_auto_or_a_count(text, value):
-    assert pipeline_pieces(BY_NAME["pipeline_pieces"].parse(text)) == value
+    assert count_or_auto(BY_NAME["pipeline_pieces"].parse(text)) == value
     assert BY_NAME["pipeline_pieces"].check(4) == "4"          # YAML's integer
 
 

@@ -36,7 +36,7 @@ from .splitting import Coded, split
 from .startup import WorkerStart
 from .. import fields
 from .. import timeline
-from ..settings import pipeline_pieces, quorum_size
+from ..settings import count_or_auto, quorum_size
 
 
 class WorkerClient:
@@ -73,7 +73,7 @@ class WorkerClient:
         self.compression = None   # pushes are compressed with it (set_compression)
         self._residuals = None    # this worker's error feedback, one residual per key
         # SSDSGD_PIPELINE_PIECES: fixed, or timed on this worker's pulling pushes (auto)
-        self.pieces = PieceTuner(pipeline_pieces(env.pipeline_pieces))
+        self.pieces = PieceTuner(count_or_auto(env.pipeline_pieces))
         self.stats["pipeline_pieces"] = self.pieces.value
         if model is not None:
             self.start.declare_model(model)
