@@ -18,6 +18,7 @@ import sys
 import time
 
 from . import stage
+from .registry import refusal
 
 # The warm-up: a share of the run, at least the steps the k rule times, at most the
 # paper's CIFAR-10 warm-up (a longer run needs no longer one); docs/auto.md.
@@ -45,15 +46,13 @@ def is_auto(value) -> bool:
 
 def relay_listens(env) -> bool:
     """Does this worker open a pull relay (docs/spec/pull_relay.md)? With ``chain``,
-    always; with ``auto``, where a relay may be chosen: SSD-SGD's aligned pulls, no quorum,
-    no worker left behind (each is refused with ``chain``: sync/registry.py), and a chain
-    of RELAY_MIN_WORKERS or more."""
-    from ..settings import quorum_size
+    always; with ``auto``, where a relay may be chosen: SSD-SGD's pulls, a chain of
+    RELAY_MIN_WORKERS or more, and a job the registry would run with ``chain`` (it
+    refuses a relay beside a quorum, staggered pulls or a worker left behind)."""
     if env.pull_relay != "auto":
         return env.pull_relay == "chain"
-    return (stage.delays_pulls(env.algorithm) and env.pull_schedule == "aligned"
-            and env.on_worker_failure != "continue" and env.num_workers >= RELAY_MIN_WORKERS
-            and quorum_size(env.quorum, env.num_workers) == env.num_workers)
+    return (stage.delays_pulls(env.algorithm) and env.num_workers >= RELAY_MIN_WORKERS
+            and refusal({**dataclasses.asdict(env), "pull_relay": "chain"}, str) is None)
 
 
 def warmup_steps(setting, total_steps: int | None,
