@@ -43,12 +43,10 @@ def run_length(config, num_workers: int | None = None,
                n_train: int | None = None) -> RunLength:
     """The run's length for ``num_workers`` (default cluster.workers) and ``n_train``
     training samples (default: counted from the data files)."""
+    from ssdsgd.config import total_steps
     n = config.cluster.workers if num_workers is None else num_workers
     spe = steps_per_epoch(config, n, n_train)
-    total = config.train.epochs * spe
-    if config.train.max_steps is not None:
-        total = min(total, config.train.max_steps)
-    return RunLength(spe, total)
+    return RunLength(spe, total_steps(config, spe))
 
 
 def checkpoint_info(run_dir) -> dict:

@@ -289,7 +289,8 @@ def resolve_warmup_steps(config: Config, steps_per_epoch: int | None = None) -> 
 
 
 def total_steps(config: Config, steps_per_epoch: int | None = None) -> int:
-    """The run's length in steps (checkpoint.run_length's, for cluster.workers)."""
+    """The run's length in steps: train.epochs of ``steps_per_epoch`` (counted for
+    cluster.workers if not given), at most train.max_steps (checkpoint.run_length's)."""
     total = config.train.epochs * _steps_per_epoch(config, steps_per_epoch)
     return total if config.train.max_steps is None else min(total, config.train.max_steps)
 
