@@ -78,6 +78,15 @@ def job_limit(env, topo):
     return min(env.max_message_bytes, topo.get("max_message_bytes", env.max_message_bytes))
 
 
+def limit_note(env, limit):
+    """Where a worker's message ``limit`` comes from, for the error of a message above it
+    (None: its own SSDSGD_MAX_MESSAGE_BYTES, which the error names)."""
+    return None if limit == env.max_message_bytes else (
+        f"the job's limit of {limit} data bytes, set by the model worker 0 had when it "
+        "joined (protocol.message_bound; docs/reliability.md): a key added since is not in "
+        "it; create the store with the whole model (as gluon.Trainer does)")
+
+
 def topology(nodes, num_workers, num_servers):
     """What every node receives (besides its own ``rank``): the servers' addresses, the
     workers' connection ids in rank order, the model's message limit if worker 0 stated

@@ -33,7 +33,7 @@ from ..mxglue.optimizer_spec import build
 from . import checkpoint_state
 from .deferred import DeferredSteps, device_sum
 from .preduce import PreduceSteps
-from ..sync.stage import Stage, delays_pulls, plan, pull_offset
+from ..sync.stage import Stage, delays_pulls, plan, pull_offset, steps_ahead_bound
 
 
 @dataclasses.dataclass
@@ -137,13 +137,12 @@ class StageMachine:
         if not p.synchronous:
             self._check_steps_delay(entries)
             self._fetch_state(entries)
-        # A synchronous step waits for every server's reply, and a server replies only
-        # after it has received this push: the gradients' own buffers can be sent as they
-        # are. A steps-delay step returns while the push may still be on the wire and the
-        # next backward pass rewrites the gradients, so it sends a copy (unless the push
-        # is compressed: then the client codes the gradients before ``push`` returns).
+        # A synchronous step waits for every server's reply, which comes once the server
+        # has this push: the gradients' own buffers can be sent as they are. A steps-delay
+        # step returns while the next backward rewrites them: its push is a copy, or coded
+        # before ``push`` returns (compressed), or, if it does not pull, ``push_later``'s.
         grads, reply = self._push(entries, copy=not p.synchronous, pull=p.request_pull,
-                                  state=self._wants_state(p))
+                                  state=self._wants_state(p), later=not p.synchronous)
         self.counts[p.stage] += 1
         if p.synchronous:
             self._synchronous_step(entries, reply)
@@ -199,15 +198,19 @@ class StageMachine:
         quorum the servers' update count (the rounds closed)."""
         return reply.version if self.quorum else step
 
-    def _push(self, entries, *, copy, pull=False, state=False):
+    def _push(self, entries, *, copy, pull=False, state=False, later=False):
         """Spec step 2, shared by every stage and ``kv.push``: push g_i(t), each key's
-        gradients summed over the worker's devices. Returns them and the pull's reply."""
+        gradients summed over the worker's devices. Returns them and the pull's reply.
+        ``later``: nobody waits for it in this step if it does not pull (``push_later``)."""
+        later = later and not pull and hasattr(self.client, "push_later")
         grads = {key: device_sum(grad_list) for key, grad_list, _ in entries}
         one_device = {key for key, grad_list, _ in entries if len(grad_list) == 1}
-        flats = hostcopy.read(list(grads.values()), copy=copy and not self.client.codes_pushes,
-                              views=self.views, slots=[("g", key) if key in one_device else None
-                                                       for key in grads])
-        reply = self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state)
+        flats = hostcopy.read(list(grads.values()), copy=copy and not (
+            later or self.client.codes_pushes), views=self.views,
+            slots=[("g", key) if key in one_device else None for key in grads])
+        reply = self.client.push_later(self.t, list(zip(grads, flats)), steps_ahead_bound(
+            self.env.algorithm, self.env.delay_steps)) if later else \
+            self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state)
         self.counts["pushes"] += 1
         if pull:
             self.counts["pulls"] += 1
