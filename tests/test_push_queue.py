@@ -19,7 +19,7 @@ from conftest import node_env
 from ssdsgd.kvstore.client import WorkerClient
 from ssdsgd.kvstore.compression import Compression, CompressionError
 from ssdsgd.kvstore.env import NodeEnv
-from ssdsgd.kvstore.push_queue import PushQueue
+from ssdsgd.kvstore.push_queue import PushCoder, PushQueue
 from ssdsgd.launch.job import free_port
 from ssdsgd.mxglue.optimizer_spec import describe
 from ssdsgd.worker.machine import StageMachine
@@ -120,6 +120,24 @@ def test_a_failure_nobody_saw_is_returned_by_close():
     assert isinstance(error, CompressionError)
 
 
+def test_the_copies_of_coded_pushes_are_reused_and_the_others_are_not():
+    """A compressed push's copy is unused once coded (its codes are new arrays); an
+    uncompressed one is the message's frame until the I/O thread sent it."""
+    class Slice:
+        offset, count = 0, 32
+    coder, grad = PushCoder(), np.arange(32, dtype=np.float32)
+    first = coder.copy([(0, grad)])[0][1]
+    assert not np.shares_memory(first, grad) and coder.copy([(0, grad)])[0][1] is not first
+    coder.start(Compression.from_params({"type": "2bit"}))
+    first = coder.copy([(0, grad)])[0][1]
+    np.testing.assert_array_equal(first, grad)
+    coder.code([(0, 0, first, first.dtype)], {0: [Slice]}, spare=True)
+    again = coder.copy([(0, grad + 1)])[0][1]
+    assert again is first and again[0] == 1         # the same array, the new values
+    coder.code([(0, 1, again, again.dtype)], {0: [Slice]})       # not given back
+    assert coder.copy([(0, grad)])[0][1] is not first
+
+
 # ---- a worker on a live job -------------------------------------------------------------
 SHAPE = (256, 64)
 
@@ -133,11 +151,11 @@ class Gate:
         self.started, self.release, self.done = (threading.Event() for _ in range(3))
         client.coder.code = self
 
-    def __call__(self, entries, placement):
+    def __call__(self, entries, placement, spare=False):
         self.threads.append(threading.current_thread().name)
         self.started.set()
         assert self.release.wait(DEADLINE)
-        out = self.code(entries, placement)
+        out = self.code(entries, placement, spare)
         self.done.set()
         return out
 

@@ -5,6 +5,8 @@ What the layers above see (``Gather``: the replies of one request, to be waited 
     init(keys, values)                  place keys on the servers; rank 0's values win -> Gather
     push(step, grads, pull=, state=)    a step's gradients; with ``pull`` the reply is w_G
                                         as of this step (and the optimizer state) -> Gather
+    push_later(step, grads, bound)      a push nobody waits for: copied, then coded and sent
+                                        on the push queue's thread -> None
     pull(keys, latest=, state=)         w_G as of this worker's last push (or the latest) -> Gather
     set_optimizer(spec), get_state(), set_state(states, spec)    every server -> Gather
     set_compression(spec)               every later push compressed (and every server told)
@@ -17,13 +19,13 @@ key_tables), splits every request over the servers by the key placement (slices 
 keys included; splitting), and ``Gather.wait`` puts the replies back together (requests):
 nothing above builds a message. Every request takes one send path (``_request``):
 split, numbered, encoded, checked against the message limit, its futures registered,
-handed to the I/O thread (io_thread), which owns the sockets. With compression
+handed to the I/O thread (io_thread), which owns the sockets; a push nobody waits for
+(``push_later``) is coded and sent on the push queue's thread (push_queue), and every
+request waits for the pushes queued before it. With compression
 (docs/spec/compression.md) it keeps this worker's residual per key and sends each push's
 slices in their compressed form.
 """
 import functools
-
-import numpy as np
 
 from . import protocol as P
 from . import fragments as F
@@ -109,14 +111,15 @@ class WorkerClient:
         thread while the caller computes its next step (push_queue.py). Blocks while
         ``bound`` pushes wait there (the steps-ahead bound). A failure there is raised by
         this client's next call that sends."""
-        entries, keys = self._numbered([(key, np.array(flat)) for key, flat in grads])
+        entries, keys = self._numbered(self.coder.copy(grads))
         self._count(keys)
-        self.pushes.put(lambda: self._send_push(step, entries, P.Flag.NONE, False), bound)
+        self.pushes.put(lambda: self._send_push(step, entries, P.Flag.NONE, False, True), bound)
 
-    def _send_push(self, step, entries, flags, latest):
+    def _send_push(self, step, entries, flags, latest, spare=False):
         """Code a push's numbered entries and send them; the Gather if it pulls."""
         pull = bool(flags & P.Flag.PULL)
-        return self.exchange(P.Kind.PUSH, self.coder.code(entries, self.placement), step=step,
+        entries = self.coder.code(entries, self.placement, spare)
+        return self.exchange(P.Kind.PUSH, entries, step=step,
                              flags=flags, reply=pull, every=self.quorum,
                              meta={"policy": {"latest": True}} if pull and latest else None)
 

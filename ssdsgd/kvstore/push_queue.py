@@ -16,6 +16,8 @@ import collections
 import threading
 import time
 
+import numpy as np
+
 from .compression import CompressionError
 from .splitting import Coded
 
@@ -25,9 +27,12 @@ class PushCoder:
     worker's error feedback, one residual per key. The residuals change with every push,
     so pushes must be coded one at a time and in their numbered order."""
 
+    SPARES = 2          # arrays kept per key for ``copy`` (a push in flight, the next)
+
     def __init__(self):
         self.spec = None
         self._residuals = None
+        self._spares = {}   # key -> arrays ``copy`` may reuse (coded pushes': unused now)
 
     def set(self, spec):
         """Compress every later push with ``spec``; True if that is new (the servers must
@@ -43,14 +48,38 @@ class PushCoder:
         """The servers know ``spec``: code from now on."""
         self.spec, self._residuals = spec, spec.residuals()
 
-    def code(self, entries, placement):
+    def copy(self, grads):
+        """(key, flat) with each array copied into one of this worker's own. When pushes
+        are compressed, nothing refers to a copy once it is coded (``code(spare=True)``
+        gives it back), so the copies are reused: a fresh 102 MB a step cost its page
+        faults, as long as coding it on this machine. Else they are new (the messages'
+        frames refer to them until the I/O thread has sent them)."""
+        if self.spec is None:
+            return [(key, np.array(flat)) for key, flat in grads]
+        out = []
+        for key, flat in grads:
+            spare = self._spares.get(key)      # only this (the caller's) thread takes
+            buf = spare.pop() if spare else None
+            if buf is None or buf.shape != flat.shape or buf.dtype != flat.dtype:
+                buf = np.empty(flat.shape, flat.dtype)
+            np.copyto(buf, flat)
+            out.append((key, buf))
+        return out
+
+    def code(self, entries, placement, spare=False):
         """entries (key, per-key step, flat gradient, dtype), coded for the servers'
-        slices of each key if pushes are compressed (the residuals updated)."""
+        slices of each key if pushes are compressed (the residuals updated); ``spare``:
+        the gradients are ``copy``'s, which may then be reused."""
         if self._residuals is None:
             return entries
-        return [(key, n, Coded(self.spec.type, self._residuals.encode(
+        coded = [(key, n, Coded(self.spec.type, self._residuals.encode(
             key, flat, [(sl.offset, sl.count) for sl in placement[key]])), dtype)
             for key, n, flat, dtype in entries]
+        for key, _, flat, _ in entries if spare else ():
+            spares = self._spares.setdefault(key, [])
+            if len(spares) < self.SPARES:
+                spares.append(flat)
+        return coded
 
     def state(self):
         """{key: residual} (copies; {} without compression): part of a worker checkpoint."""

@@ -11,7 +11,8 @@ with the same push of g_i(t) (spec step 2), then:
 
 The local weights w_i are the parameters' own arrays (the Trainer's ``out``), so the next
 forward pass runs on them. Pushes and pulls travel on the client's I/O thread while the
-main thread computes; it blocks only where the spec says it must. A worker has at most
+main thread computes, and a push that does not pull is also coded on a thread of the
+client's (``push_later``); the main thread blocks only where the spec says it must. A worker has at most
 k + 1 steps of pushes beyond the last global weights it received (it waits for each pull
 one step after requesting it), which bounds memory on both sides.
 
