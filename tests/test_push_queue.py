@@ -75,6 +75,26 @@ def test_put_returns_before_the_job_runs_and_jobs_run_in_order():
     assert q.close() is None
 
 
+def test_a_job_starts_once_the_arrays_it_comes_after_are_written():
+    """``after``: the step's local update on MXNet's engine (wait_to_read), which the next
+    forward pass waits for: the coding does not take the CPU from it."""
+    class Pending:
+        def __init__(self):
+            self.written = threading.Event()
+
+        def wait_to_read(self):
+            assert self.written.wait(DEADLINE)
+    q, log = PushQueue({"time_blocked": 0.0}), []
+    update, job = Pending(), Held("push", log)
+    job.release.set()
+    q.put(job, bound=3, after=[update])      # returns at once
+    assert not job.started.wait(0.05)
+    update.written.set()
+    q.flush()
+    assert log == ["push"]
+    q.close()
+
+
 def test_a_full_queue_blocks_the_caller_and_counts_the_wait():
     stats, log = {"time_blocked": 0.0}, []
     q = PushQueue(stats)
@@ -182,6 +202,7 @@ def test_a_steps_delay_step_with_2bit_returns_before_its_push_is_coded(tmp_path)
         machine.init_keys([(0, mx.nd.ones(SHAPE), [weight])])
         grad = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, SHAPE))
         machine.step([(0, [grad], [weight])])   # step 0: its push does not pull
+        client.pushes.flush()                   # (coded once the local update is written)
         gate = Gate(client)
         # step 1 neither: it returns while its coding is held at the gate
         _, returned, box = _in_thread(lambda: machine.step([(0, [grad], [weight])]))
@@ -195,6 +216,7 @@ def test_a_steps_delay_step_with_2bit_returns_before_its_push_is_coded(tmp_path)
         assert pulled.wait(DEADLINE) and not box, box
         assert gate.threads == ["ssdsgd-push", t.name]
         machine.step([(0, [grad], [weight])])   # step 3 waits for the pull and resets
+        client.pushes.flush()
         assert client.pushes.pending == 0 and machine.counts["pushes"] == 4
         machine.finish()
     finally:

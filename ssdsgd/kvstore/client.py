@@ -105,15 +105,15 @@ class WorkerClient:
         self._count(keys)       # once sent: a refused push takes no number
         return gather
 
-    def push_later(self, step, grads, bound):
-        """``push(step, grads)`` for a push that nobody waits for: the arrays are copied
-        and numbered now, then coded and queued for the I/O thread on the push queue's
-        thread while the caller computes its next step (push_queue.py). Blocks while
-        ``bound`` pushes wait there (the steps-ahead bound). A failure there is raised by
-        this client's next call that sends."""
+    def push_later(self, step, grads, bound, after=()):
+        """``push(step, grads)`` for a push nobody waits for: copied and numbered now, coded
+        and queued for the I/O thread on the push queue's thread (push_queue.py), if it is
+        compressed once ``after`` (NDArrays: the caller's update) is written. Blocks while
+        ``bound`` pushes wait there. A failure there is raised by the next call that sends."""
         entries, keys = self._numbered(self.coder.copy(grads))
         self._count(keys)
-        self.pushes.put(lambda: self._send_push(step, entries, P.Flag.NONE, False, True), bound)
+        self.pushes.put(lambda: self._send_push(step, entries, P.Flag.NONE, False, True),
+                        bound, after if self.codes_pushes else ())
 
     def _send_push(self, step, entries, flags, latest, spare=False):
         """Code a push's numbered entries and send them; the Gather if it pulls."""

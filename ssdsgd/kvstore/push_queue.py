@@ -111,9 +111,12 @@ class PushQueue:
         self._closed = False
         self._thread = None
 
-    def put(self, job, bound):
-        """Queue ``job``; first wait while ``bound`` jobs are queued or running (the
-        steps-ahead bound: a worker holds no more pushes than the servers accept)."""
+    def put(self, job, bound, after=()):
+        """Queue ``job``, to run once the pending writes of ``after`` are done (NDArrays
+        the caller's step updates: coding while MXNet's engine computes them would take
+        the CPU from the step's own work, which the next forward pass waits for); first
+        wait while ``bound`` jobs are queued or running (the steps-ahead bound: a worker
+        holds no more pushes than the servers accept)."""
         with self._cond:
             self._raise()
             if len(self._jobs) >= bound:
@@ -121,7 +124,7 @@ class PushQueue:
                 self._raise()
             if self._closed:
                 raise RuntimeError("the push queue is closed")
-            self._jobs.append(job)
+            self._jobs.append((job, after))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
@@ -171,8 +174,10 @@ class PushQueue:
                 self._cond.wait_for(lambda: self._jobs or self._closed)
                 if not self._jobs:
                     return
-                job = self._jobs[0]
+                job, after = self._jobs[0]
             try:
+                for nd in after:
+                    nd.wait_to_read()
                 job()
                 error = None
             except BaseException as e:     # noqa: BLE001 - raised by the caller's next call
