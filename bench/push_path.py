@@ -17,8 +17,8 @@ Two commits cannot run in one invocation, so run the same command on each, back 
     sudo nice -n 5 .venv/bin/python -m bench.cluster --only matrix \\
         --workloads emulated:resnet50@1gbit --systems ssd-k5,ssd-k5-2bit --steps 20 \\
         --no-write --raw /tmp/RUN                       # once per commit and repeat
-    .venv/bin/python -m bench.push_path before=/tmp/RUN1 after=/tmp/RUN2 ... \\
-        [--plot docs/benchmarks/push_path.png]
+    .venv/bin/python -m bench.push_path before-1=/tmp/RUN1 after-1=/tmp/RUN2 \\
+        before-2=/tmp/RUN3 after-2=/tmp/RUN4 [--plot docs/benchmarks/push_path.png]
 """
 import argparse
 import json
@@ -69,23 +69,35 @@ def table(runs):
 
 
 def plot(runs, path):
-    """Each row's blocked seconds per timed step, one panel per system."""
+    """Per system: the median blocked seconds of plain steps (top) and samples/s (bottom)
+    of each pair of runs, labelled SERIES-PAIR (before-1, after-1, ...)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    systems = sorted({row["label"] for _, raw in runs for row in rows(raw)})
-    fig, axes = plt.subplots(1, len(systems), figsize=(5.5 * len(systems), 3.6),
-                             squeeze=False)
-    for ax, system in zip(axes[0], systems):
-        for label, raw in runs:
-            for row in rows(raw):
-                if row["label"] == system:
-                    ax.plot(row["blocked_steps_s"], marker="o", markersize=3, label=label)
-        ax.set_title(system)
-        ax.set_xlabel("timed step (pull every k-th, reset the step after)")
-        ax.set_ylabel("blocked s (mean of the workers)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+    points = {}     # system -> series -> [(pair, plain, samples/s)]
+    pairs = []
+    for label, raw in runs:
+        series, _, pair = label.partition("-")
+        pairs += [pair] if pair not in pairs else []
+        for row in rows(raw):
+            points.setdefault(row["label"], {}).setdefault(series, []).append(
+                (pairs.index(pair), by_kind(row)["plain"], row["samples_per_s"]))
+    fig, axes = plt.subplots(2, len(points), figsize=(5.5 * len(points), 6), squeeze=False,
+                             sharex=True)
+    for col, (system, by_series) in enumerate(sorted(points.items())):
+        for series, pts in by_series.items():
+            x = [p[0] for p in pts]
+            axes[0][col].plot(x, [p[1] for p in pts], "o-", label=series)
+            axes[1][col].plot(x, [p[2] for p in pts], "o-", label=series)
+        axes[0][col].set_title(system)
+        axes[0][col].set_ylabel("plain step: blocked s (median)")
+        axes[1][col].set_ylabel("samples/s")
+        axes[1][col].set_xticks(range(len(pairs)), pairs)
+        axes[1][col].set_xlabel("pair of runs (one invocation each, back to back)")
+        for ax in axes[:, col]:
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -94,7 +106,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.push_path",
                                 description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", metavar="LABEL=RAW",
-                   help="a label and a bench.cluster --raw directory")
+                   help="a label (SERIES-PAIR for --plot: before-1, after-1, ...) and a "
+                   "bench.cluster --raw directory")
     p.add_argument("--plot", help="write the per-step figure here (PNG)")
     args = p.parse_args(argv)
     runs = [tuple(r.split("=", 1)) for r in args.runs]
