@@ -339,9 +339,11 @@ def run_throughput(args, kv):
 
 def timed_steps(job, steps, t_start, first_step=0):
     """compute_s and blocked_s (sums over the steps; an injected slowdown counts as
-    compute) and every step's end time."""
+    compute), every step's end time and every step's blocked seconds (an ssd step that
+    pulls, one that waits for the pull and one that does neither block for different
+    things: bench/push_path.py tells them apart)."""
     compute_s = blocked_s = 0.0
-    step_ends = []
+    step_ends, step_blocked = [], []
     for i in range(steps):
         a = time.perf_counter()
         job.compute()
@@ -352,7 +354,9 @@ def timed_steps(job, steps, t_start, first_step=0):
         compute_s += b - a
         blocked_s += c - b
         step_ends.append(time.time() - t_start)
-    return {'compute_s': compute_s, 'blocked_s': blocked_s, 'step_ends': step_ends}
+        step_blocked.append(c - b)
+    return {'compute_s': compute_s, 'blocked_s': blocked_s, 'step_ends': step_ends,
+            'step_blocked': step_blocked}
 
 
 def counter_deltas(c0, c1, m0, m1):

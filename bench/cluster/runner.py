@@ -266,6 +266,9 @@ def summarize(results, system, workload, rate_bits, num_workers, num_servers, bo
         'blocked_per_step_s': sum(r['blocked_s'] + r.get('drain_s', 0.0) for r in results)
         / len(results) / steps,
         'drain_s': max(r.get('drain_s', 0.0) for r in results),
+        # each timed step's blocked seconds, averaged over the workers
+        'blocked_steps_s': [sum(b) / len(b) for b in zip(*(r.get('step_blocked') or []
+                                                            for r in results))],
         'net_devs': [r.get('net_dev') for r in results],
         'leftover_pids': results[0].get('leftover_pids', 0),
     }

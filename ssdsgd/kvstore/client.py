@@ -5,6 +5,8 @@ What the layers above see (``Gather``: the replies of one request, to be waited 
     init(keys, values)                  place keys on the servers; rank 0's values win -> Gather
     push(step, grads, pull=, state=)    a step's gradients; with ``pull`` the reply is w_G
                                         as of this step (and the optimizer state) -> Gather
+    push_later(step, grads, bound)      a push nobody waits for: copied, then coded and sent
+                                        on the push queue's thread -> None
     pull(keys, latest=, state=)         w_G as of this worker's last push (or the latest) -> Gather
     set_optimizer(spec), get_state(), set_state(states, spec)    every server -> Gather
     set_compression(spec)               every later push compressed (and every server told)
@@ -17,22 +19,24 @@ key_tables), splits every request over the servers by the key placement (slices 
 keys included; splitting), and ``Gather.wait`` puts the replies back together (requests):
 nothing above builds a message. Every request takes one send path (``_request``):
 split, numbered, encoded, checked against the message limit, its futures registered,
-handed to the I/O thread (io_thread), which owns the sockets. With compression
+handed to the I/O thread (io_thread), which owns the sockets; a push nobody waits for
+(``push_later``) is coded and sent on the push queue's thread (push_queue), and every
+request waits for the pushes queued before it. With compression
 (docs/spec/compression.md) it keeps this worker's residual per key and sends each push's
 slices in their compressed form.
 """
-import contextlib
+import functools
 
 from . import protocol as P
 from . import fragments as F
-from .compression import CompressionError
 from .io_thread import IOThread
 from .key_tables import KeyTable
 from .piece_tuner import PieceTuner
+from .push_queue import PushCoder, PushOutbox, PushQueue  # noqa: F401 - PushOutbox: API
 from .relay import asks_relay
 from .requests import ENDED, Gather, KeyReply, Requests, ServerError  # noqa: F401 - API
 from .scheduler import JobAborted
-from .splitting import Coded, split
+from .splitting import split
 from .startup import WorkerStart
 from .. import fields
 from .. import timeline
@@ -53,7 +57,10 @@ class WorkerClient:
                       "messages_received": 0, "time_blocked": 0.0,
                       "replies_relayed_in": 0, "replies_relayed_out": 0}
         self.requests = Requests(self.stats)
-        self.outbox = PushOutbox(self.requests.lock, self._push_group)
+        self.outbox = PushOutbox(self.requests.lock, functools.partial(
+            self._request, P.Kind.PUSH, flags=P.Flag.PULL, chunk_bytes=env.chunk_bytes,
+            flush=False))
+        self.pushes = PushQueue(self.stats)   # push_later's, coded on a thread of their own
         self.io = IOThread(env, self.requests, self.stats, self.outbox.flush, self._abandon)
         self.topology = self.io.start(env.pull_relay == "chain" if relay is None else relay)
         self.left = self.io.left  # workers that left the job (cluster.on_worker_failure)
@@ -69,9 +76,7 @@ class WorkerClient:
         # (The settings refuse a quorum with asgd and with relayed pulls.)
         self.quorum = quorum_size(env.quorum, self.num_workers) < self.num_workers
         self.relays = self.topology.get("relays")
-        self.relay_on = env.pull_relay == "chain"   # auto: the stage machine's choice
-        self.compression = None   # pushes are compressed with it (set_compression)
-        self._residuals = None    # this worker's error feedback, one residual per key
+        self.coder = PushCoder()  # the job's compression and this worker's residuals
         # SSDSGD_PIPELINE_PIECES: fixed, or timed on this worker's pulling pushes (auto)
         self.pieces = PieceTuner(count_or_auto(env.pipeline_pieces))
         self.stats["pipeline_pieces"] = self.pieces.value
@@ -94,18 +99,33 @@ class WorkerClient:
         (a Gather; else None) holds the weights once the step is applied (with ``latest``,
         a quorum's newest closed round), with ``state`` also the optimizer state, lr and
         update count. With compression each key is coded with this worker's residual (so
-        the arrays may be reused as soon as this returns)."""
+        the arrays may be reused as soon as this returns). Sent after the queued pushes."""
+        self.pushes.flush()
         flags = (P.Flag.PULL if pull else P.Flag.NONE) | (P.Flag.STATE if state else P.Flag.NONE)
         if pull and not self.quorum:        # a timed step (a quorum's pushes are not cut)
             self._mark_step()
-        entries, keys = self._push_entries(grads)
-        gather = self.exchange(P.Kind.PUSH, entries, step=step, flags=flags, reply=pull,
-                               every=self.quorum,
-                               meta={"policy": {"latest": True}} if pull and latest else None)
-        for k in keys:
-            k.pushes += 1
-        self.io.progress += 1
+        entries, keys = self._numbered(grads)
+        gather = self._send_push(step, entries, flags, latest)
+        self._count(keys)       # once sent: a refused push takes no number
         return gather
+
+    def push_later(self, step, grads, bound, after=()):
+        """``push(step, grads)`` for a push nobody waits for: copied and numbered now, coded
+        and queued for the I/O thread on the push queue's thread (push_queue.py), if it is
+        compressed once ``after`` (NDArrays: the caller's update) is written. Blocks while
+        ``bound`` pushes wait there. A failure there is raised by the next call that sends."""
+        entries, keys = self._numbered(self.coder.copy(grads))
+        self._count(keys)
+        self.pushes.put(lambda: self._send_push(step, entries, P.Flag.NONE, False, True),
+                        bound, after if self.codes_pushes else ())
+
+    def _send_push(self, step, entries, flags, latest, spare=False):
+        """Code a push's numbered entries and send them; the Gather if it pulls."""
+        pull = bool(flags & P.Flag.PULL)
+        entries = self.coder.code(entries, self.placement, spare)
+        return self.exchange(P.Kind.PUSH, entries, step=step,
+                             flags=flags, reply=pull, every=self.quorum,
+                             meta={"policy": {"latest": True}} if pull and latest else None)
 
     def push_then(self, grads, callback):
         """``push(step, grads, pull=True).then(callback)`` for callers that queue key by key
@@ -113,12 +133,12 @@ class WorkerClient:
         thread empties whenever it wakes, into one message per server (chunked), so the
         keys queued while it was busy travel together and the servers answer them
         together; ps-lite sends a message per key, which costs far more in Python."""
+        self.pushes.flush()
         with self.requests.lock:      # numbered and queued in one order, whichever thread
             self.requests.check_open()
-            entries, keys = self._push_entries(grads)
-            for k in keys:
-                k.pushes += 1
-            self.io.progress += 1
+            entries, keys = self._numbered(grads)
+            entries = self.coder.code(entries, self.placement)
+            self._count(keys)
             if self.outbox.add(entries, callback):
                 self.io.wake()
 
@@ -126,17 +146,18 @@ class WorkerClient:
     def codes_pushes(self):
         """Are pushes compressed? Then ``push`` has read the gradients when it returns,
         and the caller may hand it views of buffers it rewrites later (no copy)."""
-        return self._residuals is not None
+        return self.coder.spec is not None
 
-    def _push_entries(self, grads):
-        """A push's entries (compressed with this worker's residuals if set) and keys."""
+    def _numbered(self, grads):
+        """A push's entries, each key's with its next push number, and the keys."""
         keys = [self.keys[key] for key, _ in grads]
-        entries = [(key, k.pushes, flat, flat.dtype) for (key, flat), k in zip(grads, keys)]
-        if self._residuals is not None:
-            entries = [(key, n, Coded(self.compression.type, self._residuals.encode(
-                key, flat, [(sl.offset, sl.count) for sl in self.placement[key]])), dtype)
-                for key, n, flat, dtype in entries]
-        return entries, keys
+        return [(key, k.pushes, flat, flat.dtype) for (key, flat), k in zip(grads, keys)], keys
+
+    def _count(self, keys):
+        """A push of ``keys`` is made: their next numbers, and the stall watch's count."""
+        for k in keys:
+            k.pushes += 1
+        self.io.progress += 1
 
     def _mark_step(self):
         self.pieces.mark()
@@ -164,26 +185,20 @@ class WorkerClient:
         """Compress every later push with ``spec`` (a Compression) and tell every server
         (each worker does; the servers check that they agree). Once only: MXNet cannot
         change or unset it either."""
-        if self.compression is not None:
-            if spec != self.compression:
-                raise CompressionError(f"compression is already {self.compression.params()}; "
-                                       f"it cannot be changed to {spec.params()}")
-            return
-        self._every_server(P.Kind.COMMAND, meta={"command": "compression",
-                                                 "compression": spec.params()}).wait()
-        self.compression, self._residuals = spec, spec.residuals()
+        if self.coder.set(spec):
+            self._every_server(P.Kind.COMMAND, meta={"command": "compression",
+                                                     "compression": spec.params()}).wait()
+            self.coder.start(spec)
 
     def residuals(self):
         """This worker's compression residuals {key: flat float32} ({} without
-        compression): part of a worker's checkpoint."""
-        return {} if self._residuals is None else self._residuals.state()
+        compression), after the queued pushes: part of a worker's checkpoint."""
+        self.pushes.flush()
+        return self.coder.state()
 
     def load_residuals(self, residuals):
-        if residuals and self._residuals is None:
-            raise ValueError("the worker state holds compression residuals, but this job "
-                             "compresses no pushes (sync.compression)")
-        if self._residuals is not None:
-            self._residuals.load(residuals)
+        self.pushes.flush()
+        self.coder.load(residuals)
 
     def get_state(self):
         """Every key's weights and optimizer state (``Gather.meta['optimizer']``: the
@@ -203,6 +218,7 @@ class WorkerClient:
     def barrier(self, value=0):
         """Wait until every worker has reached the barrier; returns the largest ``value``
         (an integer >= 0) any worker passed (so rank 0 can tell all a decision)."""
+        self.pushes.flush()
         if self.requests.failure is not None:
             raise self.requests.failure
         if self.quorum:
@@ -218,6 +234,7 @@ class WorkerClient:
     def ready(self, final=False):
         """preduce: report this worker's local step done (``final``: its last) and wait
         for the group the scheduler forms with it: (group number, member ranks)."""
+        self.pushes.flush()
         if self.requests.failure is not None:
             raise self.requests.failure
         self.start.declare_model(None)
@@ -239,19 +256,18 @@ class WorkerClient:
         return self.exchange(P.Kind.POLICY, entries, step=group, meta={
             "event": "average", "group": group, "members": list(members)})
 
-    @contextlib.contextmanager
     def busy(self):
-        """The training thread does something other than steps for a while (rank 0's
-        validation): the stall watch does not count that time (liveness.py)."""
-        self.io.busy = True
-        try:
-            yield
-        finally:
-            self.io.busy = False
+        """``with client.busy():`` the training thread does something other than steps
+        (rank 0's validation): the stall watch does not count that time (liveness.py)."""
+        return self.io.busy_while()
 
     def close(self, error=None):
-        """Tell the scheduler this worker is done (or failed, with ``error``), flush what is
-        queued, stop the thread."""
+        """Send the queued pushes, tell the scheduler this worker is done (or failed, with
+        ``error``), flush what is queued, stop the thread. A queued push's failure no call
+        has raised yet is the error the scheduler is told, then raised here."""
+        unseen = self.pushes.close()
+        if unseen is not None and error is None:
+            error = f"{type(unseen).__name__}: {unseen}"
         if self.io.alive and self.requests.failure is None:
             try:
                 self.start.declare_model(None)     # the servers bind, then shut down
@@ -261,6 +277,8 @@ class WorkerClient:
                 pass
         self.io.stop()
         timeline.RECORDER.flush()
+        if unseen is not None:
+            raise unseen
 
     def wait(self, fut):
         """The future's result; raises why if the I/O thread failed or ended."""
@@ -270,10 +288,6 @@ class WorkerClient:
     def failure(self):
         """Why the I/O thread stopped (a JobAborted), or None while it serves."""
         return self.requests.failure
-
-    @property
-    def rank_or_unknown(self):
-        return self.topology["rank"] if self.topology else "?"
 
     # ---- requests to the servers: one send path ------------------------------------------
     def exchange(self, kind, entries, *, step=0, flags=0, meta=None, reply=True, every=False):
@@ -299,11 +313,15 @@ class WorkerClient:
         return self._request(kind, entries, meta=meta, every=True, whole_table=True)
 
     def _request(self, kind, entries, *, step=0, flags=0, meta=None, reply=True, every=False,
-                 chunk_bytes=None, whole_table=False):
+                 chunk_bytes=None, whole_table=False, flush=True):
         """Split, number, encode, check the size of, and queue a request's messages; the
         Gather of their replies (None without ``reply``). Nothing is queued unless every
-        message is within SSDSGD_MAX_MESSAGE_BYTES (else the server would drop it unread)."""
+        message is within SSDSGD_MAX_MESSAGE_BYTES (else the server would drop it unread).
+        Sent after the queued pushes (``flush``: False on the I/O thread, whose outbox
+        was filled after them)."""
         self.start.await_servers()
+        if flush:
+            self.pushes.flush()
         messages = split(self.placement, entries, chunk_bytes, self.pieces.value)
         if every:
             for server in range(self.num_servers):
@@ -311,15 +329,8 @@ class WorkerClient:
         sizes, dtypes = self.keys.shapes(None if whole_table else entries)
         with self.requests.lock:
             self.requests.check_open()
-            encoded = []
-            for server in sorted(messages):
-                for recs, tens, _ in messages[server]:
-                    msg = P.Message(kind, flags=flags, step=step, records=P.make_records(recs),
-                                    tensors=tens, meta=meta)
-                    self.requests.number(msg, self.rank)
-                    frames = P.encode(msg)
-                    P.check_size(frames, self.start.max_message_bytes, self.start.limit)
-                    encoded.append((server, msg, frames))
+            encoded = [(server, msg, self._encoded(msg)) for server, msg in _messages(
+                messages, kind, flags, step, meta)]
             relayed = bool(flags & P.Flag.RELAY)
             futures = [self.requests.expect(
                 msg.req, (server, F.reply_bound(msg.records)) if relayed else None)
@@ -328,6 +339,13 @@ class WorkerClient:
                 self.io.send(server, frames)
         return Gather(self.requests, futures, sizes, dtypes) if reply else None
 
+    def _encoded(self, msg):
+        """A message numbered (under the requests' lock), encoded and checked."""
+        self.requests.number(msg, self.rank)
+        frames = P.encode(msg)
+        P.check_size(frames, self.start.max_message_bytes, self.start.limit)
+        return frames
+
     def _abandon(self):
         """The I/O thread ended: fail what still waits for a reply (an engine operation
         waits on its future's callback, not on ``wait``'s poll of the thread)."""
@@ -335,54 +353,10 @@ class WorkerClient:
         self.requests.end(error)
         self.outbox.fail(error)
 
-    def _push_group(self, entries):
-        """The request of a group of push_then's entries (on the I/O thread)."""
-        return self._request(P.Kind.PUSH, entries, flags=P.Flag.PULL,
-                             chunk_bytes=self.env.chunk_bytes)
 
-
-class PushOutbox:
-    """push_then's entries, waiting for the I/O thread, which empties the outbox every
-    turn into one request per server for as many as can share one (a key twice starts
-    another); each callback is called with the replies of its group. ``send(entries)``:
-    the client's send path, returning the Gather of the replies."""
-
-    def __init__(self, lock, send):
-        self.lock, self.send = lock, send
-        self._items = []
-
-    def add(self, entries, callback):
-        """Queue (call with ``lock`` held); True if the I/O thread must be woken."""
-        self._items.append((entries, callback))
-        return len(self._items) == 1
-
-    def flush(self):
-        if not self._items:     # anything queued after this read wakes the thread again
-            return
-        with self.lock:
-            batch, self._items = self._items, []
-        group, seen = [], set()
-        for entries, callback in batch:
-            if any(e[0] in seen for e in entries):
-                self._send_group(group)
-                group, seen = [], set()
-            group.append((entries, callback))
-            seen.update(e[0] for e in entries)
-        if group:
-            self._send_group(group)
-
-    def _send_group(self, group):
-        try:
-            gather = self.send([e for es, _ in group for e in es])
-        except Exception as e:      # e.g. over the message limit: those callers fail
-            for _, callback in group:
-                callback(None, e)
-            return
-        gather.then(lambda replies, error: [callback(replies, error) for _, callback in group])
-
-    def fail(self, error):
-        """The I/O thread ended: every queued callback gets ``error``."""
-        with self.lock:
-            batch, self._items = self._items, []
-        for _, callback in batch:
-            callback(None, error)
+def _messages(split_messages, kind, flags, step, meta):
+    """(server, Message) of a request split per server (``splitting.split``), in server
+    order."""
+    return [(server, P.Message(kind, flags=flags, step=step, records=P.make_records(recs),
+                               tensors=tens, meta=meta))
+            for server in sorted(split_messages) for recs, tens, _ in split_messages[server]]

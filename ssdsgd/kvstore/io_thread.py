@@ -7,6 +7,7 @@ peer) or a silent scheduler into an exception on every waiting future.
 Each turn it sends at most SEND_PER_TURN queued messages and reads at most RECV_PER_TURN
 from each socket, then serves the others: neither a sender that queues without pause nor
 a peer that sends without pause can hold it from its heartbeats and replies."""
+import contextlib
 import os
 import queue
 import sys
@@ -112,6 +113,15 @@ class IOThread:
                 pass
         self._thread.join(timeout=self.env.heartbeat_timeout + 5)
         self._wake_out.close(0)
+
+    @contextlib.contextmanager
+    def busy_while(self):
+        """The training thread does something other than steps inside the block."""
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
 
     @property
     def alive(self):

@@ -11,7 +11,8 @@ with the same push of g_i(t) (spec step 2), then:
 
 The local weights w_i are the parameters' own arrays (the Trainer's ``out``), so the next
 forward pass runs on them. Pushes and pulls travel on the client's I/O thread while the
-main thread computes; it blocks only where the spec says it must. A worker has at most
+main thread computes, and a compressed push that does not pull is also coded on a
+thread of the client's (``push_later``); the main thread blocks only where the spec says it must. A worker has at most
 k + 1 steps of pushes beyond the last global weights it received (it waits for each pull
 one step after requesting it), which bounds memory on both sides.
 
@@ -24,6 +25,7 @@ The machine speaks to the servers only through the client's API (``init``, ``pus
 ``pull``): it builds no message and never sees how keys are split over servers.
 """
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -34,7 +36,7 @@ from . import checkpoint_state
 from .deferred import DeferredSteps, device_sum
 from .preduce import PreduceSteps
 from ..sync.auto import Schedule
-from ..sync.stage import Stage, delays_pulls
+from ..sync.stage import Stage, delays_pulls, steps_ahead_bound
 from ..timeline import RECORDER as TIMELINE, now
 
 
@@ -149,13 +151,12 @@ class StageMachine:
         if not p.synchronous:
             self._check_steps_delay(entries)
             self._fetch_state(entries)
-        # A synchronous step waits for every server's reply, and a server replies only
-        # after it has received this push: the gradients' own buffers can be sent as they
-        # are. A steps-delay step returns while the push may still be on the wire and the
-        # next backward pass rewrites the gradients, so it sends a copy (unless the push
-        # is compressed: then the client codes the gradients before ``push`` returns).
+        # A synchronous step waits for every server's reply, which comes once the server
+        # has this push: the gradients' own buffers can be sent as they are. A steps-delay
+        # step returns while the next backward rewrites them: its push is a copy, or coded
+        # before ``push`` returns, or (compressed, not pulling) copied by ``push_later``.
         grads, reply = self._push(entries, copy=not p.synchronous, pull=p.request_pull,
-                                  state=self._wants_state(p))
+                                  state=self._wants_state(p), later=not p.synchronous)
         self.counts[p.stage] += 1
         if p.synchronous:
             self._synchronous_step(entries, reply)
@@ -209,16 +210,22 @@ class StageMachine:
         quorum the servers' update count (the rounds closed)."""
         return reply.version if self.quorum else step
 
-    def _push(self, entries, *, copy, pull=False, state=False):
+    def _push(self, entries, *, copy, pull=False, state=False, later=False):
         """Spec step 2, shared by every stage and ``kv.push``: push g_i(t), each key's
-        gradients summed over the worker's devices. Returns them and the pull's reply."""
+        gradients summed over the worker's devices. Returns them and the pull's reply.
+        ``later``: a compressed push that does not pull is coded off this thread: the reply
+        is then ``push_later`` to call once the local update is queued (``_steps_delay_step``;
+        an uncompressed one has little to code, and measured no faster so)."""
+        later = later and not pull and self.client.codes_pushes
         t0 = now()
         grads = {key: device_sum(grad_list) for key, grad_list, _ in entries}
         one_device = {key for key, grad_list, _ in entries if len(grad_list) == 1}
         flats = hostcopy.read(list(grads.values()), copy=copy and not self.client.codes_pushes,
                               views=self.views, slots=[("g", key) if key in one_device else None
                                                        for key in grads])
-        reply = self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state)
+        reply = functools.partial(self.client.push_later, self.t, list(zip(grads, flats)),
+                                  steps_ahead_bound(self.env.algorithm, self.schedule.delay_steps)) \
+            if later else self.client.push(self.t, list(zip(grads, flats)), pull=pull, state=state)
         self.counts["pushes"] += 1
         if pull:
             self.counts["pulls"] += 1
@@ -260,6 +267,8 @@ class StageMachine:
         for _, _, outs in entries:
             for out in outs[1:]:
                 outs[0].copyto(out)
+        if callable(reply):     # the push, coded once the update is done (not competing)
+            reply = reply(after=[outs[0] for _, _, outs in entries])
         self.pending = reply           # None unless this step requested w_G(t)
 
     def _reset_to_pulled(self):
