@@ -175,10 +175,10 @@ COMPRESSION_FORMS = {
 def _compression(text: str) -> Optional[str]:
     """sync.compression's form: none, or NAME[:X] for a codec of COMPRESSION_FORMS."""
     kind, sep, arg = text.partition(":")
-    if (kind == "none" or kind in COMPRESSION_FORMS) and not sep:
+    if (kind in ("none", "auto") or kind in COMPRESSION_FORMS) and not sep:
         return None
     if kind not in COMPRESSION_FORMS:
-        forms = ["none"] + [f"{k}[:{p}]" for k, (p, _, _) in COMPRESSION_FORMS.items()]
+        forms = ["none", "auto"] + [f"{k}[:{p}]" for k, (p, _, _) in COMPRESSION_FORMS.items()]
         return f"expected {', '.join(forms[:-1])} or {forms[-1]}"
     try:
         value = float(arg)
@@ -362,8 +362,10 @@ SETTINGS = (
     Setting("lr_local", float, None, "the local rule's lr; unset: the servers' lr",
             env="SSDSGD_LR_LOCAL", path="sync.lr_local", above=0.0, max=10.0, optional=True),
     Setting("compression", str, "none", "push compression, the Trainer's compression_params "
-            "(docs/spec/compression.md): none, 2bit[:threshold] (MXNet's; default 0.5) or "
-            "topk[:ratio] (default 0.1)", path="sync.compression", validate=_compression),
+            "(docs/spec/compression.md): none, 2bit[:threshold] (MXNet's; default 0.5), "
+            "topk[:ratio] (default 0.1) or auto (ssd: none, topk or 2bit, by the warm-up's "
+            "timings and what coding costs; docs/auto.md)", path="sync.compression",
+            validate=_compression),
     Setting("quorum", str, "all", "a round closes once this many distinct workers pushed "
             "to it (docs/spec/quorum.md): all (dist_sync), majority, solo or an integer Q",
             env="SSDSGD_QUORUM", path="sync.quorum", validate=_quorum,

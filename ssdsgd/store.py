@@ -19,7 +19,7 @@ from mxnet.kvstore import KVStoreBase
 
 from .integration import NAME, PROCESS, TYPES
 from .key_table import KeyTable
-from .kvstore.compression import Compression, CompressionError
+from .kvstore.compression import AUTO, Compression, CompressionError
 from .mxglue import state_file
 from .mxglue.optimizer_spec import (build, describe, flatten_state, state_arrays,
                                     states_from_arrays)
@@ -152,18 +152,24 @@ class SSD_Sync(KVStoreBase):
     def set_gradient_compression(self, compression_params):
         """MXNet's interface (the Trainer calls it with ``compression_params``): every later
         push is compressed, with a residual per key on this worker; pulls are not
-        (docs/spec/compression.md)."""
-        spec = Compression.from_params(compression_params)
-        if spec is None:
+        (docs/spec/compression.md). ``{'type': 'auto'}``: the job chooses at the end of
+        the warm-up (docs/auto.md)."""
+        auto = compression_params == {"type": AUTO}
+        spec = None if auto else Compression.from_params(compression_params)
+        if spec is None and not auto:
             raise CompressionError("set_gradient_compression needs a dict with a 'type', "
                                    "e.g. {'type': '2bit', 'threshold': 0.5}")
         # the combinations the config check refuses, for a script that sets it itself
-        refused = refusal({**dataclasses.asdict(self._env), "compression": spec.type},
+        refused = refusal({**dataclasses.asdict(self._env),
+                           "compression": AUTO if auto else spec.type},
                           lambda name: "compression_params" if name == "compression"
                           else BY_NAME[name].env)
         if refused:
             raise CompressionError(refused)
-        self._client.set_compression(spec)
+        if auto:
+            self._machine.compress_auto()
+        else:
+            self._client.set_compression(spec)
 
     # ---- data --------------------------------------------------------------------
     def init(self, key, value):

@@ -93,6 +93,81 @@ def test_the_relay_is_chosen_where_the_pulls_are_not_hidden_and_a_chain_can_form
     assert auto.delay_steps(burst, relay_workers=2)[1] is False     # no chain of 2
 
 
+# ---- sync.compression: auto --------------------------------------------------------------
+LINK_BOUND = Timings(0.1, 1.0, 100e6, 100e6, 100e6)     # push 0.5 s against 0.1 s of compute
+
+
+@pytest.mark.parametrize("timings,costs,chosen", [
+    # the push bounds the step: topk brings it to 0.15 s, 2bit to 0.14 s: topk (within 10 %)
+    (LINK_BOUND, {"topk": (0.05, 0.2), "2bit": (0.04, 1 / 16)}, "topk"),
+    # topk's coding is dear here: 2bit's 0.14 s against topk's 0.4 s
+    (LINK_BOUND, {"topk": (0.3, 0.2), "2bit": (0.04, 1 / 16)}, "2bit"),
+    # the compute bounds the step: coding only adds to it
+    (Timings(1.0, 0.1, 10e6, 10e6, 10e6), {"topk": (0.05, 0.2), "2bit": (0.04, 1 / 16)},
+     "none"),
+    # the push bounds it, but coding costs more than it saves
+    (LINK_BOUND, {"topk": (0.6, 0.2), "2bit": (0.5, 1 / 16)}, "none"),
+])
+def test_auto_compression_takes_what_shortens_the_step_preferring_accuracy(timings, costs,
+                                                                          chosen):
+    name, why = auto.compression(timings, {n: auto.CodecCost(*c) for n, c in costs.items()})
+    assert name == chosen and why.startswith("auto: a steps-delay step estimated at none")
+
+
+def test_k_is_chosen_for_the_compressed_push():
+    """2bit's push (1/16 of the bytes) makes the bound the compute: the same pull then
+    needs a larger k to stay within SLACK of a smaller bound."""
+    plain = auto.delay_steps(LINK_BOUND)[0]
+    coded = auto.delay_steps(LINK_BOUND, codec=auto.CodecCost(0.04, 1 / 16))[0]
+    assert coded > plain
+
+
+def test_the_codecs_cost_is_measured_on_a_probe_scaled_to_the_push():
+    from ssdsgd.kvstore.compression import measure_codecs
+    small, big = measure_codecs(4e6), measure_codecs(64e6 * 4)     # the big one is capped
+    assert set(small) == {"2bit", "topk"}
+    assert small["2bit"][1] == pytest.approx(1 / 16, rel=0.01)     # 2 bits of 32
+    assert small["topk"][1] == pytest.approx(0.2, rel=0.01)        # 8 bytes per tenth
+    assert all(big[n][0] > small[n][0] > 0 for n in small)
+
+
+def test_every_worker_takes_rank_0s_compression_at_the_end_of_the_warmup(capsys, monkeypatch):
+    measured = []
+    monkeypatch.setattr(auto, "compression", lambda t, costs: ("2bit", "auto: test"))
+    job = Job(3, algorithm="ssd", warmup_steps=4, delay_steps=5, local_rule="glu",
+              glu_state="exact")
+    told = {c.rank: [] for c in job.clients}
+    for m, c in zip(job.machines, job.clients):
+        c.set_compression = told[c.rank].append
+        m.schedule.compress_auto(lambda nbytes: measured.append(nbytes) or {
+            "2bit": auto.CodecCost(0.01, 1 / 16)})
+    assert [m.schedule.compression for m in job.machines] == [None] * 3
+    job.run(4)
+    assert len(measured) == 1                       # rank 0 alone measures
+    index = auto.CODECS_BY_COST.index("2bit")
+    assert [c.barriers for c in job.clients] == [[(2 * 5) * 3 + index]] * 3
+    assert all(len(told[r]) == 1 and told[r][0].type == "2bit" for r in told)
+    assert all(m.metrics()["choices"]["compression"]["value"] == "2bit" for m in job.machines)
+    assert "ssdsgd: compression 2bit (auto: test)" in capsys.readouterr().err
+    arrays, saved = job.machines[1].state_dict()
+    assert saved["compression"] == "2bit"
+    # a resumed worker takes the job's codec from its checkpoint, measuring nothing
+    again = Job(3, algorithm="ssd", warmup_steps=4, delay_steps=5, local_rule="glu",
+                glu_state="exact", start_step=4)
+    m, told_again = again.machines[1], []
+    again.clients[1].set_compression = told_again.append
+    m.schedule.compress_auto(lambda nbytes: pytest.fail("measured"))
+    m.load_state_dict(arrays, saved)
+    assert m.schedule.compression == "2bit" and [s.type for s in told_again] == ["2bit"]
+
+
+def test_auto_compression_without_a_warmup_to_time_stays_off(capsys):
+    job = Job(2, algorithm="ssgd")
+    job.machines[0].schedule.compress_auto(lambda nbytes: pytest.fail("measured"))
+    assert job.machines[0].schedule.choices["compression"]["value"] == "none"
+    assert "ssgd has no warm-up to time" in capsys.readouterr().err
+
+
 def _relay_env(**over):
     values = dict(num_workers=4, algorithm="ssd", pull_schedule="aligned", quorum="all",
                   on_worker_failure="abort", pull_relay="auto")
@@ -145,15 +220,15 @@ def test_a_warmup_too_short_to_time_falls_back_to_the_papers_k():
 def test_every_worker_takes_rank_0s_k_at_the_end_of_the_warmup(capsys, monkeypatch):
     chosen = iter([7, 3, 4])                         # what each worker's timings would give
 
-    def timed(timings, k_max=K_MAX, relay_workers=0):
+    def timed(timings, k_max=K_MAX, relay_workers=0, codec=None):
         return next(chosen), False, "auto: test"
     monkeypatch.setattr(auto, "delay_steps", timed)
     job = Job(3, algorithm="ssd", warmup_steps=4, delay_steps="auto", local_rule="glu",
               glu_state="exact")
     job.run(4)
     ks = [m.schedule.delay_steps for m in job.machines]
-    # one barrier, where rank 0 passed 2 k + relay and the others 0
-    assert [c.barriers for c in job.clients] == [[2 * ks[0]]] * 3 and ks[0] in (7, 3, 4)
+    # one barrier, where rank 0 passed (2 k + relay) x 3 + codec and the others 0
+    assert [c.barriers for c in job.clients] == [[2 * ks[0] * 3]] * 3 and ks[0] in (7, 3, 4)
     job.run(2 * ks[0] + 1)
     for client in job.clients:                  # pulls every k steps after the warm-up
         pulls = [step for kind, step, pull, *_ in client.log if kind == "push" and pull]

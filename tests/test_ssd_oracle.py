@@ -86,8 +86,13 @@ def _trainer_keys(net):
     return {i: order.index(p) for i, p in enumerate(trainer._params)}
 
 
+def _params(compression):
+    """A case's compression name, or kv.set_gradient_compression's dict itself."""
+    return compression if isinstance(compression, dict) else COMPRESSIONS[compression]
+
+
 def _reference(rule, k, n, opt, warmup=WARMUP, algorithm="ssd", compression="none",
-               pull_schedule="aligned"):
+               pull_schedule="aligned", compress_from=0):
     net = tiny.make_net()
     keys = _trainer_keys(net)
     params = tiny.params(net)
@@ -106,15 +111,16 @@ def _reference(rule, k, n, opt, warmup=WARMUP, algorithm="ssd", compression="non
     return keys, simulate(init, grad_fn, make_optimizer, n, STEPS, algorithm=algorithm,
                           warmup_steps=warmup, delay_steps=k, local_rule=local_rule,
                           glu_state=glu_state or "estimate",
-                          compression=COMPRESSIONS[compression],
-                          pull_schedule=pull_schedule)
+                          compression=_params(compression),
+                          pull_schedule=pull_schedule, compress_from=compress_from)
 
 
 def _run(tmp_path, rule, k, n, s, opt, warmup=WARMUP, algorithm="ssd", compression="none",
-         pull_schedule="aligned", pull_relay="off"):
+         pull_schedule="aligned", pull_relay="off", delays=None):
     local_rule, _, glu_state = rule.partition("-")
-    extra = (["--compression", json.dumps(COMPRESSIONS[compression])]
-             if COMPRESSIONS[compression] else [])
+    extra = (["--compression", json.dumps(_params(compression))]
+             if _params(compression) else [])
+    extra += ["--delays", json.dumps(delays)] if delays else []
     res = launch(n, s, ["--out", tmp_path, "--steps", STEPS, "--optimizer", opt,
                         "--opt-params", json.dumps(OPTIMIZERS[opt])] + extra,
                  env={"SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": warmup,
@@ -215,3 +221,30 @@ def test_relayed_pulls_equal_the_simulation(tmp_path, algorithm, rule, opt, comp
     assert relayed_in[0] == 0 and relayed_out[2] == 0, (relayed_in, relayed_out)
     assert relayed_in[1] == relayed_out[0] == relayed_in[2] == relayed_out[1] > 0, \
         (relayed_in, relayed_out)
+
+
+@pytest.mark.system
+def test_auto_compression_equals_the_simulation_compressed_from_the_end_of_the_warmup(
+        tmp_path):
+    """sync.compression: auto (the Trainer's {'type': 'auto'}): the warm-up pushes
+    uncompressed, rank 0 chooses at its end, and every worker compresses with the chosen
+    codec (at its defaults) from step T_w on: the simulator with compress_from = T_w.
+    Worker 1 sleeps 150 ms before each step, so rank 0's warm-up rounds wait for it: the
+    push looks link-bound against rank 0's few ms of compute, and a codec pays."""
+    n, k = 2, 2
+    locals_, finals = _run(tmp_path, "glu-exact", k, n, 1, "sgd", compression={"type": "auto"},
+                           delays={"1": 0.15})
+    choices = [json.loads((tmp_path / f"info-rank{r}.json").read_text())["metrics"]["choices"]
+               for r in range(n)]
+    chosen = choices[0]["compression"]["value"]
+    assert chosen in ("topk", "2bit") and choices[0]["compression"]["why"].startswith(
+        "auto: a steps-delay step estimated at none"), choices[0]
+    assert [c["compression"]["value"] for c in choices] == [chosen] * n
+    keys, ref = _reference("glu-exact", k, n, "sgd", compress_from=WARMUP,
+                           compression={"type": chosen})
+    for r in range(n):
+        for i, j in keys.items():
+            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
+                   f"worker {r} local weights of key {i} ({chosen})")
+            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
+                   f"worker {r} final global weights of key {i} ({chosen})")

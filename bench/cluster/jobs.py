@@ -114,6 +114,8 @@ def compression_params(system, args):
         return {'type': '2bit', 'threshold': system.threshold or args.threshold}
     if system.compression == 'topk':
         return {'type': 'topk', 'ratio': system.ratio or args.topk_ratio}
+    if system.compression == 'auto':        # the job chooses (ssdsgd/sync/auto.py)
+        return {'type': 'auto'}
     return None
 
 

@@ -237,12 +237,14 @@ def steady_step(result, system):
 
 
 def ran_with(results, system):
-    """k, the pull relay and the warm-up the job ran with: the row's settings, or the
+    """k, the pull relay, the warm-up and the compression the job ran with: the row's settings, or the
     job's own choices where they were auto (rank 0's kvstore figures; docs/auto.md)."""
     ran = results[0].get('kv_metrics_end') or {}
+    chosen = (ran.get('choices') or {}).get('compression') or {}
     return {'k': int(ran.get('delay_steps') or system.k),
             'pull_relay': ran.get('pull_relay') or ('chain' if system.relay else 'off'),
-            'warmup_steps': ran.get('warmup_steps')}
+            'warmup_steps': ran.get('warmup_steps'),
+            'compression_ran': chosen.get('value') or system.compression or 'none'}
 
 
 def summarize(results, system, workload, rate_bits, num_workers, num_servers, bound_s):

@@ -82,8 +82,8 @@ class Pusher:
         self.residuals = compression.residuals() if compression is not None else None
         self.bytes = 0
 
-    def __call__(self, grads):
-        if self.spec is None:
+    def __call__(self, grads, compress=True):
+        if self.spec is None or not compress:
             self.bytes += sum(g.size * g.dtype(0).itemsize for g in grads.values())
             return grads
         out = {}
@@ -142,10 +142,13 @@ def _checked(algorithm, delay_steps, pull_schedule, compression):
 
 def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorithm='ssd',
              warmup_steps=0, delay_steps=1, local_rule='glu', glu_state='estimate',
-             lr_local=None, compression=None, on_step=None, pull_schedule='aligned'):
+             lr_local=None, compression=None, on_step=None, pull_schedule='aligned',
+             compress_from=0):
     """Run the spec for `steps` global steps; grad_fn(worker, step, weights) -> raw grads.
     pull_schedule: 'aligned' (the spec) or 'staggered' (docs/spec/staggered_pulls.md).
-    compression: None, kv.set_gradient_compression's dict, or a Compression.
+    compression: None, kv.set_gradient_compression's dict, or a Compression; pushes of
+    steps before ``compress_from`` are not compressed (``sync.compression: auto`` decides
+    at the end of the warm-up: compress_from = T_w).
     on_step(t, global_weights), if given, sees w_G(t) right after the server applied step t
     (for learning curves; it must not modify the arrays)."""
     compression = _checked(algorithm, delay_steps, pull_schedule, compression)
@@ -172,7 +175,7 @@ def simulate(init_weights, grad_fn, make_optimizer, num_workers, steps, algorith
         # 1. every worker computes g_i(t) at its local weights; 2. pushes it.
         grads = [grad_fn(i, t, worker.weights) for i, worker in enumerate(workers)]
         # Server: decode, wait for all N, sum in rank order, apply Opt once.
-        server.apply_step([push(g) for push, g in zip(pushers, grads)])
+        server.apply_step([push(g, t >= compress_from) for push, g in zip(pushers, grads)])
         if on_step is not None:
             on_step(t, server.weights)
 

@@ -11,10 +11,11 @@ order. Pulls are never compressed.
     payloads = spec.residuals().encode(key, grad, slices)     # worker: one per slice
     values = spec.decode(payload, count)                      # server: float32 to add
 """
-from .codecs import CompressionError, Residuals, from_params, parse_setting
+from .codecs import AUTO, CompressionError, Residuals, from_params, parse_setting
+from .codecs.cost import measure as measure_codecs
 
-__all__ = ["Compression", "CompressionError", "Residuals", "decode", "parse_setting",
-           "payload_nbytes"]
+__all__ = ["AUTO", "Compression", "CompressionError", "Residuals", "decode",
+           "measure_codecs", "parse_setting", "payload_nbytes"]
 
 
 class Compression:

@@ -39,6 +39,12 @@ TIMED_LAST = 20                 # the k rule reads the last this many warm-up st
 
 RELAY_MIN_WORKERS = 3           # an auto relay needs a chain of at least this many
 
+# sync.compression: auto (opt-in: compression changes results). The codecs weighed, in the
+# order of what they cost in accuracy (docs/spec/compression.md: topk at its default ratio
+# matched uncompressed training, 2bit lost some in ssd and much in ssgd); the first whose
+# step estimate is within SLACK of the best one's is taken.
+CODECS_BY_COST = ("none", "topk", "2bit")
+
 
 def is_auto(value) -> bool:
     return value == "auto"
@@ -92,7 +98,35 @@ class Timings:
     pull_bytes: float
 
 
-def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0):
+@dataclasses.dataclass(frozen=True)
+class CodecCost:
+    """What coding one step's push with a codec costs on this worker, measured: seconds
+    of CPU, and the bytes it sends per byte of float32 gradient."""
+    seconds: float
+    wire: float
+
+
+def compression(t: Timings, costs: dict):
+    """(codec name, why): the codec of ``costs`` ({name: CodecCost}) or none whose
+    steps-delay step is estimated shortest, preferring the one that costs least in
+    accuracy (CODECS_BY_COST) within SLACK. A step is estimated at max(compute + coding,
+    push): the push-every-step bound with the push's bytes as the codec sends them, and
+    its coding on the training thread's CPU."""
+    push_s = t.round_s / max(t.sent_bytes + t.received_bytes, 1.0) * t.sent_bytes
+    estimates = {"none": max(t.compute_s, push_s)}
+    estimates.update((name, max(t.compute_s + c.seconds, push_s * c.wire))
+                     for name, c in costs.items())
+    best = min(estimates.values())
+    name = next(n for n in CODECS_BY_COST if n in estimates
+                and estimates[n] <= (1 + SLACK) * best)
+    return name, ("auto: a steps-delay step estimated at " + ", ".join(
+        f"{n} {estimates[n] * 1e3:.1f} ms" for n in CODECS_BY_COST if n in estimates)
+        + f" (compute {t.compute_s * 1e3:.1f} ms, push {push_s * 1e3:.1f} ms uncompressed); "
+        f"the first within {SLACK:.0%} of the best, in the order {', '.join(CODECS_BY_COST)}")
+
+
+def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0,
+                codec: CodecCost | None = None):
     """(k, relay, why). The link time a byte costs is the round's time over the round's
     bytes; a push then costs ``push_s``, a pull ``pull_s``. A steps-delay step takes about
     max(compute, push) (the push-every-step bound), and a pull that does not fit in the
@@ -100,13 +134,17 @@ def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0):
     bound. ``relay_workers``: the chain a relay would have (0: no relay possible); it is
     chosen when the pull is not hidden, and a relayed pull is taken to cost
     2 / relay_workers of one from the servers (the servers' link carries one copy instead
-    of N; the rest is the chain's hops)."""
+    of N; the rest is the chain's hops). ``codec``: the pushes are compressed with it (its
+    wire bytes, its coding time counted as compute; pulls are not compressed)."""
     per_byte = t.round_s / max(t.sent_bytes + t.received_bytes, 1.0)
     push_s, pull_s = per_byte * t.sent_bytes, per_byte * t.pull_bytes
-    relay = relay_workers >= RELAY_MIN_WORKERS and pull_s > t.compute_s
+    compute_s = t.compute_s
+    if codec is not None:
+        push_s, compute_s = push_s * codec.wire, compute_s + codec.seconds
+    relay = relay_workers >= RELAY_MIN_WORKERS and pull_s > compute_s
     cost_s = pull_s * 2 / relay_workers if relay else pull_s
-    bound = max(t.compute_s, push_s, 1e-6)
-    excess = cost_s - t.compute_s
+    bound = max(compute_s, push_s, 1e-6)
+    excess = cost_s - compute_s
     k = K_MIN if excess <= 0 else math.ceil(excess / (SLACK * bound))
     k = min(k_max, max(K_MIN, k))
     return k, relay, (
@@ -122,8 +160,9 @@ class Schedule:
     ``after_step`` at the end of the warm-up's last step (every worker at the same step)
     agrees on what was left to the job. ``choices``: what was chosen and why, for the log
     and the run's summary. ``relay_workers``: the chain a relay would have (0 if this job
-    cannot relay: ``relay_listens``); ``on_choice(schedule)`` is called once k and the
-    relay are known."""
+    cannot relay: ``relay_listens``); ``on_choice(schedule)`` is called once k, the relay
+    and the compression are known. ``compression``: a codec's name, "none", or None while
+    ``auto`` (``compress_auto``) has not decided."""
 
     def __init__(self, env, rank: int, num_workers: int, relay_workers: int = 0,
                  on_choice=None):
@@ -143,6 +182,7 @@ class Schedule:
                 "pinned" if not is_auto(env.pull_relay) else
                 "auto: off, this job cannot relay (it needs ssd's aligned pulls, no quorum, "
                 f"no worker left behind and at least {RELAY_MIN_WORKERS} workers)")}
+        self.compression, self._measure = "none", None   # compress_auto: undecided
         self._samples = []        # (compute_s, round_s, sent, received) of timed steps
         self._left = None         # when the last step returned (clock)
         self._before = None
@@ -150,6 +190,20 @@ class Schedule:
             self._chosen()
         if stage.delays_pulls(self.algorithm):
             self.say(self.describe())
+
+    def compress_auto(self, measure):
+        """``sync.compression: auto`` (the Trainer's ``compression_params={'type':
+        'auto'}``): decided with k at the end of the warm-up; ``measure(nbytes)`` returns
+        {codec name: CodecCost} of a push of ``nbytes`` (only rank 0's counts). Without a
+        warm-up to time (ssgd, asgd) the pushes stay uncompressed, and it says so."""
+        if not stage.delays_pulls(self.algorithm):
+            self.choices["compression"] = {"value": "none", "why": (
+                f"auto: {self.algorithm} has no warm-up to time; set sync.compression to "
+                "a codec to compress")}
+            self.say(f"compression none ({self.choices['compression']['why']})")
+            return
+        self.compression, self._measure = None, measure
+        self.say("compression: auto, chosen at the end of the warm-up from its timings")
 
     def learn_length(self, optimizer_spec, t: int):
         """An auto warm-up whose run length was unknown takes it from the lr scheduler
@@ -165,15 +219,16 @@ class Schedule:
 
     @property
     def undecided(self) -> bool:
-        """Something is left to ``decide`` (k or the relay)."""
-        return self.delay_steps is None or self.relay is None
+        """Something is left to ``decide`` (k, the relay or the compression)."""
+        return self.delay_steps is None or self.relay is None or self.compression is None
 
     def plan(self, t: int):
         """The stage of step ``t`` (sync/stage.py). Past the warm-up with nothing timed
         (T_w = 0, or resumed past it without a recorded choice) every worker takes the
         same fallback, with no agreement needed."""
         if t >= self.warmup_steps and self._choosing():
-            self.set_choice(K_UNTIMED, False, "auto, untimed: no warm-up step to time")
+            self.set_choice(K_UNTIMED, False, "auto, untimed: no warm-up step to time",
+                            "none")
         return self.stage_of(t)
 
     def stage_of(self, t: int):
@@ -213,23 +268,40 @@ class Schedule:
         rank 0's value on every worker (the client's barrier: the largest value any worker
         passed), None: no agreement needed (every worker takes the fallback)."""
         timings = self.timings()
+        codec, why_c = self.compression or "none", "pinned"
         if timings is None:
             k, relay, why = K_UNTIMED, False, (f"auto, untimed: fewer than {TIMED_MIN} timed "
                                                f"warm-up steps (T_w = {self.warmup_steps})")
+            why_c = why
         else:
-            k, relay, why = delay_steps(timings, relay_workers=self.relay_workers)
+            costs = {}
+            if self.compression is None and self.rank == 0:    # only rank 0's choice counts
+                costs = self._measure(timings.sent_bytes)
+                codec, why_c = compression(timings, costs)
+            k, relay, why = delay_steps(timings, relay_workers=self.relay_workers,
+                                        codec=costs.get(codec))
         k = k if self.delay_steps is None else self.delay_steps
         relay = relay if self.relay is None else self.relay
         if agree is not None:
-            agreed = agree(2 * k + relay if self.rank == 0 else 0)
-            if agreed != 2 * k + relay:
-                why = f"auto: rank 0's choice (this worker's timings gave k = {k})"
-            k, relay = agreed // 2, bool(agreed % 2)
-        self.set_choice(k, relay, why)
+            mine = (2 * k + relay) * len(CODECS_BY_COST) + CODECS_BY_COST.index(codec)
+            agreed = agree(mine if self.rank == 0 else 0)
+            if agreed != mine:
+                why = why_c = f"auto: rank 0's choice (this worker's timings gave k = {k})"
+            agreed, index = divmod(agreed, len(CODECS_BY_COST))
+            k, relay, codec = agreed // 2, bool(agreed % 2), CODECS_BY_COST[index]
+        self.set_choice(k, relay, why, codec, why_c)
 
-    def set_choice(self, k: int, relay: bool, why: str):
-        """Take k and the relay (where auto) and say so."""
+    def set_choice(self, k: int, relay: bool, why: str, codec: str = "none",
+                   why_codec: str | None = None):
+        """Take k, the relay and the compression (where auto) and say so."""
         said = []
+        if self.compression is None:
+            self.compression = codec
+            self.choices["compression"] = {"value": codec, "why": why_codec or why}
+            if why_codec and why_codec != why:
+                self.say(f"compression {codec} ({why_codec})")
+            else:
+                said.append(f"compression {codec}")
         if self.delay_steps is None:
             self.delay_steps = k
             self.choices["delay_steps"] = {"value": k, "why": why}

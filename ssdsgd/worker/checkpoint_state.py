@@ -4,6 +4,7 @@ rule's state, the compression residuals), as arrays and a JSON-able record, and 
 Apart from the machine, which it reads and restores between two steps."""
 from ..kvstore.client import KeyReply
 from ..mxglue import hostcopy
+from ..sync.auto import CODECS_BY_COST
 
 
 def state_dict(machine):
@@ -15,7 +16,8 @@ def state_dict(machine):
     machine.settle()
     arrays, meta = {}, {"t": machine.t, "keys": {}, "pending": None,
                         "delay_steps": machine.schedule.delay_steps,
-                        "relay": machine.schedule.relay}
+                        "relay": machine.schedule.relay,
+                        "compression": machine.schedule.compression}
     if machine.pending is not None:
         replies = machine.pending.wait()
         machine.pending = _Done(replies)
@@ -60,7 +62,8 @@ def load_state_dict(machine, arrays, meta):
         # what the job chose before the restart (sync/auto.py): every worker's checkpoint
         # holds rank 0's choice, so they agree again without timing anything
         machine.schedule.set_choice(int(meta["delay_steps"]), bool(meta.get("relay")),
-                                    "auto, as chosen before the restart")
+                                    "auto, as chosen before the restart",
+                                    _codec(meta.get("compression")))
     if meta["pending"] is not None:
         machine.pending = _Done({int(k): _get_reply(arrays, f"p{k}", m)
                               for k, m in meta["pending"].items()})
@@ -68,6 +71,16 @@ def load_state_dict(machine, arrays, meta):
         machine.rule.load_state_dict(arrays, meta["rule"],
                                   {k: r.params[0] for k, r in machine.keys.items()})
     machine.client.load_residuals({key: arrays[f"c{key}"] for key in meta.get("residuals", [])})
+
+
+def _codec(name):
+    """A recorded compression choice, checked (the file is the job's own, but old)."""
+    if name is None:
+        return "none"
+    if name not in CODECS_BY_COST:
+        raise ValueError(f"the worker state's compression {name!r} is none of "
+                         f"{', '.join(CODECS_BY_COST)}")
+    return name
 
 
 class _Done:

@@ -35,7 +35,8 @@ from ..mxglue.optimizer_spec import build
 from . import checkpoint_state
 from .deferred import DeferredSteps, device_sum
 from .preduce import PreduceSteps
-from ..sync.auto import Schedule
+from ..kvstore.compression import Compression, measure_codecs
+from ..sync.auto import CodecCost, Schedule
 from ..sync.stage import Stage, delays_pulls, steps_ahead_bound
 from ..timeline import RECORDER as TIMELINE, now
 
@@ -92,7 +93,7 @@ class StageMachine:
         # place in each pull period (0 unless the pulls are staggered) follows from k.
         self.schedule = Schedule(env, client.rank, client.num_workers, relay_workers=(
             client.num_workers if getattr(client, "relays", None) else 0),
-            on_choice=lambda s: setattr(client, "relay_on", bool(s.relay)))
+            on_choice=self._take_choice)
         self.preduce = PreduceSteps(client, self.keys, self.counts)
         self.deferred = DeferredSteps(client, self.keys)   # steps queued on MXNet's engine
         self.final_done = False      # quorum: the final pull is answered
@@ -114,6 +115,19 @@ class StageMachine:
 
     def shape(self, key):
         return self.keys[key].shape
+
+    def _take_choice(self, schedule):
+        """What the schedule chose (pinned, or auto at the end of the warm-up) takes
+        effect: the relay, and a compression chosen by ``sync.compression: auto``."""
+        self.client.relay_on = bool(schedule.relay)
+        if schedule.compression not in (None, "none") and not self.client.codes_pushes:
+            self.client.set_compression(Compression.from_params({"type": schedule.compression}))
+
+    def compress_auto(self):
+        """``compression_params={'type': 'auto'}``: the schedule decides at the end of the
+        warm-up, from its timings and what coding a push costs here (codecs/cost.py)."""
+        self.schedule.compress_auto(lambda nbytes: {
+            name: CodecCost(*cost) for name, cost in measure_codecs(nbytes).items()})
 
     def init_keys(self, entries):
         """entries: (key, value NDArray, outs); rank 0's values win, everyone gets them."""

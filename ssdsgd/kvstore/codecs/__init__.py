@@ -13,11 +13,12 @@ from .topk import TopK
 from .twobit import TwoBit
 
 CODECS = (TwoBit, TopK)
+AUTO = "auto"           # not a codec: the job picks one (or none) at the end of its warm-up
 BY_NAME = {c.type: c for c in CODECS}
 ENCODINGS = {c.code: c.type for c in CODECS}     # a key record's encoding -> name; 0: raw
 assert len(BY_NAME) == len(ENCODINGS) == len(CODECS) and 0 not in ENCODINGS
 
-__all__ = ["BY_NAME", "CODECS", "Codec", "CompressionError", "ENCODINGS", "Packed",
+__all__ = ["AUTO", "BY_NAME", "CODECS", "Codec", "CompressionError", "ENCODINGS", "Packed",
            "Residuals", "by_name", "from_params", "parse_setting", "setting_forms"]
 
 
@@ -49,18 +50,22 @@ def from_params(params):
 
 
 def setting_forms():
-    """``sync.compression``'s forms, in words: 'none, 2bit[:threshold] or topk[:ratio]'."""
-    forms = ["none"] + [f"{c.type}[:{c.PARAMS[0]}]" for c in CODECS]
+    """``sync.compression``'s forms, in words: 'none, auto, 2bit[:threshold] or
+    topk[:ratio]'."""
+    forms = ["none", AUTO] + [f"{c.type}[:{c.PARAMS[0]}]" for c in CODECS]
     return ", ".join(forms[:-1]) + " or " + forms[-1]
 
 
 def parse_setting(text):
     """``sync.compression``'s text as kv.set_gradient_compression's dict: 'none' -> None,
     'NAME' or 'NAME:X' (X: the codec's first parameter, e.g. 2bit's threshold, topk's
-    ratio); checked like the dict."""
+    ratio); checked like the dict. 'auto' -> {'type': 'auto'} (the job chooses: the
+    worker's stage machine, sync/auto.py)."""
     kind, sep, value = str(text).partition(":")
     if kind == "none" and not sep:
         return None
+    if kind == AUTO and not sep:
+        return {"type": AUTO}
     if kind not in BY_NAME:
         raise CompressionError(f"expected {setting_forms()}, got {text!r}")
     params = {"type": kind}
