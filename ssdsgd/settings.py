@@ -427,6 +427,11 @@ SETTINGS = (
             "factor:RANK=F[,...] (compute F times as long), delay:RANK=SECONDS[,...] or "
             "eager-SGD's random:DELAY_S:RANKS[:SEED] (docs/training.md); the run's summary "
             "names it", env="SSDSGD_SLOWDOWN", path="debug.slowdown", validate=_slowdown),
+    Setting("tamper_relay", int, None, "TEST ONLY, never for a real job: the worker of "
+            "this rank alters every piece of a relayed reply it passes on (a forged relay), "
+            "so a test can check that the next worker refuses it and names the sender "
+            "(docs/spec/pull_relay.md); unset: nobody does", env="SSDSGD_TAMPER_RELAY",
+            min=0, optional=True),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 BY_ENV = {s.env: s for s in SETTINGS if s.env}

@@ -4,9 +4,10 @@
 * without root the command says so and exits 0 (always run);
 * with root and working network namespaces (skipped otherwise, with the reason):
   - a tiny version of the benchmark (2 workers, 1 server, a 40 KB model, native dist_sync
-    and ssd_sync ssgd and ssd k=2, 3 steps each, plus one time-to-accuracy row) makes its
-    namespaces, runs every worker on a host of its own and traffic across the shaped links,
-    prints and writes its tables, and removes every namespace it made;
+    and ssd_sync ssgd and ssd k=2 with CURVE, ssgd plain, 3 steps each, plus one
+    time-to-accuracy row) makes its namespaces, runs every worker on a host of its own and
+    traffic across the shaped links, prints and writes its tables (each row's label naming
+    its security mode), and removes every namespace it made;
   - Ctrl-C in the middle tears the cluster down;
   - namespaces left by a run whose process is gone are removed at start, those of a live
     run are not; a failed build removes what it made.
@@ -430,7 +431,8 @@ def test_without_root_says_so_and_exits_cleanly(monkeypatch, capsys):
 def test_tiny_benchmark_runs_across_namespaces(tmp_path):
     text, out, pid = run_bench(
         ['--only', 'matrix,tta', '--workloads', 'emulated:tiny@1gbit', '--workers', '2',
-         '--servers', '1', '--systems', 'native-sync,ssgd,ssd-k2', '--steps', '3',
+         '--servers', '1', '--row', 'ssgd-plain:sync.algorithm=ssgd,security=plain',
+         '--systems', 'native-sync,ssgd,ssd-k2,ssgd-plain', '--steps', '3',
          '--warmup', '1', '--tta-systems', 'ssgd', '--tta-epochs', '1', '--tta-rate', '1gbit'],
         tmp_path, timeout=240)
     # namespaces made (scheduler + server + 2 workers) and all removed again
@@ -445,7 +447,19 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
     assert (out / 'cluster.md').read_text().startswith('# Emulated-cluster benchmark')
     assert (out / 'cluster_matrix.png').stat().st_size > 0
     [group] = results['matrix']
-    assert [r['system'] for r in group['rows']] == ['native-sync', 'ssgd', 'ssd-k2']
+    assert [r['system'] for r in group['rows']] == ['native-sync', 'ssgd', 'ssd-k2',
+                                                    'ssgd-plain']
+    # the multi-host default, CURVE, unless a row says plain; ps-lite cannot be secured
+    modes = {'native-sync': 'open', 'ssgd': 'curve', 'ssd-k2': 'curve', 'ssgd-plain': 'plain'}
+    for r in group['rows']:
+        assert r['security'] == modes[r['system']] and r['label'].endswith(
+            f"[{modes[r['system']]}]"), r
+        assert r['label'] in text
+    # every node of the job said so (scheduler, server, and its workers' logs)
+    for row, said in (('ssgd', 'authenticated and encrypted (CURVE)'),
+                      ('ssgd-plain', "authenticated (the job's key file), not encrypted")):
+        [log] = (tmp_path / 'raw').glob(f'*-tiny-*-{row}-n2s1.log')
+        assert log.read_text().count(said) >= 2, (row, log.read_text()[-2000:])
     for r in group['rows']:
         assert r['status'] == 'ok', r
         assert r['samples_per_s'] > 0 and r['steps'] >= 3
@@ -461,6 +475,7 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
     assert group['rows'][0]['speedup'] == pytest.approx(1.0)
     [tta] = results['tta']['rows']
     assert tta['status'] == 'ok' and tta['curve'] and tta['steps'] > 0
+    assert tta['security'] == 'curve' and tta['label'] == 'ssd_sync ssgd [curve]'
 
 
 @pytest.mark.system
@@ -728,6 +743,35 @@ def test_every_experiment_has_a_defaults_row_that_is_given_nothing():
         assert said and 'SSDSGD_DELAY_STEPS=7' in said[0]
     finally:
         os.environ.pop('SSDSGD_DELAY_STEPS', None)
+
+
+def test_a_rows_security_is_curve_unless_it_or_the_run_says_plain():
+    """The emulated hosts are separate machines: ssd_sync rows run with CURVE, as the
+    multi-host launchers do by default; --insecure or a row's own `security: plain` runs
+    them plain; native rows cannot be secured, and a row that asks is refused."""
+    from bench.cluster import args as cli_args
+    plain = rows.parse_row('ssgd-plain', {'sync.algorithm': 'ssgd', 'security': 'plain'})
+    assert plain.security == 'plain' and plain.settings == (('algorithm', 'ssgd'),)
+    ssgd, native = rows.system('ssgd'), rows.system('native-sync')
+    assert [jobs.security_mode(s) for s in (ssgd, plain, native, rows.system('compute'))] == \
+        ['curve', 'plain', 'open', None]
+    assert cli_args.parse_args(['--insecure']).insecure
+    assert jobs.security_mode(ssgd, insecure=True) == 'plain'
+    assert jobs.security_mode(rows.parse_row('c', {'security': 'curve'}), True) == 'curve'
+    assert jobs.labelled(ssgd, 'curve') == 'ssd_sync ssgd [curve]'
+    for overrides, words in (({'kvstore': 'dist_sync', 'security': 'curve'},
+                              "kvstore dist_sync cannot be secured: MXNet's ps-lite has no "
+                              'authentication'),
+                             ({'security': 'tls'}, "security: expected one of curve, plain "
+                                                   "for an ssd_sync row, got 'tls'")):
+        with pytest.raises(rows.RowError, match=re.escape(words)):
+            rows.parse_row('bad', overrides)
+    from bench.cluster.launchers import Layout, NetnsLauncher
+
+    class Hosts:
+        names, addresses = ['h0', 'h1', 'h2'], ['198.18.0.10', '198.18.0.11', '198.18.0.12']
+    assert NetnsLauncher(Layout(Hosts, 1, 1)).secure is True     # run_job reads it
+    assert NetnsLauncher(Layout(Hosts, 1, 1), secure=False).secure is False
 
 
 def test_a_row_from_the_command_line():

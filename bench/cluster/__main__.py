@@ -218,7 +218,13 @@ def settings_text(args, workloads):
                              '(time.sleep)',
          'optimizer': 'sgd, momentum 0.9, on the servers (update_on_kvstore)',
          'OMP_NUM_THREADS / MXNET_CPU_WORKER_NTHREADS': '1 / 1 in every process',
-         'MTU': args.mtu}
+         'MTU': args.mtu,
+         'connections': ('ssd_sync rows: ' + ('plain (--insecure: authenticated by the '
+                         "job's keys, not encrypted)" if args.insecure else 'CURVE '
+                         '(authenticated and encrypted), as ssh, mpi and slurm run across '
+                         'hosts by default') + ", unless a row sets its own; native rows: "
+                         "open (MXNet's ps-lite cannot be secured); each row's label "
+                         'names its mode [curve], [plain] or [open]')}
     for w, rates in workloads:
         s[f'workload {w.name}'] = w.describe() + ' @ ' + ', '.join(
             netns.rate_label(r) for r in rates)

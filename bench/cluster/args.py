@@ -28,6 +28,11 @@ sync.compression: 2bit}) and each experiment's default rows, every one with a `d
 row that changes nothing; --row adds one (ssd-k7:sync.delay_steps=7). The targets the
 checks judge are docs/benchmarks/targets.md's.
 
+The hosts are separate machines, so the ssd_sync rows run as the multi-host launchers do
+by default: CURVE, each process with its own key file; --insecure (or a row's
+`security: plain`) runs them plain. MXNet's native rows cannot be secured. Every row's
+label names the mode it ran in: [curve], [plain] or [open].
+
 Results go to --out (docs/benchmarks/: cluster.md, cluster.json, PNG plots); every job's
 raw per-worker results and logs go to --raw. Needs root; without it, says so and exits 0.
 """
@@ -132,6 +137,10 @@ def parse_args(argv=None):
     p.add_argument('--out', default=str(rows.ROWS_FILE.parents[2] / REPO_DOCS),
                    help='where cluster.md, cluster.json and the plots go')
     p.add_argument('--raw', help='per-job results and logs (default: a new temp dir)')
+    p.add_argument('--insecure', action='store_true',
+                   help='run the ssd_sync rows with PLAIN keys (authenticated, not encrypted) '
+                   'instead of CURVE, the multi-host launchers\' default; a row\'s own '
+                   '`security` wins. The native rows are never secured')
     p.add_argument('--no-write', action='store_true', help='print only; write nothing to --out')
     args = p.parse_args(argv)
     q = args.quick

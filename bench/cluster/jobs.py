@@ -50,7 +50,9 @@ class Bench:
         warmup = system.warmup_or(warmup)       # untimed steps: a row's own warm-up wins
         tag = f'{self.job:03d}-{workload.model}-{int(rate)}-{system.key}-n{n}s{s}'
         out = self.raw / tag
-        base = {'system': system.key, 'label': system.label, 'workload': workload.name,
+        security = security_mode(system, self.args.insecure)
+        base = {'system': system.key, 'label': labelled(system, security),
+                'security': security, 'workload': workload.name,
                 'rate_bits': rate, 'workers': n, 'servers': s, 'k': system.k, 'steps': steps,
                 'warmup': warmup, 'compression': compression_params(system, self.args),
                 'settings': {spelled(BY_NAME[name]): v for name, v in values.items()}}
@@ -63,7 +65,8 @@ class Bench:
         try:
             job_notes = []
             results = runner.run_job_on(self.cluster, system, n, s, args, out, timeout,
-                                        values, out.with_suffix('.log'), notes=job_notes)
+                                        values, out.with_suffix('.log'), notes=job_notes,
+                                        secure=security == 'curve')
             self.take_notes(tag, job_notes)
         except runner.Interrupted as e:
             raise KeyboardInterrupt(str(e)) from None
@@ -74,7 +77,7 @@ class Bench:
                         loadavg=os.getloadavg()[0])
         row = runner.summarize(results, system, workload, rate, n, s, bound_s)
         row.update(status='ok', job_s=time.monotonic() - t0, loadavg=os.getloadavg()[0],
-                   settings=base['settings'])
+                   settings=base['settings'], label=base['label'], security=security)
         if row.get('leftover_pids'):
             self.notes.append(f'{tag}: {row["leftover_pids"]} processes were left in the '
                               'namespaces after the job and were killed')
@@ -106,6 +109,24 @@ class Bench:
         self.notes.append(f'{workload.name} @ {netns.rate_label(rate)}, {system.label}: '
                           f'failed: {" | ".join(text[-6:])[:600]}')
         return dict(base, status='failed', error='\n'.join(text[-30:]))
+
+
+def security_mode(system, insecure=False):
+    """How a row's connections were secured. The emulated hosts are separate machines, so
+    an ssd_sync row runs as ssh, mpi and slurm do by default: ``curve`` (authenticated
+    and encrypted), or ``plain`` (authenticated, not encrypted) with --insecure or its
+    own ``security: plain``. MXNet's ps-lite cannot be secured: ``open``. Compute alone
+    has no connections: None."""
+    if system.kind == 'native':
+        return 'open'
+    if system.kind != 'ssd':
+        return None
+    return system.security or ('plain' if insecure else 'curve')
+
+
+def labelled(system, security):
+    """A row's name in the tables and plots, with the mode its connections ran in."""
+    return f'{system.label} [{security}]' if security else system.label
 
 
 def compression_params(system, args):

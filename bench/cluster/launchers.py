@@ -2,7 +2,9 @@
 
 * ssdsgd: :class:`NetnsLauncher`, a ``ssdsgd.launch.local.LocalLauncher`` that prefixes
   every command with ``ip netns exec HOST``, so ``run_job(...,
-  launcher=NetnsLauncher(layout))`` runs every role in its own namespace.
+  launcher=NetnsLauncher(layout))`` runs every role in its own namespace. The hosts are
+  separate machines, so it is secure as the multi-host launchers are by default: ``run_job``
+  makes the job's CURVE keys, a 0600 file per process (``secure=False``: PLAIN keys).
 * MXNet's ps-lite: :meth:`Layout.native_node` for ``run_native_nodes(node=...)``.
 
 A :class:`Layout` says which host each role gets: host 0 the scheduler, hosts 1..S the
@@ -43,11 +45,12 @@ class Layout:
 
 
 class NetnsLauncher(LocalLauncher):
-    """ssdsgd's local launcher, with every role in its host's namespace."""
+    """ssdsgd's local launcher, with every role in its host's namespace; ``secure``:
+    CURVE, as ssh, mpi and slurm default to across hosts (run_job reads ``secure``)."""
     name = 'netns'
 
-    def __init__(self, layout):
-        self.layout = layout
+    def __init__(self, layout, secure=True):
+        self.layout, self.secure = layout, secure
         self.scheduler_host = layout.address('scheduler', 0)
 
     def node_env(self, role, rank):

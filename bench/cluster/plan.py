@@ -41,6 +41,7 @@ class System:
     k_auto: bool = False  # ssd: k is the job's choice (sync.delay_steps auto)
     settings: tuple = ()  # ssd_sync: the row's (setting name, value) pairs, for the job
     defaults: bool = False  # a user's defaults (at most sync.compression set): given nothing
+    security: str = ''    # ssd_sync: the row's own 'curve' or 'plain' ('': the run's, curve)
 
     @property
     def synchronous(self):

@@ -5,13 +5,16 @@
 Each key is a setting of ``ssdsgd.settings`` as the settings table of docs/training.md
 spells it (its config key, or its variable if it has none: SSDSGD_PIPELINE_PIECES) or
 ``kvstore`` (dist_sync, dist_async: MXNet's own parameter server; none: compute
-alone); each value is checked by its setting, and the row's values together by the
+alone) or ``security`` (an ssd_sync row's connections: curve, the default, or plain, as
+``--insecure`` makes every row); each value is checked by its setting, and the row's
+values together by the
 settings' cross-field rules. A bad row is a one-line RowError naming the row and the key.
 A new setting needs no new row grammar: a row names it.
 """
 from __future__ import annotations
 
 import difflib
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -23,9 +26,11 @@ from .plan import System
 
 ROWS_FILE = Path(__file__).with_name('rows.yaml')
 KVSTORES = ('ssd_sync', 'dist_sync', 'dist_async', 'none')
+SECURITY = ('curve', 'plain')     # launch/dist.py --secure, --insecure (docs/reliability.md)
 #: settings a row may not set: the experiment decides them, or a launcher does
 NOT_A_ROW_SETTING = ('num_workers', 'num_servers', 'launcher', 'hosts', 'max_restarts',
-                     'on_worker_failure', 'warmup_epochs', 'checkpoint_every_s', 'start_step')
+                     'on_worker_failure', 'warmup_epochs', 'checkpoint_every_s', 'start_step',
+                     'tamper_relay')
 
 
 class RowError(ValueError):
@@ -43,7 +48,7 @@ _SPELLED = {spelled(s): s for s in table.SETTINGS}
 def _setting(name, key):
     s = _SPELLED.get(key)
     if s is None:
-        close = difflib.get_close_matches(key, list(_SPELLED) + ['kvstore'], n=1)
+        close = difflib.get_close_matches(key, list(_SPELLED) + ['kvstore', 'security'], n=1)
         hint = f' (did you mean {close[0]}?)' if close else ''
         raise RowError(f'row {name}: unknown setting {key!r}{hint}; the settings are those '
                        'of docs/training.md, by config key (or variable if it has none)')
@@ -64,6 +69,12 @@ def parse_row(name, overrides):
     if kvstore not in KVSTORES:
         raise RowError(f'row {name}: kvstore: expected one of {", ".join(KVSTORES)}, '
                        f'got {kvstore!r}')
+    security = overrides.pop('security', '')
+    if security and (security not in SECURITY or kvstore != 'ssd_sync'):
+        raise RowError(f'row {name}: security: expected one of {", ".join(SECURITY)} for an '
+                       f'ssd_sync row, got {security!r}' + (
+                           '' if kvstore == 'ssd_sync' else f' (kvstore {kvstore} cannot be '
+                           'secured: MXNet\'s ps-lite has no authentication)'))
     values = {}
     for key, value in overrides.items():
         s = _setting(name, key)
@@ -80,7 +91,7 @@ def parse_row(name, overrides):
         table.cross_check({**_defaults(), **values}, lambda n: spelled(table.BY_NAME[n]))
     except table.SettingError as e:
         raise RowError(f'row {name}: {e}') from None
-    return _system(name, kvstore, values)
+    return replace(_system(name, kvstore, values), security=security)
 
 
 def _defaults():

@@ -55,7 +55,8 @@ class WorkerClient:
         self.env = env
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
                       "messages_received": 0, "time_blocked": 0.0,
-                      "replies_relayed_in": 0, "replies_relayed_out": 0}
+                      "replies_relayed_in": 0, "replies_relayed_out": 0,
+                      "digest_s": 0.0}      # checking relayed pieces (piece_digests.py)
         self.requests = Requests(self.stats)
         self.outbox = PushOutbox(self.requests.lock, functools.partial(
             self._request, P.Kind.PUSH, flags=P.Flag.PULL, chunk_bytes=env.chunk_bytes,
@@ -333,7 +334,8 @@ class WorkerClient:
                 messages, kind, flags, step, meta)]
             relayed = bool(flags & P.Flag.RELAY)
             futures = [self.requests.expect(
-                msg.req, (server, F.reply_bound(msg.records)) if relayed else None)
+                msg.req, (server, F.reply_bound(msg.records), msg.records["key"].tolist())
+                if relayed else None)
                 for server, msg, _ in encoded] if reply else []
             for server, _, frames in encoded:
                 self.io.send(server, frames)

@@ -18,7 +18,7 @@ import zmq
 
 from . import protocol as P
 from . import fragments as F
-from .relay import PullRelay
+from .relay import PullRelay, RelayFault
 from .scheduler import JobAborted, bind_router
 from .scheduler_link import SchedulerLink
 from .security import Guard
@@ -27,6 +27,7 @@ from ..timeline import RECORDER as TIMELINE
 RECV_PER_TURN = 64
 SEND_PER_TURN = 64
 EXIT_AFTER_ABORT = 10.0   # s a launched worker's training thread has to end after an abort
+TELL_LINGER_MS = 2000     # for the FINISH that tells the scheduler why this worker stops
 
 
 class IOThread:
@@ -141,11 +142,15 @@ class IOThread:
             return
         finally:
             self._ready.set()
+        told = False
         try:
             self._serve(link)
         except JobAborted as e:
             rank = self.topology["rank"] if self.topology else "?"
             print(f"ssdsgd worker {rank}: {e}", file=sys.stderr, flush=True)
+            if isinstance(e, RelayFault):      # the scheduler ends the job, naming it
+                link.send(P.Kind.FINISH, {"error": str(e)})
+                told = True
             self.requests.fail(e)
             if self.exit_after_abort is not None:
                 threading.Thread(target=_exit_later, args=(self.exit_after_abort, rank),
@@ -156,7 +161,7 @@ class IOThread:
             for s in self._sockets:
                 s.close()   # LINGER flushes queued pushes (bounded by the heartbeat timeout)
             self.relay.close()
-            link.sock.close(0)
+            link.sock.close(TELL_LINGER_MS if told else 0)
             self._wake_in.close(0)
             self.on_end()
 
@@ -285,12 +290,14 @@ class IOThread:
             self.stats["bytes_received"] += sum(len(f.buffer) for f in frames)
             try:
                 msg = P.decode(frames)
-                if msg.kind == P.Kind.FRAGMENT:
+                if msg.kind in (P.Kind.FRAGMENT, P.Kind.DIGEST):
                     P.check_meta(msg.kind, msg.meta)
             except P.ProtocolError as e:
                 raise JobAborted(f"server {server} sent a malformed message: {e}") from None
             if msg.kind == P.Kind.FRAGMENT:
                 self.relay.on_fragment(frames, msg, server, f"server {server}")
+            elif msg.kind == P.Kind.DIGEST:
+                self.relay.on_digest(msg, server)
             else:
                 self.requests.deliver(msg, server)
 

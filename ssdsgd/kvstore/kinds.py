@@ -1,12 +1,14 @@
 """The vocabulary: which messages exist, and which meta fields each carries, of what type.
 
-Eighteen kinds, in three groups, and three flags:
+Nineteen kinds, in three groups, and three flags:
 
 * membership (node <-> scheduler; ps-lite's control commands): REGISTER, TOPOLOGY,
   LISTEN (the servers' ports, bound once the job's message limit is known), BARRIER,
   HEARTBEAT, FINISH, SHUTDOWN, ABORT, MEMBERSHIP (a worker leaves the job);
 * data (worker <-> server): INIT, PUSH, PULL, and the answers REPLY, ACK, ERROR;
-  FRAGMENT carries a piece of a relayed REPLY (sync.pull_relay: chain);
+  FRAGMENT carries a piece of a relayed REPLY (sync.pull_relay: chain), and DIGEST the
+  digests of its pieces, from the server straight to each worker the pieces reach through
+  another worker;
 * generic: COMMAND (worker -> every server: the job's optimizer, compression, or
   optimizer state; MXNet's ``_send_command_to_servers``), and POLICY: a synchronization
   policy's own event (a quorum's round decisions, preduce's readiness, groups and
@@ -49,6 +51,9 @@ class Kind(enum.IntEnum):
                       # (none: it knows no model); scheduler -> server {max_message_bytes}:
                       # bind with it; server -> scheduler {port}: bound; scheduler ->
                       # worker {servers, max_message_bytes}: where the servers listen
+    DIGEST = 19       # server -> worker: the digests of the pieces of a relayed REPLY that
+                      # reach it through another worker; req: its request; {digests, relay}
+                      # (docs/spec/pull_relay.md)
 
 
 class Flag(enum.IntFlag):
@@ -69,6 +74,10 @@ _RELAY_TO = (lambda v: isinstance(v, list) and len(v) <= F.MAX_RANK and all(
     "a list of [worker rank, request id]")
 _SIZES = (lambda v: isinstance(v, list) and 3 <= len(v) <= (1 << 16) + 3
           and all(F.int_in(0, F.MAX_STEP)(x) for x in v), "a list of frame sizes")
+_DIGESTS = (lambda v: isinstance(v, list) and 1 <= len(v) <= 1 << 16 and all(
+    isinstance(d, str) and bool(_HEX64.match(d)) for d in v),
+    "a list of 64-digit hexadecimal digests")
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _EVENT_NAME = re.compile(r"[a-z_]{1,32}\Z")
 _EVENT = (lambda v: isinstance(v, str) and bool(_EVENT_NAME.match(v)),
           "an event name (1 to 32 of a-z and _)")
@@ -116,6 +125,7 @@ META = {
     Kind.ERROR: {"error": (F.STR, True)},
     Kind.FRAGMENT: {"of": (F.COUNT, True), "relay": (_RELAY_TO, False),
                     "sizes": (_SIZES, False)},
+    Kind.DIGEST: {"digests": (_DIGESTS, True), "relay": (_RELAY_TO, False)},
 }
 
 # COMMAND's commands and the fields each carries besides ``command``.

@@ -1,12 +1,26 @@
 """sync.pull_relay: chain (docs/spec/pull_relay.md), the worker's part: a server sends a
 reply once, in pieces, to the first worker of a chain, and each worker passes every piece
-on to the next before it uses it. A transport feature: it moves pieces of replies and
-knows no algorithm. The I/O thread owns its sockets."""
+on to the next before it uses it. A piece that came through another worker is checked
+against the digests the server sent this worker itself (``piece_digests``) before it is
+used or passed on. A transport feature: it moves pieces of replies and knows no
+algorithm. The I/O thread owns its sockets."""
+import sys
+import time
+
+import numpy as np
 import zmq
 
 from . import protocol as P
 from . import fragments as F
+from . import piece_digests as D
 from .scheduler import JobAborted
+from ..timeline import RECORDER as TIMELINE
+
+
+class RelayFault(JobAborted):
+    """A fault this worker found in a relayed piece or its digests: the job's own
+    processes misbehave. The I/O thread tells the scheduler before it stops, so every
+    node names it (docs/spec/pull_relay.md)."""
 
 
 def asks_relay(kind, flags):
@@ -27,10 +41,15 @@ class PullRelay:
         self._ranks = {}       # connection id of a worker of the job -> its rank
         self._out = {}         # worker rank -> DEALER to its relay
         self._pieces = {}      # request id -> F.Reassembly of its relayed reply
+        self._checks = {}      # request id -> D.Expected: the server's digests, held pieces
 
     def join(self, topology, link_id):
         """The job's workers and their relays, once the scheduler sent the topology."""
         self.rank, self.num_workers = topology["rank"], topology["num_workers"]
+        if self.env.tamper_relay == self.rank and self.sock is not None:
+            print(f"ssdsgd worker {self.rank}: SSDSGD_TAMPER_RELAY={self.rank}: this worker "
+                  "alters every piece it relays (a test's fault injection, never for a real "
+                  "job)", file=sys.stderr, flush=True)
         self.relays, self.link_id = topology.get("relays"), link_id
         self._ranks = {bytes.fromhex(h): r for r, h in enumerate(topology.get("workers", []))}
 
@@ -54,23 +73,76 @@ class PullRelay:
                 msg = P.decode(frames, max_bytes=self.env.max_message_bytes)
                 P.check_meta(msg.kind, msg.meta)
             except P.ProtocolError as e:
-                raise JobAborted(f"worker {rank} relayed a malformed message: {e}") from None
+                raise RelayFault(f"worker {rank} relayed a malformed message: {e}") from None
             if msg.kind != P.Kind.FRAGMENT:
-                raise JobAborted(f"worker {rank} relayed a {msg.kind.name}; only pieces of "
+                raise RelayFault(f"worker {rank} relayed a {msg.kind.name}; only pieces of "
                                  "a server's reply are relayed")
-            self.on_fragment(frames, msg, msg.sender, f"worker {rank}")
+            self.on_fragment(frames, msg, msg.sender, f"worker {rank}", relayer=rank)
 
-    def on_fragment(self, frames, msg, server, source):
-        """A piece of a relayed reply: passed on first, then added to its reply; the
-        reply is delivered once its last piece is in. Only pieces of a reply to a request
-        this worker sent to that server are taken (bounded: one buffer per request)."""
-        expected, bound = self.requests.sent_to(msg.req)
+    def on_fragment(self, frames, msg, server, source, relayer=None):
+        """A piece of a relayed reply, from its server (``relayer`` None: taken as it
+        comes) or passed on by worker ``relayer`` (taken once it matches the server's
+        digest; held until the digests are in). Only pieces of a reply to a request this
+        worker sent to that server are taken (bounded: one buffer per request)."""
+        expected, bound, keys = self.requests.sent_to(msg.req)
         if expected is None or expected != msg.sender:
-            raise JobAborted(f"{source} sent a piece of server {msg.sender}'s reply to "
+            raise RelayFault(f"{source} sent a piece of server {msg.sender}'s reply to "
                              f"request {msg.req}, which this worker did not send to that "
                              "server")
-        if msg.meta.get("relay"):
-            self._forward(frames, msg)
+        if relayer is None:
+            return self._take(frames, msg, server, source, msg.meta.get("relay"), bound)
+        check = self._check(msg.req, msg.sender, bound, keys)
+        try:
+            held = check.hold(frames, msg, relayer)
+        except P.ProtocolError as e:
+            raise RelayFault(str(e)) from None
+        self._release(check, held, server, bound)
+
+    def on_digest(self, msg, server):
+        """Server ``server``'s digests of the pieces of its reply to request ``msg.req``
+        that reach this worker through another: the pieces held for them are checked and
+        taken."""
+        expected, bound, keys = self.requests.sent_to(msg.req)
+        if expected is None or expected != server:
+            raise RelayFault(f"server {server} sent the digests of its reply to request "
+                             f"{msg.req}, which this worker did not send to it or has had "
+                             "answered")
+        check = self._check(msg.req, server, bound, keys)
+        try:
+            held = check.given(msg)
+        except P.ProtocolError as e:
+            raise RelayFault(str(e)) from None
+        self._release(check, held, server, bound)
+
+    def _check(self, req, server, bound, keys):
+        """The digests' check of request ``req``'s relayed reply (one per request this
+        worker sent and has not had answered)."""
+        check = self._checks.get(req)
+        if check is None:
+            check = self._checks[req] = D.Expected(
+                server, min(bound, self.env.max_message_bytes), keys)
+        return check
+
+    def _release(self, check, pieces, server, bound):
+        """Check ``pieces`` (in order) against ``check``, their server's digests, and
+        take those that match; a mismatch names the worker that passed the piece on."""
+        for frames, msg, relayer in pieces:
+            t0 = time.perf_counter()
+            error = check.mismatch(msg, frames[3:], relayer)
+            TIMELINE.span("digest", t0)
+            self.stats["digest_s"] += time.perf_counter() - t0
+            if error:
+                raise RelayFault(error)
+            if check.done:
+                self._checks.pop(msg.req, None)
+            self._take(frames, msg, server, f"worker {relayer}", check.relay, bound)
+
+    def _take(self, frames, msg, server, source, relay, bound):
+        """A piece known to be its server's: passed on first (to ``relay``'s first
+        worker), then added to its reply; the reply is delivered once its last piece is
+        in."""
+        if relay:
+            self._forward(frames, msg, relay)
         try:
             part = self._pieces.get(msg.req)
             if part is None:
@@ -83,20 +155,20 @@ class PullRelay:
             reply = P.decode(whole, max_bytes=self.env.max_message_bytes)
             P.check_meta(reply.kind, reply.meta)
         except P.ProtocolError as e:
-            raise JobAborted(f"{source} sent a malformed piece of a reply: {e}") from None
+            raise RelayFault(f"{source} sent a malformed piece of a reply: {e}") from None
         if reply.kind != P.Kind.REPLY or reply.sender != msg.sender:
-            raise JobAborted(f"{source} relayed a {reply.kind.name} of server {reply.sender} "
+            raise RelayFault(f"{source} relayed a {reply.kind.name} of server {reply.sender} "
                              f"as server {msg.sender}'s reply")
         reply.req = msg.req        # the pieces' request id is this worker's
         self.requests.deliver(reply, server)
 
-    def _forward(self, frames, msg):
-        """Pass a piece of a relayed reply on to the next worker of its chain, before
-        using it."""
-        (rank, req), rest = msg.meta["relay"][0], msg.meta["relay"][1:]
+    def _forward(self, frames, msg, relay):
+        """Pass a piece of a relayed reply on to the next worker of its chain ``relay``,
+        before using it."""
+        (rank, req), rest = relay[0], relay[1:]
         if rank == self.rank or rank >= self.num_workers or not self.relays \
                 or self.relays[rank] is None:
-            raise JobAborted(f"server {msg.sender} asked this worker to relay its reply to "
+            raise RelayFault(f"server {msg.sender} asked this worker to relay its reply to "
                              f"worker {rank}, which has no pull relay")
         sock = self._out.get(rank)
         if sock is None:
@@ -111,7 +183,10 @@ class PullRelay:
         meta = {k: v for k, v in msg.meta.items() if k != "relay"}
         if rest:
             meta["relay"] = rest
-        self.send(sock, F.forward(frames, req, meta))
+        out = F.forward(frames, req, meta)
+        if self.env.tamper_relay == self.rank:      # TEST ONLY: a forged relay
+            out = _tampered(out)
+        self.send(sock, out)
         self.stats["replies_relayed_out"] += 1
 
     def close(self):
@@ -121,3 +196,12 @@ class PullRelay:
             self.sock.close(0)
         if self.guard is not None:
             self.guard.close()
+
+
+def _tampered(frames):
+    """TEST ONLY (``SSDSGD_TAMPER_RELAY``): a piece as a worker that alters what it
+    relays would pass it on: the top bit of every 4th byte of its last data frame flipped
+    (the signs of float32 weights that start there). The next worker must refuse it."""
+    last = np.frombuffer(P.frame_buffer(frames[-1]), np.uint8).copy()
+    last[3::4] ^= 0x80
+    return list(frames[:-1]) + [last.tobytes()]

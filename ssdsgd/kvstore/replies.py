@@ -13,6 +13,7 @@ import zmq
 
 from . import protocol as P
 from . import fragments as F
+from . import piece_digests as D
 from .scheduler import JobAborted
 from ..timeline import RECORDER as TIMELINE, now, traced
 
@@ -237,11 +238,26 @@ class Replies:
                 pieces = [body]
             else:      # in pieces, so that each hop passes on the first while the rest come
                 pieces = F.fragments(body, head.req, self.rank, {"relay": chain})
+                self._send_digests(pieces, replies)
             trackers = [t for t in (self.send(head.ident, p) for p in pieces) if t is not None]
             tracker = zmq.MessageTracker(*trackers)
             for reply in replies:     # every reply's views are lent until these are sent
                 reply.tracker = tracker
                 self.sent(reply)
+
+    @traced("digest")
+    def _send_digests(self, pieces, replies):
+        """Every worker of a chain but the first gets the reply's pieces through another
+        worker: this server sends it, on its own connection, the digests of the pieces and
+        the rest of the chain after it, so it can refuse a piece altered on the way
+        (``piece_digests``; docs/spec/pull_relay.md). Sent before the pieces."""
+        digests = D.of_pieces(pieces)
+        for i, reply in enumerate(replies[1:], 2):
+            meta = {"digests": digests}
+            if i < len(replies):
+                meta["relay"] = [[r.peer.rank, r.req] for r in replies[i:]]
+            self.send(reply.ident, P.Message(P.Kind.DIGEST, sender=self.rank, req=reply.req,
+                                             meta=meta))
 
     # ---- lending -------------------------------------------------------------------
     def reclaim(self, shard):

@@ -53,9 +53,9 @@ class Requests:
         msg.req, msg.sender = next(self._req), sender
 
     def expect(self, req, relayed_from=None):
-        """The future of request ``req``'s reply; ``relayed_from``: (server, byte bound)
-        of a reply other workers may pass on (its pieces are taken only as that server's,
-        and only up to the bound)."""
+        """The future of request ``req``'s reply; ``relayed_from``: (server, byte bound,
+        keys) of a reply other workers may pass on (its pieces are taken only as that
+        server's, and only up to the bound; the keys name it in errors)."""
         fut = concurrent.futures.Future()
         with self.lock:
             self._futures[req] = fut
@@ -74,10 +74,10 @@ class Requests:
             return self._control.pop(kind, None)
 
     def sent_to(self, req):
-        """(server, byte bound) of request ``req``, if its reply may be relayed; else
-        (None, 0)."""
+        """(server, byte bound, keys) of request ``req``, if its reply may be relayed;
+        else (None, 0, ())."""
         with self.lock:
-            return self._reply_from.get(req, (None, 0))
+            return self._reply_from.get(req, (None, 0, ()))
 
     def deliver(self, msg, server):
         """A server's answer (received from it, or relayed) to the future that waits."""
