@@ -77,6 +77,7 @@ class WorkerClient:
         # (The settings refuse a quorum with asgd and with relayed pulls.)
         self.quorum = quorum_size(env.quorum, self.num_workers) < self.num_workers
         self.relays = self.topology.get("relays")
+        self.relay_on = env.pull_relay == "chain"   # auto: the stage machine's choice
         self.coder = PushCoder()  # the job's compression and this worker's residuals
         # SSDSGD_PIPELINE_PIECES: fixed, or timed on this worker's pulling pushes (auto)
         self.pieces = PieceTuner(count_or_auto(env.pipeline_pieces))

@@ -2,7 +2,7 @@
 
 A worker that passes pieces on could alter them; its key lets it connect, not lie. So the
 server sends every worker that gets a reply through another worker, on its own
-authenticated connection, one DIGEST message: a BLAKE2b digest of each piece (its server,
+authenticated connection, one DIGEST message: a SHA-256 digest of each piece (its server,
 index, count, the frame sizes the first announces, and its bytes) and the rest of the
 chain after that worker. The worker checks each relayed piece against it before it uses
 or passes it on, and names the worker that sent it if it does not match.
@@ -15,7 +15,9 @@ import struct
 from .protocol import HEADER, MAX_META_BYTES, ProtocolError, frame_buffer
 
 SIZE = 32                       # bytes of a digest (64 hexadecimal digits on the wire)
-PERSON = b"ssdsgd-piece-v1"     # BLAKE2b's personalization: these digests and no others
+PERSON = b"ssdsgd-piece-v1\0"   # hashed first: these digests and no others
+# SHA-256, not BLAKE2b: OpenSSL's SHA-256 (SHA extensions) hashed 2.2x faster here
+# (295 against 131 MB/s on a loaded 2-core machine), and a relay job hashes every piece.
 _IDENTITY = struct.Struct("<iII")   # server, piece index, number of pieces
 
 
@@ -23,7 +25,7 @@ def digest(server, index, count, sizes, data):
     """The hexadecimal digest of piece ``index`` of ``count`` of server ``server``'s
     reply: ``sizes`` (the first piece's frame sizes, else None), ``data`` its data frames
     (bytes, memoryviews or zmq.Frames; hashed in place, no copy)."""
-    h = hashlib.blake2b(digest_size=SIZE, person=PERSON)
+    h = hashlib.sha256(PERSON)
     h.update(_IDENTITY.pack(server, index, count))
     if sizes is not None:
         h.update(struct.pack(f"<I{len(sizes)}q", len(sizes), *sizes))
