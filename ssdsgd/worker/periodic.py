@@ -28,6 +28,8 @@ class PeriodicSync:
         self.since_sync = 0       # local steps since the last sync (the final sync's)
 
     def set_optimizer(self, spec):
+        """The Trainer's optimizer, as described to the servers: the worker's copy is
+        built from it at the first local step."""
         if self.opt is not None:
             raise RuntimeError(f"algorithm {self.env.algorithm}: the optimizer was set again "
                                "after the warm-up; the servers run the outer step now")
