@@ -59,7 +59,8 @@ from .worker.machine import StageMachine
 NAME = "ssd_sync"   # what users pass as kvstore=; MXNet registers SSD_Sync under it
 # kv.type by algorithm: the native type whose semantics it has (see above).
 TYPES = {"ssgd": "dist_sync_ssdsgd", "ssd": "dist_sync_ssdsgd", "asgd": "dist_async_ssdsgd",
-         "preduce": "dist_preduce_ssdsgd"}
+         "preduce": "dist_preduce_ssdsgd", "localsgd": "dist_sync_ssdsgd",
+         "diloco": "dist_sync_ssdsgd"}
 NAMES = frozenset({NAME, *TYPES.values()})    # every name that creates an ssdsgd store
 
 # ssdsgd's own errors already say what went wrong and which peer or setting caused it.

@@ -17,7 +17,7 @@ from ssdsgd.checkpoint import checkpoint_bytes
 from ssdsgd.metrics import Speedometer, kv_metrics, net_figures, summarize
 from ssdsgd.settings import count_or_auto
 from ssdsgd.sync.auto import K_UNTIMED
-from ssdsgd.sync.stage import Stage, plan
+from ssdsgd.sync.stage import Stage, plan, syncs_periodically
 
 log = logging.getLogger("ssdsgd.train")
 
@@ -68,8 +68,9 @@ def stage_of(run, m: dict | None = None):
     if "stage" in m:
         return Stage(m["stage"])
     s = run.config.sync          # not the stage machine: ssgd/asgd/preduce, or k pinned
-    return plan(max(run.step - 1, 0), s.algorithm, run.warmup,
-                count_or_auto(s.delay_steps) or K_UNTIMED).stage
+    period = s.sync_period if syncs_periodically(s.algorithm) else \
+        count_or_auto(s.delay_steps) or K_UNTIMED      # localsgd, diloco: H in k's place
+    return plan(max(run.step - 1, 0), s.algorithm, run.warmup, period).stage
 
 
 def lr_at(run, num_update: int) -> float:

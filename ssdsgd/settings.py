@@ -317,13 +317,25 @@ SETTINGS = (
             choices=("abort", "restart", "continue")),
     # --- the synchronization (docs/spec)
     Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync), asgd (like "
-            "dist_async) or preduce (Prague's partial reduce: groups of sync.group_size "
-            "ready workers average their models; docs/spec/preduce.md)",
+            "dist_async), preduce (Prague's partial reduce: groups of sync.group_size "
+            "ready workers average their models; docs/spec/preduce.md), localsgd (post-local "
+            "SGD: after the warm-up the workers' own optimizer steps, their models averaged "
+            "every sync.sync_period steps) or diloco (DiLoCo: the same, with the servers' "
+            "Nesterov outer step on the mean model delta; docs/spec/localsgd_diloco.md)",
             env="SSDSGD_ALGORITHM", path="sync.algorithm",
-            choices=("ssd", "ssgd", "asgd", "preduce")),
+            choices=("ssd", "ssgd", "asgd", "preduce", "localsgd", "diloco")),
     Setting("group_size", int, 2, "P: workers whose models one partial reduce averages "
             "(algorithm preduce; 2 <= P <= N)", env="SSDSGD_GROUP_SIZE",
             path="sync.group_size", min=2),
+    Setting("sync_period", int, 4, "H: local steps between two model syncs after the "
+            "warm-up (algorithms localsgd and diloco; docs/spec/localsgd_diloco.md)",
+            env="SSDSGD_SYNC_PERIOD", path="sync.sync_period", min=1, max=1 << 20),
+    Setting("outer_lr", float, 0.7, "diloco: the learning rate of the servers' outer "
+            "Nesterov step on the mean model delta (DiLoCo's published value)",
+            env="SSDSGD_OUTER_LR", path="sync.outer_lr", above=0.0, max=100.0),
+    Setting("outer_momentum", float, 0.9, "diloco: the momentum of the servers' outer "
+            "Nesterov step (DiLoCo's published value)", env="SSDSGD_OUTER_MOMENTUM",
+            path="sync.outer_momentum", min=0.0, max=0.999),
     Setting("warmup_steps", str, "auto", "T_w: synchronous warm-up steps; auto: 5 % of the "
             "run (SSDSGD_TOTAL_STEPS), at least 4 and at most 500, or 100 if the run's length "
             "is unknown (docs/auto.md)", env="SSDSGD_WARMUP_STEPS", path="sync.warmup_steps",

@@ -199,7 +199,7 @@ class SSD_Sync(KVStoreBase):
             self._machine.step(entries)
 
     def push(self, key, value, priority=0):
-        if self._env.algorithm in ("ssd", "preduce"):
+        if self._env.algorithm in ("ssd", "preduce", "localsgd", "diloco"):
             raise NotImplementedError(f"with algorithm {self._env.algorithm} use pushpull (as "
                                       "the Trainer does): a separate push and pull cannot "
                                       "follow the step schedule")
@@ -362,11 +362,13 @@ class SSD_Sync(KVStoreBase):
     def finish(self):
         """End this worker's steps now rather than at ``close()`` where the final model
         needs every worker: preduce's last group (``average_all``), a quorum's final pull
-        (docs/spec/quorum.md rule 4). Returns True if it did (the parameters hold the
-        final model), False (a no-op) otherwise. A worker that waits for the others
-        after its last step (rank 0 for their end records) must call it first: a slow
-        worker's rounds may still count on it."""
-        if self._env.algorithm == "preduce" or self._machine.quorum:
+        (docs/spec/quorum.md rule 4), localsgd's and diloco's last sync of the steps
+        since the previous one (docs/spec/localsgd_diloco.md). Returns True if it did
+        (the parameters hold the final model), False (a no-op) otherwise. A worker that
+        waits for the others after its last step (rank 0 for their end records) must
+        call it first: a slow worker's rounds may still count on it."""
+        if self._env.algorithm == "preduce" or self._machine.quorum or \
+                self._machine.periodic is not None:
             self._machine.finish()
             return True
         return False
@@ -389,7 +391,7 @@ class SSD_Sync(KVStoreBase):
 # pass (``'dist' in args.kv_store``); each refuses a job whose algorithm has another mode.
 @KVStoreBase.register
 class Dist_Sync_SSDSGD(SSD_Sync):
-    ALGORITHMS = ("ssgd", "ssd")
+    ALGORITHMS = ("ssgd", "ssd", "localsgd", "diloco")
 
 
 @KVStoreBase.register

@@ -263,8 +263,8 @@ def time_for_checkpoint(run: Run) -> bool:
 def checkpoint(run: Run, next_epoch: int, next_batch: int) -> None:
     """Every worker, between two steps (the same step on all): a checkpoint whose data
     position is (next_epoch, next_batch). Each worker saves its own state; rank 0 the
-    global model (in the steps-delay stage its own weights are local ones: it pulls the
-    servers'), the servers' optimizer states, and, once every worker has saved (a
+    global model (in the steps-delay stage and in localsgd's and diloco's local steps its
+    own weights are local ones: it pulls the servers'), the servers' optimizer states, and, once every worker has saved (a
     barrier), latest.json, which names them all."""
     stem = (f"epoch-{next_epoch - 1:04d}" if next_batch == 0 else f"step-{run.step:08d}")
     ck = run.run_dir / "checkpoints"
@@ -274,7 +274,8 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int) -> None:
         save_local_params(run.net, ck / f"{stem}.worker-{run.rank}.local.params")
     if run.rank == 0:
         weights = (pull_global(run.kv, run.trainer, into_params=False)
-                   if run.kv is not None and stage_of(run) == Stage.STEPS_DELAY else None)
+                   if run.kv is not None and stage_of(run) in (Stage.STEPS_DELAY,
+                                                               Stage.LOCAL_STEPS) else None)
         states = save_states(run.run_dir, run.trainer, stem)
         params = save_params(run.run_dir, run.net, stem, weights)
     if run.kv is not None:

@@ -186,6 +186,12 @@ def test_the_stage_rule_and_the_steps_ahead_bound_follow_the_registry():
     assert stage.plan(9, "preduce", 2, 3) == stage.StepPlan(stage.Stage.PREDUCE, False, False)
     assert stage.steps_ahead_bound("ssd", 7) == 9
     assert {stage.steps_ahead_bound(a, 7) for a in ("ssgd", "asgd", "preduce")} == {3}
+    for algorithm in ("localsgd", "diloco"):    # T_w = 2, H = 3: a sync every third step
+        assert [stage.plan(t, algorithm, 2, 3) for t in range(0, 6)] == [
+            stage.StepPlan(stage.Stage.WARMUP, True, True)] * 2 + [
+            stage.StepPlan(stage.Stage.LOCAL_STEPS, False, sync) for sync in
+            (False, False, True, False)]
+        assert stage.steps_ahead_bound(algorithm, 7) == 3
 
 
 def test_the_table_in_the_training_docs_is_the_registrys():

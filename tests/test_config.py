@@ -178,7 +178,8 @@ def test_sync_env_matches_design_doc_names(tmp_path):
                                     "delay_steps": 3, "local_rule": "sgd",
                                     "glu_state": "exact", "lr_local": 0.5}))
     assert sync_env(cfg) == {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_GROUP_SIZE": "2",
-                             "SSDSGD_WARMUP_STEPS": "7",
+                             "SSDSGD_SYNC_PERIOD": "4", "SSDSGD_OUTER_LR": "0.7",
+                             "SSDSGD_OUTER_MOMENTUM": "0.9", "SSDSGD_WARMUP_STEPS": "7",
                              "SSDSGD_DELAY_STEPS": "3", "SSDSGD_LOCAL_RULE": "sgd",
                              "SSDSGD_GLU_STATE": "exact", "SSDSGD_LR_LOCAL": "0.5",
                              "SSDSGD_PULL_SCHEDULE": "aligned", "SSDSGD_PULL_RELAY": "auto"}

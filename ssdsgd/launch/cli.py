@@ -189,13 +189,19 @@ def _prepare(args):
 
 
 def _warn_whole_warmup(config, length):
-    """SSD-SGD whose synchronous warm-up is as long as the run never delays a pull."""
+    """SSD-SGD (localsgd, diloco) whose synchronous warm-up is as long as the run never
+    delays a pull (never takes a local step)."""
     from ..config import resolve_warmup_steps
+    from ..sync.stage import delays_pulls, syncs_periodically
     warmup = resolve_warmup_steps(config, length.steps_per_epoch)
-    if config.sync.algorithm == "ssd" and warmup >= length.total_steps:
+    algorithm = config.sync.algorithm
+    if (delays_pulls(algorithm) or syncs_periodically(algorithm)) and \
+            warmup >= length.total_steps:
+        after = ("the steps-delay stage never starts" if delays_pulls(algorithm) else
+                 "no local step is ever taken")
         print(f"[launcher] warning: the warm-up ({warmup} steps, sync.warmup_steps or "
               f"sync.warmup_epochs) covers the whole run ({length.total_steps} steps): every "
-              "step is synchronous SGD and the steps-delay stage never starts", file=sys.stderr,
+              f"step is synchronous SGD and {after}", file=sys.stderr,
               flush=True)
 
 

@@ -173,7 +173,10 @@ class Schedule:
         self.warmup_steps, why_w = warmup_steps(env.warmup_steps, env.total_steps)
         self.choices = {"warmup_steps": {"value": self.warmup_steps, "why": why_w}}
         self.delay_steps = None if is_auto(env.delay_steps) else int(env.delay_steps)
-        if self.delay_steps is not None:
+        if stage.syncs_periodically(self.algorithm):   # localsgd, diloco: H plays k's part
+            self.delay_steps = env.sync_period
+            self.choices["sync_period"] = {"value": self.delay_steps, "why": "pinned"}
+        elif self.delay_steps is not None:
             self.choices["delay_steps"] = {"value": self.delay_steps, "why": "pinned"}
         self.relay_workers = relay_workers if is_auto(env.pull_relay) else 0
         self.relay = None if self.relay_workers else env.pull_relay == "chain"
@@ -190,6 +193,9 @@ class Schedule:
             self._chosen()
         if stage.delays_pulls(self.algorithm):
             self.say(self.describe())
+        elif stage.syncs_periodically(self.algorithm):
+            self.say(f"warm-up {self.warmup_steps} steps ({why_w}); then a model sync every "
+                     f"{self.delay_steps} steps (sync.sync_period)")
 
     def compress_auto(self, measure):
         """``sync.compression: auto`` (the Trainer's ``compression_params={'type':

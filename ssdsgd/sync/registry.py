@@ -106,6 +106,8 @@ class Algorithm:
     tested: Mapping[str, str]     # feature -> the test that runs it (file::name)
     refused: Mapping[str, str]    # feature -> why it is refused
     doc: str = ""
+    outer: str = ""   # "periodic" stage: the servers' outer step on the mean model delta,
+    #                   "average" (SGD lr 1: the mean model) or "nesterov" (DiLoCo's NAG)
 
 
 _ORACLE = "tests/test_ssd_oracle.py::"
@@ -117,6 +119,20 @@ _CONTINUE = "tests/test_recovery.py::test_with_continue_a_killed_worker_leaves_a
 _ASGD_DIVERGES = ("a digits job resumed while its workers ran at different speeds "
                   "diverged; not supported until that is mended")
 _NO_PERIOD = "every step waits for its weights: there is no pull period to stagger"
+_PERIODIC = "tests/test_periodic_oracle.py::"
+# localsgd and diloco (docs/spec/localsgd_diloco.md): what they refuse, and why
+_PERIODIC_REFUSED = {
+    "compression": "one codec setting would code the warm-up's gradients and the model "
+                   "deltas, which differ in units (a 2bit threshold fit for one is not for "
+                   "the other) and share one residual; no test runs it",
+    "relay": "no test relays the replies of a model average",
+    "quorum": "an average of fewer than N models has no rule in docs/spec/localsgd_diloco.md",
+    "staggered": "every worker syncs at the same step: the average needs all N deltas",
+    "restart": "a worker's own optimizer state is not in a checkpoint yet",
+    "continue": "no test runs a model average without a dead worker; use abort",
+    "resume": "a worker's own optimizer state and local weights are not in a checkpoint "
+              "yet (docs/spec/localsgd_diloco.md)",
+}
 
 ALGORITHMS = {a.name: a for a in (
     Algorithm("ssd", "sum", "steps_delay", doc="SSD-SGD: synchronous warm-up, then a pull "
@@ -163,6 +179,18 @@ ALGORITHMS = {a.name: a for a in (
                   "continue": "a group could wait for the dead worker; no test runs it",
                   "resume": "no test resumes a partial reduce, where each worker keeps a "
                             "model of its own"}),
+    Algorithm("localsgd", "sum", "periodic", outer="average", doc="post-local SGD: SSD's "
+              "synchronous warm-up, then the workers' own optimizer steps and their models "
+              "averaged on the servers every H steps (docs/spec/localsgd_diloco.md)",
+              tested={"checkpoint": _PERIODIC + "test_localsgd_and_diloco_configs_train_"
+                                                "with_checkpoints"},
+              refused=_PERIODIC_REFUSED),
+    Algorithm("diloco", "sum", "periodic", outer="nesterov", doc="DiLoCo: SSD's synchronous "
+              "warm-up, then H steps of the workers' own optimizer, and the servers' Nesterov "
+              "step on the mean model delta (docs/spec/localsgd_diloco.md)",
+              tested={"checkpoint": _PERIODIC + "test_localsgd_and_diloco_configs_train_"
+                                                "with_checkpoints"},
+              refused=_PERIODIC_REFUSED),
 )}
 
 

@@ -7,7 +7,10 @@ entry in ``ssdsgd.sync.registry``). The spec fixes the reset points, so the whol
 schedule is known in advance: warm-up steps (t < T_w) and every step of ``ssgd``/``asgd``
 push and wait for the weights; a steps-delay step pushes without waiting and requests
 the global weights when (t - T_w) mod k = k - 1, to be waited for one step later; a
-``preduce`` step is local and then averaged with a group, never pulled.
+``preduce`` step is local and then averaged with a group, never pulled. ``localsgd`` and
+``diloco`` (docs/spec/localsgd_diloco.md) warm up as ssd does; after it each step is a
+local step, and every H-th (``(t - T_w) mod H = H - 1``) also syncs: the worker pushes
+its model delta and waits for the new global weights (H takes k's place in ``plan``).
 
 With ``pull_schedule: staggered`` (docs/spec/staggered_pulls.md) worker i requests when
 (t - T_w + o_i) mod k = k - 1, o_i = floor(i k / N): the N pulls of a period leave on
@@ -27,6 +30,7 @@ class Stage(str, enum.Enum):
     SSGD = "ssgd"                # algorithm ssgd: every step synchronous (dist_sync)
     ASGD = "asgd"                # algorithm asgd: the server applies each push (dist_async)
     PREDUCE = "preduce"          # algorithm preduce: local step, then a group's average
+    LOCAL_STEPS = "local_steps"  # localsgd, diloco, t >= T_w: local steps, a sync every H
 
     def __str__(self):
         return self.value
@@ -69,7 +73,14 @@ def _steps_delay(t, algorithm, warmup_steps, delay_steps, offset):
                     (t - warmup_steps + offset) % delay_steps == delay_steps - 1)
 
 
-RULES = {"synchronous": _synchronous, "local": _local, "steps_delay": _steps_delay}
+def _periodic(t, algorithm, warmup_steps, period, offset):
+    if t < warmup_steps:
+        return StepPlan(Stage.WARMUP, True, True)
+    return StepPlan(Stage.LOCAL_STEPS, False, (t - warmup_steps) % period == period - 1)
+
+
+RULES = {"synchronous": _synchronous, "local": _local, "steps_delay": _steps_delay,
+         "periodic": _periodic}
 
 
 def plan(t, algorithm, warmup_steps, delay_steps, offset=0):
@@ -80,6 +91,12 @@ def plan(t, algorithm, warmup_steps, delay_steps, offset=0):
 def delays_pulls(algorithm):
     """True if the algorithm has a steps-delay stage (a local rule between pulls)."""
     return ALGORITHMS[algorithm].stage == "steps_delay"
+
+
+def syncs_periodically(algorithm):
+    """True for localsgd and diloco: after the warm-up, local steps and a model sync
+    every H = sync.sync_period steps."""
+    return ALGORITHMS[algorithm].stage == "periodic"
 
 
 def steps_ahead_bound(algorithm, delay_steps):

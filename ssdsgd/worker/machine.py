@@ -17,7 +17,9 @@ k + 1 steps of pushes beyond the last global weights it received (it waits for e
 one step after requesting it), which bounds memory on both sides.
 
 ``preduce`` (docs/spec/preduce.md) has no stage schedule: its steps are ``preduce.py``'s
-(the Trainer's optimizer on the worker's own weights, then its group's average). The
+(the Trainer's optimizer on the worker's own weights, then its group's average).
+``localsgd`` and ``diloco`` (docs/spec/localsgd_diloco.md) warm up here as ssd does; their
+local steps and model syncs after it are ``periodic.py``'s. The
 synchronous steps a key-by-key script queues on MXNet's engine (``step_deferred``) are
 ``deferred.py``'s: they complete on the I/O thread.
 
@@ -34,10 +36,11 @@ from ..mxglue import hostcopy
 from ..mxglue.optimizer_spec import build
 from . import checkpoint_state
 from .deferred import DeferredSteps, device_sum
+from .periodic import PeriodicSync
 from .preduce import PreduceSteps
 from ..kvstore.compression import Compression, measure_codecs
 from ..sync.auto import CodecCost, Schedule
-from ..sync.stage import Stage, delays_pulls, steps_ahead_bound
+from ..sync.stage import Stage, delays_pulls, steps_ahead_bound, syncs_periodically
 from ..timeline import RECORDER as TIMELINE, now
 
 
@@ -95,6 +98,8 @@ class StageMachine:
             client.num_workers if getattr(client, "relays", None) else 0),
             on_choice=self._take_choice)
         self.preduce = PreduceSteps(client, self.keys, self.counts)
+        self.periodic = (PeriodicSync(client, self.keys, self.counts, env)
+                         if syncs_periodically(env.algorithm) else None)
         self.deferred = DeferredSteps(client, self.keys)   # steps queued on MXNet's engine
         self.final_done = False      # quorum: the final pull is answered
         # What hostcopy learnt of each key's gradient, weights and local state arrays, kept
@@ -108,6 +113,8 @@ class StageMachine:
         self.preduce.updater = updater
         self.schedule.learn_length(spec, self.t)
         self.rule = None
+        if self.periodic is not None:
+            self.periodic.set_optimizer(spec)
         if delays_pulls(self.env.algorithm):
             self.rule = make_local_rule(self.env.local_rule, lambda: build(spec),
                                         self.client.num_workers, self.env.glu_state,
@@ -160,8 +167,11 @@ class StageMachine:
         self.schedule.after_step(self.t, self.client.barrier)   # every worker, same step
 
     def _stage_step(self, entries):
-        """ssgd, asgd, ssd: the stage of step t (sync/stage.py)."""
+        """ssgd, asgd, ssd, and localsgd's and diloco's warm-up: the stage of step t
+        (sync/stage.py)."""
         p = self.schedule.plan(self.t)
+        if p.stage is Stage.LOCAL_STEPS:
+            return self.periodic.step(entries, self.t, p.request_pull)
         if not p.synchronous:
             self._check_steps_delay(entries)
             self._fetch_state(entries)
@@ -214,8 +224,10 @@ class StageMachine:
 
     def _wants_state(self, p):
         """The exact glu state travels with the pulls that reset the local rule: every
-        steps-delay pull, and the last warm-up step's (the first reset's)."""
-        needs_state = self.rule is not None and self.rule.needs_state
+        steps-delay pull, and the last warm-up step's (the first reset's; localsgd's and
+        diloco's local optimizer continues from it)."""
+        needs_state = (self.rule is not None and self.rule.needs_state) or \
+            self.periodic is not None
         return needs_state and p.request_pull and \
             (not p.synchronous or self.t == self.schedule.warmup_steps - 1)
 
@@ -356,10 +368,13 @@ class StageMachine:
     def finish(self):
         """End of training in the steps-delay stage: replace w_i by the global weights of
         the last step, so every worker ends with the same, global, model. preduce: the
-        last group, of every worker, averages all their models."""
+        last group, of every worker, averages all their models. localsgd, diloco: a last
+        sync of the local steps since the previous one."""
         self.settle()
         if self.env.algorithm == "preduce":
             return self.preduce.finish()
+        if self.periodic is not None:
+            return self.periodic.finish(self.t - 1)
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
