@@ -2,6 +2,7 @@
 and ZeroMQ CURVE with ``--secure``. A process without the job's keys, or with wrong ones,
 cannot register or push, and the job ends with the weights of an undisturbed run."""
 import os
+import re
 import socket
 import stat
 import threading
@@ -291,14 +292,20 @@ def _hello(captured):
 
 
 def _raw_replay(port, captured):
-    """Send a captured client's bytes as they were; what the binder answers until it
-    closes the connection (bounded: 10 s)."""
+    """Send a captured client's bytes as a client sends them (ZMTP: the signature, the
+    rest of the greeting once the binder's signature came, the commands once its greeting
+    came); what the binder answers until it closes the connection (bounded: 10 s)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(captured)
         answer = b""
         try:
-            while chunk := s.recv(65536):
-                answer += chunk
+            for part, wait_for in ((captured[:10], 10), (captured[10:64], 64),
+                                   (captured[64:], None)):
+                s.sendall(part)
+                while wait_for is None or len(answer) < wait_for:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        return answer
+                    answer += chunk
         except OSError:
             pass
     return answer
@@ -333,7 +340,7 @@ def test_a_captured_plain_handshake_is_refused_when_replayed():
         captured = bytes(proxy.sent)
         assert b"\x07WELCOME" in proxy.received          # the original was admitted
         answer = _raw_replay(server0.port, captured)
-        assert b"\x07WELCOME" not in answer and b"\x05ERROR" in answer, answer
+        assert len(answer) >= 64 and b"\x07WELCOME" not in answer, answer   # greeting only
         assert server0.said("replays a handshake already admitted")
         user, password = _hello(captured)
         assert user.startswith(b"worker 0;")
@@ -343,7 +350,8 @@ def test_a_captured_plain_handshake_is_refused_when_replayed():
         secret = bytes.fromhex(keys["worker 0"].own["secret"])
         old = PH.credentials(secret, "worker 0", "server 0", now=time.time() - 1000)
         assert not server0.handshake(_plain(*old))
-        assert "dated -1000 s from this host's clock" in server0.said("dated")
+        assert re.search(r"dated -100[01] s from this host's clock \(at most 120 s\)",
+                         server0.said("dated"))
         assert server0.handshake(lambda s: Guard(keys["worker 0"], print).client(s, "server 0"))
     finally:
         server0.close()
@@ -413,14 +421,17 @@ def test_a_stray_connection_to_a_workers_relay_is_refused(tmp_path, tmp_path_fac
                                     records=P.make_records([(0, 50, 0, 4, F32, 1)]),
                                     tensors=[[np.full(4, 1e6, F32)]]))
         other = JobKeys.generate(secure=secure)
+        insider = job_keys(job, "worker 0")
         admitted = {}
         for node in ("worker 1", "worker 2"):
             address = job.address(node)
-            for name, configure in (("no keys", None),
-                                    ("another job's keys",
-                                     lambda s, n=node: Guard(other, print).client(s, n))):
+            strays = [("no keys", None),
+                      ("another job's keys", lambda s, n=node: Guard(other, print).client(s, n))]
+            if secure:     # the relay's public key (public) and a client key of its own
+                strays.append(("its own CURVE key",
+                               _attackers(True, insider)[-1][1](node)))
+            for name, configure in strays:
                 admitted[f"{name} -> {node}"] = _connects(address, configure, forged)
-        insider = job_keys(job, "worker 0")
         assert _connects(job.address("worker 2"),
                          lambda s: Guard(insider, print).client(s, "worker 2"))
         assert not any(admitted.values()), admitted
