@@ -82,14 +82,16 @@ def check_running_job(run_dir, count):
     mark = str(run_dir).encode()
     ours = {pid: p for pid, p in procs.items() if mark in p[0] or mark in p[1]}
     secrets = job_secrets(run_dir, ours)
-    assert leaks(secrets, procs) == []
+    found = leaks(secrets, procs)
+    assert found == [], "\n".join(found[:8])
     assert any(b"SSDSGD_LAUNCH_SPEC=" in env for env, _ in ours.values()), \
         "no process of the group command was seen"
     dirs = glob.glob(os.path.join(str(run_dir), ".ssdsgd-keys-*"))
     assert len(dirs) == 1, dirs
     files = sorted(glob.glob(os.path.join(dirs[0], "keys-*.json")))
     assert len(files) == count and len(secrets) == count, (files, secrets.values())
-    assert os.stat(dirs[0]).st_mode & 0o777 == 0o700
-    assert all(os.stat(f).st_mode & 0o777 == 0o600 for f in files)
-    assert set(key_paths(ours).values()) == set(files)
+    assert os.stat(dirs[0]).st_mode & 0o777 == 0o700, dirs
+    assert all(os.stat(f).st_mode & 0o777 == 0o600 for f in files), files
+    given = set(key_paths(ours).values())
+    assert given == set(files), (given, files)
     return Path(dirs[0])
