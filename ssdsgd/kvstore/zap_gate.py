@@ -15,6 +15,17 @@ from zmq.utils import z85
 from . import plain_handshake as PH
 
 
+def plain_identity(keys, replays, username, password):
+    """(the identity a PLAIN handshake proves, None): "" for the job's one file; or
+    (None, why not). ``replays``: the binder's plain_handshake.ReplayWindow."""
+    parts = PH.parse(username)
+    held = keys.plain_key(parts[0]) if parts else None
+    if held is None:
+        return None, "it does not hold a key of this job (not this job's PLAIN handshake)"
+    why = replays.check(held[1], username, password, keys.binder)
+    return (None, why) if why else (held[0], None)
+
+
 def make_gate(ctx, keys, log):
     """The ZAP handler of a process that binds a port (pyzmq's authenticator thread,
     imported here: a worker without a pull relay only connects, and never loads asyncio
@@ -36,11 +47,11 @@ def make_gate(ctx, keys, log):
         async def handle_zap_message(self, msg):
             self.peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
             if len(msg) == 8 and msg[0] == VERSION and msg[5] == b"PLAIN":
-                name = self._plain(*(c.decode("utf-8", "replace") for c in msg[6:]))
-                if name is None:       # the User-Id is the identity, not the username
-                    self._send_zap_reply(msg[1], b"400", b"not a process of this job")
-                else:
-                    self._send_zap_reply(msg[1], b"200", b"OK", name)
+                name, why = plain_identity(keys, self._replays,
+                                           *(c.decode("utf-8", "replace") for c in msg[6:]))
+                ok = name == "" or self._admitted(name, why)    # User-Id: the identity
+                self._send_zap_reply(msg[1], b"200" if ok else b"400",
+                                     b"OK" if ok else b"not a process of this job", name or "")
                 return
             await super().handle_zap_message(msg)
 
@@ -60,18 +71,6 @@ def make_gate(ctx, keys, log):
             else:
                 return True
             return False
-
-        def _plain(self, username, password):
-            """The identity a PLAIN handshake proves ("": the job's one file), or None."""
-            parts = PH.parse(username)
-            held = keys.plain_key(parts[0]) if parts else None
-            why = (self._replays.check(held[1], username, password, keys.binder) if held
-                   else "it does not hold a key of this job (not this job's PLAIN handshake)")
-            name = held[0] if held and why is None else None
-            return name if name == "" or self._admitted(name, why) else None
-
-        def _authenticate_plain(self, domain, username, password):
-            return False, b"not a process of this job"     # handle_zap_message's job
 
         def callback(self, domain, key):
             """CURVE: only the job's keys; remembers whose key it is (the User-Id)."""
