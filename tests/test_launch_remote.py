@@ -204,6 +204,8 @@ def test_a_killed_launcher_leaves_nothing_on_any_host(hosts, tmp_path, launcher,
     with start(hosts, job(hosts, LONG, tmp_path, launcher=launcher), log) as p:
         wait_for(log, "job started", p)
         assert set(hosts.job_pids()) == set(hosts.names)    # a process on every host
+        if launcher == "mpi":
+            keydir, = run_dir_of(tmp_path / "runs").glob(".ssdsgd-keys-*")
         p.send_signal(sig)
         p.wait(timeout=LEFT_S)
         t0 = time.monotonic()
@@ -212,6 +214,11 @@ def test_a_killed_launcher_leaves_nothing_on_any_host(hosts, tmp_path, launcher,
         if sig == signal.SIGTERM:
             assert p.returncode == 143
             assert "[launcher] SIGTERM: stopping every process" in log.read_text()
+    if launcher == "mpi":    # its key directory, in the run directory: the janitor's
+        deadline = time.monotonic() + 10
+        while keydir.exists():
+            assert time.monotonic() < deadline, f"{keydir} is left"
+            time.sleep(0.1)
 
 
 @needs_mpirun
