@@ -75,13 +75,13 @@ def job_keys(job, node="server 0"):
     return load_keys(path.split(b"=", 1)[1].decode())
 
 
-def undisturbed_weights(tmp_path_factory, steps, env):
-    """Worker 0's final weights of the same job with nobody disturbing it (one run per
-    test session and settings)."""
-    tag = "-".join([str(steps)] + [f"{k}={v}" for k, v in sorted(env.items())])
+def undisturbed_weights(tmp_path_factory, steps, env, n=2):
+    """Worker 0's final weights of the same job (``n`` workers) with nobody disturbing
+    it (one run per test session and settings)."""
+    tag = "-".join([str(steps), str(n)] + [f"{k}={v}" for k, v in sorted(env.items())])
     out = tmp_path_factory.getbasetemp() / f"undisturbed-{abs(hash(tag))}"
     if not (out / "final-rank0.npz").exists():
-        job = LiveJob(out, steps=steps, env=env)
+        job = LiveJob(out, n=n, steps=steps, env=env)
         assert job.wait() == 0, job.text[-3000:]
     return load_npz(out / "final-rank0.npz")
 

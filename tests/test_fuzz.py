@@ -148,7 +148,8 @@ def test_a_live_job_survives_fuzzed_messages(tmp_path, tmp_path_factory):
             assert time.monotonic() < deadline and job.proc.poll() is None, job.text[-3000:]
             time.sleep(0.05)
         rng = random.Random(12)
-        socks = [dealer(a, guard.client) for a in addresses for _ in range(3)]
+        socks = [dealer(a, lambda s, p=peer: guard.client(s, p))
+                 for a, peer in zip(addresses, ("scheduler", "server 0")) for _ in range(3)]
         sent, answered, until = 0, 0, time.monotonic() + 60
         while sent < MESSAGES and time.monotonic() < until and job.proc.poll() is None:
             sock = rng.choice(socks)

@@ -289,7 +289,7 @@ def test_only_processes_with_the_job_key_can_register(job_factory, tmp_path):
         for stray in strays:
             assert not stray.poll(500), "a stray got an answer from the scheduler"
         log = job.wait_log("scheduler", "refused a connection")
-        assert "wrong PLAIN token" in log
+        assert "wrong PLAIN handshake MAC" in log
         # the control: with the job's keys the same message is answered within the 2 s
         # the others get (an error: this connection never registered)
         insider = raw_peer(job.server_address, job.keys())
@@ -299,7 +299,7 @@ def test_only_processes_with_the_job_key_can_register(job_factory, tmp_path):
         for keys in (None, JobKeys.load(other.path)):
             server = raw_peer(job.server_address, keys)
             assert ask(server, frames_of(P.Kind.COMMAND, b'{"command": "get_state"}', sender=1), timeout=2) is None
-        assert "wrong PLAIN token" in job.wait_log("server", "refused a connection")
+        assert "wrong PLAIN handshake MAC" in job.wait_log("server", "refused a connection")
     finally:
         other.remove()
 

@@ -217,6 +217,57 @@ def test_a_secret_file_reaches_the_process_as_a_0600_file_of_its_host(tmp_path):
     assert not os.path.exists(path)
 
 
+def test_rank_entry_takes_only_its_users_private_key_file_from_the_shared_filesystem(
+        tmp_path):
+    """mpi/slurm (issue 28, item 1): the spec carries a key file's path, never its text;
+    rank_entry gives the process that path only if it is a regular file of this user with
+    no group or other permission, else one line naming the file and why."""
+    key = tmp_path / "keys-worker-0.json"
+    key.write_text("{}")
+    os.chmod(key, 0o600)
+    env = {}
+    rank_entry.shared_key_files({"SSDSGD_SECRET_FILE": str(key)}, env)
+    assert env == {"SSDSGD_SECRET_FILE": str(key)}
+    os.chmod(key, 0o640)
+    link, folder, theirs = tmp_path / "link", tmp_path / "dir", tmp_path / "theirs"
+    link.symlink_to(key)
+    folder.mkdir(mode=0o700)
+    theirs.write_text("{}")
+    os.chmod(theirs, 0o600)
+    cases = [(key, "has mode 0640; a key file must be readable by its owner only"),
+             (tmp_path / "gone", f"^host {rank_entry.here()} does not see its key file "
+                                 ".* must be on a filesystem every host shares"),
+             (link, "is not a regular file"), (folder, "is not a regular file")]
+    if os.geteuid() == 0:       # a file of another user needs root to make
+        os.chown(theirs, 65534, 65534)
+        cases.append((theirs, "belongs to uid 65534, not to this user"))
+    for path, message in cases:
+        with pytest.raises(rank_entry.EntryError, match=message):
+            rank_entry.shared_key_files({"SSDSGD_SECRET_FILE": str(path)}, {})
+    assert remote.secret_paths({"SSDSGD_SECRET_FILE": str(key), "A": "1"}) == (
+        {"A": "1"}, {"SSDSGD_SECRET_FILE": str(key)})
+
+
+@pytest.mark.system
+def test_a_group_rank_is_given_the_key_files_path_and_refuses_a_readable_one(tmp_path):
+    """The same through rank_entry.run with a group command's spec (``rank_keys``): the
+    process gets the path as it is, and does not start when the file is too readable."""
+    key = tmp_path / "keys-scheduler.json"
+    key.write_text("the keys")
+    os.chmod(key, 0o600)
+    out = tmp_path / "out"
+    check = "import os; print(os.environ['SSDSGD_SECRET_FILE'])"
+    spec = {"procs": [["scheduler", 0, ["sh", "-c", f"{sys.executable} -c \"{check}\" > {out}"]]],
+            "env": {"SSDSGD_SCHEDULER_HOST": "127.0.0.1"},
+            "rank_keys": [{"SSDSGD_SECRET_FILE": str(key)}]}
+    assert rank_entry.run(spec, 0, None) == 0
+    assert out.read_text().strip() == str(key) and key.exists()
+    os.chmod(key, 0o644)
+    out.unlink()
+    assert rank_entry.run(spec, 0, None) == rank_entry.CHECK_FAILED
+    assert not out.exists()
+
+
 def _refusing_port():
     """A bound, never listening socket: connecting to its port is refused while it lives."""
     import socket

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jobs
+import launch_secrets
 from conftest import DIGITS_EPOCHS, digits_job
 from emulated_hosts import EmulatedHosts, copy_repo, unavailable
 from ssdsgd.testing import clean_env
@@ -203,6 +204,8 @@ def test_a_killed_launcher_leaves_nothing_on_any_host(hosts, tmp_path, launcher,
     with start(hosts, job(hosts, LONG, tmp_path, launcher=launcher), log) as p:
         wait_for(log, "job started", p)
         assert set(hosts.job_pids()) == set(hosts.names)    # a process on every host
+        if launcher == "mpi":
+            keydir, = run_dir_of(tmp_path / "runs").glob(".ssdsgd-keys-*")
         p.send_signal(sig)
         p.wait(timeout=LEFT_S)
         t0 = time.monotonic()
@@ -211,6 +214,29 @@ def test_a_killed_launcher_leaves_nothing_on_any_host(hosts, tmp_path, launcher,
         if sig == signal.SIGTERM:
             assert p.returncode == 143
             assert "[launcher] SIGTERM: stopping every process" in log.read_text()
+    if launcher == "mpi":    # its key directory, in the run directory: the janitor's
+        deadline = time.monotonic() + 10
+        while keydir.exists():
+            assert time.monotonic() < deadline, f"{keydir} is left"
+            time.sleep(0.1)
+
+
+@needs_mpirun
+def test_mpi_carries_no_key_through_its_own_channels(hosts, tmp_path):
+    """Issue 28, item 1: mpirun forwards SSDSGD_LAUNCH_SPEC (``-x``) through its daemons,
+    and the spec carried every process's key file. Now each process's file is written,
+    0600, in a 0700 directory of the run directory (shared by the hosts) and the spec
+    carries its path: while the job runs, no secret of any process is in the environment
+    or command line of any process here (mpirun, its orted daemons on the other hosts,
+    rank_entry, the job's processes); the directory is gone once the job is stopped."""
+    log = tmp_path / "launcher.log"
+    with start(hosts, job(hosts, LONG, tmp_path, launcher="mpi"), log) as p:
+        wait_for(log, "job started", p)
+        keydir = launch_secrets.check_running_job(run_dir_of(tmp_path / "runs"), 4)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=LEFT_S)
+    assert not keydir.exists()
+    assert_nothing_left(hosts)
 
 
 def test_an_unreachable_host_fails_before_anything_starts(hosts, tmp_path):

@@ -6,10 +6,12 @@ import json
 import os
 import re
 import sys
+import time
 
 import pytest
 
 import jobs
+import launch_secrets
 from emulated_hosts import copy_repo
 from slurm_cluster import SlurmCluster, unavailable
 from ssdsgd.testing import clean_env
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.system
 REASON = unavailable()
 if REASON:
     pytest.skip(f"test Slurm unavailable: {REASON}", allow_module_level=True)
+
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
@@ -72,3 +75,36 @@ def test_outside_an_allocation_it_says_how_to_get_one(slurm, tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (
         "launch/dist.py: error: --launcher slurm runs inside an allocation: e.g. sbatch -N 3 "
         "job.sh or salloc -N 3, then launch/dist.py ... --launcher slurm")
+
+
+def _wait(done, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.25)
+
+
+def test_srun_carries_no_key_through_its_own_channels(slurm, tmp_path):
+    """Issue 28, item 1: srun --export hands SSDSGD_LAUNCH_SPEC to Slurm (its controller,
+    slurmd, slurmstepd), and the spec carried every process's key file. Now each
+    process's file is written, 0600, in a 0700 directory of the run directory and the
+    spec carries its path: while the job runs, no secret of any process is in the
+    environment or command line of any process here (srun, slurmstepd, rank_entry, the
+    job's processes); the directory is gone once the batch job is cancelled."""
+    out, runs = tmp_path / "job.out", tmp_path / "runs"
+    cmd = (f"{sys.executable} launch/dist.py configs/digits.yaml --launcher slurm "
+           f"--set train.epochs=1000 --set output.dir={runs}")
+    env = dict(clean_env(), PYTHONPATH=str(ROOT))
+    r = slurm.run(["sbatch", "-n", "4", "--parsable", "--chdir", str(ROOT), "--output",
+                   str(out), "--wrap", cmd], env=env)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    try:
+        _wait(lambda: out.exists() and "job started" in out.read_text(), 300,
+              f"the batch job's start ({slurm.logs()})")
+        keydir = launch_secrets.check_running_job(run_dir_of(runs), 4)
+    finally:
+        slurm.run(["scancel", job_id])
+        _wait(lambda: slurm.run(["squeue", "-h"]).stdout.strip() == "", 120,
+              "the batch job's end")
+    _wait(lambda: not keydir.exists(), 30, f"removal of {keydir}")

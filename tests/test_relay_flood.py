@@ -23,7 +23,7 @@ def undisturbed(tmp_path_factory):
 
 def _flood(address, keys, stop, counts):
     """Send small messages to ``address`` as fast as the worker lets us, until ``stop``."""
-    sock = dealer(address, Guard(keys, print).client)
+    sock = dealer(address, lambda s: Guard(keys, print).client(s, "worker 1"))
     sock.setsockopt(zmq.SNDHWM, 1000)
     frame = b"x" * 64
     try:

@@ -7,7 +7,9 @@ relay) admits a connection only when its handshake proves it holds a key of the 
 checked by a ZAP handler before a single message of the peer is read:
 
 * ``plain`` (the local launcher's default): ZeroMQ's PLAIN mechanism; the client presents
-  its name and a token. Authenticated, not encrypted: for one machine or a trusted network.
+  its name, a fresh nonce, the time and a MAC of them made for the port it dials
+  (``plain_handshake.py``: no replayable token). Authenticated, not encrypted: for one
+  machine or a trusted network.
 * ``curve`` (``--secure``; the default of launchers that span hosts): ZeroMQ's CURVE.
   Authenticated and encrypted.
 * ``open`` (no ``SSDSGD_SECRET_FILE``, e.g. nodes started by hand): any process that
@@ -16,21 +18,26 @@ checked by a ZAP handler before a single message of the peer is read:
 Two kinds of key file:
 
 * a process's own (``NodeKeys``, version 2; what the launcher makes): one identity --
-  ``scheduler``, ``server R`` or ``worker R`` -- with its own secret (a PLAIN token, or a
-  CURVE key pair) and, of every other process of the job, only what checks it (the hash
-  of its token, or its CURVE public key). The handshake tells the receiver *who* the peer
-  is (ZeroMQ's User-Id); the scheduler admits a REGISTER only for the role and rank of
-  the key, a server a worker's messages only on the connection of that worker's key, so a
-  process that read one worker's file can be that worker, never another rank;
+  ``scheduler``, ``server R`` or ``worker R`` -- with its own secret (a PLAIN secret, or a
+  CURVE key pair) and, of every process of the job, only what checks it at this process's
+  own port (its PLAIN verification key for this binder, or its CURVE public key). The
+  handshake tells the receiver *who* the peer is (ZeroMQ's User-Id); the scheduler admits
+  a REGISTER only for the role and rank of the key, a server a worker's messages only on
+  the connection of that worker's key, so a process that read one worker's file can be
+  that worker, never another rank (plain mode: and any worker at that worker's own relay
+  port, whose verification keys the file holds);
 * the job's (``JobKeys``, version 1: nodes started by hand, tests): one secret for all,
-  so it proves membership of the job, not a rank.
+  so it proves membership of the job, not a rank (plain mode: its handshakes name no
+  node, so one captured on its way to a node can be replayed to another within the
+  window, ``plain_handshake.WINDOW_S``).
+
+The ZAP handler itself is ``zap_gate.py``.
 
 Inside the job, who a connection is comes from the scheduler: it binds a node to the
 connection it registered on, and tells the servers which connection id is which worker
 (``scheduler.py``, ``server.py``).
 """
 import dataclasses
-import hashlib
 import hmac
 import json
 import os
@@ -39,14 +46,14 @@ import secrets
 import shutil
 import stat
 import tempfile
-import threading
 
 import zmq
 from zmq.utils import z85
 
+from . import plain_handshake as PH, zap_gate
+
 ENV_VAR = "SSDSGD_SECRET_FILE"
 ZAP_DOMAIN = "ssdsgd"
-PLAIN_USER = b"ssdsgd"
 _CURVE_FIELDS = ("server_public", "server_secret", "client_public", "client_secret")
 
 
@@ -62,11 +69,6 @@ class JobKeys:
     @property
     def mode(self):
         return "curve" if self.curve else "plain"
-
-    @property
-    def token(self):
-        """What a PLAIN client presents: proves it holds the secret, is not the secret."""
-        return hmac.new(self.secret, b"ssdsgd job token v1", hashlib.sha256).hexdigest().encode()
 
     @classmethod
     def generate(cls, secure):
@@ -118,15 +120,16 @@ class JobKeys:
             sock.curve_serverkey = self.curve["server_public"].encode()
             sock.curve_publickey = self.curve["client_public"].encode()
             sock.curve_secretkey = self.curve["client_secret"].encode()
-        else:
-            sock.plain_username = PLAIN_USER
-            sock.plain_password = self.token
+        else:      # every holder is "job", and so is every binder: a MAC names no node
+            sock.plain_username, sock.plain_password = PH.credentials(self.secret, PH.JOB,
+                                                                      PH.JOB)
 
-    def admit_plain(self, username, password):
-        """The peer's identity ("" for any rank of the job), or None: refused."""
-        ok = username.encode() == PLAIN_USER and hmac.compare_digest(password.encode(),
-                                                                      self.token)
-        return "" if ok else None
+    def plain_key(self, name):
+        """(the identity a PLAIN handshake as ``name`` proves: "" for any rank, its
+        verification key here), or None: not a process of this job."""
+        return ("", PH.verification_key(self.secret, PH.JOB)) if name == PH.JOB else None
+
+    binder = PH.JOB
 
     def admit_curve(self, key):
         return "" if hmac.compare_digest(key, self.curve["client_public"].encode()) else None
@@ -156,15 +159,12 @@ CONNECTS_TO = {"scheduler": ("server", "worker"), "server": ("worker",), "worker
 _IDENTITY = re.compile(r"(scheduler|(server|worker) (0|[1-9][0-9]{0,6}))\Z")
 
 
-def _token_hash(token):
-    return hashlib.sha256(b"ssdsgd node token v2:" + token).hexdigest()
-
-
 @dataclasses.dataclass(frozen=True)
 class NodeKeys:
     """One process's keys (version 2): its ``identity``, its own secret (``own``: a PLAIN
-    token, or a CURVE key pair) and, per identity of the job, what checks that process
-    (``peers``: its token's hash, or its CURVE public key) -- never another's secret."""
+    secret, or a CURVE key pair) and, per identity of the job, what checks that process at
+    this one's port (``peers``: its PLAIN verification key for this binder, or its CURVE
+    public key) -- never another's secret, nor what checks it at another port."""
     identity: str
     curve: bool
     own: dict
@@ -186,10 +186,13 @@ class NodeKeys:
                 public, secret = zmq.curve_keypair()
                 own[name] = {"public": public.decode(), "secret": secret.decode()}
             else:
-                own[name] = {"token": secrets.token_hex(32)}
-        peers = {name: mine["public"] if secure else _token_hash(mine["token"].encode())
-                 for name, mine in own.items()}
-        return {name: cls(name, bool(secure), own[name], peers) for name in identities}
+                own[name] = {"secret": secrets.token_hex(32)}
+        if secure:
+            public = {name: mine["public"] for name, mine in own.items()}
+            return {name: cls(name, True, own[name], public) for name in identities}
+        return {name: cls(name, False, own[name], {
+            peer: PH.verification_key(bytes.fromhex(own[peer]["secret"]), name).hex()
+            for peer in identities}) for name in identities}
 
     def write(self, path):
         _create_private(path, {"version": 2, "identity": self.identity, "mode": self.mode,
@@ -213,9 +216,12 @@ class NodeKeys:
             if own["public"] != peers[name]:
                 raise ValueError("its public key is not the job's record of it")
         else:
-            own = {"token": str(own["token"])}
-            if len(bytes.fromhex(own["token"])) < 16:
-                raise ValueError("the token is too short")
+            own = {"secret": str(own["secret"])}
+            if len(bytes.fromhex(own["secret"])) < 16:
+                raise ValueError("the secret is too short")
+            for value in peers.values():
+                if len(bytes.fromhex(str(value))) != 32:
+                    raise ValueError("a verification key is not 32 bytes")
         return cls(name, mode == "curve", own, {k: str(v) for k, v in peers.items()})
 
     def serve(self, sock):
@@ -236,13 +242,18 @@ class NodeKeys:
             sock.curve_publickey = self.own["public"].encode()
             sock.curve_secretkey = self.own["secret"].encode()
         else:
-            sock.plain_username = self.identity.encode()
-            sock.plain_password = self.own["token"].encode()
+            sock.plain_username, sock.plain_password = PH.credentials(
+                bytes.fromhex(self.own["secret"]), self.identity, peer)
 
-    def admit_plain(self, username, password):
-        want = self.peers.get(username)
-        ok = want is not None and hmac.compare_digest(_token_hash(password.encode()), want)
-        return username if ok else None
+    def plain_key(self, name):
+        """(``name``, its verification key at this process's port), or None: no process
+        of this job."""
+        key = self.peers.get(name)
+        return (name, bytes.fromhex(key)) if key is not None else None
+
+    @property
+    def binder(self):
+        return self.identity
 
     def admit_curve(self, key):
         key = key.decode() if isinstance(key, bytes) else key
@@ -304,13 +315,15 @@ def write_job_keys(directory, secure):
 
 
 class KeyFile:
-    """A launcher's keys for one job in a private (0700) directory, ``remove()`` when the
-    job is over. With ``identities`` (the launcher's): one file per process,
-    ``env_for(role, rank)`` for each; without: the job's one file, ``env`` for every
-    process (nodes started by hand, tests)."""
+    """A launcher's keys for one job in a private (0700) directory, made in ``parent``
+    (default: the system's temporary directory), ``remove()`` when the job is over. With
+    ``identities`` (the launcher's): one file per process, ``env_for(role, rank)`` for
+    each; without: the job's one file, ``env`` for every process (nodes started by hand,
+    tests)."""
 
-    def __init__(self, secure=False, identities=None):
-        self.dir = tempfile.mkdtemp(prefix="ssdsgd-keys-")
+    def __init__(self, secure=False, identities=None, parent=None):
+        self.dir = tempfile.mkdtemp(prefix=".ssdsgd-keys-" if parent else "ssdsgd-keys-",
+                                    dir=parent)
         self.files = {}
         if identities is None:
             self.path = write_job_keys(self.dir, secure)
@@ -329,61 +342,6 @@ class KeyFile:
 
     def remove(self):
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _gate(ctx, keys, log):
-    """The ZAP handler of a scheduler or server (pyzmq's authenticator thread, imported
-    here: workers, which only connect, never load asyncio for it)."""
-    from zmq.auth.thread import ThreadAuthenticator
-
-    class Gate(ThreadAuthenticator):
-        """Admits the job's processes only, and says (a bounded number of times) whom
-        it refused."""
-
-        def __init__(self):
-            super().__init__(ctx)
-            self.refused, self.peer = 0, "?"
-            self._lock = threading.Lock()
-            self._names = {}      # a CURVE key (raw) -> the identity it was issued to
-
-        async def handle_zap_message(self, msg):
-            self.peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
-            await super().handle_zap_message(msg)
-
-        def _refuse(self, why):
-            with self._lock:
-                self.refused += 1
-                n = self.refused
-            if n <= 10 or n % 1000 == 0:
-                log(f"refused a connection from {self.peer}: {why} (refusal {n})")
-
-        def _admitted(self, name, wrong):
-            if name is None:
-                self._refuse(wrong)
-            elif not keys.may_connect(name):
-                self._refuse(f"it holds {name}'s key, and no {name.split(' ')[0]} connects "
-                             "to this port")
-            else:
-                return True
-            return False
-
-        def _authenticate_plain(self, domain, username, password):
-            ok = self._admitted(keys.admit_plain(username, password),
-                                "it does not hold a key of this job (wrong PLAIN token)")
-            return ok, b"OK" if ok else b"not a process of this job"
-
-        def callback(self, domain, key):
-            """CURVE: only the job's keys; remembers whose key it is (the User-Id)."""
-            name = keys.admit_curve(key)
-            if not self._admitted(name, "its CURVE key is not one of this job's"):
-                return False
-            self._names[z85.decode(key)] = name
-            return True
-
-        def curve_user_id(self, client_public_key):
-            return self._names.get(client_public_key, "")
-
-    return Gate()
 
 
 class Guard:
@@ -407,7 +365,7 @@ class Guard:
         if self.keys is None:
             return
         if self.gate is None:
-            self.gate = _gate(ctx, self.keys, self.log)
+            self.gate = zap_gate.make_gate(ctx, self.keys, self.log)
             self.gate.start()
             if self.keys.curve:
                 self.gate.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self.gate)

@@ -302,7 +302,7 @@ def _run_training(config, run_dir, length, env, runner, port, resume, failures, 
     return run_job(config.cluster.workers, config.cluster.servers, cmd, env,
                    port=port or None, launcher=runner, progress=progress,
                    stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr),
-                   failures=failures,
+                   failures=failures, run_dir=run_dir,
                    continue_without_workers=config.cluster.on_worker_failure == "continue")
 
 

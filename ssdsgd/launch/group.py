@@ -10,6 +10,11 @@ same as with the other launchers.
 
 Every rank also holds a TCP "lifeline" to the launcher: when the launcher dies, even by
 SIGKILL, the kernel closes it and each rank ends its process, whatever mpirun or srun do.
+
+No secret travels through mpirun's or srun's channels (their daemons, Slurm's job
+records): the job's key directory is made on the shared filesystem these launchers need
+anyway (``keys_parent``: the run directory, else the working directory), and the spec
+carries only each process's key file path, which rank_entry.py checks before use.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from . import hosts as H
 from .addresses import is_local
 from .local import die_with_parent
 from .rank_entry import TAG
-from .remote import SchedulerSite, forwarded, replace_python, split_secrets
+from .remote import SchedulerSite, forwarded, replace_python, secret_paths
 
 
 ABORT_WAIT = 5.0     # seconds the group command gets to end the job after a rank failed
@@ -137,6 +142,10 @@ class GroupLauncher:
     def node_env(self, role, rank):
         return {"SSDSGD_INTERFACE": self.opts.interface} if self.opts.interface else {}
 
+    def keys_parent(self, run_dir):
+        """Where the job's key directory is made: on a filesystem every host sees."""
+        return os.path.abspath(run_dir or self.workdir)
+
     def start(self, role, rank, cmd, env):
         index = len(self.procs)
         slot = self.slots[index]
@@ -144,18 +153,18 @@ class GroupLauncher:
         proc = GroupProcess(self, index, slot)
         self.procs.append(proc)
         self.table.append([role, rank, replace_python(cmd, self.opts.python), slot.host])
-        own, files = split_secrets(
+        own, paths = secret_paths(
             {k: v for k, v in forwarded(env, self.opts.env_keys).items()
              if k not in ("SSDSGD_ROLE", "SSDSGD_RANK")})
         if self.env is None:
             self.env = own
-        self.files.append(files)      # each process's own key file (kvstore/security.py)
+        self.files.append(paths)      # the path of each process's own key file
         if index + 1 == self.total:
             self._launch()
         return proc
 
     def _launch(self):
-        spec = {"procs": self.table, "env": self.env, "rank_files": self.files, "tag": True,
+        spec = {"procs": self.table, "env": self.env, "rank_keys": self.files, "tag": True,
                 "cwd": self.workdir,
                 "connect_timeout": self.opts.start_timeout,
                 "lifeline": list(self.listener.getsockname()[:2])}

@@ -87,7 +87,7 @@ def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0
 
 def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, launcher="local",
             progress=None, log=None, stdout=None, stderr=None, failures=None,
-            continue_without_workers=False):
+            continue_without_workers=False, run_dir=None):
     """Start the job and wait for it; returns the exit code for the launcher's process.
 
     ``launcher``: a name in LAUNCHERS or an instance with the LocalLauncher interface.
@@ -95,7 +95,9 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     ``failures``, a list, receives one line per failed process, the likely root cause
     (a process killed by a signal) first. ``continue_without_workers``
     (cluster.on_worker_failure: continue): a worker other than rank 0 that dies is left
-    behind (the scheduler removes it) and the job goes on."""
+    behind (the scheduler removes it) and the job goes on. ``run_dir``: the run's
+    directory, where a launcher whose processes read their keys from a shared
+    filesystem (mpi, slurm: ``keys_parent``) makes the job's key directory."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     log = log or (lambda text: print(f"[launcher] {text}", file=stderr, flush=True))
     runner = _runner(launcher, log)
@@ -105,10 +107,12 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
                    runner.scheduler_host)
     # Only this job's processes may join it, each as itself: fresh keys (CURVE with
     # ``runner.secure``), a 0600 file per process with its own secret, its path in that
-    # process's SSDSGD_SECRET_FILE (kvstore/security.py).
+    # process's SSDSGD_SECRET_FILE (kvstore/security.py); in a 0700 directory of the
+    # system's temporary one, or of the shared filesystem when the launcher asks.
     plan = job_plan(num_workers, num_servers, worker_cmd)
+    parent = getattr(runner, "keys_parent", lambda _run_dir: None)(run_dir)
     keys = KeyFile(getattr(runner, "secure", False),
-                   [identity(role, rank) for role, rank, _ in plan])
+                   [identity(role, rank) for role, rank, _ in plan], parent)
     janitor = Janitor(keys.dir)       # gone with the launcher, even after a SIGKILL
     # the scheduler's record for this loop (kvstore/job_status.py), beside the keys
     status = JobStatus(os.path.join(keys.dir, "status.json"))

@@ -44,9 +44,11 @@ def make_launcher(opts, num_workers, num_servers, config_hosts=(), log=_log):
     # SECURE-BY-DEFAULT (issue 9): a job whose runner has ``secure_default`` (ssh, mpi,
     # slurm) runs with CURVE unless --insecure: run_job makes the job's keys
     # (kvstore/security.py, a 0600 file per process) and puts each file's path in its
-    # process's SSDSGD_SECRET_FILE; the remote launchers carry a file's text to its
-    # process's host and write it there 0600 (remote.split_secrets,
-    # rank_entry.write_secrets), never on a command line.
+    # process's SSDSGD_SECRET_FILE; ssh carries a file's text to its process's host on
+    # stdin and writes it there 0600 (remote.split_secrets, rank_entry.write_secrets);
+    # mpi and slurm make the files on the shared filesystem and pass only their paths
+    # (group.GroupLauncher.keys_parent, rank_entry.shared_key_files); never on a command
+    # line, never through mpirun's or srun's channels.
     runner.secure = opts.secure or (getattr(runner, "secure_default", False)
                                     and not opts.insecure)
     if not runner.secure:

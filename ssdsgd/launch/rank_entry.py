@@ -9,7 +9,9 @@
 
 It reads the job's spec (JSON: the environment, working directory and the table of
 processes) from its first stdin line (ssh: nothing of it lands on a command line) or from
-``SSDSGD_LAUNCH_SPEC``; picks its entry (ssh: the one given; mpi/slurm: index = the rank
+``SSDSGD_LAUNCH_SPEC``; takes its key file (ssh: its text from the spec, written here
+0600 and removed at the end; mpi/slurm: only its path, on the shared filesystem, checked
+to be this user's regular file that nobody else can read); picks its entry (ssh: the one given; mpi/slurm: index = the rank
 variable, so rank 0 is the scheduler, then the servers, then the workers); finds the
 address to advertise; checks before anything starts that this host reaches the scheduler,
 sees the run directory and has the data; then runs the scheduler/server node or the worker
@@ -31,6 +33,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -282,6 +285,28 @@ def write_secrets(files, env):
     return paths
 
 
+def shared_key_files(paths, env):
+    """mpi/slurm: each key file the launcher made on the shared filesystem, checked (this
+    user's own regular file, readable by nobody else), its path in ``env``."""
+    for var, path in paths.items():
+        try:
+            info = os.lstat(path)
+        except OSError as e:
+            raise EntryError(f"host {here()} does not see its key file {path} ({e.strerror}); "
+                             "with --launcher mpi or slurm the run directory (or, with -- "
+                             "COMMAND, the working directory) must be on a filesystem every "
+                             "host shares at the same path") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise EntryError(f"{var}={path} is not a regular file; refusing it as a key file")
+        if info.st_uid != os.geteuid():
+            raise EntryError(f"{var}={path} belongs to uid {info.st_uid}, not to this user "
+                             f"(uid {os.geteuid()}); refusing it as a key file")
+        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise EntryError(f"{var}={path} has mode {stat.S_IMODE(info.st_mode):04o}; a key "
+                             "file must be readable by its owner only (0600)")
+        env[var] = path
+
+
 def prepare(spec, role, cmd, watch):
     """The child's environment, after the checks (EntryError when one fails). The
     lifeline is held (and watched) before the scheduler's check, which may wait long."""
@@ -317,10 +342,9 @@ def run(spec, index, stdin):
             os.chdir(spec["cwd"])
         env = prepare(spec, role, cmd, watch)
         env.update(SSDSGD_ROLE=role, SSDSGD_RANK=str(rank))
-        files = dict(spec.get("files") or {})     # every rank's, then this rank's own
-        if spec.get("rank_files"):
-            files.update(spec["rank_files"][index])
-        secrets.extend(write_secrets(files, env))    # removed at the end
+        secrets.extend(write_secrets(dict(spec.get("files") or {}), env))   # ssh; removed
+        if spec.get("rank_keys"):                                            # mpi, slurm
+            shared_key_files(dict(spec["rank_keys"][index]), env)
         child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                  stdout=subprocess.PIPE if out.tag else None,
                                  stderr=subprocess.PIPE if out.tag else None,

@@ -118,13 +118,21 @@ def forwarded(env, extra_keys=()):
     return out
 
 
+def secret_paths(env):
+    """(env without SECRET_FILE_VARS, {variable: path}): mpi and slurm pass a key file's
+    path only (the file is on the shared filesystem; rank_entry.py checks it), never its
+    text, which the group command would carry in its own channels."""
+    env = dict(env)
+    return env, {var: env.pop(var) for var in SECRET_FILE_VARS if env.get(var)}
+
+
 def split_secrets(env):
-    """(env without SECRET_FILE_VARS, {variable: the file's text}): a secret file of the
-    launcher's host travels inside the job's spec (ssh: stdin, never a command line) and
-    is written again, mode 0600, on each host by rank_entry.py."""
-    env, files = dict(env), {}
-    for var in SECRET_FILE_VARS:
-        path = env.pop(var, None)
+    """(env without SECRET_FILE_VARS, {variable: the file's text}): ssh carries a secret
+    file of the launcher's host inside the job's spec on the remote process's stdin (never
+    a command line), and rank_entry.py writes it again there, mode 0600."""
+    env, paths = secret_paths(env)
+    files = {}
+    for var, path in paths.items():
         if path:
             try:
                 with open(path) as f:
