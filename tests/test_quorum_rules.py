@@ -65,16 +65,27 @@ def test_a_persistently_late_worker_is_excused_after_patience_rounds():
         [(3, 2, "out", 4)]                 # after its fourth late round, from round 4 on
     c = changes[0][1]
     assert c["lag"] == pytest.approx(0.6) and c["rounds"] == 4
+    assert c["seconds"] == pytest.approx(2.1)       # from round 0's end to round 3's
     assert c["bound"] == pytest.approx(0.7 / 3, rel=0.05)
     assert rule.excused == {2} and rule.complete({0, 1}, {0, 1, 2})
     assert not rule.complete({0, 2}, {0, 1, 2})
     assert describe(c) == ("quorum auto: leaving out worker 2 (late by 0.60 s or more for "
-                           "4 rounds, bound 0.23 s) from round 4")
+                           "4 rounds in 2.1 s, bound 0.23 s) from round 4")
+
+
+def test_a_late_streak_must_span_min_span_s_too():
+    # rounds of 1/8 s, worker 2 late by 1/16 s in each: a burst of a loaded machine's
+    # scheduling looks like this for a few rounds; late for a whole second it is slow
+    clock = Clock()
+    rule = LateWorkers(3, clock, patience=3, floor_s=0.01, min_span_s=1.0)
+    changes = run(rule, clock, lambda r: {0: 0.0, 1: 0.0, 2: 0.0625}, 30, period=0.125)
+    assert [(r, c["worker"], c["rounds"]) for r, c in changes] == [(8, 2, 9)]
+    assert changes[0][1]["seconds"] == pytest.approx(1.0)
 
 
 def test_a_single_late_round_excuses_nobody():
     clock = Clock()
-    rule = LateWorkers(3, clock, patience=3, floor_s=0.01)
+    rule = LateWorkers(3, clock, patience=3, floor_s=0.01, min_span_s=0)
     # late by far in every other round, and in two in a row: never three in a row
     late = {3, 5, 7, 9, 10, 14, 15}
     changes = run(rule, clock, lambda r: {0: 0.0, 1: 0.02, 2: 5.0 if r in late else 0.03},
@@ -96,7 +107,7 @@ def test_a_worker_ahead_of_the_others_does_not_make_them_late():
     # it, and the others come a round's time later; measured from the pace (half of the
     # workers in), not from the first push, nobody is late
     clock = Clock()
-    rule = LateWorkers(4, clock, patience=2, floor_s=0.01)
+    rule = LateWorkers(4, clock, patience=2, floor_s=0.01, min_span_s=0)
     changes = run(rule, clock, lambda r: {0: 0.0, 1: 0.5, 2: 0.51, 3: 0.52}, 30,
                   period=0.52, n=4)
     assert changes == []
@@ -125,7 +136,7 @@ def test_an_excused_worker_on_time_again_is_waited_for_again():
 def test_rounds_without_two_workers_that_could_come_measure_nothing():
     # the others finished (or wait at a barrier): a worker alone is never late or on time
     clock = Clock()
-    rule = LateWorkers(3, clock, patience=2, floor_s=0.01)
+    rule = LateWorkers(3, clock, patience=2, floor_s=0.01, min_span_s=0)
     run(rule, clock, lambda r: {0: 0.0, 1: 0.0, 2: 0.9}, 2)
     assert rule.excused == {2}
     for r in range(2, 10):
@@ -135,7 +146,7 @@ def test_rounds_without_two_workers_that_could_come_measure_nothing():
 
 def test_the_record_is_what_a_worker_accepts():
     clock = Clock()
-    rule = LateWorkers(2, clock, patience=2, floor_s=0.01)
+    rule = LateWorkers(2, clock, patience=2, floor_s=0.01, min_span_s=0)
     run(rule, clock, lambda r: {0: 0.0, 1: 0.8}, 3, n=2)
     record = rule.record()
     assert record["excused"] == [1] and record["rounds"] == 3
@@ -152,7 +163,7 @@ def test_the_record_is_what_a_worker_accepts():
 def _excused_rounds(clock, staleness=9, replicate=False):
     """Rounds of 3 workers under auto (patience 2), worker 2 excused after rounds 0 and 1,
     where it came 1 s after the others (rounds of 1.1 s)."""
-    r = Rounds(3, LateWorkers(3, clock, patience=2, floor_s=0.01), staleness,
+    r = Rounds(3, LateWorkers(3, clock, patience=2, floor_s=0.01, min_span_s=0), staleness,
                replicate=replicate)
     for k in range(2):
         clock.t = 1.1 * k

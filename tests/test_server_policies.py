@@ -216,7 +216,7 @@ def test_a_final_pull_waits_for_every_worker_and_a_pause_answers_at_once():
 def test_quorum_auto_says_whom_it_leaves_out_and_notes_it_on_the_final_replies():
     from ssdsgd.sync.quorum_rules import LateWorkers
     clock = SimpleNamespace(t=0.0)
-    rule = LateWorkers(2, lambda: clock.t, patience=2, floor_s=0.01)
+    rule = LateWorkers(2, lambda: clock.t, patience=2, floor_s=0.01, min_span_s=0)
     p = QuorumRounds(2, steps_ahead=3, algorithm="ssgd", quorum=rule, max_staleness=9,
                      leader=True, replicate=False)
     ex = Executor(p, [0])
@@ -227,7 +227,7 @@ def test_quorum_auto_says_whom_it_leaves_out_and_notes_it_on_the_final_replies()
         acts = ex.run(p.push(1, [(0, 0, g(1))], token=(0,)))
     assert kinds(acts) == ["say", "apply", "answer", "answer"]
     assert ex.said == ["quorum auto: leaving out worker 1 (late by 0.90 s or more for 2 "
-                       "rounds, bound 0.32 s) from round 2"]
+                       "rounds in 1.0 s, bound 0.32 s) from round 2"]
     assert kinds(ex.run(p.push(0, [(0, 0, g(1))], token=(0,)))) == ["apply", "answer"]
     assert ex.run(p.pull(0, [(0, 0)], token="F0", final=True)) == []
     acts = ex.run(p.pull(1, [(0, 0)], token="F1", final=True))

@@ -28,7 +28,8 @@ MAX_CHANGES = 200
 _SECONDS = (lambda v: F.is_number(v) and v >= 0, "a number of seconds >= 0")
 _CHANGE = {"worker": (F.WORKER, True), "change": (F.one_of("out", "in"), True),
            "round": (F.STEP, True), "time": (_SECONDS, True), "lag": (_SECONDS, True),
-           "rounds": (F.COUNT, True), "bound": (_SECONDS, True)}
+           "rounds": (F.COUNT, True), "seconds": (_SECONDS, True),
+           "bound": (_SECONDS, True)}
 _WORKERS = (lambda v: isinstance(v, list) and len(v) <= F.MAX_RANK
             and all(F.int_in(0, F.MAX_RANK)(r) for r in v), "a list of worker ranks")
 _CHANGES = (lambda v: isinstance(v, list) and len(v) <= MAX_CHANGES

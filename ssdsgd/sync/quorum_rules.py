@@ -49,23 +49,26 @@ class LateWorkers:
     come had joined it (a push that waited for the round joins it as it opens) -- its push
     joined, or, if it did not, the round's end. A lag above ``bound`` (``share`` of the
     median round time over the last ``window`` rounds, the step time the job runs at, and
-    at least ``floor_s``) is late. A worker late in ``patience`` rounds in a row is
-    excused from the next round on; an excused one on time in ``patience`` rounds in a
-    row is waited for again. Measured from the pace, not the first push, so that a
+    at least ``floor_s``) is late. A worker late in ``patience`` rounds in a row that
+    span ``min_span_s`` seconds or more (so that a loaded machine's scheduling bursts do
+    not count) is excused from the next round on; an excused one on time in
+    ``patience`` rounds in a row is waited for again. Measured from the pace, not the first push, so that a
     worker ahead of the others (its pushes waiting for the rounds) does not make them
     all look late; and at most half the workers can be after the pace, so at most half
     are excused. A round with fewer than two workers that could come measures nothing
     (the others finished, or wait at a barrier)."""
 
-    SHARE, FLOOR_S, PATIENCE, WINDOW = 1 / 3, 0.05, 5, 25
+    SHARE, FLOOR_S, PATIENCE, MIN_SPAN_S, WINDOW = 1 / 3, 0.1, 5, 1.0, 25
 
     def __init__(self, num_workers, clock=time.monotonic, *, share=SHARE, floor_s=FLOOR_S,
-                 patience=PATIENCE, window=WINDOW):
+                 patience=PATIENCE, min_span_s=MIN_SPAN_S, window=WINDOW):
         self.n, self.quorum, self.clock = num_workers, num_workers, clock
         self.share, self.floor_s, self.patience = share, floor_s, patience
+        self.min_span_s = min_span_s
         self.excused = set()
         self.streak = [0] * num_workers   # rounds in a row against its status
         self.worst = [0.0] * num_workers  # that streak's smallest lag (late), largest (on time)
+        self.since = [0.0] * num_workers  # when that streak began (its first round's end)
         self.joins = {}                   # rank -> when its push joined the open round
         self.opened = self.last_close = self.origin = None
         self.durations = deque(maxlen=window)
@@ -98,7 +101,7 @@ class LateWorkers:
         changes = []
         for rank in sorted(possible):
             lag = max((joins[rank] if rank in joins else now) - pace, 0.0)
-            change = self._observe(rank, rank in joins and lag <= bound, lag)
+            change = self._observe(rank, rank in joins and lag <= bound, lag, now)
             if change is not None:
                 change.update(round=number + 1, time=round(now - self.origin, 3),
                               bound=round(bound, 4))
@@ -110,33 +113,38 @@ class LateWorkers:
                 self.dropped += 1
         return changes
 
-    def _observe(self, rank, on_time, lag):
+    def _observe(self, rank, on_time, lag, now):
         """One round of ``rank``: extend or end its streak against its status; at
-        ``patience`` the status flips (never excusing the last worker waited for)."""
+        ``patience`` rounds (late: spanning ``min_span_s``) the status flips, never
+        excusing the last worker waited for."""
         excused = rank in self.excused
         if on_time != excused:                  # as its status expects
             self.streak[rank] = 0
             return None
         self.streak[rank] += 1
-        pick = max if excused else min
-        self.worst[rank] = lag if self.streak[rank] == 1 else pick(self.worst[rank], lag)
-        if self.streak[rank] < self.patience or (not excused and
-                                                 len(self.excused) + 1 >= self.n):
+        if self.streak[rank] == 1:
+            self.worst[rank], self.since[rank] = lag, now
+        self.worst[rank] = (max if excused else min)(self.worst[rank], lag)
+        span = now - self.since[rank]
+        if self.streak[rank] < self.patience or (not excused and (
+                span < self.min_span_s or len(self.excused) + 1 >= self.n)):
             return None
-        self.streak[rank] = 0
+        rounds, self.streak[rank] = self.streak[rank], 0
         if excused:
             self.excused.discard(rank)
         else:
             self.excused.add(rank)
         return {"worker": rank, "change": "in" if excused else "out",
-                "lag": round(self.worst[rank], 4), "rounds": self.patience}
+                "lag": round(self.worst[rank], 4), "rounds": rounds,
+                "seconds": round(span, 3)}
 
     def record(self):
         """What the run's summary shows (events.quorum_record checks it): the rounds
         closed, who is excused now, and every change -- ``worker``, ``change`` (out: left
         out, in: waited for again), the first ``round`` it applies to, ``time`` (seconds
         since the first push), ``lag`` (out: the smallest of its late rounds; in: the
-        largest of its rounds on time), ``rounds`` in a row, ``bound`` -- the first
+        largest of its rounds on time), ``rounds`` in a row and the ``seconds`` they
+        span (from the first one's end), ``bound`` -- the first
         MAX_CHANGES of them (``dropped``: the others)."""
         return {"rule": "auto", "rounds": self.rounds, "excused": sorted(self.excused),
                 "changes": [dict(c) for c in self.changes], "dropped": self.dropped}
@@ -146,8 +154,9 @@ def describe(change):
     """The leader's line for a change (server 0 prints it)."""
     if change["change"] == "out":
         return (f"quorum auto: leaving out worker {change['worker']} (late by "
-                f"{change['lag']:.2f} s or more for {change['rounds']} rounds, bound "
-                f"{change['bound']:.2f} s) from round {change['round']}")
+                f"{change['lag']:.2f} s or more for {change['rounds']} rounds in "
+                f"{change['seconds']:.1f} s, bound {change['bound']:.2f} s) from round "
+                f"{change['round']}")
     return (f"quorum auto: waiting for worker {change['worker']} again (on time for "
             f"{change['rounds']} rounds, within {change['bound']:.2f} s) from round "
             f"{change['round']}")
