@@ -56,6 +56,20 @@ def test_quorum_auto_is_a_setting_that_runs_rounds():
                                                                  FixedQuorum)
 
 
+@pytest.mark.parametrize("values, reason", [
+    ({"algorithm": "asgd"}, "there are no rounds to close"),
+    ({"algorithm": "preduce"}, "its groups already form without slow workers"),
+    ({"algorithm": "ssd", "compression": "2bit"}, "no test or simulator runs compressed"),
+    ({"algorithm": "ssd", "pull_relay": "chain"}, "replies go to each worker on its own")])
+def test_auto_is_refused_where_a_quorum_below_n_is(values, reason):
+    from ssdsgd.sync.registry import refusal
+    for n in (1, 4, None):                  # auto runs rounds whatever N
+        text = refusal({"quorum": "auto", "num_workers": n, **values}, lambda s: s)
+        assert text is not None and reason in text and "auto" in text, text
+    assert refusal({"quorum": "auto", "num_workers": 4, "algorithm": "ssgd"},
+                   lambda s: s) is None
+
+
 def test_a_persistently_late_worker_is_excused_after_patience_rounds():
     clock = Clock()
     rule = LateWorkers(3, clock, patience=4, floor_s=0.01)
