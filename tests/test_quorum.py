@@ -29,7 +29,8 @@ def _trainer_keys(net):
     return {i: order.index(p) for i, p in enumerate(trainer._params)}
 
 
-def _reference(n, quorum, staleness, delays, algorithm, cosine=0, steps=STEPS, excusals=()):
+def _reference(n, quorum, staleness, delays, algorithm, cosine=0, steps=STEPS,
+               excusals=()):
     net = tiny.make_net()
     keys = _trainer_keys(net)
     params = tiny.params(net)

@@ -145,8 +145,9 @@ class Rounds:
 
     def _may_close(self):
         """The workers the rule waits for (Q distinct ones, fewer if fewer can still come:
-        finished or in a barrier; auto: all of those but the excused), and no worker outside the round (and not in a barrier) is left with weights more
-        than s of its pull periods old (s rounds in ssgd and warm-up, s k in steps delay)."""
+        finished or in a barrier; auto: all of those but the excused), and no worker
+        outside the round (and not in a barrier) is left with weights more than s of its
+        pull periods old (s rounds in ssgd and warm-up, s k in steps delay)."""
         if not self.members:
             return False
         if not self.rule.complete(set(self.members), self._possible()):
