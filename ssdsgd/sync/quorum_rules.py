@@ -55,8 +55,8 @@ class LateWorkers:
     ``patience`` rounds in a row is waited for again. Measured from the pace, not the
     first push, so that a worker ahead of the others (its pushes waiting for the rounds)
     does not make them all look late; and at most half the workers can be after the
-    pace, so at most half are excused. A round with fewer than two workers that could come measures nothing
-    (the others finished, or wait at a barrier)."""
+    pace, so at most half are excused. A round with fewer than two workers that could
+    come measures nothing (the others finished, or wait at a barrier)."""
 
     SHARE, FLOOR_S, PATIENCE, MIN_SPAN_S, WINDOW = 1 / 3, 0.1, 5, 1.0, 25
 
