@@ -103,6 +103,9 @@ def write_summary(run, wall: float) -> dict:
         "wall_time": wall, "total_time": time.time() - run.t_start,
         "checkpoint_bytes": checkpoint_bytes(run.run_dir),
         "debug_slowdown": run.slowdown.describe(),
+        # sync.quorum: auto: whom server 0 left out of the rounds, and when (its record,
+        # on the final reply: sync/quorum_rules.py)
+        **({"quorum_auto": m["quorum_auto"]} if "quorum_auto" in m else {}),
     }
     base["workers_left"] = [{"rank": w["rank"], "from_step": w["from_step"],
                              "time": w["time"] - run.t_train} for w in left]

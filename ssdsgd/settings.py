@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from .sync.registry import quorum_members, refusal
+from .sync.registry import quorum_members, quorum_rounds as _rounds, refusal
 
 PREFIX = "SSDSGD_"
 
@@ -236,10 +236,10 @@ def _slowdown(text: str) -> Optional[str]:
 
 
 def _quorum(text: str) -> Optional[str]:
-    """sync.quorum's form: all, majority, solo or a positive integer Q."""
-    if text in ("all", "majority", "solo") or (text.isdigit() and int(text) >= 1):
+    """sync.quorum's form: all, majority, solo, auto or a positive integer Q."""
+    if text in ("all", "majority", "solo", "auto") or (text.isdigit() and int(text) >= 1):
         return None
-    return "expected all, majority, solo or an integer >= 1"
+    return "expected all, majority, solo, auto or an integer >= 1"
 
 
 def _count(low: int, high: Optional[int] = None) -> Callable[[str], Optional[str]]:
@@ -262,11 +262,18 @@ def count_or_auto(text: str) -> Optional[int]:
 
 def quorum_size(text: str, num_workers: int) -> int:
     """Q, the distinct workers that close a round (docs/spec/quorum.md): N for all,
-    floor(N/2) + 1 for majority, 1 for solo, min(Q, N) for an integer."""
+    floor(N/2) + 1 for majority, 1 for solo, min(Q, N) for an integer, N for auto (less
+    the workers its rule excuses as the job goes)."""
     error = _quorum(text)
     if error:
         raise SettingError(f"sync.quorum: {error}")
     return quorum_members(text, num_workers)
+
+
+def quorum_rounds(text: str, num_workers: int) -> bool:
+    """Whether the job's pushes go into quorum rounds: auto, or a Q below N."""
+    quorum_size(text, num_workers)
+    return _rounds(text, num_workers)
 
 
 SETTINGS = (
@@ -379,9 +386,11 @@ SETTINGS = (
             "timings and what coding costs; docs/auto.md)", path="sync.compression",
             validate=_compression),
     Setting("quorum", str, "all", "a round closes once this many distinct workers pushed "
-            "to it (docs/spec/quorum.md): all (dist_sync), majority, solo or an integer Q",
+            "to it (docs/spec/quorum.md): all (dist_sync), majority, solo, an integer Q, or "
+            "auto (every worker but those server 0 measured persistently late, until they "
+            "are on time again)",
             env="SSDSGD_QUORUM", path="sync.quorum", validate=_quorum,
-            form="all, majority, solo or an integer >= 1",
+            form="all, majority, solo, auto or an integer >= 1",
             int_text=True),
     Setting("max_staleness", int, 4, "with a quorum: a round closes only if every worker "
             "not in it holds weights at most this many of its pull periods old (rounds in "

@@ -1,5 +1,7 @@
 """Quorum rounds (docs/spec/quorum.md): real jobs with injected stragglers end with the
-weights of the simulator fed the same arrival order, and no push is lost."""
+weights of the simulator fed the same arrival order, and no push is lost; quorum auto
+leaves a slow worker out as its leader says, and without one is quorum all bit for bit."""
+import json
 
 import mxnet as mx
 import numpy as np
@@ -8,10 +10,13 @@ from mxnet import gluon
 
 import tiny
 from conftest import load_npz
+import jobs
 from jobs import launch
-from ssdsgd.glu.simulate_quorum import simulate_quorum
+from ssdsgd.glu.simulate_quorum import auto_excusals, simulate_quorum
 from ssdsgd.settings import quorum_size
 from ssdsgd.slowdown import Slowdown
+from ssdsgd.sync.quorum_rules import LateWorkers
+from test_e2e_configs import sets
 
 STEPS, BATCH, WARMUP, K = 8, 8, 2, 2
 SLOW = 0.8        # seconds per step of the straggler: far more than a fast worker's step
@@ -24,7 +29,8 @@ def _trainer_keys(net):
     return {i: order.index(p) for i, p in enumerate(trainer._params)}
 
 
-def _reference(n, quorum, staleness, delays, algorithm, cosine=0):
+def _reference(n, quorum, staleness, delays, algorithm, cosine=0, steps=STEPS,
+               excusals=()):
     net = tiny.make_net()
     keys = _trainer_keys(net)
     params = tiny.params(net)
@@ -42,10 +48,10 @@ def _reference(n, quorum, staleness, delays, algorithm, cosine=0):
         return mx.optimizer.create("sgd", learning_rate=0.1, momentum=0.9,
                                    rescale_grad=1.0 / BATCH, lr_scheduler=sched)
 
-    return keys, simulate_quorum(init, grad_fn, make_optimizer, n, STEPS,
+    return keys, simulate_quorum(init, grad_fn, make_optimizer, n, steps,
                                  quorum=quorum_size(quorum, n), max_staleness=staleness,
                                  delays=delays, algorithm=algorithm, warmup_steps=WARMUP,
-                                 delay_steps=K, glu_state="exact")
+                                 delay_steps=K, glu_state="exact", excusals=excusals)
 
 
 def _delays(slowdown, n):
@@ -53,8 +59,9 @@ def _delays(slowdown, n):
     return [Slowdown(slowdown, r, n).seconds(0) for r in range(n)]
 
 
-def _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm, cosine=0):
-    res = launch(n, s, ["--out", tmp_path, "--steps", STEPS, "--cosine", cosine],
+def _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm, cosine=0, steps=STEPS):
+    """(each worker's weights before its end, after it, the job's output)."""
+    res = launch(n, s, ["--out", tmp_path, "--steps", steps, "--cosine", cosine],
                  env={"SSDSGD_SLOWDOWN": slowdown, "SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": WARMUP,
                       "SSDSGD_DELAY_STEPS": K, "SSDSGD_QUORUM": quorum,
                       # both sides the same local rule state: the default, exact (the simulator says estimate unless told)
@@ -64,7 +71,8 @@ def _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm, cosine=0):
                  script="quorum_worker.py", timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return ([load_npz(tmp_path / f"local-rank{r}.npz") for r in range(n)],
-            [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(n)])
+            [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(n)],
+            res.stdout + res.stderr)
 
 
 def _close(actual, expected, what):
@@ -91,12 +99,17 @@ CASES = [("ssgd", 3, 1, "majority", 1, 0),
 def test_stragglers_end_with_the_simulators_weights(tmp_path, algorithm, n, s, quorum,
                                                     staleness, cosine):
     slowdown = f"delay:{n - 1}={SLOW}"
-    locals_, finals = _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm, cosine)
+    locals_, finals, _ = _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm, cosine)
     keys, ref = _reference(n, quorum, staleness, _delays(slowdown, n), algorithm, cosine)
     # the straggler's pushes joined later rounds than the fast workers' of the same step
     assert any(len(r) < n for r in ref.rounds[:STEPS]), ref.rounds
     assert ref.applied == [STEPS] * n
-    for r in range(n):
+    _same_as(ref, keys, locals_, finals)
+
+
+def _same_as(ref, keys, locals_, finals):
+    """Every worker's weights before and after its end are the simulator's."""
+    for r in range(len(locals_)):
         for i, j in keys.items():
             _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
                    f"worker {r} weights before the end, key {i} (rounds {ref.rounds})")
@@ -119,3 +132,64 @@ def test_every_push_of_every_worker_is_applied_exactly_once(tmp_path):
         final = np.load(tmp_path / f"final-rank{r}.npy")
         np.testing.assert_array_equal(final, -np.ones(n * steps, np.float32),
                                       err_msg=f"worker {r}: -(times each push was applied)")
+
+
+AUTO_STEPS = 12
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm,s,staleness", [("ssgd", 1, 2), ("ssd", 2, 1)])
+def test_quorum_auto_leaves_out_a_slow_worker_as_its_leader_recorded(tmp_path, algorithm,
+                                                                     s, staleness):
+    # worker 2 is 0.8 s late in every round: server 0 leaves it out after LateWorkers'
+    # patience, says so, and records it; the simulator fed that record ends with the
+    # job's weights (the order of arrivals is the delays', as above)
+    n, slowdown = 3, "delay:2=%s" % SLOW
+    locals_, finals, out = _run(tmp_path, n, s, "auto", staleness, slowdown, algorithm,
+                                steps=AUTO_STEPS)
+    record = json.loads((tmp_path / "auto-rank0.json").read_text())
+    assert [(c["worker"], c["change"], c["round"]) for c in record["changes"]] == \
+        [(2, "out", LateWorkers.PATIENCE)], record
+    assert record["changes"][0]["lag"] > 0.5 and record["excused"] == [2]
+    assert "[server 0] ssdsgd server 0: quorum auto: leaving out worker 2 (late by " in out
+    assert out.count("quorum auto:") == 1, out[-3000:]
+    keys, ref = _reference(n, "auto", staleness, _delays(slowdown, n), algorithm,
+                           steps=AUTO_STEPS, excusals=auto_excusals(record))
+    assert all(r == [0, 1, 2] for r in ref.rounds[:LateWorkers.PATIENCE]), ref.rounds
+    assert [0, 1] in ref.rounds[LateWorkers.PATIENCE:], ref.rounds
+    assert ref.applied == [AUTO_STEPS] * n
+    _same_as(ref, keys, locals_, finals)
+
+
+@pytest.mark.system
+def test_quorum_auto_without_a_slow_worker_is_quorum_all_bit_for_bit(tmp_path):
+    n, s = 3, 2
+    runs = {q: _run(tmp_path / q, n, s, q, 4, "none", "ssd", steps=AUTO_STEPS)
+            for q in ("all", "auto")}
+    record = json.loads((tmp_path / "auto" / "auto-rank0.json").read_text())
+    assert record["changes"] == [] and record["rounds"] == AUTO_STEPS, record
+    assert "quorum auto:" not in runs["auto"][2]
+    assert not (tmp_path / "all" / "auto-rank0.json").exists()
+    for which in (0, 1):                  # before the end, after it
+        for r in range(n):
+            for name, value in runs["all"][which][r].items():
+                np.testing.assert_array_equal(runs["auto"][which][r][name], value,
+                                              err_msg=f"worker {r}, {name}")
+
+
+@pytest.mark.system
+def test_a_digits_job_under_quorum_auto_prints_and_records_who_it_left_out(tmp_path):
+    job = sets(cluster__workers=3, sync__quorum="auto", debug__slowdown="delay:2=0.3",
+               data__batch_size=16, train__epochs=1, train__max_steps=24,
+               train__log_interval=8, output__plots="false", output__dir=tmp_path)
+    res = jobs.run(["configs/digits.yaml", *job], timeout=240)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    line = [ln for ln in out.splitlines() if "quorum auto: leaving out worker 2" in ln]
+    assert len(line) == 1 and line[0].startswith("[server 0] "), out[-4000:]
+    run, = [d for d in tmp_path.iterdir() if d.is_dir()]
+    summary = json.loads((run / "summary.json").read_text())
+    record = summary["quorum_auto"]
+    assert record["excused"] == [2] and record["rounds"] >= 24, record
+    assert [(c["worker"], c["change"]) for c in record["changes"]] == [(2, "out")]
+    assert summary["workers_reporting"] == 3 and summary["final_accuracy"] > 0.5, summary

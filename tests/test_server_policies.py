@@ -45,6 +45,12 @@ class Executor:
     def fill(self, token, slot, step, value):
         self.answers.append((token, slot, (step, value)))
 
+    def note(self, token, fields):
+        self.notes = getattr(self, "notes", []) + [(token, fields)]
+
+    def say(self, text):
+        self.said = getattr(self, "said", []) + [text]
+
 
 def g(value):
     return np.full(2, value, np.float64)
@@ -207,6 +213,31 @@ def test_a_final_pull_waits_for_every_worker_and_a_pause_answers_at_once():
         p.push(0, [(0, 0, g(1))], token=None)
 
 
+def test_quorum_auto_says_whom_it_leaves_out_and_notes_it_on_the_final_replies():
+    from ssdsgd.sync.quorum_rules import LateWorkers
+    clock = SimpleNamespace(t=0.0)
+    rule = LateWorkers(2, lambda: clock.t, patience=2, floor_s=0.01, min_span_s=0)
+    p = QuorumRounds(2, steps_ahead=3, algorithm="ssgd", quorum=rule, max_staleness=9,
+                     leader=True, replicate=False)
+    ex = Executor(p, [0])
+    for k in range(2):                 # worker 1 joins each round 0.9 s after worker 0
+        clock.t = float(k)
+        ex.run(p.push(0, [(0, 0, g(1))], token=(0,)))
+        clock.t += 0.9
+        acts = ex.run(p.push(1, [(0, 0, g(1))], token=(0,)))
+    assert kinds(acts) == ["say", "apply", "answer", "answer"]
+    assert ex.said == ["quorum auto: leaving out worker 1 (late by 0.90 s or more for 2 "
+                       "rounds in 1.0 s, bound 0.32 s) from round 2"]
+    assert kinds(ex.run(p.push(0, [(0, 0, g(1))], token=(0,)))) == ["apply", "answer"]
+    assert ex.run(p.pull(0, [(0, 0)], token="F0", final=True)) == []
+    acts = ex.run(p.pull(1, [(0, 0)], token="F1", final=True))
+    assert kinds(acts) == ["note", "answer", "note", "answer"]
+    record = acts[0][2]["quorum_auto"]
+    assert record["rounds"] == 3 and record["excused"] == [1]
+    assert [c["worker"] for c in record["changes"]] == [1]
+    assert [t for t, _ in ex.notes] == ["F0", "F1"]
+
+
 def test_only_a_quorums_follower_takes_round_decisions():
     with pytest.raises(PolicyError, match="without a quorum"):
         DenseSync(2, 3, "ssgd").follow("c0.1")
@@ -260,6 +291,9 @@ def test_the_settings_choose_the_policy():
     q = make_server_policy(env(quorum="majority"), 1)
     assert type(q) is QuorumRounds and q.rounds.q == 3 and not q.rounds.leader
     assert make_server_policy(env(quorum="majority"), 0).rounds.replicate
+    auto = make_server_policy(env(quorum="auto"), 0)
+    assert type(auto) is QuorumRounds and auto.rounds.q == 4
+    assert type(auto.rounds.rule).__name__ == "LateWorkers"
     assert make_server_policy(env(), 0).steps_ahead == 7
     pre = make_server_policy(env(algorithm="preduce"), 0)
     assert type(pre) is DenseSync and isinstance(pre.averaging, GroupAverages)

@@ -8,6 +8,11 @@ being that worker's next message -- its pushes of steps 0 .. steps-1, then its f
 pull. Or ``delays``: each worker's seconds per step, from which the order is made on a
 virtual clock (the order injected delays produce; returned in the result).
 
+``sync.quorum: auto`` waits for every worker but those its leader excused, by timing the
+simulator does not have; ``excusals`` are the leader's decisions as it recorded them
+(the run's ``quorum_auto`` changes: worker, out or in, from which round), so with quorum
+N the rounds close as the leader closed them.
+
 A transcription of the spec, sharing nothing with ssdsgd.sync.rounds: the server's
 round rules, and every worker's steps as the stage machine runs them (a worker blocked
 on a reply cannot send its next message; an order that asks it to is an error).
@@ -49,11 +54,13 @@ class RoundServer:
     come), at most one push per worker per round, a late push joins the open round, and a
     round waits while an active worker outside it holds weights more than s rounds old."""
 
-    def __init__(self, server, num_workers, quorum, max_staleness, with_state):
+    def __init__(self, server, num_workers, quorum, max_staleness, with_state, excusals=()):
         self.server, self.n, self.q, self.s = server, num_workers, quorum, max_staleness
+        self.excusals = deque(sorted(excusals))   # (round, worker, out): from that round on
+        self.excused = set()
         self.with_state = with_state
         self.pushes = 0                 # applied so far: the lr schedule's clock is pushes / N
-        if quorum < num_workers and server.opt.lr_scheduler is not None:
+        if (quorum < num_workers or excusals) and server.opt.lr_scheduler is not None:
             server.opt.lr_scheduler = _ScheduleInBatches(server.opt.lr_scheduler, self)
         self.open, self.queued = {}, [deque() for _ in range(num_workers)]
         self.active, self.base = set(range(num_workers)), [-1] * num_workers
@@ -104,11 +111,18 @@ class RoundServer:
             self.finals = []
 
     def _closes(self):
+        r = len(self.rounds)
+        while self.excusals and self.excusals[0][0] <= r:
+            _, worker, out = self.excusals.popleft()
+            (self.excused.add if out else self.excused.discard)(worker)
         if not self.open:
             return False
-        if len(self.open) < min(self.q, len(self.active | set(self.open))):
+        possible = self.active | set(self.open)
+        if self.excused:        # auto: every worker that can come but the excused ones
+            if not possible - self.excused <= set(self.open):
+                return False
+        elif len(self.open) < min(self.q, len(possible)):
             return False
-        r = len(self.rounds)
         return all(r - self.base[j] <= self.s * self.period[j]
                    for j in self.active - set(self.open))
 
@@ -144,7 +158,7 @@ class Worker:
 class QuorumSim:
     def __init__(self, init_weights, grad_fn, make_optimizer, num_workers, steps, quorum,
                  max_staleness, algorithm, warmup_steps, delay_steps, local_rule, glu_state,
-                 lr_local):
+                 lr_local, excusals=()):
         if algorithm not in ('ssd', 'ssgd'):
             raise ValueError(f"algorithm must be ssd or ssgd; got {algorithm!r}")
         self.grad_fn, self.steps, self.k = grad_fn, steps, delay_steps
@@ -153,7 +167,7 @@ class QuorumSim:
                  if algorithm == 'ssd' else None for _ in range(num_workers)]
         with_state = algorithm == 'ssd' and rules[0].needs_state
         self.rs = RoundServer(Server(init_weights, make_optimizer), num_workers, quorum,
-                              max_staleness, with_state)
+                              max_staleness, with_state, excusals)
         initial = self.rs.server.pull(with_state)
         self.workers = [Worker(i, {k: w.copy() for k, w in init_weights.items()}, rules[i])
                         for i in range(num_workers)]
@@ -229,15 +243,17 @@ def _timed_order(sim, delays):
 def simulate_quorum(init_weights, grad_fn, make_optimizer, num_workers, steps, *, quorum,
                     max_staleness, arrivals=None, delays=None, algorithm='ssd',
                     warmup_steps=0, delay_steps=1, local_rule='glu', glu_state='estimate',
-                    lr_local=None):
-    """grad_fn(worker, step, weights) -> raw grads; quorum: Q, an int (1 <= Q <= N)."""
+                    lr_local=None, excusals=()):
+    """grad_fn(worker, step, weights) -> raw grads; quorum: Q, an int (1 <= Q <= N);
+    excusals: (round, worker, out) -- worker left out of the rounds from that round on
+    (out), or waited for again (not out); ``auto_excusals`` reads them from a record."""
     if (arrivals is None) == (delays is None):
         raise ValueError("give exactly one of arrivals and delays")
     if not 1 <= quorum <= num_workers:
         raise ValueError(f"quorum must be in 1..{num_workers}; got {quorum}")
     sim = QuorumSim(init_weights, grad_fn, make_optimizer, num_workers, steps, quorum,
                     max_staleness, algorithm, warmup_steps, delay_steps, local_rule,
-                    glu_state, lr_local)
+                    glu_state, lr_local, excusals)
     if delays is not None:
         _timed_order(sim, delays)
     else:
@@ -249,3 +265,8 @@ def simulate_quorum(init_weights, grad_fn, make_optimizer, num_workers, steps, *
                         worker_weights=[w.weights for w in sim.workers],
                         arrivals=sim.arrivals, rounds=sim.rs.rounds,
                         applied=list(sim.rs.applied))
+
+
+def auto_excusals(record):
+    """The excusals of a ``quorum_auto`` record (a run's summary; a worker's metrics)."""
+    return [(c["round"], c["worker"], c["change"] == "out") for c in record["changes"]]

@@ -40,7 +40,7 @@ from .splitting import split
 from .startup import WorkerStart
 from .. import fields
 from .. import timeline
-from ..settings import count_or_auto, quorum_size
+from ..settings import count_or_auto, quorum_rounds
 
 
 class WorkerClient:
@@ -75,7 +75,7 @@ class WorkerClient:
         # With a quorum (docs/spec/quorum.md) a push is one contribution to a round: one
         # message per server, to every server, so every server counts the same pushes.
         # (The settings refuse a quorum with asgd and with relayed pulls.)
-        self.quorum = quorum_size(env.quorum, self.num_workers) < self.num_workers
+        self.quorum = quorum_rounds(env.quorum, self.num_workers)
         self.relays = self.topology.get("relays")
         self.relay_on = env.pull_relay == "chain"   # auto: the stage machine's choice
         self.coder = PushCoder()  # the job's compression and this worker's residuals

@@ -120,8 +120,11 @@ META = {
     Kind.ABORT: {"reason": (F.STR, False)},
     Kind.PUSH: {"policy": (F.OBJ, False)},
     Kind.PULL: {"policy": (F.OBJ, False)},
+    # ``policy``: the policy's own fields (a quorum auto leader's record on the final
+    # replies), checked where they are read (sync/events.py)
     Kind.REPLY: {"lr": ((F.optional(F.is_number), "a finite number or null"), False),
-                 "optimizer": ((F.optional(F.OBJ[0]), "a JSON object or null"), False)},
+                 "optimizer": ((F.optional(F.OBJ[0]), "a JSON object or null"), False),
+                 "policy": (F.OBJ, False)},
     Kind.ERROR: {"error": (F.STR, True)},
     Kind.FRAGMENT: {"of": (F.COUNT, True), "relay": (_RELAY_TO, False),
                     "sizes": (_SIZES, False)},

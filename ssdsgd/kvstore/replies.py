@@ -41,7 +41,7 @@ class Reply:
     """A reply being assembled: values snapshotted per key as their step is applied.
     ``shards[i]`` is the key of slot i."""
     __slots__ = ("ident", "req", "shards", "records", "parts", "missing", "with_state", "lr",
-                 "tracker", "peer", "relay", "received")
+                 "tracker", "peer", "relay", "received", "policy")
 
     def __init__(self, ident, req, shards, with_state, peer, relay=False):
         n = len(shards)
@@ -52,6 +52,7 @@ class Reply:
         self.peer = peer
         peer.open += 1
         self.received = now()     # the timeline's queue span (Replies.sent)
+        self.policy = None        # the policy's fields for this reply's meta (``note``)
 
 
 class Replies:
@@ -150,9 +151,16 @@ class Replies:
             return self._snapshot(reply, slot, reply.shards[slot])
         if not reply.shards:
             reply.peer.open -= 1
-            self.empty(reply.ident, reply.req)
+            self.send(reply.ident, P.Message(P.Kind.REPLY, sender=self.rank, req=reply.req,
+                                             meta=None if reply.policy is None else
+                                             {"policy": reply.policy}))
         for i, shard in enumerate(reply.shards):
             self._snapshot(reply, i, shard)
+
+    @staticmethod
+    def note(reply, fields):
+        """``reply`` carries the policy's ``fields`` (a JSON object) as its ``policy`` meta."""
+        reply.policy = fields
 
     def fill(self, reply, slot, step, value):
         """Slot ``slot`` of ``reply`` gets ``value`` (a group's average), stamped ``step``."""
@@ -196,13 +204,16 @@ class Replies:
         if reply.relay:
             self._relayed.append(reply)
             return
-        sig = (tuple(reply.records), reply.lr)
+        sig = (tuple(reply.records), reply.lr, id(reply.policy))
         body = self._encoded.get(sig)
         if body is None:
+            meta = {"lr": reply.lr} if reply.lr is not None else {}
+            if reply.policy is not None:
+                meta["policy"] = reply.policy
             body = P.encode(P.Message(
                 P.Kind.REPLY, sender=self.rank, req=reply.req,
                 records=P.make_records(reply.records), tensors=reply.parts,
-                meta={"lr": reply.lr} if reply.lr is not None else None))
+                meta=meta or None))
             self._encoded[sig] = body
         reply.tracker = self.send(reply.ident, P.readdress(body, reply.req))
         self.sent(reply)

@@ -51,7 +51,8 @@ class Server:
         self.replies = Replies(None, self.weights, env, lambda text: self.log(text))
         self.weights.reclaim = self.replies.reclaim
         self.actions = {"apply": self.weights.apply, "answer": self.replies.answer,
-                        "fill": self.replies.fill}
+                        "fill": self.replies.fill, "note": self.replies.note,
+                        "say": lambda text: self.log(text)}
         self.scheduler = None     # the socket to the scheduler, from ``start``
         self.policy = None        # made by ``start``, once the rank is known
         self.pending_inits = []

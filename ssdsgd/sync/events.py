@@ -22,6 +22,40 @@ OPTIONS = {
     "pull": {"final": (F.BOOL, False)},    # quorum: this worker is done; the final weights
 }
 
+# a REPLY's ``policy`` fields: quorum auto's record (server 0's final replies; the rule's
+# ``record``, quorum_rules.py), at most MAX_CHANGES changes
+MAX_CHANGES = 200
+_SECONDS = (lambda v: F.is_number(v) and v >= 0, "a number of seconds >= 0")
+_CHANGE = {"worker": (F.WORKER, True), "change": (F.one_of("out", "in"), True),
+           "round": (F.STEP, True), "time": (_SECONDS, True), "lag": (_SECONDS, True),
+           "rounds": (F.COUNT, True), "seconds": (_SECONDS, True),
+           "bound": (_SECONDS, True)}
+_WORKERS = (lambda v: isinstance(v, list) and len(v) <= F.MAX_RANK
+            and all(F.int_in(0, F.MAX_RANK)(r) for r in v), "a list of worker ranks")
+_CHANGES = (lambda v: isinstance(v, list) and len(v) <= MAX_CHANGES
+            and all(isinstance(c, dict) for c in v),
+            f"a list of at most {MAX_CHANGES} objects")
+_RECORD = {"rule": (F.one_of("auto"), True), "rounds": (F.STEP, True),
+           "excused": (_WORKERS, True), "changes": (_CHANGES, True), "dropped": (F.STEP, True)}
+REPLY = {"quorum_auto": (F.OBJ, False)}
+
+
+def reply_fields(given):
+    """The checked ``policy`` fields of a server's REPLY (None: it has none)."""
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise PolicyError(f"a REPLY's policy fields must be a JSON object, got "
+                          f"{F.short(given)}")
+    F.check_fields("a REPLY's policy fields", REPLY, given, PolicyError)
+    record = given.get("quorum_auto")
+    if record is not None:
+        F.check_fields("quorum auto's record", _RECORD, record, PolicyError)
+        for change in record["changes"]:
+            F.check_fields("a change of quorum auto's record", _CHANGE, change, PolicyError)
+    return given
+
+
 # POLICY events: the hops (sender's role, receiver's role) each travels, and its fields
 _WORKER_SERVER, _WORKER_SCHEDULER, _SCHEDULER_WORKER = (
     {("worker", "server")}, {("worker", "scheduler")}, {("scheduler", "worker")})

@@ -13,6 +13,9 @@ out, in order, the way ``rounds.py`` does:
   weights are now; ``slot`` None: every key of it (none: an empty reply).
 * ``("fill", token, slot, step, value)``: the reply's ``slot`` gets ``value`` (not the
   weights: a group's average), its record stamped ``step``.
+* ``("note", token, fields)``: the reply ``token`` carries ``fields`` (a JSON object) as
+  its ``policy`` meta (a quorum auto leader's record, on the final replies).
+* ``("say", text)``: the server prints ``text`` (a decision the user should see).
 
 Gradients, values and reply tokens are opaque: the policy never reads them (except the
 averages it computes). It knows which steps are applied because it is the one that asks

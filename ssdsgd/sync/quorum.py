@@ -4,9 +4,13 @@ actions -- a round's pushes summed key by key in rank order, one optimizer updat
 replies it releases.
 
 One push is one contribution (the client sends it unchunked, to every server). The lr
-schedule counts global batches (pushes / N): a round holds Q <= N pushes.
+schedule counts global batches (pushes / N): a round holds Q <= N pushes. Whom a round
+waits for is a rule (``quorum_rules``); the leader's rule says each change it decides
+(``("say", text)``: server 0 prints it) and its record rides on the final replies
+(``("note", token, fields)``: their ``policy`` meta), for the run's summary.
 """
 from .policy import PolicyError, ServerPolicy
+from .quorum_rules import describe
 from .rounds import RoundError, Rounds
 
 
@@ -15,9 +19,11 @@ class QuorumRounds(ServerPolicy):
 
     def __init__(self, num_workers, steps_ahead, algorithm, averaging=None, *, quorum,
                  max_staleness, leader, replicate):
+        """``quorum``: Q, or a rule of ``quorum_rules``."""
         super().__init__(num_workers, steps_ahead, algorithm, averaging)
         self.rounds = Rounds(num_workers, quorum, max_staleness, leader=leader,
                              replicate=replicate, max_queued=steps_ahead + 2)
+        self.finals = set()      # the reply tokens of final pulls
 
     def push(self, rank, items, token, latest=False):
         item = [(key, grad) for key, _, grad in items]
@@ -28,7 +34,12 @@ class QuorumRounds(ServerPolicy):
         the newest closed round."""
         if not final:
             return [("answer", token, None)]
-        return self._decided(self.rounds.final, rank, token)
+        self.finals.add(token)
+        try:
+            return self._decided(self.rounds.final, rank, token)
+        except PolicyError:
+            self.finals.discard(token)
+            raise
 
     def pause(self, rank, token):
         """Until its next push the rounds do not wait for it (it cannot push while it
@@ -50,8 +61,21 @@ class QuorumRounds(ServerPolicy):
             decided = event(*args, **kwargs)
         except RoundError as e:
             raise PolicyError(str(e)) from None
-        return [self._close(what) if kind == "close" else ("answer", what, None)
-                for kind, what in decided]
+        actions = [("say", describe(change)) for change in self.rounds.decided]
+        self.rounds.decided.clear()
+        record = None
+        for kind, what in decided:
+            if kind == "close":
+                actions.append(self._close(what))
+                continue
+            if what in self.finals:
+                self.finals.discard(what)
+                if record is None and self.rounds.leader:     # the leader's rule decides
+                    record = self.rounds.rule.record()
+                if record is not None:
+                    actions.append(("note", what, {"quorum_auto": record}))
+            actions.append(("answer", what, None))
+        return actions
 
     def _close(self, contributions):
         """Each key's pushes of the round, in rank order; the lr clock counts them all."""

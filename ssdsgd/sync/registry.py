@@ -22,12 +22,19 @@ from typing import Callable, Mapping, Optional
 
 
 def quorum_members(text: str, num_workers: int) -> int:
-    """Q for a well-formed sync.quorum (settings.quorum_size checks the form first)."""
-    if text == "all":
+    """Q for a well-formed sync.quorum (settings.quorum_size checks the form first); auto's
+    is N, less the workers its rule excuses as it goes (sync/quorum_rules.py)."""
+    if text in ("all", "auto"):
         return num_workers
     if text == "majority":
         return num_workers // 2 + 1
     return 1 if text == "solo" else min(int(text), num_workers)
+
+
+def quorum_rounds(text: str, num_workers: int) -> bool:
+    """Whether a job's pushes go into quorum rounds (docs/spec/quorum.md): auto, or a Q
+    below N (all, and a Q of N, are dist_sync's steps)."""
+    return text == "auto" or quorum_members(text, num_workers) < num_workers
 
 
 # ---- features: when a job uses one ------------------------------------------------------
@@ -46,11 +53,12 @@ def _compression(values):
 
 def _quorum(values):
     text, n = values.get("quorum"), values.get("num_workers")
-    if text in (None, "all") or not (text in ("majority", "solo") or str(text).isdigit()):
+    if text in (None, "all") or not (text in ("majority", "solo", "auto")
+                                      or str(text).isdigit()):
         return None
     if n is None:       # N not chosen yet (a benchmark row): a quorum for some N
         return ("quorum", text, "all")
-    return ("quorum", text, "all") if quorum_members(str(text), n) < n else None
+    return ("quorum", text, "all") if quorum_rounds(str(text), n) else None
 
 
 def _restart(values):
@@ -80,7 +88,8 @@ FEATURES = {f.name: f for f in (
             "compression_params)", _compression),
     Feature("relay", "pulled weights passed on from worker to worker (sync.pull_relay: "
             "chain)", _equals("pull_relay", "chain", "off")),
-    Feature("quorum", "rounds that close on fewer than N workers (sync.quorum)", _quorum),
+    Feature("quorum", "rounds that close on fewer than N workers (sync.quorum below N, or "
+            "auto)", _quorum),
     Feature("staggered", "pulls spread over each period (sync.pull_schedule: staggered)",
             _equals("pull_schedule", "staggered", "aligned")),
     Feature("restart", "a failed job restarted from its last checkpoint "

@@ -11,11 +11,17 @@ the scheduler relays the log to the followers, which replay it (``follow``), so 
 server closes round r with the same contributions and answers a reply after the same
 round. A worker's pushes reach every server in the same order (one connection each), so
 "worker j's next push" names the same push everywhere.
+
+Whom a round waits for is the rule's (``quorum_rules``: a fixed Q, or auto's late
+workers); the leader logs auto's changes too (``x3``: worker 3 excused from the next
+round on, ``w3``: waited for again), so a follower knows who is excused.
 """
 import re
 from collections import deque
 
-_ENTRY = re.compile(r"c(\d+(?:\.\d+)*)|a(\d+)\.(\d+)")
+from .quorum_rules import FixedQuorum
+
+_ENTRY = re.compile(r"c(\d+(?:\.\d+)*)|a(\d+)\.(\d+)|([xw])(\d+)")
 
 
 class RoundError(ValueError):
@@ -25,9 +31,11 @@ class RoundError(ValueError):
 class Rounds:
     def __init__(self, num_workers, quorum, max_staleness, *, leader=True, replicate=False,
                  max_queued=64, max_pending=1 << 20):
-        if not 1 <= quorum <= num_workers:
-            raise RoundError(f"quorum {quorum} for {num_workers} workers")
-        self.n, self.q, self.s = num_workers, quorum, max_staleness
+        """``quorum``: Q, an int, or a rule of ``quorum_rules`` (whom a round waits for)."""
+        self.rule = FixedQuorum(quorum) if isinstance(quorum, int) else quorum
+        if not 1 <= self.rule.quorum <= num_workers:
+            raise RoundError(f"quorum {self.rule.quorum} for {num_workers} workers")
+        self.n, self.q, self.s = num_workers, self.rule.quorum, max_staleness
         self.leader, self.replicate = leader, replicate and leader
         self.max_queued, self.max_pending = max_queued, max_pending
         self.closed = 0                  # rounds closed; the open round is number ``closed``
@@ -45,6 +53,8 @@ class Rounds:
         self.finals = []                 # tokens of final pulls
         self.log = []                    # leader: decisions not yet sent to the followers
         self.pending = deque()           # follower: decisions not yet replayed
+        self.excused = set()             # workers the rule does not wait for (auto)
+        self.decided = []                # leader: the rule's changes the policy did not take
 
     # ---- what a server calls -----------------------------------------------------------
     def push(self, rank, item, token=None, latest=False):
@@ -67,6 +77,7 @@ class Rounds:
             self.queues[rank].append(item)
         else:
             self.members[rank] = item
+            self.rule.joined(rank)
         if token is not None:
             self.waiting.append((rank, index, token, latest))
             if self.asked[rank] >= 0:
@@ -114,6 +125,11 @@ class Rounds:
                     raise RoundError(f"round decision {entry[:40]!r} names ranks twice or "
                                      f"beyond {self.n - 1}")
                 self.pending.append(("c", ranks))
+            elif m.group(4) is not None:
+                if int(m.group(5)) >= self.n:
+                    raise RoundError(f"round decision {entry[:40]!r} names a rank beyond "
+                                     f"{self.n - 1}")
+                self.pending.append((m.group(4), int(m.group(5))))
             else:
                 self.pending.append(("a", int(m.group(2)), int(m.group(3))))
         if len(self.pending) > self.max_pending:
@@ -128,16 +144,20 @@ class Rounds:
         return index < self.applied[rank]
 
     def _may_close(self):
-        """Q distinct workers (fewer if fewer can still come: finished or in a barrier),
-        and no worker outside the round (and not in a barrier) is left with weights more
-        than s of its pull periods old (s rounds in ssgd and warm-up, s k in steps delay)."""
+        """The workers the rule waits for (Q distinct ones, fewer if fewer can still come:
+        finished or in a barrier; auto: all of those but the excused), and no worker
+        outside the round (and not in a barrier) is left with weights more than s of its
+        pull periods old (s rounds in ssgd and warm-up, s k in steps delay)."""
         if not self.members:
             return False
-        possible = len((self.active - self.paused) | set(self.members))
-        if len(self.members) < min(self.q, possible):
+        if not self.rule.complete(set(self.members), self._possible()):
             return False
         return all(self.closed - self.base[j] <= self.s * self.period[j]
                    for j in self.active - self.paused if j not in self.members)
+
+    def _possible(self):
+        """The workers that are in the open round or can still come to it."""
+        return (self.active - self.paused) | set(self.members)
 
     def _settle(self):
         actions = []
@@ -154,11 +174,23 @@ class Rounds:
             self.waiting = still
             if not self._may_close():
                 break
-            contributions = sorted(self.members.items())
+            contributions, possible = sorted(self.members.items()), self._possible()
             self.members = {}
             actions.append(self._close(contributions))
+            self._observe({r for r, _ in contributions}, possible)
             self.members = {j: q.popleft() for j, q in enumerate(self.queues) if q}
+            for rank in self.members:     # a push that waited for this round joins it now
+                self.rule.joined(rank)
         return actions + self._finals()
+
+    def _observe(self, members, possible):
+        """The rule's changes after a round (auto: who is excused from the next on)."""
+        for change in self.rule.closed(members, possible, self.closed - 1):
+            rank, out = change["worker"], change["change"] == "out"
+            (self.excused.add if out else self.excused.discard)(rank)
+            self.decided.append(change)
+            if self.replicate:
+                self.log.append(f"{'x' if out else 'w'}{rank}")
 
     def _close(self, contributions):
         for rank, _ in contributions:
@@ -184,6 +216,8 @@ class Rounds:
                 if any(not self.queues[j] for j in entry[1]):
                     break
                 actions.append(self._close([(j, self.queues[j].popleft()) for j in entry[1]]))
+            elif entry[0] in "xw":
+                (self.excused.add if entry[0] == "x" else self.excused.discard)(entry[1])
             else:
                 _, rank, index = entry
                 if self.received[rank] <= index:

@@ -17,7 +17,7 @@ A part takes the events it names (``takes``: (sender's role, event name)); an ev
 part takes is refused, naming the job's algorithm. The node wiring (``ssdsgd.node``)
 passes ``make_scheduler_policy`` to the scheduler: the transport names no policy.
 """
-from ..settings import quorum_size
+from ..settings import quorum_rounds
 from . import events
 from .events import PolicyError
 from .groups import GroupError, GroupGenerator
@@ -95,7 +95,7 @@ class SchedulerPolicy:
 def make_scheduler_policy(env):
     """The scheduler's policy for the job ``env`` describes (a NodeEnv)."""
     parts = []
-    if quorum_size(env.quorum, env.num_workers) < env.num_workers and env.num_servers > 1:
+    if quorum_rounds(env.quorum, env.num_workers) and env.num_servers > 1:
         parts.append(RelayRounds())
     if env.algorithm == "preduce":
         parts.append(FormGroups(env.num_workers, env.group_size))

@@ -32,6 +32,7 @@ import functools
 import numpy as np
 
 from ..glu.rules import make_local_rule
+from ..kvstore.requests import ServerError
 from ..mxglue import hostcopy
 from ..mxglue.optimizer_spec import build
 from . import checkpoint_state
@@ -40,6 +41,7 @@ from .periodic import PeriodicSync
 from .preduce import PreduceSteps
 from ..kvstore.compression import Compression, measure_codecs
 from ..sync.auto import CodecCost, Schedule
+from ..sync.events import PolicyError, reply_fields
 from ..sync.stage import Stage, delays_pulls, steps_ahead_bound, syncs_periodically
 from ..timeline import RECORDER as TIMELINE, now
 
@@ -102,6 +104,7 @@ class StageMachine:
                          if syncs_periodically(env.algorithm) else None)
         self.deferred = DeferredSteps(client, self.keys)   # steps queued on MXNet's engine
         self.final_done = False      # quorum: the final pull is answered
+        self.quorum_auto = None      # quorum auto: server 0's record, from the final reply
         # What hostcopy learnt of each key's gradient, weights and local state arrays, kept
         # while the Trainer passes the same ones (slots: ("g", key), ("w", key, device),
         # ("s", key, i)).
@@ -400,7 +403,12 @@ class StageMachine:
         if not self.keys or self.final_done:
             return
         self.final_done = True
-        replies = self.client.pull(list(self.keys), final=True).wait()
+        gather = self.client.pull(list(self.keys), final=True)
+        replies = gather.wait()
+        try:
+            self.quorum_auto = reply_fields(gather.meta.get("policy")).get("quorum_auto")
+        except PolicyError as e:
+            raise ServerError(f"server 0's final reply: {e}") from None
         hostcopy.write((out, replies[key].value) for key, r in self.keys.items()
                        if r.outs is not None for out in r.outs)
 
@@ -415,4 +423,6 @@ class StageMachine:
         stats["choices"] = self.schedule.choices
         stats["last_step_blocked"] = self.last_step_blocked
         stats["left"] = list(self.client.left)
+        if self.quorum_auto is not None:
+            stats["quorum_auto"] = self.quorum_auto
         return stats

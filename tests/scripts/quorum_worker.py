@@ -49,5 +49,9 @@ metrics = kv.metrics()
 kv.close()
 np.savez(os.path.join(args.out, f"final-rank{rank}.npz"),
          **{f"p{i}": q.data().asnumpy() for i, q in enumerate(tiny.params(net))})
+record = kv.metrics().get("quorum_auto")      # sync.quorum: auto: server 0's record
+if record is not None:
+    with open(os.path.join(args.out, f"auto-rank{rank}.json"), "w") as f:
+        json.dump(record, f)
 print(f"rank {rank} done: {json.dumps({k: metrics[k] for k in ('pushes', 'pulls')})}",
       flush=True)
