@@ -1,10 +1,11 @@
 """The vocabulary: which messages exist, and which meta fields each carries, of what type.
 
-Eighteen kinds, in three groups, and three flags:
+Nineteen kinds, in three groups, and three flags:
 
 * membership (node <-> scheduler; ps-lite's control commands): REGISTER, TOPOLOGY,
   LISTEN (the servers' ports, bound once the job's message limit is known), BARRIER,
-  HEARTBEAT, FINISH, SHUTDOWN, ABORT, MEMBERSHIP (a worker leaves the job);
+  HEARTBEAT, FINISH, SHUTDOWN, ABORT, MEMBERSHIP (a worker leaves the job), CHUNK (a
+  worker asks for the next batch of an epoch: dynamic data, docs/spec/dynamic_data.md);
 * data (worker <-> server): INIT, PUSH, PULL, and the answers REPLY, ACK, ERROR;
   FRAGMENT carries a piece of a relayed REPLY (sync.pull_relay: chain);
 * generic: COMMAND (worker -> every server: the job's optimizer, compression, or
@@ -49,6 +50,9 @@ class Kind(enum.IntEnum):
                       # (none: it knows no model); scheduler -> server {max_message_bytes}:
                       # bind with it; server -> scheduler {port}: bound; scheduler ->
                       # worker {servers, max_message_bytes}: where the servers listen
+    CHUNK = 19        # worker -> scheduler {epoch, per_epoch, budget, start}: the next
+                      # chunk of that epoch; scheduler -> worker {epoch, chunk} or
+                      # {epoch, over: "epoch" | "budget"} (kvstore/chunks.py)
 
 
 class Flag(enum.IntFlag):
@@ -75,6 +79,8 @@ _EVENT = (lambda v: isinstance(v, str) and bool(_EVENT_NAME.match(v)),
 _ANY = (lambda v: True, "any JSON value")
 _BYTES = (F.int_in(1, F.MAX_STEP), "a number of bytes from 1 to 2^62")
 _CLOCK = (F.is_number, "a clock reading in seconds")
+_EPOCH = (F.int_in(0, 1 << 31), "an epoch number from 0 to 2^31")
+_CHUNKS = (F.int_in(1, F.MAX_STEP), "a number of chunks from 1 to 2^62")
 
 # kind -> {field: ((check, what it must be), required)}; kinds not listed carry no meta.
 META = {
@@ -109,6 +115,12 @@ META = {
     Kind.MEMBERSHIP: {"removed": (F.WORKER, True), "next_step": (F.STEP, False),
                       "from_step": (F.STEP, False)},
     Kind.ABORT: {"reason": (F.STR, False)},
+    # dynamic data (kvstore/chunks.py): the request names the epoch and the job's data
+    # plan (chunks per epoch, the budget in chunks, the chunk it started at); the answer
+    # a chunk of it, or why there is none
+    Kind.CHUNK: {"epoch": (_EPOCH, True), "per_epoch": (_CHUNKS, False),
+                 "budget": (_CHUNKS, False), "start": (F.STEP, False),
+                 "chunk": (F.STEP, False), "over": (F.one_of("epoch", "budget"), False)},
     Kind.PUSH: {"policy": (F.OBJ, False)},
     Kind.PULL: {"policy": (F.OBJ, False)},
     Kind.REPLY: {"lr": ((F.optional(F.is_number), "a finite number or null"), False),
