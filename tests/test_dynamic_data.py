@@ -117,11 +117,12 @@ def test_workers_of_a_live_job_get_every_chunk_once_and_bad_requests_a_clear_err
 SLOW = 0.3      # seconds the slow rank sleeps every step (debug.slowdown)
 
 
-def majority_job(root, epochs=2, **more):
-    """3 workers, ssgd, a majority quorum, rank 2 slow: data.assignment auto is dynamic."""
+def majority_job(root, epochs=2, algorithm="ssgd", quorum="majority"):
+    """3 workers, ssgd, a majority quorum (or preduce), rank 2 slow: data.assignment auto
+    is dynamic."""
     return ["configs/digits.yaml", *digits_job("ssgd"), *sets(
-        cluster__workers=3, sync__quorum="majority", debug__slowdown=f"delay:2={SLOW}",
-        train__epochs=epochs, output__dir=root, **more)]
+        cluster__workers=3, sync__algorithm=algorithm, sync__quorum=quorum,
+        debug__slowdown=f"delay:2={SLOW}", train__epochs=epochs, output__dir=root)]
 
 
 def check_every_sample_once(ends, epochs, n_workers=3):
@@ -138,8 +139,10 @@ def check_every_sample_once(ends, epochs, n_workers=3):
 
 
 @pytest.mark.system
-def test_a_slow_rank_under_majority_takes_fewer_batches_and_the_budget_is_spent_once(tmp_path):
-    p = dist(majority_job(tmp_path), timeout=240)
+@pytest.mark.parametrize("algorithm,quorum", [("ssgd", "majority"), ("preduce", "all")])
+def test_a_slow_rank_takes_fewer_batches_and_the_budget_is_spent_once(tmp_path, algorithm,
+                                                                     quorum):
+    p = dist(majority_job(tmp_path, algorithm=algorithm, quorum=quorum), timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     run = run_dir_of(tmp_path)
     ends = [records(run, r, "end")[-1] for r in range(3)]
