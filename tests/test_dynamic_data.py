@@ -172,9 +172,16 @@ def test_with_quorum_all_auto_keeps_todays_static_shards_bit_for_bit(tmp_path,
 
 
 @pytest.mark.system
-def test_a_job_killed_after_an_epoch_resumes_at_the_cursor_and_trains_the_rest_once(tmp_path):
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_a_job_killed_after_an_epoch_resumes_at_the_cursor_and_trains_the_rest_once(
+        tmp_path, algorithm):
+    """Killed (SIGKILL, every process) after its epoch-end checkpoint, resumed with
+    --resume: every worker starts at the checkpoint's global batches, and the rest of the
+    budget, epoch 1, is trained once. (ssd: its local weights start from the checkpoint's
+    global model, docs/spec/dynamic_data.md.)"""
     root = tmp_path / "b"
-    run = kill_job_after_first_checkpoint(majority_job(root), root, timeout=240)
+    run = kill_job_after_first_checkpoint(majority_job(root, algorithm=algorithm), root,
+                                          timeout=240)
     latest = json.loads((run / "checkpoints" / "latest.json").read_text())
     per_epoch = N_TRAIN // (3 * BATCH) * 3
     assert (latest["next_epoch"], latest["chunks"], latest["step"], latest["workers"]) == (
