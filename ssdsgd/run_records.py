@@ -51,6 +51,7 @@ def log_interval(run, epoch: int, batch: int) -> None:
     m = kv_metrics(run.kv)
     run.writer.write("train", step=run.step, epoch=epoch, batch=batch, **stats,
                      stage=stage_of(run, m), lr=lr_at(run, global_batches(run)),
+                     **global_step(run),
                      **net_figures(run.kv, m), elapsed=time.time() - run.t_train)
     if not np.isfinite(stats["loss"]):
         raise FloatingPointError(f"loss is {stats['loss']} at step {run.step} "
@@ -78,6 +79,12 @@ def global_batches(run) -> float:
     schedule counts, ssdsgd/mxglue/batch_schedule.py)."""
     feed = getattr(run, "feed", None)
     return run.step if feed is None else feed.position / run.num_workers
+
+
+def global_step(run) -> dict:
+    """With dynamic data a record's ``global_step``: the job's progress in global batches
+    (the progress monitor's, ssdsgd/progress.py), as the workers' own steps differ."""
+    return {} if getattr(run, "feed", None) is None else {"global_step": int(global_batches(run))}
 
 
 def lr_at(run, num_update: int) -> float:

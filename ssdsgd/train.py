@@ -48,7 +48,7 @@ from ssdsgd.metrics import MetricsWriter, Speedometer, kv_metrics, net_figures
 from ssdsgd.models import build_model, initializer
 from ssdsgd.recipe import (build_lr_scheduler, contexts, create_kvstore, evaluate,
                            gradient_batch, optimizer_params, seed_everything)
-from ssdsgd.run_records import log_interval, stage_of, write_start, write_summary
+from ssdsgd.run_records import global_step, log_interval, stage_of, write_start, write_summary
 from ssdsgd.settings import dynamic_data
 from ssdsgd.slowdown import Slowdown
 from ssdsgd.sync.stage import Stage
@@ -386,7 +386,8 @@ def finish(run: Run) -> dict:
                 keep=run.config.train.keep_checkpoints, accuracy=run.vals[-1]["accuracy"])
             run.writer.write("checkpoint", epoch=last + 1, batch=0, step=run.step,
                              path=str(params))
-    end = run.writer.write("end", steps=run.step, samples=run.samples, wall_time=wall,
+    end = run.writer.write("end", steps=run.step, **global_step(run), samples=run.samples,
+                           wall_time=wall,
                            samples_per_sec=run.samples / max(wall, 1e-9),
                            **net_figures(run.kv), kv=kv_metrics(run.kv),
                            data=run.feed.trained if run.feed is not None else None)

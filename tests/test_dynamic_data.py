@@ -67,7 +67,8 @@ def _raw(**sync):
 
 def test_auto_is_dynamic_exactly_below_n_or_with_preduce_and_dynamic_is_refused_elsewhere():
     assert not dynamic_data("auto", "ssgd", "all", 4) and not dynamic_data("auto", "ssd", "4", 4)
-    assert dynamic_data("auto", "ssgd", "majority", 4) and dynamic_data("auto", "preduce", "all", 4)
+    assert dynamic_data("auto", "ssgd", "majority", 4)
+    assert dynamic_data("auto", "preduce", "all", 4)
     assert not dynamic_data("static", "ssd", "solo", 4)
     assert parse_config(_raw(assignment="dynamic", quorum="majority")).data.assignment == "dynamic"
     with pytest.raises(ConfigError, match=r"^data.assignment: dynamic works with sync.quorum "
@@ -150,8 +151,10 @@ def test_a_slow_rank_takes_fewer_batches_and_the_budget_is_spent_once(tmp_path, 
     steps = [end["steps"] for end in ends]
     assert sum(steps) == 2 * per_epoch                  # the budget, spent once
     assert min(steps[0], steps[1]) > per_epoch // 3 * 2 > steps[2], steps  # static: 29 x 2
+    assert all(end["global_step"] == per_epoch * 2 // 3 for end in ends)  # budget / N
     summary = json.loads((run / "summary.json").read_text())
     assert summary["data_assignment"] == "dynamic" and summary["final_accuracy"] > 0.8
+    assert "progress: step 58/58 (100%)" in p.stderr + p.stdout   # the job's global batches
 
 
 @pytest.mark.system

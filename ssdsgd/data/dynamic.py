@@ -53,7 +53,8 @@ class ChunkFeed:
         while True:
             chunk, over = self.kv.take_chunk(fut, epoch)
             if chunk is None:
-                self.over = over if over == "budget" else None
+                if over == "budget":        # every chunk of the job is handed out
+                    self.over, self.position = over, self.plan["budget"]
                 return
             if not 0 <= chunk < self.plan["per_epoch"]:
                 raise ValueError(f"chunk {chunk} of epoch {epoch}: an epoch has "
