@@ -358,9 +358,9 @@ class SSD_Sync(KVStoreBase):
         future for ``take_chunk`` (kvstore/chunks.py)."""
         return self._client.ask_chunk(epoch, plan)
 
-    def take_chunk(self, fut, epoch):
+    def take_chunk(self, fut, epoch, per_epoch):
         """(chunk, None) or (None, "epoch" | "budget"): the answer ``fut`` waits for."""
-        return self._client.take_chunk(fut, epoch)
+        return self._client.take_chunk(fut, epoch, per_epoch)
 
     def finish(self):
         """End this worker's steps now rather than at ``close()`` where the final model

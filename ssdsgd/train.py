@@ -154,7 +154,7 @@ def open_feed(run: Run, info: dict | None) -> ChunkFeed | None:
     per_epoch = run.length.steps_per_epoch * run.num_workers
     start = run.start_epoch * per_epoch
     if info is not None and info.get("chunks") is not None:
-        start = int(info["chunks"])
+        start = info["chunks"]          # checked by checkpoint_info
     elif run.start_batch:
         raise DataError(f"{run.run_dir}: a mid-epoch checkpoint of static data cannot be "
                         "resumed with dynamic data (data.assignment: static resumes it)")

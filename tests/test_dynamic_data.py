@@ -9,8 +9,9 @@ import pytest
 
 import jobs
 from conftest import digits_job
+from ssdsgd.checkpoint import checkpoint_info
 from ssdsgd.config import ConfigError, parse_config
-from ssdsgd.data import epoch_permutation, shard_indices
+from ssdsgd.data import DataError, epoch_permutation, shard_indices
 from ssdsgd.data.dynamic import chunk_plan
 from ssdsgd.kvstore import protocol as P
 from ssdsgd.kvstore.chunks import ChunkError, Dealer
@@ -81,6 +82,18 @@ def test_auto_is_dynamic_exactly_below_n_or_with_preduce_and_dynamic_is_refused_
         parse_config(_raw(assignment="random"))
 
 
+@pytest.mark.parametrize("chunks", ["87", -1, 1.5])
+def test_a_checkpoint_record_with_a_malformed_cursor_is_a_one_line_error(tmp_path, chunks):
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    (ck / "epoch-0000.params").write_bytes(b"")
+    (ck / "latest.json").write_text(json.dumps(
+        {"next_epoch": 1, "step": 29, "params": "epoch-0000.params", "chunks": chunks}))
+    with pytest.raises(DataError, match=r"latest.json: next_batch, workers and chunks "
+                                        r"\(dynamic data's cursor\) must be integers >= 0$"):
+        checkpoint_info(tmp_path)
+
+
 # ---- the scheduler, live -------------------------------------------------------------------
 @pytest.mark.system
 def test_workers_of_a_live_job_get_every_chunk_once_and_bad_requests_a_clear_error(
@@ -90,11 +103,11 @@ def test_workers_of_a_live_job_get_every_chunk_once_and_bad_requests_a_clear_err
     plan = chunk_plan(per_epoch=6, total_steps=6, num_workers=2, start=0)
     seen = {0: [], 1: []}
     for client in (c0, c1, c1, c1, c0, c1, c0):
-        chunk, over = client.take_chunk(client.ask_chunk(0, plan), 0)
+        chunk, over = client.take_chunk(client.ask_chunk(0, plan), 0, 6)
         if chunk is not None:
             seen[client.rank].append(chunk)
     assert sorted(seen[0] + seen[1]) == list(range(6)) and over == "epoch"
-    assert c0.take_chunk(c0.ask_chunk(1, plan), 1) == (0, None)
+    assert c0.take_chunk(c0.ask_chunk(1, plan), 1, 6) == (0, None)
     # what is not a worker's request is refused in one line, and the scheduler serves on
     peer = raw_peer(job.scheduler_address, job.keys())
     for meta, reason in ((b'{"epoch": "1"}', "'epoch' must be an epoch number"),
@@ -110,8 +123,8 @@ def test_workers_of_a_live_job_get_every_chunk_once_and_bad_requests_a_clear_err
     # a worker of the job that disagrees on the data fails, naming why
     with pytest.raises(JobAborted, match=r"refused a message of this worker: .*plan .* "
                                          r"differs from the job's"):
-        c1.take_chunk(c1.ask_chunk(1, dict(plan, budget=99)), 1)
-    assert job.alive() and c0.take_chunk(c0.ask_chunk(1, plan), 1) == (1, None)
+        c1.take_chunk(c1.ask_chunk(1, dict(plan, budget=99)), 1, 6)
+    assert job.alive() and c0.take_chunk(c0.ask_chunk(1, plan), 1, 6) == (1, None)
 
 
 # ---- training jobs ---------------------------------------------------------------------------

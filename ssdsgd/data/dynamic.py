@@ -51,14 +51,11 @@ class ChunkFeed:
         fut = self.kv.ask_chunk(epoch, self.plan)
         batch = 0
         while True:
-            chunk, over = self.kv.take_chunk(fut, epoch)
+            chunk, over = self.kv.take_chunk(fut, epoch, self.plan["per_epoch"])
             if chunk is None:
                 if over == "budget":        # every chunk of the job is handed out
                     self.over, self.position = over, self.plan["budget"]
                 return
-            if not 0 <= chunk < self.plan["per_epoch"]:
-                raise ValueError(f"chunk {chunk} of epoch {epoch}: an epoch has "
-                                 f"{self.plan['per_epoch']}")
             fut = self.kv.ask_chunk(epoch, self.plan)      # the next, while this trains
             idx = perm[chunk * b:(chunk + 1) * b]
             self._count(epoch, idx)

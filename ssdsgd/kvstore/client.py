@@ -248,11 +248,12 @@ class WorkerClient:
             raise self.requests.failure
         return self.io.ask_scheduler(P.Kind.CHUNK, dict(plan, epoch=epoch), P.Kind.CHUNK)
 
-    def take_chunk(self, fut, epoch):
+    def take_chunk(self, fut, epoch, per_epoch):
         """The answer to ``ask_chunk(epoch, ...)``: (chunk, None), or (None, "epoch" |
         "budget") when that epoch's (the job's) chunks are all handed out."""
         meta = self.requests.wait(fut).meta
-        if meta.get("epoch") != epoch or ("chunk" in meta) == ("over" in meta):
+        if (meta.get("epoch") != epoch or ("chunk" in meta) == ("over" in meta)
+                or not 0 <= meta.get("chunk", 0) < per_epoch):
             raise JobAborted(f"the scheduler answered a chunk request of epoch {epoch} with "
                              f"{fields.short(meta)}")
         return meta.get("chunk"), meta.get("over")
