@@ -8,8 +8,9 @@
 ``poll()`` reads only what the workers appended to ``RUN_DIR/metrics/worker-*.jsonl``
 since the last call. On a tty it drives one tqdm bar for the job (steps of the slowest
 worker, or with dynamic data the job's global batches, with epoch, job samples/s and the
-latest accuracy); otherwise it prints a plain line at most every ``interval`` seconds (10 by default). ``total_steps`` may be None: it
-is then taken from the workers' ``start`` records. At the end the samples/s shown is the
+latest accuracy); otherwise it prints a plain line at most every ``interval`` seconds
+(10 by default). ``total_steps`` may be None: it is then taken from the workers' ``start``
+records. At the end the samples/s shown is the
 job's average throughput (the sum of the workers' ``end`` records).
 
 On a tty, other output must not be written through the bar's line: ``mon.sink(stream)``
