@@ -10,8 +10,8 @@ since the last call. On a tty it drives one tqdm bar for the job (steps of the s
 worker, or with dynamic data the job's global batches, with epoch, job samples/s and the
 latest accuracy); otherwise it prints a plain line at most every ``interval`` seconds
 (10 by default). ``total_steps`` may be None: it is then taken from the workers' ``start``
-records. At the end the samples/s shown is the
-job's average throughput (the sum of the workers' ``end`` records).
+records. At the end the samples/s shown is the job's average throughput (the sum of the
+workers' ``end`` records).
 
 On a tty, other output must not be written through the bar's line: ``mon.sink(stream)``
 is a file-like object for the launcher's output prefixer that writes whole lines above
