@@ -68,9 +68,10 @@ def checkpoint_info(run_dir) -> dict:
     for key in ("params", "states"):
         if info.get(key) and not (ck / info[key]).is_file():
             raise DataError(f"{ck / info[key]}: missing checkpoint file named by {path}")
-    if not isinstance(info.get("next_batch", 0), int) or not isinstance(
-            info.get("workers", 0), int):
-        raise DataError(f"{path}: next_batch and workers must be integers")
+    if not all(isinstance(info.get(k, 0), int) and info.get(k, 0) >= 0
+               for k in ("next_batch", "workers", "chunks")):
+        raise DataError(f"{path}: next_batch, workers and chunks (dynamic data's cursor) "
+                        "must be integers >= 0")
     for rank in range(info.get("workers", 0)):
         name = worker_state_name(info, rank, info["workers"])
         if not (ck / name).is_file():

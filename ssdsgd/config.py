@@ -88,6 +88,9 @@ class DataConfig:
     resize_size: Optional[int] = _f(None, min=1, doc="imagenet: validation resize of the "
                                     "shorter side; default round(crop_size / 0.875)")
     num_classes: Optional[int] = _f(None, min=2, doc="default: the dataset's own")
+    assignment: str = field(default=S.BY_NAME["assignment"].default,
+                            metadata={"setting": S.BY_NAME["assignment"],
+                                      "doc": S.BY_NAME["assignment"].doc})
 
 
 @dataclass

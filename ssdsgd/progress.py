@@ -7,10 +7,11 @@
 
 ``poll()`` reads only what the workers appended to ``RUN_DIR/metrics/worker-*.jsonl``
 since the last call. On a tty it drives one tqdm bar for the job (steps of the slowest
-worker, with epoch, job samples/s and the latest accuracy); otherwise it prints a plain
-line at most every ``interval`` seconds (10 by default). ``total_steps`` may be None: it
-is then taken from the workers' ``start`` records. At the end the samples/s shown is the
-job's average throughput (the sum of the workers' ``end`` records).
+worker, or with dynamic data the job's global batches, with epoch, job samples/s and the
+latest accuracy); otherwise it prints a plain line at most every ``interval`` seconds
+(10 by default). ``total_steps`` may be None: it is then taken from the workers' ``start``
+records. At the end the samples/s shown is the job's average throughput (the sum of the
+workers' ``end`` records).
 
 On a tty, other output must not be written through the bar's line: ``mon.sink(stream)``
 is a file-like object for the launcher's output prefixer that writes whole lines above
@@ -95,13 +96,15 @@ class ProgressMonitor:
         elif event in ("train", "end"):
             state = self.workers.setdefault(rank, {})
             if event == "end":
-                state["step"] = rec.get("steps", state.get("step", 0))
+                state["step"] = rec.get("global_step", rec.get("steps", state.get("step", 0)))
                 state["done"] = True
                 # this worker's average over the run (what the job's summary sums)
                 state["samples_per_sec"] = rec.get("samples_per_sec")
             else:
                 state.update({k: rec.get(k) for k in ("step", "epoch", "accuracy", "loss",
                                                       "samples_per_sec", "stage")})
+                if "global_step" in rec:     # dynamic data: the job's global batches
+                    state["step"] = rec["global_step"]
         elif event == "val":
             self.val = rec
 

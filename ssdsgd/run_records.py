@@ -50,7 +50,8 @@ def log_interval(run, epoch: int, batch: int) -> None:
     stats = run.speed.stats()
     m = kv_metrics(run.kv)
     run.writer.write("train", step=run.step, epoch=epoch, batch=batch, **stats,
-                     stage=stage_of(run, m), lr=lr_at(run, run.step),
+                     stage=stage_of(run, m), lr=lr_at(run, global_batches(run)),
+                     **global_step(run),
                      **net_figures(run.kv, m), elapsed=time.time() - run.t_train)
     if not np.isfinite(stats["loss"]):
         raise FloatingPointError(f"loss is {stats['loss']} at step {run.step} "
@@ -73,6 +74,20 @@ def stage_of(run, m: dict | None = None):
     return plan(max(run.step - 1, 0), s.algorithm, run.warmup, period).stage
 
 
+def global_batches(run) -> float:
+    """Where the job is in the lr schedule: this worker's steps, or with dynamic data the
+    chunks handed out by the last one it took over N (the global batches the servers'
+    schedule counts, ssdsgd/mxglue/batch_schedule.py)."""
+    feed = getattr(run, "feed", None)
+    return run.step if feed is None else feed.position / run.num_workers
+
+
+def global_step(run) -> dict:
+    """With dynamic data a record's ``global_step``: the job's progress in global batches
+    (the progress monitor's, ssdsgd/progress.py), as the workers' own steps differ."""
+    return {} if getattr(run, "feed", None) is None else {"global_step": int(global_batches(run))}
+
+
 def lr_at(run, num_update: int) -> float:
     """The lr of update ``num_update``, from a second, identical scheduler: MXNet's are
     stateful, and with a kvstore the servers, not this process, run the real one."""
@@ -92,7 +107,9 @@ def write_summary(run, wall: float) -> dict:
         "num_servers": c.cluster.servers if kv is not None else 0,
         "model": c.model.name, "dataset": c.data.dataset,
         "batch_size": c.data.batch_size,
-        "epochs": round(run.step / run.length.steps_per_epoch, 3), "steps": run.step,
+        "epochs": round(global_batches(run) / run.length.steps_per_epoch, 3),
+        "steps": run.step,       # rank 0's; with dynamic data the others' differ
+        "data_assignment": "dynamic" if getattr(run, "feed", None) else "static",
         "steps_per_epoch": run.length.steps_per_epoch, "warmup_steps": run.warmup,
         "delay_steps": m.get("delay_steps", c.sync.delay_steps),
         # what the job chose for the knobs left at auto, and why (sync/auto.py)

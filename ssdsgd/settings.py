@@ -396,6 +396,13 @@ SETTINGS = (
             "not in it holds weights at most this many of its pull periods old (rounds in "
             "ssgd, k rounds in ssd's steps delay; docs/spec/quorum.md)",
             env="SSDSGD_MAX_STALENESS", path="sync.max_staleness", min=1, max=1 << 20),
+    # --- the data (docs/spec/dynamic_data.md)
+    Setting("assignment", str, "auto", "who trains which batch of an epoch: static (each "
+            "worker its own fixed shard, the same number of steps each), dynamic (the "
+            "scheduler hands the epoch's batches to whichever worker asks next, so a fast "
+            "worker trains more; needs a quorum below N or preduce) or auto (dynamic exactly "
+            "when the quorum is below N or the algorithm is preduce; docs/spec/dynamic_data.md)",
+            path="data.assignment", choices=("auto", "static", "dynamic")),
     # --- checkpoints (docs/training.md)
     Setting("checkpoint_every_s", float, None, "also checkpoint mid-epoch once this many "
             "seconds have passed since the last checkpoint (rank 0's clock, looked at every "
@@ -459,6 +466,38 @@ BY_ENV = {s.env: s for s in SETTINGS if s.env}
 BY_PATH = {s.path: s for s in SETTINGS if s.path}
 
 
+def dynamic_data(assignment: str, algorithm: str, quorum: str, num_workers: int) -> bool:
+    """Does data.assignment hand out batches dynamically (docs/spec/dynamic_data.md)?
+    auto: exactly when rounds close without some workers (Q < N) or the algorithm is
+    preduce, the two modes in which a worker's steps need not match the others'."""
+    if assignment == "static":
+        return False
+    if assignment == "dynamic":
+        return True
+    return algorithm == "preduce" or quorum_size(quorum, num_workers) < num_workers
+
+
+def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """dynamic data gives workers different numbers of steps: only quorum rounds (rule 4:
+    a worker's end) and preduce's groups take that; ssgd/ssd with every worker in every
+    step would wait for the step a worker never takes, and asgd is not tested with it.
+    Its checkpoints are at epoch ends (the chunk cursor at a barrier all reach)."""
+    if values.get("assignment") != "dynamic":
+        return None
+    algorithm, quorum, n = (values.get("algorithm"), values.get("quorum"),
+                            values.get("num_workers"))
+    if algorithm != "preduce" and quorum is not None and n is not None and not _quorum(
+            str(quorum)) and quorum_size(str(quorum), n) >= n:
+        return (f"{label('assignment')}: dynamic works with {label('quorum')} below the "
+                f"{n} workers or {label('algorithm')}: preduce only, got {algorithm} with "
+                f"quorum {quorum} (every step waits for every worker, and dynamic data "
+                "gives them different numbers of steps)")
+    if values.get("checkpoint_every_s"):
+        return (f"{label('assignment')}: dynamic takes checkpoints at epoch ends only; "
+                f"unset {label('checkpoint_every_s')} (docs/spec/dynamic_data.md)")
+    return None
+
+
 def _heartbeats(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
     """A node sends a heartbeat every interval and looks every half interval, so a live
     node can be silent for 1.5 intervals: a shorter timeout declares it dead."""
@@ -500,7 +539,8 @@ def _combinations(values: Mapping, label: Callable[[str], str]) -> Optional[str]
     return refusal(values, label)
 
 
-CROSS_CHECKS = (_heartbeats, _group_size, _slowdown_ranks, _combinations)
+CROSS_CHECKS = (_heartbeats, _group_size, _slowdown_ranks, _combinations,
+                _dynamic_needs_uneven_steps)
 
 
 def cross_check(values: Mapping, label: Callable[[str], str]) -> None:

@@ -359,6 +359,15 @@ class SSD_Sync(KVStoreBase):
         if self._env.algorithm == "preduce":
             self._machine.finish()
 
+    def ask_chunk(self, epoch, plan):
+        """Dynamic data (ssdsgd.data.dynamic): ask for the next chunk of ``epoch``; a
+        future for ``take_chunk`` (kvstore/chunks.py)."""
+        return self._client.ask_chunk(epoch, plan)
+
+    def take_chunk(self, fut, epoch, per_epoch):
+        """(chunk, None) or (None, "epoch" | "budget"): the answer ``fut`` waits for."""
+        return self._client.take_chunk(fut, epoch, per_epoch)
+
     def finish(self):
         """End this worker's steps now rather than at ``close()`` where the final model
         needs every worker: preduce's last group (``average_all``), a quorum's final pull

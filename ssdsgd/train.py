@@ -8,7 +8,10 @@ kvstore ``ssd_sync`` and takes its rank and the number of workers from it; the s
 ``gluon.Trainer`` then pushes gradients and pulls weights through it.
 
 Each worker trains on its own disjoint shard of every epoch (ssdsgd.data.shard_indices),
-and all workers run the same number of steps per epoch. Rank 0 validates after every
+and all workers run the same number of steps per epoch; with dynamic data
+(``data.assignment``, docs/spec/dynamic_data.md) the scheduler hands each epoch's batches
+to whichever worker asks next (ssdsgd.data.dynamic), until the job's budget of batches
+is spent, so a fast worker trains more of them. Rank 0 validates after every
 epoch on the whole validation set (top-1; top-5 for ImageNet) with its current weights
 (in the steps-delay stage: its local weights, at most k steps from the last global
 pull), writes checkpoints (ssdsgd.checkpoint), and at the end ``RUN_DIR/summary.json``.
@@ -39,12 +42,14 @@ from ssdsgd.checkpoint import (RunLength, check_unfinished, checkpoint_info, loa
 from ssdsgd.config import (Config, ConfigError, load_config, new_run_dir,
                            resolve_warmup_steps, save_config)
 from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_epoch
+from ssdsgd.data.dynamic import ChunkFeed, chunk_plan
 from ssdsgd.kvstore.compression import parse_setting as parse_compression
 from ssdsgd.metrics import MetricsWriter, Speedometer, kv_metrics, net_figures
 from ssdsgd.models import build_model, initializer
 from ssdsgd.recipe import (build_lr_scheduler, contexts, create_kvstore, evaluate,
                            gradient_batch, optimizer_params, seed_everything)
-from ssdsgd.run_records import log_interval, stage_of, write_start, write_summary
+from ssdsgd.run_records import global_step, log_interval, stage_of, write_start, write_summary
+from ssdsgd.settings import dynamic_data
 from ssdsgd.slowdown import Slowdown
 from ssdsgd.sync.stage import Stage
 
@@ -73,6 +78,7 @@ class Run:
     t_start: float            # when train() was called
     writer: MetricsWriter | None = None
     loader: Loader | None = None
+    feed: ChunkFeed | None = None      # dynamic data: the scheduler's chunks (else None)
     start_epoch: int = 0
     start_batch: int = 0      # the data position in start_epoch (a mid-epoch checkpoint)
     step: int = 0
@@ -94,6 +100,8 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
         run = set_up(config, Path(run_dir), resume, closing)
         for epoch in range(run.start_epoch, run.length.last_epoch + 1):
             run_epoch(run, epoch)
+            if run.feed is not None and run.feed.over:
+                break           # the job's budget is spent (docs/spec/dynamic_data.md)
         return finish(run)
 
 
@@ -130,8 +138,28 @@ def set_up(config: Config, run_dir: Path, resume: bool, closing) -> Run:
     write_start(run)
     run.loader = Loader(dataset, config.train.seed, config.data.loader_threads)
     closing.callback(run.loader.close)
+    run.feed = open_feed(run, info)
     run.t_train = run.t_checkpoint = time.time()
     return run
+
+
+def open_feed(run: Run, info: dict | None) -> ChunkFeed | None:
+    """Dynamic data's feed if ``data.assignment`` chooses it (by hand, with no kvstore,
+    the one process's static shard is the whole epoch), starting at the checkpoint's
+    cursor when resuming (an epoch end: dynamic data checkpoints nowhere else)."""
+    c = run.config
+    if run.kv is None or not dynamic_data(c.data.assignment, c.sync.algorithm,
+                                          c.sync.quorum, run.num_workers):
+        return None
+    per_epoch = run.length.steps_per_epoch * run.num_workers
+    start = run.start_epoch * per_epoch
+    if info is not None and info.get("chunks") is not None:
+        start = info["chunks"]          # checked by checkpoint_info
+    elif run.start_batch:
+        raise DataError(f"{run.run_dir}: a mid-epoch checkpoint of static data cannot be "
+                        "resumed with dynamic data (data.assignment: static resumes it)")
+    return ChunkFeed(run.kv, run.dataset, c.train.seed, c.data.batch_size,
+                     chunk_plan(per_epoch, run.length.total_steps, run.num_workers, start))
 
 
 def build_trainer(config: Config, kv, dataset, length: RunLength, ctx):
@@ -184,23 +212,24 @@ def run_epoch(run: Run, epoch: int) -> None:
     whole = Speedometer()
     c = run.config
     first = run.start_batch if epoch == run.start_epoch else 0
-    for batch, (x, y) in run.loader.epoch(epoch, run.rank, run.num_workers,
-                                          c.data.batch_size, start_step=first):
+    batches = (run.feed.epoch(epoch) if run.feed is not None else run.loader.epoch(
+        epoch, run.rank, run.num_workers, c.data.batch_size, start_step=first))
+    for batch, (x, y) in batches:
         figures = train_step(run, x, y)
         run.speed.update(*figures)
         whole.update(*figures)
         if ((batch + 1) % c.train.log_interval == 0 or run.step == run.length.total_steps
                 or batch + 1 == run.length.steps_per_epoch < c.train.log_interval):
             log_interval(run, epoch, batch + 1)   # an epoch shorter than log_interval: once
-        if run.step >= run.length.total_steps:
-            break
+        if run.feed is None and run.step >= run.length.total_steps:
+            break               # dynamic data: the scheduler says when the budget is spent
         if (batch + 1 < run.length.steps_per_epoch and (batch + 1) % c.train.log_interval == 0
                 and time_for_checkpoint(run)):
             checkpoint(run, epoch, batch + 1)
     ep = whole.stats()
     log.info("Epoch[%d] Train-accuracy=%.6f loss=%.4f Speed: %.1f samples/sec", epoch,
              ep["accuracy"], ep["loss"], ep["samples_per_sec"])
-    if epoch < run.length.last_epoch:
+    if epoch < run.length.last_epoch and not (run.feed is not None and run.feed.over):
         if run.rank == 0:
             validate(run, epoch)
         if wants_checkpoint(run, epoch):
@@ -264,8 +293,11 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int) -> None:
     """Every worker, between two steps (the same step on all): a checkpoint whose data
     position is (next_epoch, next_batch). Each worker saves its own state; rank 0 the
     global model (in the steps-delay stage and in localsgd's and diloco's local steps its
-    own weights are local ones: it pulls the servers'), the servers' optimizer states, and, once every worker has saved (a
-    barrier), latest.json, which names them all."""
+    own weights are local ones: it pulls the servers'), the servers' optimizer states, and,
+    once every worker has saved (a barrier), latest.json, which names them all. Dynamic
+    data: checkpoint_chunks."""
+    if run.feed is not None:
+        return checkpoint_chunks(run, next_epoch)
     stem = (f"epoch-{next_epoch - 1:04d}" if next_batch == 0 else f"step-{run.step:08d}")
     ck = run.run_dir / "checkpoints"
     ck.mkdir(parents=True, exist_ok=True)
@@ -293,6 +325,38 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int) -> None:
     run.t_checkpoint = time.time()
 
 
+def checkpoint_chunks(run: Run, next_epoch: int) -> None:
+    """Dynamic data's checkpoint, at the end of epoch ``next_epoch - 1`` on every worker
+    (docs/spec/dynamic_data.md). Once all are there (a barrier: every chunk handed out
+    is trained and its push applied; a quorum's rounds are closed, quorum.md rule 5),
+    every worker takes the servers' model into its parameters (but in ssd's steps-delay
+    stage, whose local weights are its own) and rank 0 saves it, the servers' optimizer
+    states and the cursor (the chunks handed out): what a job resumed from it starts
+    from. No worker states: the workers' step counts differ, so the record's step is
+    the global batches done (chunks / N), the count the servers' lr schedule resumes at."""
+    stem = f"epoch-{next_epoch - 1:04d}"
+    plan = run.feed.plan
+    chunks = min(next_epoch * plan["per_epoch"], plan["budget"])
+    run.kv.barrier()
+    synchronous = stage_of(run) != Stage.STEPS_DELAY
+    if synchronous or run.rank == 0:
+        weights = pull_global(run.kv, run.trainer, into_params=synchronous)
+    if run.rank == 0:
+        states = save_states(run.run_dir, run.trainer, stem)
+        params = save_params(run.run_dir, run.net, stem, None if synchronous else weights)
+    run.kv.barrier()        # nobody pushes again before every worker has the model
+    if run.rank == 0:
+        record_checkpoint(run.run_dir, dict(
+            epoch=next_epoch - 1, next_epoch=next_epoch, next_batch=0,
+            step=chunks // run.num_workers, chunks=chunks, seed=run.config.train.seed,
+            params=params.name, states=states, workers=0),
+            keep=run.config.train.keep_checkpoints,
+            accuracy=run.vals[-1]["accuracy"] if run.vals else None)
+        run.writer.write("checkpoint", epoch=next_epoch, batch=0, step=run.step,
+                         path=str(params))
+    run.t_checkpoint = time.time()
+
+
 def finish(run: Run) -> dict:
     """The end of training: rank 0's last validation and checkpoint, every worker's end
     record, rank 0's summary. Rank 0 first replaces its local weights by the final model
@@ -315,15 +379,20 @@ def finish(run: Run) -> dict:
             stem = f"epoch-{last:04d}"
             states = save_states(run.run_dir, run.trainer, stem)
             params = save_params(run.run_dir, run.net, stem)
-            record_checkpoint(run.run_dir, dict(
+            cursor = {} if run.feed is None else {   # the budget is spent (dynamic data)
+                "step": run.length.total_steps, "chunks": run.feed.plan["budget"]}
+            record_checkpoint(run.run_dir, dict(dict(
                 epoch=last, next_epoch=last + 1, next_batch=0, step=run.step,
                 seed=run.config.train.seed, params=params.name, states=states, workers=0),
+                **cursor),
                 keep=run.config.train.keep_checkpoints, accuracy=run.vals[-1]["accuracy"])
             run.writer.write("checkpoint", epoch=last + 1, batch=0, step=run.step,
                              path=str(params))
-    end = run.writer.write("end", steps=run.step, samples=run.samples, wall_time=wall,
+    end = run.writer.write("end", steps=run.step, **global_step(run), samples=run.samples,
+                           wall_time=wall,
                            samples_per_sec=run.samples / max(wall, 1e-9),
-                           **net_figures(run.kv), kv=kv_metrics(run.kv))
+                           **net_figures(run.kv), kv=kv_metrics(run.kv),
+                           data=run.feed.trained if run.feed is not None else None)
     return end if run.rank != 0 else write_summary(run, wall)
 
 

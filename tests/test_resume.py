@@ -169,12 +169,15 @@ def test_a_killed_quorum_job_is_restarted_and_finishes(tmp_path):
     every remaining step in the steps-delay stage, every worker ends, and the final model
     has a digits run's accuracy. Which worker is late is left to timing here (fixing it
     needs a delay that dominates every step, as tests/test_quorum.py does: too slow for a
-    job of 87 steps), so the weights are not compared with an uninterrupted run's."""
+    job of 87 steps), so the weights are not compared with an uninterrupted run's. Static
+    shards (data.assignment: static; auto is dynamic with a quorum), so that every worker
+    runs the same steps (tests/test_dynamic_data.py resumes dynamic data)."""
     from test_recovery import kill_once_with_a_restart
     epochs, steps = 3, 1437 // (3 * 16)             # 29 steps per epoch
     job = sets(cluster__workers=3, sync__quorum="majority", sync__warmup_steps=20,
                debug__slowdown="delay:2=0.01", data__batch_size=16, train__epochs=epochs,
-               train__checkpoint_every=1, train__log_interval=10, output__plots="false")
+               train__checkpoint_every=1, train__log_interval=10, output__plots="false",
+               data__assignment="static")
     root = tmp_path / "b"
     b, out = kill_once_with_a_restart(["configs/digits.yaml", *job, *sets(output__dir=root)],
                                       root, steps + 2, "worker", 0)

@@ -27,7 +27,9 @@ PORT = {"SSDSGD_SCHEDULER_PORT": "9000"}
 PARTNERS = {"heartbeat_timeout": {"heartbeat_interval": 0.01},
             "heartbeat_interval": {"heartbeat_timeout": 86400.0},
             # preduce's default group of 2 needs 2 workers
-            "algorithm": {"num_workers": 4}}
+            "algorithm": {"num_workers": 4},
+            # dynamic data needs a quorum below N (or preduce)
+            "assignment": {"num_workers": 4, "quorum": "majority"}}
 
 
 def probes(s):

@@ -10,6 +10,9 @@ of the training set from ``seed + e``, keeps only the first
 runs exactly ``steps`` steps and none is left waiting) and takes its own contiguous,
 disjoint block of ``steps * batch_size`` of them.
 
+Dynamic data (``data.assignment``, docs/spec/dynamic_data.md) hands the same
+permutation's batches to whichever worker asks next instead: ``ssdsgd.data.dynamic``.
+
 A missing or malformed data file raises :class:`DataError`, one line naming the file.
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Iterator
 import numpy as np
 
 __all__ = ["DataError", "Dataset", "open_dataset", "steps_per_epoch", "count_train",
-           "shard_indices", "batch_rng", "Loader", "validate_data"]
+           "shard_indices", "epoch_permutation", "batch_rng", "Loader", "validate_data"]
 
 
 class DataError(ValueError):
@@ -97,13 +100,19 @@ def validate_data(config) -> None:
     steps_per_epoch(config, config.cluster.workers)
 
 
+def epoch_permutation(n: int, epoch: int, seed: int) -> np.ndarray:
+    """The order of the training set in ``epoch``, the same on every worker: static
+    shards are blocks of it, dynamic chunks (ssdsgd.data.dynamic) its batches."""
+    return np.random.RandomState((seed + epoch) % 2**32).permutation(n)
+
+
 def shard_indices(n: int, epoch: int, seed: int, rank: int, num_workers: int,
                   batch_size: int) -> np.ndarray:
     """This worker's training indices for ``epoch``, shaped (steps, batch_size)."""
     if not 0 <= rank < num_workers:
         raise ValueError(f"rank {rank} not in [0, {num_workers})")
     steps = n // (num_workers * batch_size)
-    perm = np.random.RandomState((seed + epoch) % 2**32).permutation(n)
+    perm = epoch_permutation(n, epoch, seed)
     block = steps * batch_size
     return perm[rank * block:(rank + 1) * block].reshape(steps, batch_size)
 

@@ -91,12 +91,18 @@ class IOThread:
         with self.requests.lock:
             self._wake()
 
-    def call_scheduler(self, kind, meta, reply_kind):
-        """Send the scheduler ``kind`` and wait for its ``reply_kind``."""
+    def ask_scheduler(self, kind, meta, reply_kind):
+        """Send the scheduler ``kind``; the future of its ``reply_kind`` (one at a time of
+        each reply kind)."""
         with self.requests.lock:
             fut = self.requests.expect_control(reply_kind)
             self._commands.put(("scheduler", P.control(kind, meta)))
             self._wake()
+        return fut
+
+    def call_scheduler(self, kind, meta, reply_kind):
+        """Send the scheduler ``kind`` and wait for its ``reply_kind``."""
+        fut = self.ask_scheduler(kind, meta, reply_kind)
         waited = time.perf_counter()
         try:
             return self.requests.wait(fut)

@@ -1,10 +1,11 @@
 """The vocabulary: which messages exist, and which meta fields each carries, of what type.
 
-Nineteen kinds, in three groups, and three flags:
+Twenty kinds, in three groups, and three flags:
 
 * membership (node <-> scheduler; ps-lite's control commands): REGISTER, TOPOLOGY,
   LISTEN (the servers' ports, bound once the job's message limit is known), BARRIER,
-  HEARTBEAT, FINISH, SHUTDOWN, ABORT, MEMBERSHIP (a worker leaves the job);
+  HEARTBEAT, FINISH, SHUTDOWN, ABORT, MEMBERSHIP (a worker leaves the job), CHUNK (a
+  worker asks for the next batch of an epoch: dynamic data, docs/spec/dynamic_data.md);
 * data (worker <-> server): INIT, PUSH, PULL, and the answers REPLY, ACK, ERROR;
   FRAGMENT carries a piece of a relayed REPLY (sync.pull_relay: chain), and DIGEST the
   digests of its pieces, from the server straight to each worker the pieces reach through
@@ -54,6 +55,9 @@ class Kind(enum.IntEnum):
     DIGEST = 19       # server -> worker: the digests of the pieces of a relayed REPLY that
                       # reach it through another worker; req: its request; {digests, relay}
                       # (docs/spec/pull_relay.md)
+    CHUNK = 20        # worker -> scheduler {epoch, per_epoch, budget, start}: the next
+                      # chunk of that epoch; scheduler -> worker {epoch, chunk} or
+                      # {epoch, over: "epoch" | "budget"} (kvstore/chunks.py)
 
 
 class Flag(enum.IntFlag):
@@ -84,6 +88,8 @@ _EVENT = (lambda v: isinstance(v, str) and bool(_EVENT_NAME.match(v)),
 _ANY = (lambda v: True, "any JSON value")
 _BYTES = (F.int_in(1, F.MAX_STEP), "a number of bytes from 1 to 2^62")
 _CLOCK = (F.is_number, "a clock reading in seconds")
+_EPOCH = (F.int_in(0, 1 << 31), "an epoch number from 0 to 2^31")
+_CHUNKS = (F.int_in(1, F.MAX_STEP), "a number of chunks from 1 to 2^62")
 
 # kind -> {field: ((check, what it must be), required)}; kinds not listed carry no meta.
 META = {
@@ -118,6 +124,12 @@ META = {
     Kind.MEMBERSHIP: {"removed": (F.WORKER, True), "next_step": (F.STEP, False),
                       "from_step": (F.STEP, False)},
     Kind.ABORT: {"reason": (F.STR, False)},
+    # dynamic data (kvstore/chunks.py): the request names the epoch and the job's data
+    # plan (chunks per epoch, the budget in chunks, the chunk it started at); the answer
+    # a chunk of it, or why there is none
+    Kind.CHUNK: {"epoch": (_EPOCH, True), "per_epoch": (_CHUNKS, False),
+                 "budget": (_CHUNKS, False), "start": (F.STEP, False),
+                 "chunk": (F.STEP, False), "over": (F.one_of("epoch", "budget"), False)},
     Kind.PUSH: {"policy": (F.OBJ, False)},
     Kind.PULL: {"policy": (F.OBJ, False)},
     # ``policy``: the policy's own fields (a quorum auto leader's record on the final

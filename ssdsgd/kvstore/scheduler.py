@@ -18,6 +18,7 @@ import zmq
 
 from . import job_status, protocol as P
 from .barriers import Barriers
+from .chunks import ChunkError, Dealer
 from .env import NodeEnv
 from .removals import RemovalError, Removals
 from .security import Guard
@@ -91,6 +92,7 @@ class Scheduler:
         self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = Barriers()
         self.removals = Removals()    # cluster.on_worker_failure: continue
+        self.dealer = Dealer()        # data.assignment: dynamic (chunks.py)
         self.counts = {"server": env.num_servers, "worker": env.num_workers}
         self.started = False
         self.startup = None       # once every node registered: the servers' binding
@@ -235,12 +237,23 @@ class Scheduler:
         self.stalls.leave(node["rank"])
         self._record()
 
+    def _chunk(self, ident, node, meta):
+        """CHUNK: the next chunk of an epoch, to whichever worker asks (chunks.py)."""
+        if node["role"] != "worker":
+            raise P.ProtocolError(f"CHUNK from a {node['role']}")
+        try:
+            answer = self.dealer.deal(node["rank"], meta)
+        except ChunkError as e:
+            raise P.ProtocolError(str(e)) from None
+        self._send(ident, P.Kind.CHUNK, answer)
+
     def _policy_event(self, ident, node, meta):
         self._decide(self.policy.on_event, node["role"], node["rank"], meta)
 
     HANDLERS = {P.Kind.HEARTBEAT: _heartbeat, P.Kind.BARRIER: _barrier,
                 P.Kind.MEMBERSHIP: _membership, P.Kind.FINISH: _finish,
-                P.Kind.POLICY: _policy_event, P.Kind.LISTEN: _listen}
+                P.Kind.POLICY: _policy_event, P.Kind.LISTEN: _listen,
+                P.Kind.CHUNK: _chunk}
 
     def _decide(self, event, *args):
         """Run a policy event; send the messages it decides (sync/scheduler_policies.py)."""

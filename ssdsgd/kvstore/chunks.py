@@ -1,0 +1,63 @@
+"""Dynamic data (docs/spec/dynamic_data.md): the scheduler hands each epoch's chunks to
+whichever worker asks next, so a fast worker trains more of an epoch than a slow one and
+every chunk of it is trained exactly once.
+
+A chunk is one batch of the epoch's permutation (``ssdsgd.data.dynamic``): chunk c of
+epoch e is the global chunk number g = e x per_epoch + c. The job's budget is a number
+of global chunks (epochs x per_epoch, at most max_steps x N): once g reaches it, the job
+is over for every worker. The dealer knows nothing of the data but these counts, which
+every worker states in each request (the first fixes them; another value is refused:
+the workers would disagree on what an epoch is).
+
+A pure decider: ``deal(rank, meta)`` -> the answer's meta, or ``ChunkError`` (the
+scheduler refuses the request with it, in one line).
+"""
+
+
+class ChunkError(ValueError):
+    """A request the dealer cannot answer (the scheduler sends it back as an ERROR)."""
+
+
+class Dealer:
+    """The cursor of the job's data: the next global chunk to hand out."""
+
+    def __init__(self):
+        self.plan = None          # (per_epoch, budget, start) of the first request
+        self.next = 0             # the next global chunk to hand out
+        self.dealt = {}           # rank -> chunks handed to it (the job's figures)
+
+    def deal(self, rank, meta):
+        """The next chunk of ``meta['epoch']`` for worker ``rank``, or why there is none:
+        ``over: epoch`` (that epoch's chunks are all handed out: the worker's epoch ends)
+        or ``over: budget`` (the job's are: its training ends)."""
+        epoch = meta["epoch"]
+        per_epoch, budget = self._agree(meta)
+        current = self.next // per_epoch
+        if self.next >= budget:
+            return {"epoch": epoch, "over": "budget"}
+        if epoch < current:
+            return {"epoch": epoch, "over": "epoch"}
+        if epoch > current:
+            raise ChunkError(f"worker {rank} asked for a chunk of epoch {epoch} while "
+                             f"epoch {current} still has chunks (from chunk "
+                             f"{self.next - current * per_epoch} of {per_epoch})")
+        chunk = self.next - epoch * per_epoch
+        self.next += 1
+        self.dealt[rank] = self.dealt.get(rank, 0) + 1
+        return {"epoch": epoch, "chunk": chunk}
+
+    def _agree(self, meta):
+        plan = tuple(meta.get(k) for k in ("per_epoch", "budget", "start"))
+        if None in plan:
+            raise ChunkError("a chunk request names per_epoch, budget and start")
+        per_epoch, budget, start = plan
+        if self.plan is None:
+            if start > budget:
+                raise ChunkError(f"a chunk request starts at chunk {start}, beyond its "
+                                 f"budget of {budget}")
+            self.plan, self.next = plan, start
+        elif plan != self.plan:
+            raise ChunkError(f"a chunk request's plan (per_epoch, budget, start) {plan} "
+                             f"differs from the job's {self.plan}: the workers disagree "
+                             "on the data")
+        return per_epoch, budget

@@ -1,0 +1,212 @@
+"""Dynamic data and the global budget (issue #26, docs/spec/dynamic_data.md): the
+scheduler hands each epoch's chunks to whichever worker asks next, every chunk once,
+until the job's budget is spent; the rules in process, the scheduler's answers and
+refusals on a live job, and training jobs with a controlled slow rank."""
+import json
+
+import numpy as np
+import pytest
+
+import jobs
+from conftest import digits_job
+from ssdsgd.checkpoint import checkpoint_info
+from ssdsgd.config import ConfigError, parse_config
+from ssdsgd.data import DataError, epoch_permutation, shard_indices
+from ssdsgd.data.dynamic import chunk_plan
+from ssdsgd.kvstore import protocol as P
+from ssdsgd.kvstore.chunks import ChunkError, Dealer
+from ssdsgd.kvstore.scheduler import JobAborted
+from ssdsgd.settings import dynamic_data
+from test_e2e_configs import dist, records, run_dir_of, sets
+from test_hardening import ask, frames_of, job_factory, raw_peer  # noqa: F401 (fixture)
+from test_resume import kill_job_after_first_checkpoint, params
+
+N_TRAIN, BATCH = 1437, 16        # the digits set's training samples; the jobs' batch
+
+
+# ---- the rules, in process ---------------------------------------------------------------
+def test_the_dealer_hands_every_chunk_of_an_epoch_once_then_ends_it():
+    dealer, plan = Dealer(), chunk_plan(per_epoch=5, total_steps=4, num_workers=2, start=0)
+    got = [dealer.deal(r % 2, dict(plan, epoch=0)) for r in range(6)]
+    assert [g.get("chunk") for g in got[:5]] == [0, 1, 2, 3, 4]
+    assert got[5] == {"epoch": 0, "over": "epoch"}
+    assert dealer.deal(1, dict(plan, epoch=1)) == {"epoch": 1, "chunk": 0}
+    assert dealer.deal(0, dict(plan, epoch=0)) == {"epoch": 0, "over": "epoch"}   # a late one
+    assert [dealer.deal(0, dict(plan, epoch=1)).get("chunk") for _ in range(2)] == [1, 2]
+    # budget 4 steps x 2 workers = 8 chunks: 5 of epoch 0, 3 of epoch 1
+    assert dealer.deal(1, dict(plan, epoch=1)) == {"epoch": 1, "over": "budget"}
+    assert dealer.dealt == {0: 5, 1: 3}
+
+
+def test_the_dealer_starts_at_the_cursor_and_refuses_what_no_worker_of_the_job_sends():
+    dealer, plan = Dealer(), chunk_plan(per_epoch=5, total_steps=10, num_workers=2, start=7)
+    assert dealer.deal(0, dict(plan, epoch=1)) == {"epoch": 1, "chunk": 2}    # resumed
+    with pytest.raises(ChunkError, match="epoch 2 while epoch 1 still has chunks"):
+        dealer.deal(1, dict(plan, epoch=2))
+    with pytest.raises(ChunkError, match="differs from the job's .*disagree on the data"):
+        dealer.deal(1, dict(plan, epoch=1, per_epoch=6))
+    with pytest.raises(ChunkError, match="names per_epoch, budget and start"):
+        dealer.deal(1, {"epoch": 1})
+    with pytest.raises(ChunkError, match="beyond its budget"):
+        Dealer().deal(0, dict(plan, start=21, epoch=4))
+
+
+def test_an_epochs_chunks_are_the_samples_of_its_static_shards():
+    n, per_step_workers = N_TRAIN, 3
+    spe = n // (per_step_workers * BATCH)
+    perm = epoch_permutation(n, 4, 7)
+    chunks = np.concatenate([perm[c * BATCH:(c + 1) * BATCH] for c in range(spe * 3)])
+    shards = np.concatenate([shard_indices(n, 4, 7, r, 3, BATCH).ravel() for r in range(3)])
+    assert sorted(chunks) == sorted(shards) and len(set(chunks)) == spe * 3 * BATCH
+
+
+def _raw(**sync):
+    return {"cluster": {"workers": 4}, "model": {"name": "digits_mlp"},
+            "data": {"dataset": "digits", "assignment": sync.pop("assignment", "auto")},
+            "sync": sync, "train": {"checkpoint_every_s": sync.pop("every_s", None)}}
+
+
+def test_auto_is_dynamic_exactly_below_n_or_with_preduce_and_dynamic_is_refused_elsewhere():
+    assert not dynamic_data("auto", "ssgd", "all", 4) and not dynamic_data("auto", "ssd", "4", 4)
+    assert dynamic_data("auto", "ssgd", "majority", 4)
+    assert dynamic_data("auto", "preduce", "all", 4)
+    assert not dynamic_data("static", "ssd", "solo", 4)
+    assert parse_config(_raw(assignment="dynamic", quorum="majority")).data.assignment == "dynamic"
+    with pytest.raises(ConfigError, match=r"^data.assignment: dynamic works with sync.quorum "
+                                          r"below the 4 workers or sync.algorithm: preduce"):
+        parse_config(_raw(assignment="dynamic", algorithm="ssgd"))
+    with pytest.raises(ConfigError, match=r"^data.assignment: dynamic takes checkpoints at "
+                                          r"epoch ends only; unset train.checkpoint_every_s"):
+        parse_config(_raw(assignment="dynamic", quorum="solo", every_s=60))
+    with pytest.raises(ConfigError, match=r"^data.assignment: expected one of auto, static"):
+        parse_config(_raw(assignment="random"))
+
+
+@pytest.mark.parametrize("chunks", ["87", -1, 1.5])
+def test_a_checkpoint_record_with_a_malformed_cursor_is_a_one_line_error(tmp_path, chunks):
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    (ck / "epoch-0000.params").write_bytes(b"")
+    (ck / "latest.json").write_text(json.dumps(
+        {"next_epoch": 1, "step": 29, "params": "epoch-0000.params", "chunks": chunks}))
+    with pytest.raises(DataError, match=r"latest.json: next_batch, workers and chunks "
+                                        r"\(dynamic data's cursor\) must be integers >= 0$"):
+        checkpoint_info(tmp_path)
+
+
+# ---- the scheduler, live -------------------------------------------------------------------
+@pytest.mark.system
+def test_workers_of_a_live_job_get_every_chunk_once_and_bad_requests_a_clear_error(
+        job_factory):
+    job = job_factory(workers=2)
+    c0, c1 = job.clients
+    plan = chunk_plan(per_epoch=6, total_steps=6, num_workers=2, start=0)
+    seen = {0: [], 1: []}
+    for client in (c0, c1, c1, c1, c0, c1, c0):
+        chunk, over = client.take_chunk(client.ask_chunk(0, plan), 0, 6)
+        if chunk is not None:
+            seen[client.rank].append(chunk)
+    assert sorted(seen[0] + seen[1]) == list(range(6)) and over == "epoch"
+    assert c0.take_chunk(c0.ask_chunk(1, plan), 1, 6) == (0, None)
+    # what is not a worker's request is refused in one line, and the scheduler serves on
+    peer = raw_peer(job.scheduler_address, job.keys())
+    for meta, reason in ((b'{"epoch": "1"}', "'epoch' must be an epoch number"),
+                         (b'{"epoch": 1, "per_epoch": 0}', "'per_epoch' must be a number of "
+                                                           "chunks from 1"),
+                         (b'{"epoch": 1, "chunk": -1}', "'chunk' must be a step"),
+                         (b'{"epoch": 1, "evil": []}', "unexpected meta field 'evil'"),
+                         (b'{}', "'epoch'"),
+                         (b'{"epoch": 1}', "CHUNK from a node that never registered")):
+        reply = ask(peer, frames_of(P.Kind.CHUNK, meta))
+        assert reply.kind == P.Kind.ERROR and reason in reply.meta["error"], reply.meta
+        assert "\n" not in reply.meta["error"]
+    # a worker of the job that disagrees on the data fails, naming why
+    with pytest.raises(JobAborted, match=r"refused a message of this worker: .*plan .* "
+                                         r"differs from the job's"):
+        c1.take_chunk(c1.ask_chunk(1, dict(plan, budget=99)), 1, 6)
+    assert job.alive() and c0.take_chunk(c0.ask_chunk(1, plan), 1, 6) == (1, None)
+
+
+# ---- training jobs ---------------------------------------------------------------------------
+SLOW = 0.3      # seconds the slow rank sleeps every step (debug.slowdown)
+
+
+def majority_job(root, epochs=2, algorithm="ssgd", quorum="majority"):
+    """3 workers, ssgd, a majority quorum (or preduce), rank 2 slow: data.assignment auto
+    is dynamic."""
+    return ["configs/digits.yaml", *digits_job("ssgd"), *sets(
+        cluster__workers=3, sync__algorithm=algorithm, sync__quorum=quorum,
+        debug__slowdown=f"delay:2={SLOW}", train__epochs=epochs, output__dir=root)]
+
+
+def check_every_sample_once(ends, epochs, n_workers=3):
+    """Each epoch of ``epochs``: the workers' chunks are exactly its permutation's first
+    per_epoch batches (counted, and by the sums of their indices and squares)."""
+    per_epoch = N_TRAIN // (n_workers * BATCH) * n_workers
+    for e in epochs:
+        got = [end["data"].get(str(e), {}) for end in ends]
+        perm = epoch_permutation(N_TRAIN, e, 0)[:per_epoch * BATCH].astype(np.int64)
+        assert sum(g.get("batches", 0) for g in got) == per_epoch, (e, got)
+        assert sum(g.get("index_sum", 0) for g in got) == int(perm.sum()), e
+        assert sum(g.get("index_sq", 0) for g in got) == int((perm ** 2).sum()), e
+    return per_epoch
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm,quorum", [("ssgd", "majority"), ("preduce", "all")])
+def test_a_slow_rank_takes_fewer_batches_and_the_budget_is_spent_once(tmp_path, algorithm,
+                                                                     quorum):
+    p = dist(majority_job(tmp_path, algorithm=algorithm, quorum=quorum), timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = run_dir_of(tmp_path)
+    ends = [records(run, r, "end")[-1] for r in range(3)]
+    per_epoch = check_every_sample_once(ends, (0, 1))
+    steps = [end["steps"] for end in ends]
+    assert sum(steps) == 2 * per_epoch                  # the budget, spent once
+    assert min(steps[0], steps[1]) > per_epoch // 3 * 2 > steps[2], steps  # static: 29 x 2
+    assert all(end["global_step"] == per_epoch * 2 // 3 for end in ends)  # budget / N
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["data_assignment"] == "dynamic" and summary["final_accuracy"] > 0.8
+    assert "progress: step 58/58 (100%)" in p.stderr + p.stdout   # the job's global batches
+
+
+@pytest.mark.system
+def test_with_quorum_all_auto_keeps_todays_static_shards_bit_for_bit(tmp_path,
+                                                                     uninterrupted_digits):
+    a = uninterrupted_digits("ssgd")                    # data.assignment left at auto
+    p = dist(["configs/digits.yaml", *digits_job("ssgd"),
+              *sets(data__assignment="static", output__dir=tmp_path)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    b = run_dir_of(tmp_path)
+    last = "checkpoints/epoch-0001.params"
+    pa, pb = params(a / last), params(b / last)
+    assert pa.keys() == pb.keys() and pa
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+    assert records(a, 0, "end")[-1]["data"] is None
+    assert json.loads((a / "summary.json").read_text())["data_assignment"] == "static"
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_a_job_killed_after_an_epoch_resumes_at_the_cursor_and_trains_the_rest_once(
+        tmp_path, algorithm):
+    """Killed (SIGKILL, every process) after its epoch-end checkpoint, resumed with
+    --resume: every worker starts at the checkpoint's global batches, and the rest of the
+    budget, epoch 1, is trained once. (ssd: its local weights start from the checkpoint's
+    global model, docs/spec/dynamic_data.md.)"""
+    root = tmp_path / "b"
+    run = kill_job_after_first_checkpoint(majority_job(root, algorithm=algorithm), root,
+                                          timeout=240)
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    per_epoch = N_TRAIN // (3 * BATCH) * 3
+    assert (latest["next_epoch"], latest["chunks"], latest["step"], latest["workers"]) == (
+        1, per_epoch, per_epoch // 3, 0)
+    resumed = dist(["--resume", str(run)], timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stdout + resumed.stderr
+    ends = [records(run, r, "end")[-1] for r in range(3)]
+    assert all(set(end["data"]) == {"1"} for end in ends), ends   # epoch 1 only, all of it
+    check_every_sample_once(ends, (1,))
+    assert [records(run, r, "start")[-1]["start_step"] for r in range(3)] == [latest["step"]] * 3
+    assert json.loads((run / "summary.json").read_text())["final_accuracy"] > 0.8
