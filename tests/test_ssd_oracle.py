@@ -137,18 +137,24 @@ def _close(actual, expected, what):
     np.testing.assert_allclose(actual, expected, rtol=2e-4, atol=2e-5, err_msg=what)
 
 
+def _equal_to_the_simulation(keys, ref, locals_, finals, note=""):
+    """Every worker's local weights after its last update and the global weights it ended
+    with are the simulator's."""
+    for r in range(len(locals_)):
+        for i, j in keys.items():
+            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
+                   f"worker {r} local weights of key {i}{note}")
+            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
+                   f"worker {r} final global weights of key {i}{note}")
+
+
 @pytest.mark.system
 @pytest.mark.parametrize("rule,k,n,s,opt,compression", CASES,
                          ids=["-".join(map(str, c)) for c in CASES])
 def test_distributed_run_equals_the_simulation(tmp_path, rule, k, n, s, opt, compression):
     locals_, finals = _run(tmp_path, rule, k, n, s, opt, compression=compression)
     keys, ref = _reference(rule, k, n, opt, compression=compression)
-    for r in range(n):
-        for i, j in keys.items():
-            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
-                   f"worker {r} local weights of key {i}")
-            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
-                   f"worker {r} final global weights of key {i}")
+    _equal_to_the_simulation(keys, ref, locals_, finals)
     gap = max(np.abs(locals_[0][f"p{j}"] - finals[0][f"p{j}"]).max() for j in keys.values())
     if rule == "glu-exact" and n == 1 and compression == "none":
         # one worker with the server's exact state: the local copy IS the global model
@@ -173,9 +179,7 @@ def test_without_warmup_exact_glu_state_equals_the_simulation(tmp_path):
     # step later (one worker completes each step with its own push)
     locals_, finals = _run(tmp_path, "glu-exact", 2, 1, 1, "sgd", warmup=0)
     keys, ref = _reference("glu-exact", 2, 1, "sgd", warmup=0)
-    for i, j in keys.items():
-        _close(locals_[0][f"p{j}"], ref.worker_weights[0][i].asnumpy(), f"local weights of key {i}")
-        _close(finals[0][f"p{j}"], ref.global_weights[i].asnumpy(), f"final weights of key {i}")
+    _equal_to_the_simulation(keys, ref, locals_, finals)
 
 
 @pytest.mark.system
@@ -188,12 +192,7 @@ def test_staggered_pulls_equal_the_simulation(tmp_path, rule, opt, compression):
     locals_, finals = _run(tmp_path, rule, k, n, 2, opt, compression=compression,
                            pull_schedule="staggered")
     keys, ref = _reference(rule, k, n, opt, compression=compression, pull_schedule="staggered")
-    for r in range(n):
-        for i, j in keys.items():
-            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
-                   f"worker {r} local weights of key {i}")
-            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
-                   f"worker {r} final global weights of key {i}")
+    _equal_to_the_simulation(keys, ref, locals_, finals)
 
 
 @pytest.mark.system
@@ -207,12 +206,7 @@ def test_relayed_pulls_equal_the_simulation(tmp_path, algorithm, rule, opt, comp
     locals_, finals = _run(tmp_path, rule, k, n, 2, opt, compression=compression,
                            algorithm=algorithm, pull_relay="chain")
     keys, ref = _reference(rule, k, n, opt, compression=compression, algorithm=algorithm)
-    for r in range(n):
-        for i, j in keys.items():
-            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
-                   f"worker {r} local weights of key {i}")
-            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
-                   f"worker {r} final global weights of key {i}")
+    _equal_to_the_simulation(keys, ref, locals_, finals)
     stats = [json.loads((tmp_path / f"info-rank{r}.json").read_text())["metrics"]
              for r in range(n)]
     relayed_in = [m["replies_relayed_in"] for m in stats]
@@ -242,9 +236,4 @@ def test_auto_compression_equals_the_simulation_compressed_from_the_end_of_the_w
     assert [c["compression"]["value"] for c in choices] == [chosen] * n
     keys, ref = _reference("glu-exact", k, n, "sgd", compress_from=WARMUP,
                            compression={"type": chosen})
-    for r in range(n):
-        for i, j in keys.items():
-            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
-                   f"worker {r} local weights of key {i} ({chosen})")
-            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
-                   f"worker {r} final global weights of key {i} ({chosen})")
+    _equal_to_the_simulation(keys, ref, locals_, finals, f" ({chosen})")
