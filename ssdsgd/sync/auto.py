@@ -97,6 +97,10 @@ class Timings:
     received_bytes: float
     pull_bytes: float
 
+    def link_s(self, nbytes: float) -> float:
+        """What ``nbytes`` cost on the link, at the warm-up rounds' time per byte."""
+        return self.round_s / max(self.sent_bytes + self.received_bytes, 1.0) * nbytes
+
 
 @dataclasses.dataclass(frozen=True)
 class CodecCost:
@@ -112,7 +116,7 @@ def compression(t: Timings, costs: dict):
     accuracy (CODECS_BY_COST) within SLACK. A step is estimated at max(compute + coding,
     push): the push-every-step bound with the push's bytes as the codec sends them, and
     its coding on the training thread's CPU."""
-    push_s = t.round_s / max(t.sent_bytes + t.received_bytes, 1.0) * t.sent_bytes
+    push_s = t.link_s(t.sent_bytes)
     estimates = {"none": max(t.compute_s, push_s)}
     estimates.update((name, max(t.compute_s + c.seconds, push_s * c.wire))
                      for name, c in costs.items())
@@ -136,8 +140,7 @@ def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0,
     2 / relay_workers of one from the servers (the servers' link carries one copy instead
     of N; the rest is the chain's hops). ``codec``: the pushes are compressed with it (its
     wire bytes, its coding time counted as compute; pulls are not compressed)."""
-    per_byte = t.round_s / max(t.sent_bytes + t.received_bytes, 1.0)
-    push_s, pull_s = per_byte * t.sent_bytes, per_byte * t.pull_bytes
+    push_s, pull_s = t.link_s(t.sent_bytes), t.link_s(t.pull_bytes)
     compute_s = t.compute_s
     if codec is not None:
         push_s, compute_s = push_s * codec.wire, compute_s + codec.seconds
