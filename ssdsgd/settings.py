@@ -317,6 +317,15 @@ SETTINGS = (
     Setting("max_restarts", int, 0, "times the launcher restarts a job from its last "
             "checkpoint when a process dies (launch/dist.py --max-restarts overrides it; 0: "
             "the job fails)", path="cluster.max_restarts", min=0, max=1000),
+    Setting("scheduler_restarts", int, 0, "times the launcher restarts a dead scheduler "
+            "in place (same address, port and keys); the servers and workers reconnect, "
+            "re-register and go on, none restarted (local and ssh launchers; 0: a dead "
+            "scheduler ends the job; docs/reliability.md)", env="SSDSGD_SCHEDULER_RESTARTS",
+            path="cluster.scheduler_restarts", min=0, max=100),
+    Setting("scheduler_restart", int, 0, "which restart of the scheduler this process is "
+            "(0: the first start); a restarted scheduler rebuilds the job from the nodes "
+            "that re-register", env="SSDSGD_SCHEDULER_RESTART", min=0, max=100,
+            launcher="when it restarts the scheduler"),
     Setting("on_worker_failure", str, "abort", "when a worker dies: abort the job, restart "
             "it from the last checkpoint (cluster.max_restarts times, 3 if that is 0) or "
             "continue without it (not rank 0; docs/reliability.md)",

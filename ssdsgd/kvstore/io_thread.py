@@ -52,6 +52,9 @@ class IOThread:
         self.exit_after_abort = None
         self.relay = None
         self._commands = queue.SimpleQueue()
+        # reply kind -> the scheduler request awaiting it: sent again to a restarted
+        # scheduler (cluster.scheduler_restarts, reregister.py)
+        self._asked = {}
         self._stopping = False
         self._ready = threading.Event()
         addr = f"inproc://ssdsgd-wake-{id(self)}"
@@ -96,7 +99,9 @@ class IOThread:
         each reply kind)."""
         with self.requests.lock:
             fut = self.requests.expect_control(reply_kind)
-            self._commands.put(("scheduler", P.control(kind, meta)))
+            frames = P.control(kind, meta)
+            self._asked[reply_kind] = frames
+            self._commands.put(("scheduler", frames))
             self._wake()
         return fut
 
@@ -218,6 +223,7 @@ class IOThread:
         """Poll until ``close``: send what the main thread queued, hand replies to their
         futures, keep the heartbeats going."""
         poller = self._poller
+        link.on_rejoined = lambda: [self._sent(link.sock, f) for f in list(self._asked.values())]
         for s in [self._wake_in, link.sock]:
             poller.register(s, zmq.POLLIN)
         if self.relay.sock is not None:
@@ -256,7 +262,10 @@ class IOThread:
                 target, frames = self._commands.get_nowait()
             except queue.Empty:
                 return False
-            self._sent(link.sock if target == "scheduler" else self._sockets[target], frames)
+            if target != "scheduler":
+                self._sent(self._sockets[target], frames)
+            elif link.rejoining is None:   # else sent again once rejoined, if asked
+                self._sent(link.sock, frames)
             sent += 1
         return True
 
@@ -283,6 +292,8 @@ class IOThread:
         fut = self.requests.take_control(msg.kind)
         if fut is None:
             return False
+        with self.requests.lock:
+            self._asked.pop(msg.kind, None)
         fut.set_result(msg)
         return msg.kind == P.Kind.ACK
 

@@ -13,21 +13,29 @@ import os
 
 # what a reader accepts: the file is the scheduler's, but a reader still checks its form
 _FIELDS = {"started": bool, "workers": list, "finished": list, "abort": (str, type(None))}
+# written by a scheduler that may be restarted (cluster.scheduler_restarts): the workers
+# that left the job, and a restarted one's rebuild {restart, seconds} once every node is back
+_OPTIONAL = {"left": list, "rebuilt": (dict, type(None))}
 
 
 class StatusError(ValueError):
     """The status file exists but is not what a scheduler writes."""
 
 
-def write(path, *, started, workers, finished, abort=None):
+def write(path, *, started, workers, finished, abort=None, left=None, rebuilt=None):
     """Replace ``path`` atomically (a reader never sees half a file). ``workers``: the
     ranks the registered workers asked for (their launcher ranks); ``finished``: those
-    whose FINISH arrived."""
+    whose FINISH arrived; ``left``: those removed (on_worker_failure: continue);
+    ``rebuilt``: a restarted scheduler's rebuild, once done."""
     if not path:
         return
     tmp = f"{path}.tmp"
     data = {"started": bool(started), "workers": sorted(workers),
             "finished": sorted(finished), "abort": abort}
+    if left is not None:
+        data["left"] = sorted(left)
+    if rebuilt is not None:
+        data["rebuilt"] = rebuilt
     try:
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(data, f)
@@ -49,7 +57,9 @@ def read(path):
     if not isinstance(data, dict) or any(
             not isinstance(data.get(k), t) for k, t in _FIELDS.items()):
         raise StatusError(f"{path}: not a scheduler's status")
-    for k in ("workers", "finished"):
-        if not all(isinstance(r, int) and not isinstance(r, bool) for r in data[k]):
+    if any(k in data and not isinstance(data[k], t) for k, t in _OPTIONAL.items()):
+        raise StatusError(f"{path}: not a scheduler's status")
+    for k in ("workers", "finished", "left"):
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in data.get(k, ())):
             raise StatusError(f"{path}: {k} must be ranks")
     return data

@@ -1,6 +1,6 @@
 """The vocabulary: which messages exist, and which meta fields each carries, of what type.
 
-Twenty kinds, in three groups, and three flags:
+Twenty-one kinds, in three groups, and three flags:
 
 * membership (node <-> scheduler; ps-lite's control commands): REGISTER, TOPOLOGY,
   LISTEN (the servers' ports, bound once the job's message limit is known), BARRIER,
@@ -58,6 +58,10 @@ class Kind(enum.IntEnum):
     CHUNK = 20        # worker -> scheduler {epoch, per_epoch, budget, start}: the next
                       # chunk of that epoch; scheduler -> worker {epoch, chunk} or
                       # {epoch, over: "epoch" | "budget"} (kvstore/chunks.py)
+    REJOIN = 31       # node -> a restarted scheduler: REGISTER's fields with the rank it
+                      # has, {ready, passed}: what the new one rebuilds the job from;
+                      # scheduler -> node {restart, waited}: taken back, go on
+                      # (kvstore/reregister.py; 21-30 and 41- are other branches')
 
 
 class Flag(enum.IntFlag):
@@ -91,6 +95,10 @@ _CLOCK = (F.is_number, "a clock reading in seconds")
 _EPOCH = (F.int_in(0, 1 << 31), "an epoch number from 0 to 2^31")
 _CHUNKS = (F.int_in(1, F.MAX_STEP), "a number of chunks from 1 to 2^62")
 
+_PASSED = (lambda v: isinstance(v, dict) and set(v) <= {"worker", "server", "all"} and all(
+    isinstance(p, list) and len(p) == 2 and F.int_in(0, F.MAX_STEP)(p[0])
+    and F.int_in(0, 1 << 31)(p[1]) for p in v.values()),
+    "an object of barrier group -> [barriers passed, the last value]")
 # kind -> {field: ((check, what it must be), required)}; kinds not listed carry no meta.
 META = {
     Kind.REGISTER: {"role": (_ROLE, True), "rank": (F.RANK, False),
@@ -99,6 +107,17 @@ META = {
                     "pid": ((F.int_in(0, 1 << 32), "a process id"), False),
                     "hostname": ((F.text(255), "a host name"), False),
                     "routing_id": (F.ID, False)},
+    # a node's REGISTER fields and its rank; ``ready``: a worker heard where the servers
+    # listen, a server listens; ``passed``: the barriers it has passed, per group
+    Kind.REJOIN: {"role": (_ROLE, False), "rank": (F.RANK, False),
+                  "host": ((F.optional(F.text(255)), "a host name or null"), False),
+                  "port": ((F.optional(F.int_in(0, 65535)), "a TCP port or null"), False),
+                  "pid": ((F.int_in(0, 1 << 32), "a process id"), False),
+                  "hostname": ((F.text(255), "a host name"), False),
+                  "routing_id": (F.ID, False), "ready": (F.BOOL, False),
+                  "passed": (_PASSED, False),
+                  "restart": ((F.int_in(1, 100), "a restart number from 1 to 100"), False),
+                  "waited": (_CLOCK, False)},
     Kind.TOPOLOGY: {"rank": (F.RANK, True), "num_workers": (F.COUNT, True),
                     "num_servers": (F.COUNT, True),
                     "workers": ((lambda v: isinstance(v, list) and all(F.ID[0](x) for x in v),

@@ -21,6 +21,7 @@ from .barriers import Barriers
 from .chunks import ChunkError, Dealer
 from .env import NodeEnv
 from .removals import RemovalError, Removals
+from . import reregister
 from .security import Guard
 from .. import timeline
 from .liveness import StallWatch, failed
@@ -76,9 +77,11 @@ class Rejections:
             self.log(f"rejected a message from {source} ({n} so far): {text}")
 
 
-class Scheduler:
+class Scheduler(reregister.Rejoins):
     """``make_policy(env)``: what the job's synchronization mode decides here (a
-    ``ssdsgd.sync.scheduler_policies.SchedulerPolicy``; the node wiring passes it)."""
+    ``ssdsgd.sync.scheduler_policies.SchedulerPolicy``; the node wiring passes it).
+    A restarted one (cluster.scheduler_restarts) first takes its nodes back
+    (``reregister.py``)."""
 
     def __init__(self, env: NodeEnv, make_policy, log=None):
         self.env = env
@@ -99,6 +102,8 @@ class Scheduler:
         self.rejected = Rejections(self.log)
         self.policy = make_policy(env)
         self.stalls = StallWatch(env.stall_timeout)
+        self.left = set()         # workers removed (on_worker_failure: continue)
+        self.rebuild = reregister.begin(env, self.counts, self.log)
         # the timeline's reference clock: its file names the host whose processes read
         # this clock (ssdsgd/timeline_merge.py)
         timeline.start_node(env, "scheduler", 0)
@@ -125,11 +130,12 @@ class Scheduler:
             self._abort(wrong)
         layout = topology(nodes, self.env.num_workers, self.env.num_servers)
         self.startup = Startup(self._members("server"))
+        self.started = True
+        self._record()     # before any node hears it (a restarted scheduler reads it)
         now = time.monotonic()
         for ident, node in self.nodes.items():
             node["last_seen"] = now
             self._send(ident, P.Kind.TOPOLOGY, dict(layout, rank=node["rank"]))
-        self.started = True
         self.log(f"all {len(self.nodes)} nodes registered; job started (the servers listen "
                  "once worker 0 states its model)")
 
@@ -157,10 +163,11 @@ class Scheduler:
     def _record(self, abort=None):
         """The launcher's view of the job (kvstore/job_status.py)."""
         workers = [n for n in self.nodes.values() if n["role"] == "worker"]
+        extra, before, finished_before = self._status_extra()
         job_status.write(self.env.status_file, started=self.started,
-                         workers=[n["asked_rank"] for n in workers],
-                         finished=[n["asked_rank"] for n in workers if n["finished"]],
-                         abort=abort)
+                         workers={n["asked_rank"] for n in workers} | set(before),
+                         finished={n["asked_rank"] for n in workers if n["finished"]}
+                         | set(finished_before), abort=abort, **extra)
 
     def _abort(self, reason):
         self._record(abort=reason)
@@ -174,6 +181,9 @@ class Scheduler:
         the handshake, that the process holds a key of the job). With a key per process
         the node is the one its key names: another rank, or that rank twice, is refused."""
         role = meta["role"]
+        if self.rebuild is not None:
+            raise P.ProtocolError("REGISTER: this scheduler was restarted after the job "
+                                  "started; its nodes rejoin (REJOIN), none registers anew")
         if ident in self.nodes:
             raise P.ProtocolError(f"this connection already registered as "
                                   f"{self.nodes[ident]['role']}")
@@ -191,6 +201,9 @@ class Scheduler:
         node = self.nodes.get(ident)
         if msg.kind == P.Kind.REGISTER:
             self._register(ident, msg.meta, frame)
+            return
+        if msg.kind == P.Kind.REJOIN:
+            self._rejoin(ident, msg.meta, frame)
             return
         if node is None:
             raise P.ProtocolError(f"{msg.kind.name} from a node that never registered")
@@ -212,6 +225,8 @@ class Scheduler:
         members = self._members(group)
         if ident not in members:
             raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
+        if self._released_alone(ident, group):
+            return
         release = self.barriers.arrive(group, ident, meta.get("value", 0), members)
         if release:
             self._release(*release)
@@ -232,10 +247,10 @@ class Scheduler:
     def _finish(self, ident, node, meta):
         if meta.get("error"):   # everyone (the failed node too) hears it first
             self._abort(f"{node_name(node)} failed: {meta['error']}")
-        self._send(ident, P.Kind.ACK)
         node["finished"] = True
         self.stalls.leave(node["rank"])
-        self._record()
+        self._record()      # before the ACK: a worker that heard it may be gone
+        self._send(ident, P.Kind.ACK)
 
     def _chunk(self, ident, node, meta):
         """CHUNK: the next chunk of an epoch, to whichever worker asks (chunks.py)."""
@@ -286,6 +301,8 @@ class Scheduler:
         node = self.nodes.pop(ident)
         rank = node["rank"]
         self.stalls.leave(rank)
+        self.left.add(rank)
+        self._record()
         self.log(f"{why}; removing it from the job (cluster.on_worker_failure: continue)")
         servers = self._members("server")
         self.removals.begin(rank, servers)
@@ -342,6 +359,8 @@ class Scheduler:
                     if not self.sock.poll(0):
                         break
             now = time.monotonic()
+            if self._awaiting_rejoins(now):
+                continue
             if not self.started:
                 if now > connect_deadline:
                     have = {r: len(self._members(r)) for r in ("server", "worker")}

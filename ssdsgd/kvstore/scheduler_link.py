@@ -1,5 +1,6 @@
 """A node's side of the conversation with the scheduler (``scheduler.py``): register,
-heartbeats, barriers, finish."""
+heartbeats, barriers, finish; and, with cluster.scheduler_restarts, taking up the
+conversation again with a restarted scheduler (``reregister.py``)."""
 import os
 import socket
 import sys
@@ -10,12 +11,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from . import protocol as P
 from .env import NodeEnv
+from .reregister import wait_seconds
 from .scheduler import JobAborted
 from .security import Guard
 from ..timeline import PROBE_S, RECORDER as TIMELINE
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_RESTART_KINDS = {P.Kind.BARRIER, P.Kind.REJOIN}
 
 
 class SchedulerLink:
@@ -39,12 +42,20 @@ class SchedulerLink:
         self.guard.client(self.sock)
         # watched from before the connection exists: a refused handshake can happen before
         # register() waits, and its event must not be missed
-        self.monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
-        self.sock.connect(f"tcp://{env.scheduler_host}:{env.scheduler_port}")
+        # with cluster.scheduler_restarts, a closed connection too: the scheduler died
+        self.recover = env.scheduler_restarts > 0
+        self.monitor = self.sock.get_monitor_socket(
+            _HANDSHAKE_FAILED | (zmq.EVENT_DISCONNECTED if self.recover else 0))
+        self.url = f"tcp://{env.scheduler_host}:{env.scheduler_port}"
+        self.sock.connect(self.url)
         self.host, self.port = host, port
         self.last_sent = 0.0
         self.last_heard = time.monotonic()
         self.topology = None
+        self.ready = False        # a worker heard the servers' addresses; a server listens
+        self.passed = {}          # barrier group -> [releases received, the last value]
+        self.rejoining = None     # (lost at, why) while waiting for a restarted scheduler
+        self.on_rejoined = None   # called once a restarted scheduler took this node back
 
     def secure(self, sock, server=0):
         """Before connecting ``sock`` to server ``server``: this node's id and keys."""
@@ -58,6 +69,8 @@ class SchedulerLink:
         except zmq.Again:
             pass
         self.last_sent = time.monotonic()
+        if kind == P.Kind.LISTEN and meta and "port" in meta:    # a server listens
+            self.port, self.ready = meta["port"], True
 
     def register(self):
         """Block until the scheduler sends the topology; returns it (a dict). A server
@@ -71,12 +84,14 @@ class SchedulerLink:
         if self.role == "worker":
             meta["routing_id"] = self.routing_id.hex()
         self.send(P.Kind.REGISTER, meta)
+        self._registration = meta
         deadline = time.monotonic() + max(60.0, 4 * self.env.heartbeat_timeout) + 10
         where = f"{self.env.scheduler_host}:{self.env.scheduler_port}"
         try:
             return self._await_topology(deadline, where, self.monitor)
         finally:
-            self._stop_monitor()
+            if not self.recover:
+                self._stop_monitor()
 
     def _stop_monitor(self):
         if self.monitor is not None:
@@ -88,6 +103,10 @@ class SchedulerLink:
         while time.monotonic() < deadline:
             if monitor.poll(0):
                 event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_DISCONNECTED:    # lost before the job started:
+                    self._redial()                     # register with its restart
+                    self.send(P.Kind.REGISTER, self._registration)
+                    continue
                 raise JobAborted(
                     f"the scheduler at {where} refused this {self.role}'s connection "
                     f"({zmq.Event(event).name}): it does not hold this job's keys "
@@ -119,10 +138,70 @@ class SchedulerLink:
             if TIMELINE.on:      # the echo tells the clock offset (ssdsgd/timeline.py)
                 meta = dict(meta or {}, sent=time.perf_counter())
             self.send(P.Kind.HEARTBEAT, meta)
-        if now - self.last_heard > self.env.heartbeat_timeout:
+        if self.recover:
+            self._watch_connection(now)
+        elif now - self.last_heard > self.env.heartbeat_timeout:
             raise JobAborted(f"lost the scheduler at {self.env.scheduler_host}:"
                              f"{self.env.scheduler_port}: no answer for "
                              f"{now - self.last_heard:.1f} s")
+
+    # ---- cluster.scheduler_restarts (reregister.py) --------------------------------
+    def _watch_connection(self, now):
+        """The connection closed or the scheduler went silent: dial again and rejoin;
+        no restarted scheduler in time: JobAborted, naming it."""
+        if self.rejoining is not None:
+            lost_at, why = self.rejoining
+            if now - lost_at > 2 * wait_seconds(self.env):   # its start, then its wait
+                raise JobAborted(
+                    f"lost the scheduler at {self.env.scheduler_host}:"
+                    f"{self.env.scheduler_port} ({why}) and no restarted scheduler took "
+                    f"this {self.role} back within {now - lost_at:.0f} s "
+                    f"(cluster.scheduler_restarts={self.env.scheduler_restarts})")
+            return
+        why = None
+        while self.monitor.poll(0):
+            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                why = "its connection closed"
+        if why is None and now - self.last_heard > self.env.heartbeat_timeout:
+            why = f"no answer for {now - self.last_heard:.1f} s"
+        if why is not None:
+            self._lost(now, why)
+
+    def _lost(self, now, why):
+        print(f"ssdsgd {self.role} {self.env.rank}: lost the scheduler ({why}); waiting for "
+              "the launcher to restart it (cluster.scheduler_restarts)",
+              file=sys.stderr, flush=True)
+        self.rejoining = (now, why)
+        self._redial()
+        meta = dict(self._registration, rank=self.topology["rank"], ready=self.ready,
+                    passed=self.passed, port=self.port)
+        self.send(P.Kind.REJOIN, meta)
+
+    def _redial(self):
+        """A new connection to the scheduler's address, with a fresh handshake (plain
+        mode's is dated and single-use: a reconnect with the old one is refused)."""
+        try:
+            self.sock.disconnect(self.url)
+        except zmq.ZMQError:
+            pass
+        self.guard.client(self.sock)
+        self.sock.connect(self.url)
+
+    def _restart_message(self, msg):
+        """Count barrier releases; a restarted scheduler's REJOIN: back in the job."""
+        if msg.kind == P.Kind.BARRIER:
+            group = msg.meta.get("group", "worker")
+            count = self.passed.get(group, [0, 0])[0]
+            self.passed[group] = [count + 1, msg.meta.get("value", 0)]
+        elif msg.kind == P.Kind.REJOIN and self.rejoining is not None:
+            lost_at, why = self.rejoining
+            self.rejoining = None
+            print(f"ssdsgd {self.role} {self.env.rank}: rejoined the job with the "
+                  f"restarted scheduler (restart {msg.meta.get('restart')}) "
+                  f"{time.monotonic() - lost_at:.1f} s after losing it ({why})",
+                  file=sys.stderr, flush=True)
+            if self.on_rejoined is not None:
+                self.on_rejoined()
 
     def receive(self):
         """Handle one waiting scheduler message; returns it (the caller acts on SHUTDOWN,
@@ -140,4 +219,8 @@ class SchedulerLink:
         if msg.kind == P.Kind.ERROR:
             raise JobAborted(f"the scheduler refused a message of this {self.role}: "
                              f"{msg.meta.get('error')}")
+        if msg.kind in _RESTART_KINDS:
+            self._restart_message(msg)
+        if msg.kind == P.Kind.LISTEN and "servers" in msg.meta:
+            self.ready = True
         return msg

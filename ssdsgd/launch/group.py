@@ -93,6 +93,10 @@ class GroupLauncher:
     """Subclasses give ``name``, ``rank_var``, ``hosts_of()`` and ``command(K)``."""
     rank_var = None
     secure_default = True       # see launchers.make_launcher (SECURE-BY-DEFAULT)
+    # cluster.scheduler_restarts: why this launcher cannot start one process again
+    restarts_one = ("mpirun and srun start every rank with one command and end them all "
+                    "when one dies, so a scheduler cannot be restarted alone; use "
+                    "--launcher local or ssh")
 
     def __init__(self, hosts, num_workers, num_servers, opts):
         self.hosts = hosts

@@ -19,6 +19,7 @@ from .janitor import Janitor
 from .hosts import role_label
 from .local import LAUNCHERS
 from .remote import LaunchError
+from .scheduler_restarts import SchedulerRestarts
 
 GRACE_SECONDS = 5.0
 SETTLE_SECONDS = 3.0   # after a failure, for the others to report it and exit
@@ -118,12 +119,16 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     status = JobStatus(os.path.join(keys.dir, "status.json"))
     env.update(to_env(status_file=status.path))
     procs, pumps = [], []
+    start = _Starter(runner, env, keys, pumps, (stdout, stderr), log)
+    restarts = _scheduler_restarts(runner, env, plan, start, status, log)
+    if restarts is None:
+        return 2
     with _signals_recorded() as interrupted:
         try:
-            if not _start_plan(runner, plan, env, keys, procs, pumps, (stdout, stderr), log):
+            if not _start_plan(start, plan, procs):
                 return 2
             return _watch(procs, interrupted, progress, log, failures,
-                          continue_without_workers, status)
+                          continue_without_workers, status, restarts)
         finally:
             _stop_all(runner, procs)
             keys.remove()
@@ -165,26 +170,59 @@ def _signals_recorded():
             signal.signal(s, h)
 
 
-def _start_plan(runner, plan, env, keys, procs, pumps, sinks, log):
-    """Start every process of ``plan`` (appended to ``procs`` as it starts), each with
-    its own key file, and a thread per output stream that prefixes its lines; False if
-    one cannot be started."""
-    lock = threading.Lock()
-    for role, rank, cmd in plan:
-        penv = dict(env, **to_env(role=role, rank=rank), **runner.node_env(role, rank),
-                    **keys.env_for(role, rank))
+class _Starter:
+    """Starts one process of the job: its environment and own key file, and a thread per
+    output stream that prefixes its lines. Returns it, or None if it cannot start."""
+
+    def __init__(self, runner, env, keys, pumps, sinks, log):
+        self.runner, self.env, self.keys, self.pumps, self.sinks, self.log = (
+            runner, env, keys, pumps, sinks, log)
+        self.lock = threading.Lock()
+
+    def __call__(self, role, rank, cmd, extra=None):
+        penv = dict(self.env, **to_env(role=role, rank=rank),
+                    **self.runner.node_env(role, rank), **self.keys.env_for(role, rank),
+                    **(extra or {}))
         try:
-            proc = runner.start(role, rank, cmd, penv)
+            proc = self.runner.start(role, rank, cmd, penv)
         except OSError as e:
-            log(f"cannot start {role} {rank} ({' '.join(cmd)}): {e}")
+            self.log(f"cannot start {role} {rank} ({' '.join(cmd)}): {e}")
+            return None
+        for stream, sink in zip((proc.popen.stdout, proc.popen.stderr), self.sinks):
+            t = threading.Thread(target=_pump, args=(stream, f"[{proc.name}] ", sink,
+                                                     self.lock), daemon=True)
+            t.start()
+            self.pumps.append(t)
+        return proc
+
+
+def _start_plan(start, plan, procs):
+    """Start every process of ``plan`` (appended to ``procs`` as it starts); False if
+    one cannot be started."""
+    for role, rank, cmd in plan:
+        proc = start(role, rank, cmd)
+        if proc is None:
             return False
         procs.append(proc)
-        for stream, sink in zip((proc.popen.stdout, proc.popen.stderr), sinks):
-            t = threading.Thread(target=_pump, args=(stream, f"[{proc.name}] ", sink, lock),
-                                 daemon=True)
-            t.start()
-            pumps.append(t)
     return True
+
+
+def _scheduler_restarts(runner, env, plan, start, status, log):
+    """cluster.scheduler_restarts (launch/scheduler_restarts.py); None: the launcher
+    cannot restart one process of the job (its line said why)."""
+    budget = int(env.get("SSDSGD_SCHEDULER_RESTARTS") or 0)
+    if budget and getattr(runner, "restarts_one", None):
+        log(f"cluster.scheduler_restarts={budget}: {runner.restarts_one}")
+        return None
+    cmd = plan[0][2]
+
+    def again(n):
+        proc = start("scheduler", 0, cmd, to_env(scheduler_restart=n))
+        if proc is None:
+            raise LaunchError("the scheduler could not be started again")
+        return proc
+    where = f"{runner.scheduler_host}:{env['SSDSGD_SCHEDULER_PORT']}"
+    return SchedulerRestarts(budget, again, status, where, log)
 
 
 def _left_behind(failed, left, log):
@@ -236,20 +274,20 @@ class JobStatus:
 
 
 def _watch(procs, interrupted, progress, log, failures=None, continue_without_workers=False,
-           status=None):
+           status=None, restarts=None):
     """Poll until a signal arrives (130/143), a process fails (1), a worker exits 0
     without having joined (1), or every worker has exited 0 and the scheduler and servers
     have followed (0; if they do not, they are stopped and the job fails: 1)."""
     status = status or JobStatus(None)
     workers = [p for p in procs if p.role == "worker"]
-    others = [p for p in procs if p.role != "worker"]
+    restarts = restarts or SchedulerRestarts(0, None, status, "", log)
     done_at, left, alone_since, finished_late = None, [], None, set()
     while True:
         if interrupted:
             log(f"{signal.Signals(interrupted[0]).name}: stopping every process")
             return 130 if interrupted[0] == signal.SIGINT else 143
         failed = [p for p in procs if p.poll() not in (None, 0) and p not in left
-                  and p not in finished_late]
+                  and p not in finished_late and p not in restarts.accepted]
         for p in [p for p in failed if status.finished(p)]:
             log(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())} after it finished its "
                 "part of the job; the job's result is complete")
@@ -257,6 +295,9 @@ def _watch(procs, interrupted, progress, log, failures=None, continue_without_wo
             failed.remove(p)
         if failed and continue_without_workers and _left_behind(failed, left, log):
             failed = []
+        if failed and restarts.take(failed, procs, _describe_exit):
+            failed = []
+        restarts.poll(procs)
         if failed:
             return _failed(failed, procs, status, log, failures)
         alone = status.never_joined(workers)
@@ -266,7 +307,7 @@ def _watch(procs, interrupted, progress, log, failures=None, continue_without_wo
                                       failures)
         if all(p.poll() == 0 or p in finished_late for p in workers if p not in left):
             done_at = done_at or time.monotonic()
-            late = [p for p in others if p.poll() is None]
+            late = [p for p in procs if p.role != "worker" and p.poll() is None]
             if not late:
                 return 0
             if time.monotonic() - done_at > GRACE_SECONDS + 10:

@@ -97,6 +97,9 @@ FEATURES = {f.name: f for f in (
     Feature("continue", "the job goes on without a dead worker "
             "(cluster.on_worker_failure: continue)",
             _equals("on_worker_failure", "continue", "abort or restart")),
+    Feature("scheduler_restart", "a dead scheduler restarted in place; the nodes "
+            "re-register and go on (cluster.scheduler_restarts)",
+            _positive("scheduler_restarts")),
     Feature("resume", "a job continued from a checkpoint (launch/dist.py --resume; "
             "SSDSGD_START_STEP > 0)", _positive("start_step")),
     Feature("checkpoint", "checkpoints written during the run (train.checkpoint_every)",
@@ -125,6 +128,9 @@ _QUORUM = "tests/test_quorum.py::test_stragglers_end_with_the_simulators_weights
 _RESTART = ("tests/test_recovery.py::"
             "test_a_killed_process_is_restarted_and_the_job_ends_as_if_uninterrupted")
 _CONTINUE = "tests/test_recovery.py::test_with_continue_a_killed_worker_leaves_and_the_job_finishes"
+_SCHED = "tests/test_scheduler_restart.py::"
+_SCHED_RESTART = _SCHED + "test_a_killed_scheduler_is_restarted_and_the_job_ends_as_if_uninterrupted"
+_SCHED_UNTESTED = "no test restarts the scheduler of such a job yet"
 _ASGD_DIVERGES = ("a digits job resumed while its workers ran at different speeds "
                   "diverged; not supported until that is mended")
 _NO_PERIOD = "every step waits for its weights: there is no pull period to stagger"
@@ -139,6 +145,7 @@ _PERIODIC_REFUSED = {
     "staggered": "every worker syncs at the same step: the average needs all N deltas",
     "restart": "a worker's own optimizer state is not in a checkpoint yet",
     "continue": "no test runs a model average without a dead worker; use abort",
+    "scheduler_restart": _SCHED_UNTESTED,
     "resume": "a worker's own optimizer state and local weights are not in a checkpoint "
               "yet (docs/spec/localsgd_diloco.md)",
 }
@@ -150,6 +157,7 @@ ALGORITHMS = {a.name: a for a in (
                   "relay": _RELAYED, "quorum": _QUORUM,
                   "staggered": _ORACLE + "test_staggered_pulls_equal_the_simulation",
                   "restart": _RESTART, "continue": _CONTINUE,
+                  "scheduler_restart": _SCHED_RESTART,
                   "resume": "tests/test_resume.py::test_killed_ssd_job_resumes_to_the_same_weights",
                   "checkpoint": "tests/test_resume.py::test_killed_ssd_job_resumes_from_a_"
                                 "mid_epoch_checkpoint_to_the_same_weights"},
@@ -158,6 +166,7 @@ ALGORITHMS = {a.name: a for a in (
         "compression": "tests/test_compression_oracle.py::"
                        "test_ssd_sync_ssgd_2bit_equals_native_dist_sync_2bit",
         "relay": _RELAYED, "quorum": _QUORUM, "restart": _RESTART, "continue": _CONTINUE,
+        "scheduler_restart": _SCHED_RESTART,
         "resume": "tests/test_resume.py::test_killed_ssgd_job_resumes_to_the_same_weights",
         "checkpoint": "tests/test_resume.py::test_killed_ssgd_job_resumes_to_the_same_weights"},
         refused={"staggered": _NO_PERIOD}),
@@ -172,7 +181,8 @@ ALGORITHMS = {a.name: a for a in (
                      "relay",
             "quorum": "every push is applied as it arrives: there are no rounds to close",
             "staggered": _NO_PERIOD,
-            "continue": "no test runs it; use abort"}),
+            "continue": "no test runs it; use abort",
+            "scheduler_restart": _SCHED_UNTESTED}),
     Algorithm("preduce", "average", "local", doc="Prague's partial reduce: groups of ready "
               "workers average their models (docs/spec/preduce.md)", tested={
                   "checkpoint": "tests/test_preduce_cluster.py::"
@@ -186,6 +196,8 @@ ALGORITHMS = {a.name: a for a in (
                   "restart": "no test restarts a partial reduce, where each worker "
                              "keeps a model of its own",
                   "continue": "a group could wait for the dead worker; no test runs it",
+                  "scheduler_restart": "its groups are formed at the scheduler, and a "
+                                       "restarted scheduler does not rebuild them",
                   "resume": "no test resumes a partial reduce, where each worker keeps a "
                             "model of its own"}),
     Algorithm("localsgd", "sum", "periodic", outer="average", doc="post-local SGD: SSD's "
@@ -214,6 +226,14 @@ CONFLICTS = {
     ("relay", "quorum"): "a quorum's replies go to each worker on its own",
     ("quorum", "compression"): "no test or simulator runs compressed pushes in quorum "
                                "rounds",
+    ("scheduler_restart", "quorum"): "a quorum's rounds are relayed by the scheduler, and "
+                                     "a restarted scheduler does not rebuild them",
+    ("scheduler_restart", "compression"): _SCHED_UNTESTED,
+    ("scheduler_restart", "relay"): _SCHED_UNTESTED,
+    ("scheduler_restart", "staggered"): _SCHED_UNTESTED,
+    ("scheduler_restart", "restart"): _SCHED_UNTESTED,
+    ("scheduler_restart", "resume"): _SCHED_UNTESTED,
+    ("scheduler_restart", "continue"): _SCHED_UNTESTED,
     ("relay", "staggered"): "staggered pulls never arrive together, so after the warm-up "
                             "there is no reply to relay; the two are alternative cures for "
                             "the same pull burst (docs/spec/pull_relay.md)",
@@ -238,6 +258,7 @@ TESTED_PAIRS = {
     ("relay", "resume"): _RELAY_RESTART, ("relay", "checkpoint"): _RELAY_RESTART,
     ("quorum", "restart"): _QUORUM_RESTART, ("quorum", "resume"): _QUORUM_RESTART,
     ("quorum", "checkpoint"): _QUORUM_RESTART,
+    ("scheduler_restart", "checkpoint"): _SCHED_RESTART,
 }
 
 

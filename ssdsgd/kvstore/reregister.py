@@ -1,0 +1,209 @@
+"""A restarted scheduler rebuilds the job from the nodes that re-register (REJOIN).
+
+The launcher restarts a dead scheduler at the same address and port, with the same key
+file (cluster.scheduler_restarts; ssdsgd/launch/scheduler_restarts.py). Each server and
+worker notices the loss (its connection closes, or the heartbeat replies stop:
+``scheduler_link.py``), dials again with a fresh handshake and sends REJOIN: the fields of
+its REGISTER, the rank it has, whether its set-up is over (``ready``) and how many
+barriers of each group it has passed, with the last value. Nothing else a node holds
+lives only in the scheduler, so from these and the status file the lost scheduler wrote
+(which workers finished or left) the new one rebuilds:
+
+* membership: every server and every worker that neither finished nor left must come
+  back within ``wait_s``; one that does not is failed as a silent node is
+  (``cluster.on_worker_failure``). A finished worker still waiting for its FINISH's
+  acknowledgement may come back too.
+* barriers: a node re-sends the barrier it waits at once the scheduler has taken it back.
+  A node that has passed fewer barriers of a group than another had missed a release the
+  lost scheduler sent to the others only: it is released alone, with the value they
+  got. The others' barrier completes when all are there, as always: exactly once.
+* the answers wait: REJOIN is answered when every expected node is back, so no barrier
+  is counted over a part of the job.
+
+A scheduler lost during the set-up is handled by who saw what: before it recorded the
+job's start, each node registers again with the new one (``SchedulerLink.register``);
+after that but before every worker heard where the servers listen, the rebuild fails
+naming the cause (``RejoinError``), and ``--max-restarts`` restarts the job.
+Quorum rounds and preduce's groups live in the scheduler and are not rebuilt: the
+registry refuses them with a restarted scheduler.
+"""
+import time
+
+from . import job_status, protocol as P
+from .security import claim_error
+from .topology import record
+
+
+class RejoinError(ValueError):
+    """A REJOIN this scheduler cannot take, or a rebuild that cannot be done (one line)."""
+
+
+def wait_seconds(env):
+    """How long a restarted scheduler waits for every node, and a node for it."""
+    return max(30.0, 2 * env.heartbeat_timeout)
+
+
+class Rebuild:
+    """The restarted scheduler's part: who is expected, who is back, the barriers they
+    passed. ``prior``: the last status the lost scheduler wrote; ``counts``: role ->
+    how many the job has."""
+
+    def __init__(self, prior, counts, restart, now, wait_s):
+        self.restart, self.began, self.deadline = restart, now, now + wait_s
+        self.finished = set(prior.get("finished", ()))
+        self.left = set(prior.get("left", ()))
+        self.workers = set(prior.get("workers", ()))
+        self.expected = {("server", r) for r in range(counts["server"])} | {
+            ("worker", r) for r in range(counts["worker"])
+            if r not in self.finished | self.left}
+        self.counts = counts
+        self.back = {}        # (role, rank) -> connection
+        self.passed = {}      # connection -> {group: [passed, value]}
+        self.asked = set()    # (connection, group): its first barrier since, answered
+        self.done = False
+
+    def take(self, ident, meta, who):
+        """A REJOIN's node record fields (the caller completes the record), or
+        RejoinError naming why it cannot come back."""
+        role, rank = meta.get("role"), meta.get("rank", -1)
+        if role is None or not 0 <= rank < self.counts.get(role, 0):
+            raise RejoinError(f"REJOIN names no {role or 'role'} rank of this job")
+        wrong = claim_error(who, role, rank)
+        if wrong:
+            raise RejoinError(wrong)
+        if (role, rank) in self.back:
+            raise RejoinError(f"{role} {rank} has rejoined already")
+        if role == "worker" and rank in self.left:
+            raise RejoinError(f"worker {rank} left the job before the scheduler was lost")
+        if not meta.get("ready"):
+            raise SetUpLost(
+                f"the scheduler was lost during the job's set-up: {role} {rank} had not "
+                + ("heard where the servers listen" if role == "worker" else "bound its port")
+                + "; a restarted scheduler rebuilds only a job that was set up (restart "
+                "the job: --max-restarts)")
+        self.back[(role, rank)] = ident
+        self.passed[ident] = dict(meta.get("passed") or {})
+        return role, rank, role == "worker" and rank in self.finished
+
+    def missing(self):
+        return sorted(self.expected - set(self.back))
+
+    def complete(self):
+        return not self.missing()
+
+    def behind(self, ident, group):
+        """The value of the barrier of ``group`` that connection ``ident`` waits at if the
+        lost scheduler had released it to the others (it passed fewer than another);
+        None if it waits at the one the others wait at. Asked once per node and group:
+        its first barrier after the rebuild."""
+        if (ident, group) in self.asked:
+            return None
+        self.asked.add((ident, group))
+        mine = self.passed.get(ident, {}).get(group, [0, 0])
+        most = max((p.get(group, [0, 0]) for i, p in self.passed.items() if i != ident),
+                   key=lambda p: p[0], default=[0, 0])
+        # a node that passed none of a group since the lost scheduler has no entry: the
+        # others' counts are compared with 0
+        return most[1] if most[0] > mine[0] else None
+
+    def summary(self, now):
+        return {"restart": self.restart, "seconds": round(now - self.began, 3)}
+
+
+def begin(env, counts, log):
+    """The rebuild a restarted scheduler does (None: a first start, or a scheduler lost
+    before the job started, whose nodes register again)."""
+    if env.scheduler_restart <= 0:
+        return None
+    try:
+        prior = job_status.read(env.status_file) if env.status_file else None
+    except job_status.StatusError as e:
+        log(f"restart {env.scheduler_restart}: the lost scheduler's status is unreadable "
+            f"({e}); the nodes register again")
+        prior = None
+    if not prior or not prior["started"]:
+        log(f"restart {env.scheduler_restart}: the lost scheduler had not started the job; "
+            "the nodes register again")
+        return None
+    rebuild = Rebuild(prior, counts, env.scheduler_restart, time.monotonic(),
+                      wait_seconds(env))
+    log(f"restart {env.scheduler_restart}: rebuilding the job from the nodes that "
+        f"re-register ({len(rebuild.expected)} expected; workers finished before: "
+        f"{sorted(rebuild.finished) or 'none'}, left: {sorted(rebuild.left) or 'none'})")
+    return rebuild
+
+
+class SetUpLost(RejoinError):
+    """The scheduler was lost before every node was set up: the job cannot go on."""
+
+
+class Rejoins:
+    """The scheduler's REJOIN handling (a part of ``scheduler.Scheduler``, kept here):
+    take each node back, answer them all once every expected one is back, give up naming
+    the missing ones at the deadline."""
+
+    def _rejoin(self, ident, meta, frame):
+        rebuild = self.rebuild
+        if rebuild is None or rebuild.done:
+            raise P.ProtocolError(
+                "REJOIN: this scheduler is not rebuilding a job (it was not restarted, or "
+                "every node is back already); a node that lost it cannot come back")
+        if ident in self.nodes:
+            raise P.ProtocolError("this connection already rejoined")
+        try:
+            role, rank, finished = rebuild.take(ident, meta, self.guard.sender(frame))
+        except SetUpLost as e:
+            self._abort(f"restart {rebuild.restart}: {e}")
+        except RejoinError as e:
+            raise P.ProtocolError(str(e)) from None
+        node = record(meta, role, self.guard.sender(frame), time.monotonic())
+        node.update(rank=rank, asked_rank=rank, finished=finished)
+        self.nodes[ident] = node
+        if rebuild.complete():
+            self._rebuilt()
+
+    def _rebuilt(self):
+        """Every expected node is back: the job goes on (each hears it; the ones waiting
+        at a barrier send it again)."""
+        rebuild, now = self.rebuild, time.monotonic()
+        rebuild.done, self.started = True, True
+        self.startup = None
+        for ident, node in self.nodes.items():
+            node["last_seen"] = now
+            self._send(ident, P.Kind.REJOIN, {"restart": rebuild.restart,
+                                              "waited": now - rebuild.began})
+        self._record()
+        self.log(f"restart {rebuild.restart}: all {len(self.nodes)} nodes re-registered "
+                 f"{now - rebuild.began:.1f} s after this scheduler started; the job goes on")
+
+    def _awaiting_rejoins(self, now):
+        """True while the rebuild waits; aborts the job at its deadline, naming who did
+        not come back."""
+        rebuild = self.rebuild
+        if rebuild is None or rebuild.done:
+            return False
+        if now > rebuild.deadline:
+            who = ", ".join(f"{role} {rank}" for role, rank in rebuild.missing())
+            self._abort(f"restart {rebuild.restart}: {who} did not re-register with the "
+                        f"restarted scheduler within {rebuild.deadline - rebuild.began:.0f} s")
+        return True
+
+    def _released_alone(self, ident, group):
+        """A re-sent barrier the lost scheduler had released to the others: release it
+        alone (True); False: it waits with the others."""
+        if self.rebuild is None:
+            return False
+        value = self.rebuild.behind(ident, group)
+        if value is None:
+            return False
+        self._send(ident, P.Kind.BARRIER, {"group": group, "value": value})
+        return True
+
+    def _status_extra(self):
+        """The status fields a restarted scheduler keeps from the lost one."""
+        rebuild = self.rebuild
+        if rebuild is None:
+            return {"left": sorted(self.left)}, (), ()
+        return ({"left": sorted(self.left | rebuild.left),
+                 "rebuilt": rebuild.summary(time.monotonic()) if rebuild.done else None},
+                rebuild.workers, rebuild.finished)
