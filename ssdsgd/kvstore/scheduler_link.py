@@ -150,6 +150,7 @@ class SchedulerLink:
         """The connection closed or the scheduler went silent: dial again and rejoin;
         no restarted scheduler in time: JobAborted, naming it."""
         if self.rejoining is not None:
+            self._drain_monitor()     # the attempts' own drops: ZeroMQ dials again
             lost_at, why = self.rejoining
             if now - lost_at > 2 * wait_seconds(self.env):   # its start, then its wait
                 raise JobAborted(
@@ -166,6 +167,10 @@ class SchedulerLink:
             why = f"no answer for {now - self.last_heard:.1f} s"
         if why is not None:
             self._lost(now, why)
+
+    def _drain_monitor(self):
+        while self.monitor.poll(0):
+            recv_monitor_message(self.monitor)
 
     def _lost(self, now, why):
         print(f"ssdsgd {self.role} {self.env.rank}: lost the scheduler ({why}); waiting for "
@@ -196,6 +201,7 @@ class SchedulerLink:
         elif msg.kind == P.Kind.REJOIN and self.rejoining is not None:
             lost_at, why = self.rejoining
             self.rejoining = None
+            self._drain_monitor()     # of the connections before this one
             print(f"ssdsgd {self.role} {self.env.rank}: rejoined the job with the "
                   f"restarted scheduler (restart {msg.meta.get('restart')}) "
                   f"{time.monotonic() - lost_at:.1f} s after losing it ({why})",
