@@ -12,6 +12,7 @@ import time
 import pytest
 
 from test_e2e_configs import sets
+from test_resume import after_resume
 from test_recovery import assert_same, kill_step, role_of, start, wait_for_step
 
 pytestmark = pytest.mark.system
@@ -58,4 +59,27 @@ def test_a_killed_scheduler_is_restarted_and_the_job_ends_as_if_uninterrupted(
     assert "restarting it at 127.0.0.1:" in out and "restart 1 of 1" in out
     for who, pid in before.items():    # each node says it rejoined, none restarted
         assert f"{who[0]} {who[1]}: rejoined the job with the restarted scheduler" in out, who
+    assert_same(run, reference)
+
+
+def test_a_job_restarted_from_its_checkpoint_survives_its_schedulers_death(
+        tmp_path, uninterrupted):
+    """--max-restarts 1 and cluster.scheduler_restarts 1 together: worker 1 SIGKILLed,
+    the launcher restarts the job from its checkpoint (a resumed job: SSDSGD_START_STEP >
+    0); then that job's scheduler SIGKILLed: restarted in place, and the job ends with the
+    uninterrupted weights."""
+    reference = uninterrupted("ssd")
+    root = tmp_path / "runs"
+    args = ["configs/digits.yaml", *JOBS["ssd"], "--max-restarts", 1, *sets(
+        output__dir=root, cluster__scheduler_restarts=1, debug__slowdown="delay:0=0.04")]
+    with start(args) as job:
+        run = wait_for_step(job, root, kill_step("scheduler-restart-resumed"))
+        os.kill(job.process("worker", 1), signal.SIGKILL)
+        job.wait_for("resuming from the checkpoint at step", 60)
+        job.wait_for(lambda: after_resume(run), 120, "a step of the resumed job")
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 120)
+        assert job.wait(timeout=300) == 0, job.text[-3000:]
+    assert "restart 1 of 1: worker 1 on " in job.text
+    assert "restarting it at 127.0.0.1:" in job.text
     assert_same(run, reference)

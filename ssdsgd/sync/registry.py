@@ -130,6 +130,7 @@ _RESTART = ("tests/test_recovery.py::"
 _CONTINUE = "tests/test_recovery.py::test_with_continue_a_killed_worker_leaves_and_the_job_finishes"
 _SCHED = "tests/test_scheduler_restart.py::"
 _SCHED_RESTART = _SCHED + "test_a_killed_scheduler_is_restarted_and_the_job_ends_as_if_uninterrupted"
+_SCHED_RESUMED = _SCHED + "test_a_job_restarted_from_its_checkpoint_survives_its_schedulers_death"
 _SCHED_UNTESTED = "no test restarts the scheduler of such a job yet"
 _ASGD_DIVERGES = ("a digits job resumed while its workers ran at different speeds "
                   "diverged; not supported until that is mended")
@@ -231,15 +232,13 @@ CONFLICTS = {
     ("scheduler_restart", "compression"): _SCHED_UNTESTED,
     ("scheduler_restart", "relay"): _SCHED_UNTESTED,
     ("scheduler_restart", "staggered"): _SCHED_UNTESTED,
-    ("scheduler_restart", "restart"): _SCHED_UNTESTED,
-    ("scheduler_restart", "resume"): _SCHED_UNTESTED,
     ("scheduler_restart", "continue"): _SCHED_UNTESTED,
     ("relay", "staggered"): "staggered pulls never arrive together, so after the warm-up "
                             "there is no reply to relay; the two are alternative cures for "
                             "the same pull burst (docs/spec/pull_relay.md)",
 }
 # Every other pair of features is run together by a named test (tests/test_combinations.py
-# checks that each of the 28 pairs is here or in CONFLICTS, and that each test exists).
+# checks that each of the 36 pairs is here or in CONFLICTS, and that each test exists).
 _MANY = ("tests/test_combination_jobs.py::"
          "test_a_compressed_staggered_continue_job_is_restarted_as_if_uninterrupted")
 _RELAY_RESTART = ("tests/test_combination_jobs.py::"
@@ -259,6 +258,7 @@ TESTED_PAIRS = {
     ("quorum", "restart"): _QUORUM_RESTART, ("quorum", "resume"): _QUORUM_RESTART,
     ("quorum", "checkpoint"): _QUORUM_RESTART,
     ("scheduler_restart", "checkpoint"): _SCHED_RESTART,
+    ("scheduler_restart", "restart"): _SCHED_RESUMED, ("scheduler_restart", "resume"): _SCHED_RESUMED,
 }
 
 
