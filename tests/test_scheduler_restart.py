@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from test_e2e_configs import sets
+from test_e2e_configs import records, sets
 from test_resume import after_resume
 from test_recovery import assert_same, kill_step, role_of, start, wait_for_step
 
@@ -76,10 +76,31 @@ def test_a_job_restarted_from_its_checkpoint_survives_its_schedulers_death(
         run = wait_for_step(job, root, kill_step("scheduler-restart-resumed"))
         os.kill(job.process("worker", 1), signal.SIGKILL)
         job.wait_for("resuming from the checkpoint at step", 60)
-        job.wait_for(lambda: after_resume(run), 120, "a step of the resumed job")
+        job.wait_for(lambda: len(records(run, 0, "start")) == 2 and after_resume(run), 120,
+                     "a step of the resumed job")
         os.kill(job.process("scheduler"), signal.SIGKILL)
         job.wait_for("re-registered and the job goes on", 120)
         assert job.wait(timeout=300) == 0, job.text[-3000:]
     assert "restart 1 of 1: worker 1 on " in job.text
     assert "restarting it at 127.0.0.1:" in job.text
+    assert_same(run, reference)
+
+
+def test_a_scheduler_lost_during_registration_is_restarted_and_the_nodes_register_again(
+        tmp_path, uninterrupted):
+    """The scheduler SIGKILLed as soon as it listens, before every node registered: the
+    restarted one has no job to rebuild; the nodes that had registered register again
+    (their connection closed while they waited for the topology), the others for the
+    first time, and the job runs as if nothing happened."""
+    reference = uninterrupted("ssgd")
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssgd"], *sets(
+            output__dir=root, cluster__scheduler_restarts=1)]) as job:
+        job.wait_for(lambda: re.search(r"\[scheduler\] .*listening on", job.text), 60)
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 120)
+        assert job.wait(timeout=300) == 0, job.text[-3000:]
+    assert "restart 1: the lost scheduler had not started the job; the nodes register " \
+           "again" in job.text
+    run, = [d for d in root.iterdir() if d.is_dir()]
     assert_same(run, reference)

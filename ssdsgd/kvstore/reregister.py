@@ -202,8 +202,10 @@ class Rejoins:
     def _status_extra(self):
         """The status fields a restarted scheduler keeps from the lost one."""
         rebuild = self.rebuild
-        if rebuild is None:
-            return {"left": sorted(self.left)}, (), ()
+        if rebuild is None:      # a first start, or one whose nodes registered anew
+            restart = self.env.scheduler_restart
+            anew = {"restart": restart, "seconds": None} if restart and self.started else None
+            return {"left": sorted(self.left), "rebuilt": anew}, (), ()
         return ({"left": sorted(self.left | rebuild.left),
                  "rebuilt": rebuild.summary(time.monotonic()) if rebuild.done else None},
                 rebuild.workers, rebuild.finished)
