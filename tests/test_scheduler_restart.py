@@ -4,6 +4,7 @@ again at the same port with the same keys, every server and worker re-registers,
 job ends with exactly the weights of an uninterrupted run, no server or worker restarted
 (their pids at the end are the pids at the kill). One case with 2 servers in secure
 (CURVE) mode."""
+import json
 import os
 import re
 import signal
@@ -104,3 +105,50 @@ def test_a_scheduler_lost_during_registration_is_restarted_and_the_nodes_registe
            "again" in job.text
     run, = [d for d in root.iterdir() if d.is_dir()]
     assert_same(run, reference)
+
+
+def test_after_a_scheduler_restart_a_stuck_worker_is_still_named(tmp_path):
+    """Worker 1's training thread sleeps an hour before its first push (its I/O thread
+    heartbeating) while worker 0 waits for it at the set-up barrier; the scheduler is
+    SIGKILLed then. Worker 0 waits at the barrier again with the restarted scheduler,
+    whose stall watch fails worker 1 within cluster.stall_timeout: the job ends naming it
+    (on_worker_failure abort), not hangs."""
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssgd"], *sets(
+            output__dir=root, cluster__scheduler_restarts=1, debug__slowdown="delay:1=3600",
+            cluster__stall_timeout=6, cluster__heartbeat_interval=0.2)]) as job:
+        job.wait_for("every server listens", 90)
+        time.sleep(1.0)     # worker 0 reaches the set-up barrier (or will, after the restart)
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 60)
+        t0 = time.monotonic()
+        assert job.wait(timeout=60) == 1, job.text[-3000:]
+        took = time.monotonic() - t0
+    assert re.search(r"the scheduler aborted the job: worker 1 made no progress for \d+ s "
+                     r"\(its pushes stayed at 0 while worker 0 waited for it at a barrier",
+                     job.text), job.text[-3000:]
+    assert took < 30, took
+
+
+@pytest.mark.parametrize("algorithm", ["ssgd"])
+def test_after_a_scheduler_restart_a_killed_worker_leaves_with_continue(tmp_path, algorithm):
+    """cluster.on_worker_failure: continue after a restarted scheduler: worker 1
+    SIGKILLed once every node is back; the restarted scheduler removes it and the job
+    finishes with worker 0, summary.json naming who left."""
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS[algorithm], *sets(
+            output__dir=root, cluster__scheduler_restarts=1,
+            cluster__on_worker_failure="continue", cluster__heartbeat_interval=0.2,
+            cluster__heartbeat_timeout=1.0, debug__slowdown="delay:0=0.1")]) as job:
+        # early and paced (0.1 s a step: timing only), so that worker 1 is killed
+        # mid-run whatever the restart takes on a loaded machine
+        run = wait_for_step(job, root, 8)
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 60)
+        os.kill(job.process("worker", 1), signal.SIGKILL)
+        assert job.wait(timeout=120) == 0, job.text[-3000:]
+    assert re.search(r"worker 1 left the job; the servers aggregate the remaining 1 "
+                     r"workers from step \d+", job.text), job.text[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    (left,) = summary["workers_left"]
+    assert left["rank"] == 1 and summary["workers_reporting"] == 1

@@ -232,7 +232,6 @@ CONFLICTS = {
     ("scheduler_restart", "compression"): _SCHED_UNTESTED,
     ("scheduler_restart", "relay"): _SCHED_UNTESTED,
     ("scheduler_restart", "staggered"): _SCHED_UNTESTED,
-    ("scheduler_restart", "continue"): _SCHED_UNTESTED,
     ("relay", "staggered"): "staggered pulls never arrive together, so after the warm-up "
                             "there is no reply to relay; the two are alternative cures for "
                             "the same pull burst (docs/spec/pull_relay.md)",
@@ -258,6 +257,8 @@ TESTED_PAIRS = {
     ("quorum", "restart"): _QUORUM_RESTART, ("quorum", "resume"): _QUORUM_RESTART,
     ("quorum", "checkpoint"): _QUORUM_RESTART,
     ("scheduler_restart", "checkpoint"): _SCHED_RESTART,
+    ("scheduler_restart", "continue"): _SCHED + "test_after_a_scheduler_restart_a_"
+                                                "killed_worker_leaves_with_continue",
     ("scheduler_restart", "restart"): _SCHED_RESUMED, ("scheduler_restart", "resume"): _SCHED_RESUMED,
 }
 
