@@ -1,0 +1,67 @@
+"""The restarted scheduler's rebuild (ssdsgd/kvstore/reregister.py) in process: whom it
+waits for, what it refuses, and the barrier a node waits at when the lost scheduler had
+released it to the others only. The jobs are in tests/test_scheduler_restart.py."""
+import pytest
+
+from ssdsgd.kvstore.reregister import Rebuild, RejoinError, SetUpLost
+
+COUNTS = {"server": 2, "worker": 3}
+
+
+def rebuild(**prior):
+    return Rebuild({"started": True, "workers": [0, 1, 2], "finished": [], **prior},
+                   COUNTS, restart=1, now=0.0, wait_s=30.0)
+
+
+def node(role, rank, **meta):
+    return dict(role=role, rank=rank, ready=True, **meta)
+
+
+def test_it_waits_for_every_server_and_every_worker_that_neither_finished_nor_left():
+    r = rebuild(finished=[2], left=[1])
+    assert r.missing() == [("server", 0), ("server", 1), ("worker", 0)]
+    for ident, (role, rank) in enumerate(r.missing()):
+        assert r.take(ident, node(role, rank), f"{role} {rank}") == (role, rank, False)
+    assert r.complete()
+    # a finished worker still waiting for its FINISH's answer may come back, as finished
+    assert r.take(9, node("worker", 2), "worker 2") == ("worker", 2, True)
+    assert r.deadline == 30.0
+
+
+def test_it_refuses_a_wrong_key_a_second_rejoin_a_worker_that_left_and_a_set_up_not_done():
+    r = rebuild(left=[2])
+    with pytest.raises(RejoinError, match="worker 0's key cannot act as worker 1"):
+        r.take(1, node("worker", 1), "worker 0")
+    r.take(1, node("worker", 1), "worker 1")
+    with pytest.raises(RejoinError, match="worker 1 has rejoined already"):
+        r.take(2, node("worker", 1), "worker 1")
+    with pytest.raises(RejoinError, match="worker 2 left the job"):
+        r.take(3, node("worker", 2), "worker 2")
+    with pytest.raises(RejoinError, match="names no worker rank"):
+        r.take(4, node("worker", 3), None)
+    with pytest.raises(SetUpLost, match="lost during the job's set-up: worker 0 had not "
+                                        "heard where the servers listen"):
+        r.take(5, dict(node("worker", 0), ready=False), "worker 0")
+
+
+def test_a_node_that_missed_a_release_is_released_alone_and_the_others_wait_together():
+    """The lost scheduler released barrier 3 of the workers, and worker 2's release was
+    lost with it: workers 0 and 1 wait at barrier 4, worker 2 still at 3."""
+    r = rebuild()
+    r.take("w0", node("worker", 0, passed={"worker": [4, 7]}), None)
+    r.take("w1", node("worker", 1, passed={"worker": [4, 7]}), None)
+    r.take("w2", node("worker", 2, passed={"worker": [3, 5]}), None)
+    assert r.behind("w0", "worker") is None       # ahead: it waits with the others
+    assert r.behind("w2", "worker") == 7          # behind: released with their value
+    assert r.behind("w2", "worker") is None       # once: its next barrier is theirs
+    assert r.behind("w1", "worker") is None
+
+
+def test_nodes_at_the_same_barrier_wait_together():
+    r = rebuild()
+    for rank in range(3):
+        r.take(rank, node("worker", rank, passed={"worker": [2, 0]}), None)
+    assert [r.behind(rank, "worker") for rank in range(3)] == [None] * 3
+    fresh = rebuild()        # none passed a barrier yet (the set-up barrier)
+    fresh.take(0, node("worker", 0), None)
+    assert fresh.behind(0, "worker") is None
