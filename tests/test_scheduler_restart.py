@@ -152,3 +152,21 @@ def test_after_a_scheduler_restart_a_killed_worker_leaves_with_continue(tmp_path
     summary = json.loads((run / "summary.json").read_text())
     (left,) = summary["workers_left"]
     assert left["rank"] == 1 and summary["workers_reporting"] == 1
+
+
+def test_a_scheduler_that_dies_past_its_restarts_fails_the_job_naming_it(tmp_path):
+    """cluster.scheduler_restarts 1 and the scheduler SIGKILLed twice: the second death
+    is past the bound, and the job fails in one line saying so."""
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssgd"], *sets(
+            output__dir=root, cluster__scheduler_restarts=1,
+            debug__slowdown="delay:0=0.1")]) as job:
+        wait_for_step(job, root, 4)
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 60)
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        assert job.wait(timeout=60) == 1, job.text[-3000:]
+    assert ("the scheduler died again after 1 restart(s) (cluster.scheduler_restarts=1); "
+            "giving up") in job.text, job.text[-3000:]
+    assert re.search(r"scheduler \(pid \d+\) was killed by SIGKILL; stopping the job",
+                     job.text), job.text[-3000:]
