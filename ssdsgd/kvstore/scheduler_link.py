@@ -56,6 +56,7 @@ class SchedulerLink:
         self.passed = {}          # barrier group -> [releases received, the last value]
         self.rejoining = None     # (lost at, why) while waiting for a restarted scheduler
         self.on_rejoined = None   # called once a restarted scheduler took this node back
+        self.closed = False       # the connection closed while the topology was in flight
 
     def secure(self, sock, server=0):
         """Before connecting ``sock`` to server ``server``: this node's id and keys."""
@@ -103,15 +104,18 @@ class SchedulerLink:
         while time.monotonic() < deadline:
             if monitor.poll(0):
                 event = recv_monitor_message(monitor)["event"]
-                if event == zmq.EVENT_DISCONNECTED:    # lost before the job started:
-                    self._redial()                     # register with its restart
-                    self.send(P.Kind.REGISTER, self._registration)
-                    continue
+                if event == zmq.EVENT_DISCONNECTED:
+                    self.closed = True     # lost: rejoin if its TOPOLOGY came first,
+                    continue               # else register with its restart (below)
                 raise JobAborted(
                     f"the scheduler at {where} refused this {self.role}'s connection "
                     f"({zmq.Event(event).name}): it does not hold this job's keys "
                     f"(SSDSGD_SECRET_FILE={self.env.secret_file or 'unset'}, mode "
                     f"{self.guard.mode})")
+            if self.closed and not self.sock.poll(0):
+                self.closed = False        # the scheduler was lost before the job started
+                self._redial()
+                self.send(P.Kind.REGISTER, self._registration)
             if self.sock.poll(200):
                 try:
                     msg = P.receive(self.sock.recv_multipart(), max_bytes=0)
@@ -159,7 +163,8 @@ class SchedulerLink:
                     f"this {self.role} back within {now - lost_at:.0f} s "
                     f"(cluster.scheduler_restarts={self.env.scheduler_restarts})")
             return
-        why = None
+        why = "its connection closed" if self.closed else None
+        self.closed = False
         while self.monitor.poll(0):
             if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
                 why = "its connection closed"

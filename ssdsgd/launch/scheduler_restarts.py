@@ -35,6 +35,8 @@ class SchedulerRestarts:
         if not self.budget or len(failed) != 1 or failed[0].role != "scheduler":
             return False
         dead = failed[0]
+        if self.status.abort_reason():      # it ended the job on purpose, naming why
+            return False
         if all(p.poll() is not None for p in procs if p.role != "scheduler"):
             if all(p.poll() == 0 for p in procs if p.role != "scheduler"):
                 self.log(f"the scheduler (pid {dead.pid}) {describe(dead.poll())} after "
