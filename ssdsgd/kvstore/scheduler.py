@@ -301,8 +301,6 @@ class Scheduler(reregister.Rejoins):
         node = self.nodes.pop(ident)
         rank = node["rank"]
         self.stalls.leave(rank)
-        self.left.add(rank)
-        self._record()
         self.log(f"{why}; removing it from the job (cluster.on_worker_failure: continue)")
         servers = self._members("server")
         self.removals.begin(rank, servers)
@@ -319,6 +317,8 @@ class Scheduler(reregister.Rejoins):
         except RemovalError as e:
             raise P.ProtocolError(str(e)) from None
         if commit is not None:
+            self.left.add(commit["removed"])   # a restarted scheduler expects it until
+            self._record()                     # then: it fails the job, rather than hang
             for i in self.nodes:
                 self._send(i, P.Kind.MEMBERSHIP, commit)
             self.log(f"worker {commit['removed']} left the job; the servers aggregate the "
