@@ -170,3 +170,28 @@ def test_a_scheduler_that_dies_past_its_restarts_fails_the_job_naming_it(tmp_pat
             "giving up") in job.text, job.text[-3000:]
     assert re.search(r"scheduler \(pid \d+\) was killed by SIGKILL; stopping the job",
                      job.text), job.text[-3000:]
+
+
+def test_a_scheduler_lost_while_the_workers_wait_for_it_at_the_end_is_restarted(
+        tmp_path, uninterrupted):
+    """The scheduler stopped (SIGSTOP) near the end, so that the workers reach the last
+    epoch's checkpoint barrier and their FINISH and wait for it there, then SIGKILLed:
+    each worker re-sends what it waits for to the restarted scheduler, the barrier is
+    released once, the FINISHes are answered, the servers shut down; the same weights."""
+    reference = uninterrupted("ssgd")
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssgd"], *sets(
+            output__dir=root, cluster__scheduler_restarts=1)]) as job:
+        run = wait_for_step(job, root, 80)
+        scheduler = job.process("scheduler")
+        os.kill(scheduler, signal.SIGSTOP)
+        stopped = time.monotonic()
+        job.wait_for(lambda: time.monotonic() - stopped > 4, 10)   # they reach the end
+        assert len(nodes(job)) == 3      # every worker alive: it waits for the scheduler
+        os.kill(scheduler, signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 60)
+        assert job.wait(timeout=120) == 0, job.text[-3000:]
+    text = job.text      # the job's end was the restarted scheduler's
+    assert text.count("all workers finished; job done") == 1
+    assert text.index("re-registered and the job goes on") < text.index("job done")
+    assert_same(run, reference)
