@@ -195,3 +195,32 @@ def test_a_scheduler_lost_while_the_workers_wait_for_it_at_the_end_is_restarted(
     assert text.count("all workers finished; job done") == 1
     assert text.index("re-registered and the job goes on") < text.index("job done")
     assert_same(run, reference)
+
+
+def test_a_scheduler_lost_the_moment_the_job_starts_recovers_or_fails_naming_the_set_up(
+        tmp_path, uninterrupted):
+    """SIGKILLed as soon as it says every node registered, the scheduler is lost either
+    before every worker heard where the servers listen (about a second here: the new
+    scheduler fails the job naming the set-up, and the launcher quotes it) or after (the
+    job recovers and ends with the uninterrupted weights). Either is a clear outcome
+    within bounded time; which one depends on the moment the kill lands."""
+    reference = uninterrupted("ssgd")
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssgd"], *sets(
+            output__dir=root, cluster__scheduler_restarts=1)]) as job:
+        pid = job.process("scheduler")
+        deadline = time.monotonic() + 90
+        while "job started" not in job.text:      # polled tightly: the window is short
+            assert time.monotonic() < deadline and job.poll() is None, job.text[-3000:]
+            time.sleep(0.002)
+        os.kill(pid, signal.SIGKILL)
+        code = job.wait(timeout=120)
+    if code == 1:
+        assert ("[launcher] the scheduler aborted the job: restart 1: the scheduler was "
+                "lost during the job's set-up: worker ") in job.text, job.text[-3000:]
+        assert "had not heard where the servers listen" in job.text
+    else:
+        assert code == 0 and "re-registered and the job goes on" in job.text, job.text[-3000:]
+        run, = [d for d in root.iterdir() if d.is_dir()]
+        assert_same(run, reference)
+    print(f"the set-up kill: exit {code}")
