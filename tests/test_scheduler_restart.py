@@ -224,3 +224,25 @@ def test_a_scheduler_lost_the_moment_the_job_starts_recovers_or_fails_naming_the
         run, = [d for d in root.iterdir() if d.is_dir()]
         assert_same(run, reference)
     print(f"the set-up kill: exit {code}")
+
+
+def test_a_worker_that_dies_with_the_scheduler_leaves_with_continue(tmp_path):
+    """Worker 1 and the scheduler SIGKILLed together, cluster.on_worker_failure: continue:
+    the restarted scheduler waits for worker 1 (max(30 s, 2 x the heartbeat timeout)),
+    then removes it as a silent worker, and worker 0 finishes the job."""
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssgd"], *sets(
+            output__dir=root, cluster__scheduler_restarts=1,
+            cluster__on_worker_failure="continue", cluster__heartbeat_interval=0.2,
+            cluster__heartbeat_timeout=1.0, debug__slowdown="delay:0=0.1")]) as job:
+        run = wait_for_step(job, root, 8)
+        victims = [job.process("worker", 1), job.process("scheduler")]
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        assert job.wait(timeout=150) == 0, job.text[-3000:]
+    assert re.search(r"worker 1 did not re-register with the restarted scheduler within "
+                     r"30 s; removing it from the job", job.text), job.text[-3000:]
+    assert re.search(r"worker 1 left the job; the servers aggregate the remaining 1 "
+                     r"workers from step \d+", job.text), job.text[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert [w["rank"] for w in summary["workers_left"]] == [1]

@@ -182,11 +182,27 @@ class Rejoins:
         rebuild = self.rebuild
         if rebuild is None or rebuild.done:
             return False
-        if now > rebuild.deadline:
-            who = ", ".join(f"{role} {rank}" for role, rank in rebuild.missing())
+        if now <= rebuild.deadline:
+            return True
+        missing = rebuild.missing()
+        waited = f"within {rebuild.deadline - rebuild.began:.0f} s"
+        gone = [rank for role, rank in missing if role == "worker" and rank
+                and self.env.on_worker_failure == "continue"]
+        if len(gone) < len(missing):
+            who = ", ".join(f"{role} {rank}" for role, rank in missing)
             self._abort(f"restart {rebuild.restart}: {who} did not re-register with the "
-                        f"restarted scheduler within {rebuild.deadline - rebuild.began:.0f} s")
-        return True
+                        f"restarted scheduler {waited}")
+        self._rebuilt()
+        servers = self._members("server")
+        for rank in gone:     # cluster.on_worker_failure: continue, as for a silent one
+            self.log(f"worker {rank} did not re-register with the restarted scheduler "
+                     f"{waited}; removing it from the job (cluster.on_worker_failure: "
+                     "continue)")
+            self.stalls.leave(rank)
+            self.removals.begin(rank, servers)
+            for i in servers:
+                self._send(i, P.Kind.MEMBERSHIP, {"removed": rank})
+        return False
 
     def _released_alone(self, ident, group):
         """A re-sent barrier the lost scheduler had released to the others: release it

@@ -295,6 +295,10 @@ def _watch(procs, interrupted, progress, log, failures=None, continue_without_wo
             failed.remove(p)
         if failed and continue_without_workers and _left_behind(failed, left, log):
             failed = []
+        elif failed and continue_without_workers and restarts.budget:    # and the
+            behind = [p for p in failed if p.role == "worker" and p.rank]   # scheduler
+            if behind and _left_behind(behind, left, log):
+                failed = [p for p in failed if p not in behind]
         if failed and restarts.take(failed, procs, _describe_exit):
             failed = []
         restarts.poll(procs)
