@@ -120,12 +120,10 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     env.update(to_env(status_file=status.path))
     procs, pumps = [], []
     start = _Starter(runner, env, keys, pumps, (stdout, stderr), log)
-    restarts = _scheduler_restarts(runner, env, plan, start, status, log)
-    if restarts is None:
-        return 2
     with _signals_recorded() as interrupted:
         try:
-            if not _start_plan(start, plan, procs):
+            restarts = _scheduler_restarts(runner, env, plan, start, status, log)
+            if restarts is None or not _start_plan(start, plan, procs):
                 return 2
             return _watch(procs, interrupted, progress, log, failures,
                           continue_without_workers, status, restarts)
