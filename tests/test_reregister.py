@@ -1,6 +1,8 @@
 """The restarted scheduler's rebuild (ssdsgd/kvstore/reregister.py) in process: whom it
 waits for, what it refuses, and the barrier a node waits at when the lost scheduler had
 released it to the others only. The jobs are in tests/test_scheduler_restart.py."""
+import shutil
+
 import pytest
 
 from ssdsgd.kvstore.reregister import Rebuild, RejoinError, SetUpLost
@@ -65,3 +67,25 @@ def test_nodes_at_the_same_barrier_wait_together():
     fresh = rebuild()        # none passed a barrier yet (the set-up barrier)
     fresh.take(0, node("worker", 0), None)
     assert fresh.behind(0, "worker") is None
+
+
+def test_mpi_refuses_scheduler_restarts_in_one_line_before_starting_anything(tmp_path):
+    """mpirun starts every rank with one command and ends them all when one dies: the
+    launcher refuses the setting (exit 2) before it runs mpirun, and removes the keys."""
+    from ssdsgd.launch.hosts import parse_hosts
+    from ssdsgd.launch.job import run_job
+    from ssdsgd.launch.mpi import MPILauncher
+    from ssdsgd.launch.remote import Options
+
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed (Debian: openmpi-bin)")
+    lines = []
+    launcher = MPILauncher(parse_hosts("127.0.0.1:4"), 1, 1, Options(launcher="mpi"))
+    code = run_job(1, 1, ["true"], {"SSDSGD_SCHEDULER_RESTARTS": "1"}, launcher=launcher,
+                   log=lines.append, run_dir=str(tmp_path))
+    assert code == 2 and launcher.popen is None
+    assert lines == ["cluster.scheduler_restarts=1: mpirun and srun start every rank with "
+                     "one command and end them all when one dies, so a scheduler cannot "
+                     "be restarted alone; use --launcher local or ssh"]
+    assert [p.name for p in tmp_path.iterdir()] == []      # the key directory is gone
+    launcher.listener.close()
