@@ -61,7 +61,7 @@ class Kind(enum.IntEnum):
     REJOIN = 31       # node -> a restarted scheduler: REGISTER's fields with the rank it
                       # has, {ready, passed}: what the new one rebuilds the job from;
                       # scheduler -> node {restart, waited}: taken back, go on
-                      # (kvstore/reregister.py; 21-30 and 41- are other branches')
+                      # (kvstore/reregister.py; 21-30 are left free)
 
 
 class Flag(enum.IntFlag):
