@@ -23,7 +23,7 @@ lives only in the scheduler, so from these and the status file the lost schedule
 A scheduler lost during the set-up is handled by who saw what: before it recorded the
 job's start, each node registers again with the new one (``SchedulerLink.register``);
 after that but before every worker heard where the servers listen, the rebuild fails
-naming the cause (``RejoinError``), and ``--max-restarts`` restarts the job.
+naming the cause (``SetUpLost``), and ``--max-restarts`` restarts the job.
 Quorum rounds and preduce's groups live in the scheduler and are not rebuilt: the
 registry refuses them with a restarted scheduler.
 """
@@ -39,7 +39,8 @@ class RejoinError(ValueError):
 
 
 def wait_seconds(env):
-    """How long a restarted scheduler waits for every node, and a node for it."""
+    """How long a restarted scheduler waits for every node (a node waits twice this for
+    it: the launcher's restart, then its wait for the slowest node)."""
     return max(30.0, 2 * env.heartbeat_timeout)
 
 
