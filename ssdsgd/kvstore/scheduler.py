@@ -205,6 +205,9 @@ class Scheduler(reregister.Rejoins):
         if msg.kind == P.Kind.REJOIN:
             self._rejoin(ident, msg.meta, frame)
             return
+        if node is None and self.rebuild is not None:    # sent to the lost scheduler,
+            self.rejected(f"{msg.kind.name} before its node rejoined; dropped")   # or a
+            return       # stranger's: an ERROR could reach a node that is rejoining
         if node is None:
             raise P.ProtocolError(f"{msg.kind.name} from a node that never registered")
         node["last_seen"] = time.monotonic()
