@@ -105,3 +105,17 @@ def steps_ahead_bound(algorithm, delay_steps):
     step after requesting it, spec step 3); otherwise every step waits for its reply. One
     more for slack. This bounds the gradients a server holds to (bound x N x model)."""
     return (delay_steps if delays_pulls(algorithm) else 1) + 2
+
+
+def join_boundary(algorithm, warmup_steps, delay_steps):
+    """The first step at or after ``step`` a worker may join at (docs/spec/membership.md):
+    ssgd and ssd's warm-up any step; ssd's steps-delay stage the next T_w + m k, where
+    every worker resets to the same global weights (aligned pulls)."""
+    if algorithm != "ssd":
+        return lambda step: step
+
+    def boundary(step):
+        if step <= warmup_steps:
+            return step
+        return warmup_steps + -(-(step - warmup_steps) // delay_steps) * delay_steps
+    return boundary

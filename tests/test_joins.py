@@ -1,0 +1,94 @@
+"""Workers that join (docs/spec/membership.md), in process: the scheduler's decider
+(ssdsgd/kvstore/joins.py: every server holds, the largest answer moved to a boundary
+wins), the stage rule's boundary, and the dense server policy's hold and admit."""
+import re
+
+import pytest
+
+from ssdsgd.kvstore.joins import Admissions, JoinError, refusal
+from ssdsgd.sync.dense import Async, DenseSync
+from ssdsgd.sync.policy import PolicyError
+from ssdsgd.sync.stage import join_boundary
+from test_server_policies import Executor, g, kinds
+
+
+def test_the_largest_answer_moved_to_a_boundary_decides_once_every_server_answered():
+    a = Admissions(join_boundary("ssd", 4, 3))       # boundaries 0..4, 7, 10, ...
+    a.begin(2, [b"s0", b"s1"])
+    assert a.answer(b"s1", {"joined": 2, "next_step": 5}) is None
+    assert a.answer(b"s0", {"joined": 2, "next_step": 8}) == {"joined": 2, "from_step": 10}
+    b = Admissions(join_boundary("ssgd", 0, 1))
+    b.begin(3, [b"s0"])
+    assert b.answer(b"s0", {"joined": 3, "next_step": 8}) == {"joined": 3, "from_step": 8}
+
+
+@pytest.mark.parametrize("step, expected", [(0, 0), (3, 3), (4, 4), (5, 7), (7, 7), (8, 10)])
+def test_ssd_joins_in_the_warm_up_or_at_a_pull_boundary(step, expected):
+    assert join_boundary("ssd", 4, 3)(step) == expected
+
+
+@pytest.mark.parametrize("server, meta", [
+    (b"s0", {"joined": 5, "next_step": 1}),      # no such join
+    (b"sX", {"joined": 2, "next_step": 1}),      # a server that was not asked
+    (b"s0", {"joined": 2}),                      # no step
+])
+def test_an_answer_to_no_question_is_refused(server, meta):
+    a = Admissions(join_boundary("ssgd", 0, 1))
+    a.begin(2, [b"s0", b"s1"])
+    with pytest.raises(JoinError, match="not an answer to a join"):
+        a.answer(server, meta)
+
+
+@pytest.mark.parametrize("args, says", [
+    ((3, 2, 2, False, False), "has not started yet"),
+    ((3, 2, 2, True, True), "is finishing"),
+    ((2, 2, 2, True, False), "at most cluster.max_workers = 2 workers and has had 2"),
+    ((3, 1, 3, True, False), "has had 3 .* ranks are not reused"),
+])
+def test_a_join_the_job_cannot_take_has_a_one_line_reason(args, says):
+    why = refusal(*args)
+    assert why is not None and "\n" not in why
+    assert re.search(says, why)
+    assert refusal(3, 2, 2, True, False) is None
+
+
+def test_a_server_holds_from_its_first_free_step_and_admits_from_the_decided_one():
+    p = DenseSync(2, steps_ahead=3, algorithm="ssgd")
+    ex = Executor(p, [0, 1])
+    for r in range(2):
+        ex.run(p.push(r, [(0, 0, g(1)), (1, 0, g(1))], token=None))
+    ex.run(p.push(0, [(0, 1, g(2)), (1, 1, g(2))], token=None))
+    assert p.hold(2) == 2                         # step 1 has a push: 2 is the first free
+    ex.run(p.push(1, [(0, 1, g(2)), (1, 1, g(2))], token=None))   # step 1 < 2: applied
+    assert p.version == {0: 2, 1: 2}
+    assert ex.run(p.push(0, [(0, 2, g(3)), (1, 2, g(3))], token=None)) == []
+    assert ex.run(p.push(1, [(0, 2, g(3)), (1, 2, g(3))], token=None)) == []   # held
+    assert ex.run(p.admit(2, 2)) == []           # step 2 now waits for worker 2 too
+    with pytest.raises(PolicyError, match="joined the job from step 2"):
+        p.push(2, [(0, 1, g(1))], token=None)
+    # its first pull, as of step 1 (never pushed by it), is answered at once
+    assert p.pull(2, [(0, 1), (1, 1)], token=(0, 1)) == [("answer", (0, 1), 0),
+                                                          ("answer", (0, 1), 1)]
+    acts = ex.run(p.push(2, [(0, 2, g(4)), (1, 2, g(4))], token=None))
+    assert kinds(acts) == ["apply"]
+    assert [(key, len(parts), scale) for key, parts, scale in acts[0][1]] == \
+        [(0, 3, None), (1, 3, None)]
+    assert ex.weights[0].tolist() == [-(2 + 4 + 10)] * 2
+    # a later departure keeps the mean of the three it now counts
+    ex.run(p.push(0, [(0, 3, g(6))], token=None) + p.push(2, [(0, 3, g(3))], token=None))
+    assert p.first_missing(1) == 3
+    acts = ex.run(p.leave(1, 3))
+    assert [(key, len(parts), scale) for key, parts, scale in acts[0][1]] == [(0, 2, 1.5)]
+
+
+def test_a_join_from_an_applied_step_or_of_a_member_is_refused():
+    p = DenseSync(2, steps_ahead=3, algorithm="ssgd")
+    ex = Executor(p, [0])
+    for r in range(2):
+        ex.run(p.push(r, [(0, 0, g(1))], token=None))
+    with pytest.raises(PolicyError, match="in the job already"):
+        p.hold(1)
+    with pytest.raises(PolicyError, match="step 0 is already applied"):
+        p.admit(2, 0)
+    with pytest.raises(PolicyError, match="cannot join a job whose algorithm is asgd"):
+        Async(2, steps_ahead=3, algorithm="asgd").hold(2)
