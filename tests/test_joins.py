@@ -13,18 +13,24 @@ from test_server_policies import Executor, g, kinds
 
 
 def test_the_largest_answer_moved_to_a_boundary_decides_once_every_server_answered():
-    a = Admissions(join_boundary("ssd", 4, 3))       # boundaries 0..4, 7, 10, ...
+    a = Admissions(join_boundary("ssd", 4, 3))       # boundaries 1..4, 7, 10, ...
     a.begin(2, [b"s0", b"s1"])
     assert a.answer(b"s1", {"joined": 2, "next_step": 5}) is None
-    assert a.answer(b"s0", {"joined": 2, "next_step": 8}) == {"joined": 2, "from_step": 10}
+    assert a.answer(b"s0", {"joined": 2, "next_step": 8}) == {"joined": 2, "from_step": 13}
     b = Admissions(join_boundary("ssgd", 0, 1))
     b.begin(3, [b"s0"])
-    assert b.answer(b"s0", {"joined": 3, "next_step": 8}) == {"joined": 3, "from_step": 8}
+    assert b.answer(b"s0", {"joined": 3, "next_step": 8}) == {"joined": 3, "from_step": 9}
 
 
-@pytest.mark.parametrize("step, expected", [(0, 0), (3, 3), (4, 4), (5, 7), (7, 7), (8, 10)])
-def test_ssd_joins_in_the_warm_up_or_at_a_pull_boundary(step, expected):
-    assert join_boundary("ssd", 4, 3)(step) == expected
+@pytest.mark.parametrize("held, expected", [(0, 1), (2, 3), (3, 4), (4, 10), (5, 10),
+                                            (6, 10), (7, 13)])
+def test_ssd_joins_in_the_warm_up_or_at_a_pull_boundary_the_workers_hear_of_in_time(
+        held, expected):
+    """T_w 4, k 3: in the warm-up the step after the held one; after it the first
+    T_w + m k whose batch is made after the pull as of s - 1 - k >= held."""
+    s = join_boundary("ssd", 4, 3)(held)
+    assert s == expected
+    assert s <= 4 or ((s - 4) % 3 == 0 and s - 1 - 3 >= held)
 
 
 @pytest.mark.parametrize("server, meta", [
