@@ -78,13 +78,13 @@ def test_a_server_holds_from_its_first_free_step_and_admits_from_the_decided_one
     acts = ex.run(p.push(2, [(0, 2, g(4)), (1, 2, g(4))], token=None))
     assert kinds(acts) == ["apply"]
     assert [(key, len(parts), scale) for key, parts, scale in acts[0][1]] == \
-        [(0, 3, None), (1, 3, None)]
-    assert ex.weights[0].tolist() == [-(2 + 4 + 10)] * 2
-    # a later departure keeps the mean of the three it now counts
+        [(0, 3, 2 / 3), (1, 3, 2 / 3)]          # the mean of three, counted as two
+    assert ex.weights[0] == pytest.approx([-(2 + 4) - 10 * 2 / 3] * 2)
+    # a later departure: the two left are the job's first size again, no scale
     ex.run(p.push(0, [(0, 3, g(6))], token=None) + p.push(2, [(0, 3, g(3))], token=None))
     assert p.first_missing(1) == 3
     acts = ex.run(p.leave(1, 3))
-    assert [(key, len(parts), scale) for key, parts, scale in acts[0][1]] == [(0, 2, 1.5)]
+    assert [(key, len(parts), scale) for key, parts, scale in acts[0][1]] == [(0, 2, None)]
 
 
 def test_a_join_from_an_applied_step_or_of_a_member_is_refused():

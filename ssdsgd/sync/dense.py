@@ -76,13 +76,9 @@ class DenseSync(ServerPolicy):
         is being decided from a step at or before it)?"""
         if self.held is not None and step >= self.held:
             return False
+        joined = sum(1 for s in self.joined.values() if s <= step)
         return len(pushes) + sum(1 for r, s in self.removed.items()
-                                 if s <= step and r not in pushes) >= self.size(step)
-
-    def size(self, step):
-        """n(step): the job's workers at ``step``, a departure counted (its mean gradient
-        stands for it), a join added (docs/spec/membership.md)."""
-        return self.n + sum(1 for s in self.joined.values() if s <= step)
+                                 if s <= step and r not in pushes) >= self.n + joined
 
     def _drain(self, ready):
         """Apply the ready keys' steps, answer what waited for them, and go on while the
@@ -102,13 +98,12 @@ class DenseSync(ServerPolicy):
         return actions
 
     def _sum(self, key):
-        """The step's gradients of ``key`` in rank order; after a departure, their mean
-        counted as N workers' (the sum times N / pushes)."""
-        step = self.version[key]
-        grads = self.pending[key].pop(step)
+        """The step's gradients of ``key`` in rank order; after a departure or a join,
+        their mean counted as N workers' (the sum times N / pushes; N: the job's first
+        size, so the lr keeps its meaning, docs/spec/membership.md)."""
+        grads = self.pending[key].pop(self.version[key])
         parts = [grads[r] for r in sorted(grads)]
-        n = self.size(step)
-        scale = n / len(parts) if len(parts) < n else None
+        scale = self.n / len(parts) if len(parts) != self.n else None
         return (key, parts, scale)
 
     def first_missing(self, rank):
