@@ -94,7 +94,29 @@ def test_a_join_from_an_applied_step_or_of_a_member_is_refused():
         ex.run(p.push(r, [(0, 0, g(1))], token=None))
     with pytest.raises(PolicyError, match="in the job already"):
         p.hold(1)
+    with pytest.raises(PolicyError, match="was not asked to hold"):
+        p.admit(2, 1)
+    assert p.hold(2) == 1
+    with pytest.raises(PolicyError, match="in the job already, or joining"):
+        p.hold(2)
     with pytest.raises(PolicyError, match="step 0 is already applied"):
         p.admit(2, 0)
     with pytest.raises(PolicyError, match="cannot join a job whose algorithm is asgd"):
         Async(2, steps_ahead=3, algorithm="asgd").hold(2)
+
+
+def test_two_joins_decided_together_hold_until_both_are_admitted():
+    p = DenseSync(1, steps_ahead=4, algorithm="ssgd")
+    ex = Executor(p, [0])
+    assert p.hold(1) == 0 and p.hold(2) == 0
+    assert ex.run(p.push(0, [(0, 0, g(1))], token=None)) == []
+    assert ex.run(p.admit(1, 2)) == []           # worker 2's decision is still to come
+    assert p.version == {0: 0}
+    acts = ex.run(p.admit(2, 3))                 # step 0 had only worker 0 in it
+    assert [(k, len(parts), scale) for k, parts, scale in acts[0][1]] == [(0, 1, None)]
+    ex.run(p.push(0, [(0, 1, g(1))], token=None))
+    assert p.version == {0: 2}                   # step 1: worker 0 alone, as decided
+    ex.run(p.push(0, [(0, 2, g(1))], token=None))
+    assert p.version == {0: 2}                   # step 2 waits for worker 1 too
+    acts = ex.run(p.push(1, [(0, 2, g(1))], token=None))
+    assert [(k, len(parts), scale) for k, parts, scale in acts[0][1]] == [(0, 2, 0.5)]

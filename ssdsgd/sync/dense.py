@@ -18,7 +18,7 @@ class DenseSync(ServerPolicy):
         self.pending = {}      # key -> {step: {rank: gradient}}
         self.waiting = {}      # key -> {step: [(token, slot)]} to answer once it is applied
         self.joined = {}       # rank of a worker that joined -> the step it pushes from
-        self.held = None       # a join is being decided: no step from this one is applied
+        self.holds = {}        # rank of a joiner being decided -> the step this server held
 
     def declare(self, key):
         super().declare(key)
@@ -74,7 +74,7 @@ class DenseSync(ServerPolicy):
     def _complete(self, pushes, step):
         """Has every worker still in the job at ``step`` pushed it (none, while a join
         is being decided from a step at or before it)?"""
-        if self.held is not None and step >= self.held:
+        if self.holds and step >= min(self.holds.values()):
             return False
         joined = sum(1 for s in self.joined.values() if s <= step)
         return len(pushes) + sum(1 for r, s in self.removed.items()
@@ -132,20 +132,24 @@ class DenseSync(ServerPolicy):
         and from it on nothing is applied until ``admit`` (the scheduler takes every
         server's answer and admits from a step no server has applied;
         ssdsgd/kvstore/joins.py)."""
-        if rank in self.joined or rank < self.n:
-            raise PolicyError(f"worker {rank} is in the job already")
+        if rank in self.joined or rank in self.holds or rank < self.n:
+            raise PolicyError(f"worker {rank} is in the job already, or joining")
         free = max((max([self.version[k]] + [t + 1 for t in self.pending[k]])
                     for k in self.version), default=0)
-        self.held = free if self.held is None else min(self.held, free)
+        self.holds[rank] = free
         return free
 
     def admit(self, rank, from_step):
         """Worker ``rank`` pushes from ``from_step`` on: the steps before it close
         without it, the ones from it on wait for it too; apply what is complete now."""
+        if rank not in self.holds:
+            raise PolicyError(f"worker {rank} is admitted, but this server was not asked "
+                              "to hold for it")
         if any(v > from_step for v in self.version.values()):
             raise PolicyError(f"worker {rank} cannot join from step {from_step}: step "
                               f"{max(self.version.values()) - 1} is already applied")
-        self.joined[rank], self.held = from_step, None
+        del self.holds[rank]
+        self.joined[rank] = from_step
         ready = [key for key, pending in self.pending.items()
                  if self._complete(pending.get(self.version[key], {}), self.version[key])]
         return self._drain(ready)
