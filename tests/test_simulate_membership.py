@@ -50,6 +50,17 @@ def test_no_change_is_the_fixed_simulator_bit_for_bit(kw):
         same(a, b)
 
 
+def test_ssd_whose_warm_up_covers_the_run_is_ssgd_with_the_same_join():
+    changes = [Change(4, 'join', 2)]
+    ssgd = simulate_membership(init_weights(), grad_fn, make_sgd, 2, 9, changes,
+                               algorithm='ssgd')
+    ssd = simulate_membership(init_weights(), grad_fn, make_sgd, 2, 9, changes,
+                              warmup_steps=9, delay_steps=3)
+    same(ssgd.global_weights, ssd.global_weights)
+    for a, b in zip(ssgd.worker_weights, ssd.worker_weights):
+        same(a, b)
+
+
 def numpy_ssgd(steps, schedule, clock_n0=None):
     """Independent float64 loop: mom = mu mom - lr(t) (r sum_{M(t)} g x 2/|M| + wd w),
     w += mom (the job started with 2); lr(t) of FactorScheduler(4, 0.5) at pushes / N0
