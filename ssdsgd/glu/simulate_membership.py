@@ -190,11 +190,11 @@ def digits_join(workers=2, join_at=None, epochs=3, warmup=10, k=5, seed=0, lr=0.
                 batch=16, hidden=64):
     """Test accuracy of w_G after ``epochs`` of digits: ``workers`` workers, and one more
     joining at step ``join_at`` (None: no join), ssd with ``k`` (0: ssgd). The data
-    follows ``ssdsgd.data.membership``: the same budget of samples either way. The lr is
+    follows ``ssdsgd.sync.membership``: the same budget of samples either way. The lr is
     for the mean gradient of the global batch, as in ssdsgd's training program
     (rescale_grad 1 / (N b))."""
     from types import SimpleNamespace
-    from ..data.membership import Membership
+    from ..sync.membership import Membership
     from .simulate import _digits, _mlp
     x_tr, x_te, y_tr, y_te = _digits(seed)
     net = _mlp(hidden, seed)

@@ -1,9 +1,9 @@
 """Which chunk each member trains at each step as workers join and leave
-(ssdsgd/data/membership.py, docs/spec/membership.md "The data"): each global chunk of
+(ssdsgd/sync/membership.py, docs/spec/membership.md "The data"): each global chunk of
 the budget once, in rank order within a step, the same chunks as a fixed job's."""
 import pytest
 
-from ssdsgd.data.membership import Membership
+from ssdsgd.sync.membership import Membership
 
 
 def trained(m, steps):
