@@ -1,13 +1,15 @@
-"""Workers that join a running job (``cluster.max_workers``; docs/spec/membership.md):
-whether a joiner may come in, and from which step. The mirror of ``removals.py``.
+"""Workers that join a running job (docs/spec/membership.md): whether a joiner may come
+in, and from which step. The mirror of ``removals.py``. Not wired into the scheduler
+yet: the spec page's "Not built" says what is missing.
 
 The scheduler asks every server to hold: each answers the first step no push of any key
-has reached, and applies nothing from that step on until it hears the decision. The
-largest answer, moved up to the next step the job's stage rule allows a join at (a pull
-boundary every worker shares: ``boundary``, given by the node wiring from
-``ssdsgd.sync.stage.join_boundary``: the transport names no algorithm), is the step from
-which every server waits for the joiner too and the joiner pushes. Because every server
-held from its own answer, no server has applied that step when the decision comes: the
+has reached, and applies nothing from that step on until it hears the decision. From
+the largest answer H, ``boundary(H)`` (the stage rule's, ``ssdsgd.sync.stage.
+join_boundary``, handed over by the node wiring: the transport names no algorithm) is
+the step s from which every server waits for the joiner too and the joiner pushes: a
+step after H, late enough that every worker hears of the join, in a reply sent after
+its server admitted the joiner, before it makes its batch of step s. Because every
+server held from its own answer, none has applied step s when the decision comes: the
 join cannot land in the middle of a step some server already closed without it.
 
 A pure decider: the scheduler sends the questions, the answers and the outcome; the
