@@ -400,8 +400,8 @@ SETTINGS = (
     Setting("assignment", str, "auto", "who trains which batch of an epoch: static (each "
             "worker its own fixed shard, the same number of steps each), dynamic (the "
             "scheduler hands the epoch's batches to whichever worker asks next, so a fast "
-            "worker trains more; needs a quorum below N or preduce) or auto (dynamic exactly "
-            "when the quorum is below N or the algorithm is preduce; docs/spec/dynamic_data.md)",
+            "worker trains more; needs a quorum below N, quorum auto or preduce) or auto "
+            "(dynamic exactly then; docs/spec/dynamic_data.md)",
             path="data.assignment", choices=("auto", "static", "dynamic")),
     # --- checkpoints (docs/training.md)
     Setting("checkpoint_every_s", float, None, "also checkpoint mid-epoch once this many "
@@ -468,13 +468,14 @@ BY_PATH = {s.path: s for s in SETTINGS if s.path}
 
 def dynamic_data(assignment: str, algorithm: str, quorum: str, num_workers: int) -> bool:
     """Does data.assignment hand out batches dynamically (docs/spec/dynamic_data.md)?
-    auto: exactly when rounds close without some workers (Q < N) or the algorithm is
-    preduce, the two modes in which a worker's steps need not match the others'."""
+    auto: exactly when rounds may close without some workers (Q < N, or quorum auto)
+    or the algorithm is preduce, the modes in which a worker's steps need not match the
+    others'."""
     if assignment == "static":
         return False
     if assignment == "dynamic":
         return True
-    return algorithm == "preduce" or quorum_size(quorum, num_workers) < num_workers
+    return algorithm == "preduce" or quorum_rounds(quorum, num_workers)
 
 
 def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
@@ -487,7 +488,7 @@ def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) ->
     algorithm, quorum, n = (values.get("algorithm"), values.get("quorum"),
                             values.get("num_workers"))
     if algorithm != "preduce" and quorum is not None and n is not None and not _quorum(
-            str(quorum)) and quorum_size(str(quorum), n) >= n:
+            str(quorum)) and not quorum_rounds(str(quorum), n):
         return (f"{label('assignment')}: dynamic works with {label('quorum')} below the "
                 f"{n} workers or {label('algorithm')}: preduce only, got {algorithm} with "
                 f"quorum {quorum} (every step waits for every worker, and dynamic data "
