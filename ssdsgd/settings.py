@@ -419,6 +419,13 @@ SETTINGS = (
     Setting("timeline_dir", str, None, "where a process writes its timeline; the launcher "
             "of a configured job sets it to RUN_DIR/timeline (with --, give it with --env, "
             "or nothing is recorded)", env="SSDSGD_TIMELINE_DIR", optional=True),
+    # --- the servers' snapshots of the global model (ssdsgd/kvstore/snapshots.py)
+    Setting("snapshot_every", int, 0, "every server copies its weights every this many "
+            "updates into SSDSGD_SNAPSHOT_DIR (with the time and the pushes applied), so "
+            "the global model can be tested off the workers' path (the benchmark's time "
+            "to accuracy); 0: never", env="SSDSGD_SNAPSHOT_EVERY", min=0, max=1 << 30),
+    Setting("snapshot_dir", str, None, "where the servers write SSDSGD_SNAPSHOT_EVERY's "
+            "snapshots (unset: nowhere)", env="SSDSGD_SNAPSHOT_DIR", optional=True),
     # --- the transport
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),
