@@ -867,12 +867,12 @@ def test_generated_pages_carry_no_run_log():
     line = pages.history_line(results, 'cluster_tta_comm')
     assert results['meta']['machine']['date'] in line and results['meta']['machine']['git'] in line
     assert run_log_markers(pages.hetero_markdown(
-        json.loads((REPO / 'docs' / 'benchmarks' / 'hetero.json').read_text()))) == []
+        json.loads((REPO / 'docs' / 'benchmarks' / 'hetero_superseded.json').read_text()))) == []
 
 
 def test_a_written_page_records_its_run_in_the_history_file(tmp_path):
     from bench.cluster import pages
-    results = json.loads((REPO / 'docs' / 'benchmarks' / 'hetero.json').read_text())
+    results = json.loads((REPO / 'docs' / 'benchmarks' / 'hetero_superseded.json').read_text())
     history = tmp_path / 'history.md'
     history.write_text('# History\n\nolder text\n')
     pages.record_run(results, 'hetero', history)
