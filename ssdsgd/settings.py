@@ -400,8 +400,8 @@ SETTINGS = (
     Setting("assignment", str, "auto", "who trains which batch of an epoch: static (each "
             "worker its own fixed shard, the same number of steps each), dynamic (the "
             "scheduler hands the epoch's batches to whichever worker asks next, so a fast "
-            "worker trains more; needs a quorum below N or preduce) or auto (dynamic exactly "
-            "when the quorum is below N or the algorithm is preduce; docs/spec/dynamic_data.md)",
+            "worker trains more; needs a quorum below N, quorum auto or preduce) or auto "
+            "(dynamic exactly then; docs/spec/dynamic_data.md)",
             path="data.assignment", choices=("auto", "static", "dynamic")),
     # --- checkpoints (docs/training.md)
     Setting("checkpoint_every_s", float, None, "also checkpoint mid-epoch once this many "
@@ -419,6 +419,13 @@ SETTINGS = (
     Setting("timeline_dir", str, None, "where a process writes its timeline; the launcher "
             "of a configured job sets it to RUN_DIR/timeline (with --, give it with --env, "
             "or nothing is recorded)", env="SSDSGD_TIMELINE_DIR", optional=True),
+    # --- the servers' snapshots of the global model (ssdsgd/kvstore/snapshots.py)
+    Setting("snapshot_every", int, 0, "every server copies its weights every this many "
+            "updates into SSDSGD_SNAPSHOT_DIR (with the time and the pushes applied), so "
+            "the global model can be tested off the workers' path (the benchmark's time "
+            "to accuracy); 0: never", env="SSDSGD_SNAPSHOT_EVERY", min=0, max=1 << 30),
+    Setting("snapshot_dir", str, None, "where the servers write SSDSGD_SNAPSHOT_EVERY's "
+            "snapshots (unset: nowhere)", env="SSDSGD_SNAPSHOT_DIR", optional=True),
     # --- the transport
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),
@@ -468,13 +475,14 @@ BY_PATH = {s.path: s for s in SETTINGS if s.path}
 
 def dynamic_data(assignment: str, algorithm: str, quorum: str, num_workers: int) -> bool:
     """Does data.assignment hand out batches dynamically (docs/spec/dynamic_data.md)?
-    auto: exactly when rounds close without some workers (Q < N) or the algorithm is
-    preduce, the two modes in which a worker's steps need not match the others'."""
+    auto: exactly when rounds may close without some workers (Q < N, or quorum auto)
+    or the algorithm is preduce, the modes in which a worker's steps need not match the
+    others'."""
     if assignment == "static":
         return False
     if assignment == "dynamic":
         return True
-    return algorithm == "preduce" or quorum_size(quorum, num_workers) < num_workers
+    return algorithm == "preduce" or quorum_rounds(quorum, num_workers)
 
 
 def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
@@ -487,7 +495,7 @@ def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) ->
     algorithm, quorum, n = (values.get("algorithm"), values.get("quorum"),
                             values.get("num_workers"))
     if algorithm != "preduce" and quorum is not None and n is not None and not _quorum(
-            str(quorum)) and quorum_size(str(quorum), n) >= n:
+            str(quorum)) and not quorum_rounds(str(quorum), n):
         return (f"{label('assignment')}: dynamic works with {label('quorum')} below the "
                 f"{n} workers or {label('algorithm')}: preduce only, got {algorithm} with "
                 f"quorum {quorum} (every step waits for every worker, and dynamic data "

@@ -161,6 +161,10 @@ class WorkerClient:
             k.pushes += 1
         self.io.progress += 1
 
+    def mark_step(self):
+        """A timed step's push leaves now (piece_tuner.py)."""
+        self._mark_step()
+
     def _mark_step(self):
         self.pieces.mark()
         self.stats["pipeline_pieces"] = self.pieces.value

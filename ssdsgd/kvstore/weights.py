@@ -82,6 +82,7 @@ class Weights:
         self.updater = None
         self.compression = None   # the job's push compression (COMMAND compression), if any
         self._sgd_seen = {}       # update_groups.sgd_call's knowledge of the arrays
+        self.snapshots = None     # snapshots.Snapshots, if the job asks for them
 
     def declare(self, key, offset, values):
         self.shards[key] = KeyShard(key, offset, values)
@@ -229,6 +230,8 @@ class Weights:
             mx.nd.waitall()   # once per step: replies then read the weights' buffers directly
         for shard in shards:
             shard.version += 1
+        if self.snapshots is not None:
+            self.snapshots.after_apply(self.shards, len(grads[0][1]))
 
     @staticmethod
     def _add(parts, target):
