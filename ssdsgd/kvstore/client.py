@@ -34,6 +34,7 @@ from .key_tables import KeyTable
 from .piece_tuner import PieceTuner
 from .push_queue import PushCoder, PushOutbox, PushQueue  # noqa: F401 - PushOutbox: API
 from .relay import asks_relay
+from .replica_map import ReplicaMap, Routes
 from .requests import ENDED, Gather, KeyReply, Requests, ServerError  # noqa: F401 - API
 from .scheduler import JobAborted
 from .splitting import split
@@ -70,8 +71,14 @@ class WorkerClient:
         self.num_workers = self.topology["num_workers"]
         self.num_servers = self.topology["num_servers"]
         self.start = WorkerStart(env, self.rank, self.io, self.requests)
-        self.keys = KeyTable(self.num_servers, env.bigarray_bound)
+        # cluster.server_replicas: 1 places every key whole (a server's backup holds
+        # another server's keys, one slice of each), and copies requests to backups
+        self.replicas = ReplicaMap(self.num_servers, env.server_replicas)
+        self.io.replicas = self.replicas
+        self.keys = KeyTable(self.num_servers, (1 << 62) if self.replicas.replicas
+                             else env.bigarray_bound)
         self.placement = self.keys.placement
+        self.routes = Routes(self.placement, self.replicas)
         # With a quorum (docs/spec/quorum.md) a push is one contribution to a round: one
         # message per server, to every server, so every server counts the same pushes.
         # (The settings refuse a quorum with asgd and with relayed pulls.)
@@ -210,6 +217,9 @@ class WorkerClient:
     def set_state(self, states, spec):
         """states: key -> flat optimizer state arrays (none for a key without state); every
         server takes its slices and the optimizer ``spec``."""
+        if self.replicas.replicas:
+            raise ServerError("loading the servers' optimizer state does not reach their "
+                              "backups: not with cluster.server_replicas: 1")
         entries = []
         for key in self.placement.slices:
             arrays = states.get(key, [])
@@ -343,23 +353,49 @@ class WorkerClient:
         self.start.await_servers()
         if flush:
             self.pushes.flush()
-        messages = split(self.placement, entries, chunk_bytes, self.pieces.value)
-        if every:
-            for server in range(self.num_servers):
-                messages.setdefault(server, [[[], [], 0]])
+        deaths = len(self.replicas.dead)
+        messages = self._split(entries, chunk_bytes, every)
         sizes, dtypes = self.keys.shapes(None if whole_table else entries)
         with self.requests.lock:
             self.requests.check_open()
+            if len(self.replicas.dead) != deaths:   # a server died meanwhile (TAKEOVER)
+                messages = self._split(entries, chunk_bytes, every)
             encoded = [(server, msg, self._encoded(msg)) for server, msg in _messages(
                 messages, kind, flags, step, meta)]
+            copies = self._copies(encoded)
             relayed = bool(flags & P.Flag.RELAY)
             futures = [self.requests.expect(
                 msg.req, (server, F.reply_bound(msg.records), msg.records["key"].tolist())
-                if relayed else None)
+                if relayed else None, server=server, copied=server in copies)
                 for server, msg, _ in encoded] if reply else []
             for server, _, frames in encoded:
                 self.io.send(server, frames)
+                if server in copies:
+                    self.io.send(*copies[server].pop(0))
         return Gather(self.requests, futures, sizes, dtypes) if reply else None
+
+    def _split(self, entries, chunk_bytes, every):
+        """Each server's messages (``splitting.split``) along the routes of now."""
+        messages = split(self.routes, entries, chunk_bytes, self.pieces.value)
+        if every:
+            for server in range(self.num_servers):
+                if server not in self.replicas.dead:
+                    messages.setdefault(server, [[[], [], 0]])
+        return messages
+
+    COPIED = (P.Kind.INIT, P.Kind.PUSH, P.Kind.PULL)
+
+    def _copies(self, encoded):
+        """cluster.server_replicas: 1: {server: [(its backup, frames), ...]}, a copy of
+        each INIT, PUSH and PULL message to ``server`` for its backup, with the same
+        request id and the BACKUP flag (kvstore/backup.py)."""
+        copies = {}
+        for server, msg, frames in encoded:
+            backup = self.replicas.backup(server)
+            if backup is not None and msg.kind in self.COPIED:
+                copies.setdefault(server, []).append(
+                    (backup, P.reflag(frames, msg.flags | P.Flag.BACKUP)))
+        return copies
 
     def _encoded(self, msg):
         """A message numbered (under the requests' lock), encoded and checked."""
