@@ -217,15 +217,13 @@ class WorkerClient:
     def set_state(self, states, spec):
         """states: key -> flat optimizer state arrays (none for a key without state); every
         server takes its slices and the optimizer ``spec``."""
-        if self.replicas.replicas:
-            raise ServerError("loading the servers' optimizer state does not reach their "
-                              "backups: not with cluster.server_replicas: 1")
         entries = []
         for key in self.placement.slices:
             arrays = states.get(key, [])
             entries.append((key, 0, arrays, arrays[0].dtype if arrays else self.keys[key].dtype))
-        return self._every_server(P.Kind.COMMAND, entries,
-                                  meta={"command": "set_state", "optimizer": spec})
+        return self._request(P.Kind.COMMAND, entries, every=True, whole_table=True,
+                             meta={"command": "set_state", "optimizer": spec},
+                             routes=self.routes.and_backups())
 
     def barrier(self, value=0):
         """Wait until every worker has reached the barrier; returns the largest ``value``
@@ -344,22 +342,22 @@ class WorkerClient:
         return self._request(kind, entries, meta=meta, every=True, whole_table=True)
 
     def _request(self, kind, entries, *, step=0, flags=0, meta=None, reply=True, every=False,
-                 chunk_bytes=None, whole_table=False, flush=True):
+                 chunk_bytes=None, whole_table=False, flush=True, routes=None):
         """Split, number, encode, check the size of, and queue a request's messages; the
         Gather of their replies (None without ``reply``). Nothing is queued unless every
         message is within SSDSGD_MAX_MESSAGE_BYTES (else the server would drop it unread).
         Sent after the queued pushes (``flush``: False on the I/O thread, whose outbox
-        was filled after them)."""
+        was filled after them). ``routes``: another placement than the routes of now."""
         self.start.await_servers()
         if flush:
             self.pushes.flush()
         deaths = len(self.replicas.dead)
-        messages = self._split(entries, chunk_bytes, every)
+        messages = self._split(entries, chunk_bytes, every, routes)
         sizes, dtypes = self.keys.shapes(None if whole_table else entries)
         with self.requests.lock:
             self.requests.check_open()
             if len(self.replicas.dead) != deaths:   # a server died meanwhile (TAKEOVER)
-                messages = self._split(entries, chunk_bytes, every)
+                messages = self._split(entries, chunk_bytes, every, routes)
             encoded = [(server, msg, self._encoded(msg)) for server, msg in _messages(
                 messages, kind, flags, step, meta)]
             copies = self._copies(encoded)
@@ -374,9 +372,9 @@ class WorkerClient:
                     self.io.send(*copies[server].pop(0))
         return Gather(self.requests, futures, sizes, dtypes) if reply else None
 
-    def _split(self, entries, chunk_bytes, every):
+    def _split(self, entries, chunk_bytes, every, routes=None):
         """Each server's messages (``splitting.split``) along the routes of now."""
-        messages = split(self.routes, entries, chunk_bytes, self.pieces.value)
+        messages = split(routes or self.routes, entries, chunk_bytes, self.pieces.value)
         if every:
             for server in range(self.num_servers):
                 if server not in self.replicas.dead:

@@ -68,3 +68,19 @@ class Routes:
         if not self.replicas.dead:
             return slices
         return [dataclasses.replace(sl, server=self.replicas.owner(sl.server)) for sl in slices]
+
+    def and_backups(self):
+        """A placement that also sends each slice to its backup (COMMAND set_state: the
+        backup loads the optimizer state of the keys it backs up in the same message)."""
+        return _AndBackups(self)
+
+
+class _AndBackups:
+    def __init__(self, routes):
+        self.routes = routes
+
+    def __getitem__(self, key):
+        slices = self.routes[key]
+        backups = [dataclasses.replace(sl, server=b) for sl in slices
+                   if (b := self.routes.replicas.backup(sl.server)) is not None]
+        return slices + backups

@@ -232,11 +232,7 @@ CONFLICTS = {
     ("replicas", "relay"): "a relayed reply is not sent to a backup",
     ("replicas", "quorum"): "a backup does not replay the leader's rounds",
     ("replicas", "staggered"): _NO_REPLICAS,
-    ("replicas", "restart"): "a restart loads the optimizer state, which is not sent to "
-                             "a backup; the replicas make a restart unneeded for a server",
     ("replicas", "continue"): _NO_REPLICAS,
-    ("replicas", "resume"): "a resume loads the optimizer state, which is not sent to a "
-                            "backup",
 }
 # Every other pair of features is run together by a named test (tests/test_combinations.py
 # checks that each of the 36 pairs is here or in CONFLICTS, and that each test exists).
@@ -245,6 +241,8 @@ _MANY = ("tests/test_combination_jobs.py::"
 _RELAY_RESTART = ("tests/test_combination_jobs.py::"
                   "test_a_killed_worker_of_a_relayed_job_is_restarted_as_if_uninterrupted")
 _QUORUM_RESTART = "tests/test_resume.py::test_a_killed_quorum_job_is_restarted_and_finishes"
+_REPLICAS_RESTART = ("tests/test_replicas.py::"
+                     "test_a_replicas_job_is_restarted_from_its_checkpoint_as_if_uninterrupted")
 TESTED_PAIRS = {
     ("compression", "staggered"): _MANY, ("compression", "restart"): _MANY,
     ("compression", "continue"): _MANY, ("compression", "resume"): _MANY,
@@ -259,6 +257,7 @@ TESTED_PAIRS = {
     ("quorum", "restart"): _QUORUM_RESTART, ("quorum", "resume"): _QUORUM_RESTART,
     ("quorum", "checkpoint"): _QUORUM_RESTART,
     ("replicas", "checkpoint"): _REPLICAS,
+    ("replicas", "restart"): _REPLICAS_RESTART, ("replicas", "resume"): _REPLICAS_RESTART,
 }
 
 
