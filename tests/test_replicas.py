@@ -81,3 +81,85 @@ def test_a_replicas_job_is_restarted_from_its_checkpoint_as_if_uninterrupted(
                                         root, kill_step("replicas-restart"), "scheduler", 0)
     assert "restart 1 of 1: scheduler on " in out and "resuming from the checkpoint" in out
     assert_same(run, reference)
+
+
+# ---- in process: a server that backs up server 1 (2 servers), real sockets --------------
+
+def backup_job(**settings):
+    from test_server_in_process import InProcessJob
+    return InProcessJob(num_servers=2, **settings)
+
+
+def test_a_backup_holds_its_replies_until_promoted_then_sends_them_and_takeover():
+    from ssdsgd.kvstore import protocol as P
+    from test_server_in_process import SIZES, init, push
+    job = backup_job(SSDSGD_SERVER_REPLICAS=1)
+    try:
+        w0, w1 = job.workers
+        values = {k: np.ones(n, np.float32) for k, n in SIZES.items()}
+        init(job, values)     # INITs as the owner's (the backup's own keys are answered)
+        copy = P.Flag.PULL | P.Flag.BACKUP
+        grads = {k: np.full(n, 0.25, np.float32) for k, n in SIZES.items()}
+        for rank in (0, 1):
+            push(job, rank, 0, grads, flags=copy)
+        assert job.replies(w0) == [] and job.replies(w1) == []    # held, not sent
+        held = {id(r): r.req for r in job.server.backup.held}
+        assert len(held) == 2
+        # a PROMOTE naming another owner than the dead server's backup stops this server
+        from ssdsgd.kvstore.replies import Fatal
+        with pytest.raises(Fatal, match="its backup is server 0"):
+            job.server.on_scheduler(P.Message(P.Kind.PROMOTE, meta={"dead": 1, "owner": 1}))
+        job.server.backup.map.dead.clear()
+        job.server.on_scheduler(P.Message(P.Kind.PROMOTE, meta={"dead": 1, "owner": 0}))
+        for sock in (w0, w1):
+            reply, takeover = job.replies(sock)
+            assert reply.kind == P.Kind.REPLY and reply.req in held.values()
+            for arrays in reply.tensors:       # no optimizer: the store keeps the sum
+                np.testing.assert_array_equal(arrays[0], np.full_like(arrays[0], 0.5))
+            assert takeover.kind == P.Kind.TAKEOVER and takeover.meta == {"dead": 1, "owner": 0}
+        assert any("owns its 2 keys from now on" in line for line in job.logged)
+        # after the takeover a copy is answered at once: this server owns those keys
+        push(job, 0, 1, grads, flags=copy)
+        push(job, 1, 1, grads, flags=copy)
+        assert [m.kind for m in job.replies(w0)] == [P.Kind.REPLY]
+        assert any("first step applied as the owner of server 1's keys" in line
+                   for line in job.logged), job.logged
+    finally:
+        job.close()
+
+
+def test_replication_messages_outside_their_rules_are_refused_in_one_line():
+    from ssdsgd.kvstore import protocol as P
+    from ssdsgd.kvstore.replica_map import ReplicaMap
+    from ssdsgd.config import ConfigError, parse_config
+    from test_server_in_process import SIZES, error_of, init, push
+    job = backup_job()          # server_replicas: 0
+    try:
+        init(job, {k: np.zeros(n, np.float32) for k, n in SIZES.items()})
+        w0 = job.workers[0]
+        push(job, 0, 0, {k: np.ones(n, np.float32) for k, n in SIZES.items()},
+             flags=P.Flag.PULL | P.Flag.BACKUP)
+        _, error = error_of(job, w0)
+        assert error == ("a backup's copy of a request, but this job has no replicas "
+                         "(cluster.server_replicas: 0)")
+        for kind in (P.Kind.PROMOTE, P.Kind.TAKEOVER):   # a worker cannot promote
+            job.send(w0, P.Message(kind, sender=0, meta={"dead": 1, "owner": 0}))
+            assert error_of(job, w0)[1] == f"a server does not handle {kind.name}"
+        job.send(w0, P.Message(P.Kind.PULL, sender=0, flags=0x40))
+        assert error_of(job, w0)[1] == "unknown flag bits 0x40"
+    finally:
+        job.close()
+    for meta, why in [({"dead": "1", "owner": 0}, "'dead' must be a server rank"),
+                      ({"dead": 1}, "owner"), ({"dead": 1, "owner": 0, "x": 1}, "'x'")]:
+        with pytest.raises(P.ProtocolError, match=why):
+            P.check_meta(P.Kind.PROMOTE, meta)
+    # a worker takes a TAKEOVER only from the dead server's backup, once
+    workers_map = ReplicaMap(3, 1)
+    assert "server 2 is that server's backup" in workers_map.take(1, 0)
+    assert workers_map.take(1, 2) is None and workers_map.owner(1) == 2
+    assert "copies no requests" in workers_map.take(2, 0)
+    with pytest.raises(ConfigError) as e:
+        parse_config({"model": {"name": "digits_mlp"}, "data": {"dataset": "digits"},
+                      "cluster": {"server_replicas": 1}})
+    assert str(e.value) == ("cluster.server_replicas: 1 needs cluster.servers of 2 or more "
+                            "(a key's backup lives on another server), got 1 (<config>)")
