@@ -163,3 +163,28 @@ def test_replication_messages_outside_their_rules_are_refused_in_one_line():
                       "cluster": {"server_replicas": 1}})
     assert str(e.value) == ("cluster.server_replicas: 1 needs cluster.servers of 2 or more "
                             "(a key's backup lives on another server), got 1 (<config>)")
+
+
+def test_without_replicas_no_request_is_copied_and_no_route_changes():
+    """server_replicas: 0 (the default) takes the path of before: the client's copies are
+    none, its routes are the placement's own slices, big keys are still cut over the
+    servers, and a server skips no key of its checkpoint state."""
+    from ssdsgd.kvstore.replica_map import ReplicaMap, Routes
+    from ssdsgd.kvstore.sharding import Placement
+    placement = Placement(2, 10)
+    placement.place(0, 100)
+    placement.place(1, 4)
+    routes = Routes(placement, ReplicaMap(2, 0))
+    assert routes[0] is placement[0] and [s.server for s in routes[0]] == [0, 1]
+    assert routes.and_backups()[1] == placement[1]
+    assert ReplicaMap(2, 0).backup(0) is None and not ReplicaMap(2, 0).copying
+    job = backup_job()
+    try:
+        assert job.server.backup.foreign() == set()
+    finally:
+        job.close()
+    # with replicas: server s is backed up on s + 1, and after a death nothing is copied
+    replicas = ReplicaMap(3, 1)
+    assert [replicas.backup(s) for s in range(3)] == [1, 2, 0]
+    assert replicas.lose(2) == 0 and replicas.backup(0) is None
+    assert [s.server for s in Routes(placement, replicas)[1]] == [placement[1][0].server]
