@@ -105,14 +105,25 @@ def test_a_backup_holds_its_replies_until_promoted_then_sends_them_and_takeover(
         assert job.replies(w0) == [] and job.replies(w1) == []    # held, not sent
         held = {id(r): r.req for r in job.server.backup.held}
         assert len(held) == 2
+        # a checkpoint's get_state: the owner's reply leaves the backed-up keys out (none
+        # here: every key was copied), the copy's holds them, and is held
+        job.send(w0, P.Message(P.Kind.COMMAND, sender=0, meta={"command": "get_state"}))
+        (own,) = job.replies(w0)
+        assert own.kind == P.Kind.REPLY and len(own.records) == 0
+        job.send(w0, P.Message(P.Kind.COMMAND, sender=0, req=77, flags=P.Flag.BACKUP,
+                               meta={"command": "get_state"}))
+        assert job.replies(w0) == []
         # a PROMOTE naming another owner than the dead server's backup stops this server
         from ssdsgd.kvstore.replies import Fatal
         with pytest.raises(Fatal, match="its backup is server 0"):
             job.server.on_scheduler(P.Message(P.Kind.PROMOTE, meta={"dead": 1, "owner": 1}))
         job.server.backup.map.dead.clear()
         job.server.on_scheduler(P.Message(P.Kind.PROMOTE, meta={"dead": 1, "owner": 0}))
-        for sock in (w0, w1):
-            reply, takeover = job.replies(sock)
+        got = [job.replies(w0), job.replies(w1)]
+        (state,) = [m for m in got[0] if m.req == 77]     # the held get_state, sent
+        assert sorted(state.records["key"].tolist()) == sorted(SIZES)
+        for rank in (0, 1):
+            reply, takeover = [m for m in got[rank] if m.req != 77]
             assert reply.kind == P.Kind.REPLY and reply.req in held.values()
             for arrays in reply.tensors:       # no optimizer: the store keeps the sum
                 np.testing.assert_array_equal(arrays[0], np.full_like(arrays[0], 0.5))

@@ -1,7 +1,7 @@
 """A server's part of cluster.server_replicas: 1: the backup of another server's keys.
 
 Every worker sends this server a copy (``Flag.BACKUP``, the same request id) of each INIT,
-PUSH and PULL it sends the server it backs up, so it holds the same keys and applies the
+PUSH, PULL and COMMAND get_state it sends the server it backs up, so it holds the same keys and applies the
 same steps, in the same rank order, with the same optimizer: the same weights, bit for
 bit. It answers none of those copies: it assembles each reply as the owner does and holds
 it (its views of the weights are copied before they change, as for any unsent reply).
@@ -26,6 +26,7 @@ class Backup:
         self.map = ReplicaMap(env.num_servers, env.server_replicas)
         self.replies, self.log = replies, log
         self.held = []            # complete replies to copies, oldest first
+        self.held_states = {}     # worker's connection -> its latest get_state copy's reply
         self.seen = {}            # (rank, key) -> the largest step of its copied pushes
         self.keys = set()         # keys this server backs up (named by copies)
         self.took_over = None     # (dead server, time) until the first step applied
@@ -35,6 +36,21 @@ class Backup:
         """The keys this server holds for another that is alive (a checkpoint's state is
         the owners')."""
         return set() if self.owner else self.keys
+
+    def not_in_state(self, msg, shards):
+        """COMMAND get_state: the keys its reply leaves out. The owner's: those it backs
+        up (a checkpoint's state is the owners'); a backup's copy's: all but those."""
+        if msg.flags & P.Flag.BACKUP:
+            return set(shards) - self.keys
+        return self.foreign()
+
+    def hold_state(self, ident, msg, reply):
+        """A copy's get_state reply (the backed-up keys' state) is held, the latest of
+        each worker, while the owner lives; True if held."""
+        if not (msg.flags & P.Flag.BACKUP and self.map.copying):
+            return False
+        self.held_states[ident] = reply
+        return True
 
     def check(self, msg):
         """A copy is taken only in a job with replicas (a stranger's flag is refused)."""
@@ -81,6 +97,7 @@ class Backup:
             raise Fatal(f"PROMOTE names server {owner} as server {dead}'s new owner; its "
                         f"backup is server {expected}")
         held, self.held = self.held, []
+        states, self.held_states = self.held_states, {}
         if rank != owner:
             self.log(f"server {dead} died; server {owner} owns its keys")
             return
@@ -89,6 +106,8 @@ class Backup:
             reply.tracker = self.replies.send(reply.ident, P.Message(
                 P.Kind.REPLY, sender=rank, req=reply.req, records=P.make_records(reply.records),
                 tensors=reply.parts, meta=meta))
+        for ident, reply in states.items():
+            self.replies.send(ident, reply)
         for ident in self.replies.peers:
             self.replies.send(ident, P.Message(P.Kind.TAKEOVER, sender=rank,
                                                meta={"dead": dead, "owner": owner}))

@@ -385,12 +385,13 @@ class WorkerClient:
 
     def _copies(self, encoded):
         """cluster.server_replicas: 1: {server: [(its backup, frames), ...]}, a copy of
-        each INIT, PUSH and PULL message to ``server`` for its backup, with the same
+        each INIT, PUSH, PULL and get_state message to ``server`` for its backup, with the same
         request id and the BACKUP flag (kvstore/backup.py)."""
         copies = {}
         for server, msg, frames in encoded:
             backup = self.replicas.backup(server)
-            if backup is not None and msg.kind in self.COPIED:
+            if backup is not None and (msg.kind in self.COPIED or (
+                    msg.kind == P.Kind.COMMAND and msg.meta["command"] == "get_state")):
                 copies.setdefault(server, []).append(
                     (backup, P.reflag(frames, msg.flags | P.Flag.BACKUP)))
         return copies

@@ -220,9 +220,14 @@ class Server:
         self._decide(reply, self.policy.on_event, msg.sender, msg.meta, items, reply)
 
     def on_get_state(self, ident, msg):
-        records, arrays, meta = self.weights.state(skip=self.backup.foreign())
-        self.replies.send(ident, P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req,
-                                           records=records, tensors=arrays, meta=meta))
+        """The state of the keys this server owns; a backup's copy: of those it backs up,
+        held while their owner lives (backup.py)."""
+        skip = self.backup.not_in_state(msg, self.weights.shards)
+        records, arrays, meta = self.weights.state(skip=skip)
+        reply = P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req, records=records,
+                          tensors=arrays, meta=meta)
+        if not self.backup.hold_state(ident, msg, reply):
+            self.replies.send(ident, reply)
 
     def on_set_state(self, ident, msg):
         self._only_rank0(msg, "the optimizer state")
