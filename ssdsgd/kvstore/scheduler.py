@@ -378,6 +378,9 @@ class Scheduler:
         """cluster.server_replicas: 1: a dead server's backup owns its keys from now on
         (replica_map.py); every server hears it, and the new owner tells the workers."""
         dead = self.nodes[ident]["rank"]
+        if self.startup is None or self.startup.waiting:     # the workers know no server
+            self._abort(f"{why}; it died before every server listened (no backup has "
+                        "its keys yet)")
         try:
             owner = self.replicas.lose(dead)
         except ReplicaError as e:
