@@ -34,7 +34,7 @@ from .key_tables import KeyTable
 from .piece_tuner import PieceTuner
 from .push_queue import PushCoder, PushOutbox, PushQueue  # noqa: F401 - PushOutbox: API
 from .relay import asks_relay
-from .replica_map import ReplicaMap, Routes
+from .replica_map import ReplicaMap, Routes, backup_copies
 from .requests import ENDED, Gather, KeyReply, Requests, ServerError  # noqa: F401 - API
 from .scheduler import JobAborted
 from .splitting import split
@@ -360,7 +360,7 @@ class WorkerClient:
                 messages = self._split(entries, chunk_bytes, every, routes)
             encoded = [(server, msg, self._encoded(msg)) for server, msg in _messages(
                 messages, kind, flags, step, meta)]
-            copies = self._copies(encoded)
+            copies = backup_copies(self.replicas, encoded)
             relayed = bool(flags & P.Flag.RELAY)
             futures = [self.requests.expect(
                 msg.req, (server, F.reply_bound(msg.records), msg.records["key"].tolist())
@@ -380,21 +380,6 @@ class WorkerClient:
                 if server not in self.replicas.dead:
                     messages.setdefault(server, [[[], [], 0]])
         return messages
-
-    COPIED = (P.Kind.INIT, P.Kind.PUSH, P.Kind.PULL)
-
-    def _copies(self, encoded):
-        """cluster.server_replicas: 1: {server: [(its backup, frames), ...]}, a copy of
-        each INIT, PUSH, PULL and get_state message to ``server`` for its backup, with the same
-        request id and the BACKUP flag (kvstore/backup.py)."""
-        copies = {}
-        for server, msg, frames in encoded:
-            backup = self.replicas.backup(server)
-            if backup is not None and (msg.kind in self.COPIED or (
-                    msg.kind == P.Kind.COMMAND and msg.meta["command"] == "get_state")):
-                copies.setdefault(server, []).append(
-                    (backup, P.reflag(frames, msg.flags | P.Flag.BACKUP)))
-        return copies
 
     def _encoded(self, msg):
         """A message numbered (under the requests' lock), encoded and checked."""

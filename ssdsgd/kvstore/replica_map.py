@@ -8,6 +8,8 @@ job has no replica left: nothing is copied any more, and a second death ends the
 """
 import dataclasses
 
+from . import protocol as P
+
 
 class ReplicaError(ValueError):
     """A server died that no backup can replace."""
@@ -84,3 +86,21 @@ class _AndBackups:
         backups = [dataclasses.replace(sl, server=b) for sl in slices
                    if (b := self.routes.replicas.backup(sl.server)) is not None]
         return slices + backups
+
+
+COPIED = (P.Kind.INIT, P.Kind.PUSH, P.Kind.PULL)
+
+
+def backup_copies(replicas, encoded):
+    """{server: [(its backup, frames), ...]}: a copy of each INIT, PUSH, PULL and
+    get_state message of ``encoded`` ((server, Message, frames), numbered) for the
+    server's backup, with the same request id and the BACKUP flag (kvstore/backup.py);
+    none while no request is copied."""
+    copies = {}
+    for server, msg, frames in encoded:
+        backup = replicas.backup(server)
+        if backup is not None and (msg.kind in COPIED or (
+                msg.kind == P.Kind.COMMAND and msg.meta["command"] == "get_state")):
+            copies.setdefault(server, []).append(
+                (backup, P.reflag(frames, msg.flags | P.Flag.BACKUP)))
+    return copies
