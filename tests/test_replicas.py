@@ -199,3 +199,27 @@ def test_without_replicas_no_request_is_copied_and_no_route_changes():
     assert [replicas.backup(s) for s in range(3)] == [1, 2, 0]
     assert replicas.lose(2) == 0 and replicas.backup(0) is None
     assert [s.server for s in Routes(placement, replicas)[1]] == [placement[1][0].server]
+
+
+def test_a_second_server_death_has_no_replica_and_ends_the_job():
+    """After one takeover the job has no replica: the scheduler's map refuses a second
+    death (it aborts, naming why), and the launcher leaves only the first server behind."""
+    from types import SimpleNamespace
+    from ssdsgd.kvstore.replica_map import ReplicaError, ReplicaMap
+    from ssdsgd.launch.job import _server_left_behind
+    replicas = ReplicaMap(2, 1)
+    assert replicas.lose(0) == 1
+    with pytest.raises(ReplicaError, match="server 0 died before it, and the job has no "
+                                           "replica left"):
+        replicas.lose(1)
+    with pytest.raises(ReplicaError, match="server_replicas is 0"):
+        ReplicaMap(2, 0).lose(0)
+    lines, left = [], []
+    server = [SimpleNamespace(role="server", rank=r, name=f"server {r}", pid=100 + r,
+                              poll=lambda: -9) for r in (0, 1)]
+    assert _server_left_behind([server[0]], left, lines.append) and left == [server[0]]
+    assert lines == ["server 0 (pid 100) was killed by SIGKILL; its backup takes its keys "
+                     "and the job continues (cluster.server_replicas: 1)"]
+    assert not _server_left_behind([server[1]], left, lines.append)
+    worker = SimpleNamespace(role="worker", rank=1, name="worker 1", pid=7, poll=lambda: 1)
+    assert not _server_left_behind([worker], [], lines.append)
