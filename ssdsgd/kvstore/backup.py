@@ -62,11 +62,14 @@ class Backup:
         """``msg`` (a copy) was taken; its reply, if any, is held while the owner lives."""
         if not msg.flags & P.Flag.BACKUP:
             return
-        self.keys.update(int(k) for k in msg.records["key"])
+        items = list(zip(msg.records["key"].tolist(), msg.records["step"].tolist()))
+        self.keys.update(key for key, _ in items)
         if reply is not None and self.map.copying:
-            reply.held = True
+            reply.held = True    # the steps it answers (a latest pull's: the last pushed)
+            reply.wanted = [(key, step if step >= 0 else self.seen.get((msg.sender, key), 0))
+                            for key, step in items]
         if msg.kind == P.Kind.PUSH:
-            for key, step in zip(msg.records["key"].tolist(), msg.records["step"].tolist()):
+            for key, step in items:
                 mark = (msg.sender, key)
                 self.seen[mark] = max(self.seen.get(mark, -1), step)
             self.held = [r for r in self.held if not self._read(r)]
@@ -78,7 +81,6 @@ class Backup:
 
     def hold(self, reply):
         """A held reply is complete (``Replies``' hook)."""
-        reply.wanted = [(s.key, max(r[1], 0)) for s, r in zip(reply.shards, reply.records)]
         self.held.append(reply)
         mine = [r for r in self.held if r.peer is reply.peer]
         if len(mine) > HELD_PER_WORKER:
@@ -101,7 +103,8 @@ class Backup:
         if rank != owner:
             self.log(f"server {dead} died; server {owner} owns its keys")
             return
-        for reply in held:
+        for reply in held:     # sent as any reply: lent until ZeroMQ is done with it
+            reply.held = False
             meta = {"lr": reply.lr} if reply.lr is not None else None
             reply.tracker = self.replies.send(reply.ident, P.Message(
                 P.Kind.REPLY, sender=rank, req=reply.req, records=P.make_records(reply.records),

@@ -281,9 +281,13 @@ class Replies:
         """Before ``shard.weight`` changes: replies holding a view of it take a copy (not
         sent yet); if ZeroMQ is still sending one, the shard moves to a fresh copy and the
         old buffer is kept until the send is done."""
-        busy = []
+        busy, held = [], None
         for reply, i in shard.lent:
-            if reply.tracker is None:
+            if reply.held:     # every view lent since the last change shows the same
+                # values: a backup's held replies (backup.py) share one copy
+                held = np.array(reply.parts[i][0]) if held is None else held
+                reply.parts[i][0] = held
+            elif reply.tracker is None:
                 reply.parts[i][0] = np.array(reply.parts[i][0])
             elif not reply.tracker.done:
                 busy.append(reply.tracker)
