@@ -4,7 +4,7 @@ Every worker sends this server a copy (``Flag.BACKUP``, the same request id) of 
 PUSH, PULL and COMMAND get_state it sends the server it backs up, so it holds the same keys and applies the
 same steps, in the same rank order, with the same optimizer: the same weights, bit for
 bit. It answers none of those copies: it assembles each reply as the owner does and holds
-it (its views of the weights are copied before they change, as for any unsent reply).
+it (before the weights change, the held replies of a shard share one copy of them).
 A held reply is dropped once the worker has pushed each of its keys two steps further:
 by then the worker has read the owner's reply (ssgd waits for it before its next push,
 ssd one step later). When the owner dies the scheduler sends PROMOTE: the backup sends
