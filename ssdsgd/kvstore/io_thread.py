@@ -314,7 +314,6 @@ class IOThread:
             else:
                 self.requests.deliver(msg, server)
 
-
     def _takeover(self, meta, server):
         """TAKEOVER from ``server``: the server it backs up died; it has sent the replies
         it held, so what it was not copied fails, and its keys go to ``server`` from now
