@@ -322,6 +322,12 @@ SETTINGS = (
             "continue without it (not rank 0; docs/reliability.md)",
             env="SSDSGD_ON_WORKER_FAILURE", path="cluster.on_worker_failure",
             choices=("abort", "restart", "continue")),
+    Setting("server_replicas", int, 0, "backups of each server's keys on another server "
+            "(0 or 1; 1 needs 2 or more servers): the workers send every push and pull to "
+            "a key's owner and to its backup, which applies the same steps, so a dead "
+            "server's backup takes over its keys and the job goes on with no process "
+            "restarted, then without replicas (docs/reliability.md)",
+            env="SSDSGD_SERVER_REPLICAS", path="cluster.server_replicas", min=0, max=1),
     # --- the synchronization (docs/spec)
     Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync), asgd (like "
             "dist_async), preduce (Prague's partial reduce: groups of sync.group_size "
@@ -517,6 +523,15 @@ def _heartbeats(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
     return None
 
 
+def _replicas(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """A backup lives on another server: replicas need two servers or more."""
+    replicas, servers = values.get("server_replicas"), values.get("num_servers")
+    if replicas and servers is not None and servers < 2:
+        return (f"{label('server_replicas')}: {replicas} needs {label('num_servers')} of "
+                f"2 or more (a key's backup lives on another server), got {servers}")
+    return None
+
+
 def _group_size(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
     """A partial reduce needs P workers that exist (docs/spec/preduce.md)."""
     size, workers = values.get("group_size"), values.get("num_workers")
@@ -547,7 +562,7 @@ def _combinations(values: Mapping, label: Callable[[str], str]) -> Optional[str]
     return refusal(values, label)
 
 
-CROSS_CHECKS = (_heartbeats, _group_size, _slowdown_ranks, _combinations,
+CROSS_CHECKS = (_heartbeats, _group_size, _replicas, _slowdown_ranks, _combinations,
                 _dynamic_needs_uneven_steps)
 
 

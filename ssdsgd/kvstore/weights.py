@@ -145,10 +145,12 @@ class Weights:
             self.updater.states_synced[shard.key] = True
         return [a.asnumpy() for a in flatten_state(self.updater.states[shard.key])]
 
-    def state(self):
+    def state(self, skip=()):
         """COMMAND get_state: every key's weights and optimizer state, with the optimizer's
-        description: (records, arrays, meta)."""
-        shards = sorted(self.shards.values(), key=lambda s: s.key)
+        description: (records, arrays, meta); ``skip``: keys another server owns (this
+        one backs them up)."""
+        shards = sorted((s for s in self.shards.values() if s.key not in skip),
+                        key=lambda s: s.key)
         arrays = [[s.weight.asnumpy()] + self.state_arrays(s) for s in shards]
         records = P.make_records((s.key, s.version, s.offset, s.count, s.dtype, len(a))
                                  for s, a in zip(shards, arrays))

@@ -87,7 +87,7 @@ def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0
 
 def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, launcher="local",
             progress=None, log=None, stdout=None, stderr=None, failures=None,
-            continue_without_workers=False, run_dir=None):
+            continue_without_workers=False, run_dir=None, server_replicas=0):
     """Start the job and wait for it; returns the exit code for the launcher's process.
 
     ``launcher``: a name in LAUNCHERS or an instance with the LocalLauncher interface.
@@ -97,7 +97,9 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     (cluster.on_worker_failure: continue): a worker other than rank 0 that dies is left
     behind (the scheduler removes it) and the job goes on. ``run_dir``: the run's
     directory, where a launcher whose processes read their keys from a shared
-    filesystem (mpi, slurm: ``keys_parent``) makes the job's key directory."""
+    filesystem (mpi, slurm: ``keys_parent``) makes the job's key directory.
+    ``server_replicas`` (cluster.server_replicas: 1): the first server that dies is left
+    behind (its backup takes its keys) and the job goes on."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     log = log or (lambda text: print(f"[launcher] {text}", file=stderr, flush=True))
     runner = _runner(launcher, log)
@@ -123,7 +125,7 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
             if not _start_plan(runner, plan, env, keys, procs, pumps, (stdout, stderr), log):
                 return 2
             return _watch(procs, interrupted, progress, log, failures,
-                          continue_without_workers, status)
+                          continue_without_workers, status, server_replicas)
         finally:
             _stop_all(runner, procs)
             keys.remove()
@@ -235,8 +237,20 @@ class JobStatus:
         return self.read().get("abort")
 
 
+def _server_left_behind(failed, left, log):
+    """cluster.server_replicas: 1: the first server to die is left behind (its backup
+    owns its keys); True if that was the only failure."""
+    if any(p.role == "server" for p in left) or [p.role for p in failed] != ["server"]:
+        return False
+    p, = failed
+    log(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}; its backup takes its keys and "
+        "the job continues (cluster.server_replicas: 1)")
+    left.append(p)
+    return True
+
+
 def _watch(procs, interrupted, progress, log, failures=None, continue_without_workers=False,
-           status=None):
+           status=None, server_replicas=0):
     """Poll until a signal arrives (130/143), a process fails (1), a worker exits 0
     without having joined (1), or every worker has exited 0 and the scheduler and servers
     have followed (0; if they do not, they are stopped and the job fails: 1)."""
@@ -256,6 +270,8 @@ def _watch(procs, interrupted, progress, log, failures=None, continue_without_wo
             finished_late.add(p)
             failed.remove(p)
         if failed and continue_without_workers and _left_behind(failed, left, log):
+            failed = []
+        if failed and server_replicas and _server_left_behind(failed, left, log):
             failed = []
         if failed:
             return _failed(failed, procs, status, log, failures)
