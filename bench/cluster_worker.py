@@ -420,10 +420,9 @@ class Digits:
             correct += int((out.argmax(axis=1) == y).sum())
         return correct / self.ds.n_val
 
-    def train_step(self, idx, step, slow):
+    def train_step(self, x, y, step, slow):
         from mxnet import autograd
         a = time.perf_counter()
-        x, y = self.ds.train_batch(idx, None)
         with autograd.record():
             loss = self.loss_fn(self.net(self.mx.nd.array(x)), self.mx.nd.array(y))
         loss.backward()
@@ -444,43 +443,77 @@ def wide_mlp(hidden):
     return net
 
 
+def dynamic(kv):
+    """Does the job hand out its batches dynamically (docs/spec/dynamic_data.md)? As
+    data.assignment auto decides: ssd_sync with quorum rounds or preduce."""
+    if not is_ssdsgd(kv):
+        return False
+    from ssdsgd.settings import BY_NAME, dynamic_data
+    quorum = os.environ.get(BY_NAME['quorum'].env) or BY_NAME['quorum'].default
+    return dynamic_data('auto', algorithm(), quorum, kv.num_workers)
+
+
+def digits_batches(job, args, kv):
+    """Every (x, y) this worker trains: the job's budget is epochs x steps per epoch x N
+    batches. Static: its own shard of each epoch, the same steps as every other worker;
+    dynamic: each epoch's batches as the scheduler hands them out (ssdsgd.data.dynamic),
+    until the budget is spent, so a fast worker keeps taking batches."""
+    from ssdsgd.data import shard_indices
+    if not dynamic(kv):
+        for epoch in range(args.epochs):
+            for idx in shard_indices(job.ds.n_train, epoch, args.seed, job.rank,
+                                     job.num_workers, args.batch):
+                yield job.ds.train_batch(idx, None)
+        return
+    from ssdsgd.data.dynamic import ChunkFeed, chunk_plan
+    n = job.num_workers
+    feed = ChunkFeed(kv, job.ds, args.seed, args.batch,
+                     chunk_plan(job.spe * n, job.total, n, 0))
+    for epoch in range(args.epochs):
+        for _, batch in feed.epoch(epoch):
+            yield batch
+        if feed.over:
+            return
+
+
 def run_digits(args, kv):
     job = Digits(args, kv)              # puts the checkout on sys.path
-    from ssdsgd.data import shard_indices
     slow = make_slowdown(args, kv)
     barrier(kv)
     t_start, cpu0 = time.time(), time.process_time()
     evals, snaps = [], []
     step = 0
-    for epoch in range(args.epochs):
-        for idx in shard_indices(job.ds.n_train, epoch, args.seed, job.rank, job.num_workers,
-                                 args.batch):
-            job.train_step(idx, step, slow)
-            step += 1
-            if job.rank == 0 and (step % args.eval_every == 0 or step == job.total):
-                job.mx.nd.waitall()
-                if args.deferred_eval:
-                    snaps.append((step, time.time() - t_start, job.snapshot()))
-                else:
-                    evals.append((step, time.time() - t_start, job.evaluate()))
+    for x, y in digits_batches(job, args, kv):
+        job.train_step(x, y, step, slow)
+        step += 1
+        if args.eval_every and job.rank == 0 and (step % args.eval_every == 0
+                                                  or step == job.total):
+            job.mx.nd.waitall()
+            if args.deferred_eval:
+                snaps.append((step, time.time() - t_start, job.snapshot()))
+            else:
+                evals.append((step, time.time() - t_start, job.evaluate()))
     job.mx.nd.waitall()
     t_end, cpu_s = time.time(), time.process_time() - cpu0
     metrics = kv_metrics(kv)
-    evals += [(s, t, job.evaluate_snapshot(w)) for s, t, w in snaps]
     closed = False
+    final = bool(args.eval_every) and job.rank == 0
     if kv is not None and hasattr(kv, 'average_all') and kv.algorithm == 'preduce':
         # the final model is the average of every worker's (docs/spec/preduce.md); rank
         # 0's curve so far was of its own model
         kv.average_all()
-        if job.rank == 0:
-            evals.append((step, time.time() - t_start, job.evaluate()))
     elif args.kvstore == 'ssd_sync' and kv is not None:
         # the job's model is the one the close leaves: ssd's global weights (rank 0's
         # curve was of its local model), with a quorum after every late push is applied
         kv.close()
         closed = True
-        if job.rank == 0:
-            evals.append((step, time.time() - t_start, job.evaluate()))
+    else:
+        final = False
+    if final:
+        evals.append((step, time.time() - t_start, job.evaluate()))
+    # rank 0's copies are tested once its exchanges are over: a quorum's rounds and
+    # preduce's last group count on it until then
+    evals += [(s, t, job.evaluate_snapshot(w)) for s, t, w in snaps]
     return {'t_start': t_start, 't_end': t_end, 'cpu_s': cpu_s, 'steps': step,
             'steps_per_epoch': job.spe, 'closed': closed,
             'batch': args.batch, 'evals': evals, 'param_bytes': job.param_bytes(),

@@ -178,6 +178,13 @@ def summarize(run_dir, base: dict, wait_for: int = 0, timeout: float = 10.0) -> 
             vals = [e.get(key) for e in ends.values()]
             return None if any(v is None for v in vals) else sum(vals)
         summary["samples_per_sec"] = total("samples_per_sec")
+        # every push is applied once (quorum.md rule 1): the samples the servers applied,
+        # over the longest worker's training time (the job's, not a sum of rates)
+        summary["samples"] = total("samples")
+        walls = [e.get("wall_time") for e in ends.values()]
+        summary["samples_applied_per_sec"] = (
+            summary["samples"] / max(walls) if summary["samples"] is not None
+            and all(w for w in walls) else None)
         summary["bytes_sent"] = total("bytes_sent")
         summary["bytes_received"] = total("bytes_received")
         blocked = [e.get("time_blocked") for e in ends.values()]

@@ -331,6 +331,12 @@ SETTINGS = (
             "continue without it (not rank 0; docs/reliability.md)",
             env="SSDSGD_ON_WORKER_FAILURE", path="cluster.on_worker_failure",
             choices=("abort", "restart", "continue")),
+    Setting("server_replicas", int, 0, "backups of each server's keys on another server "
+            "(0 or 1; 1 needs 2 or more servers): the workers send every push and pull to "
+            "a key's owner and to its backup, which applies the same steps, so a dead "
+            "server's backup takes over its keys and the job goes on with no process "
+            "restarted, then without replicas (docs/reliability.md)",
+            env="SSDSGD_SERVER_REPLICAS", path="cluster.server_replicas", min=0, max=1),
     # --- the synchronization (docs/spec)
     Setting("algorithm", str, "ssd", "ssd (SSD-SGD), ssgd (like dist_sync), asgd (like "
             "dist_async), preduce (Prague's partial reduce: groups of sync.group_size "
@@ -409,8 +415,8 @@ SETTINGS = (
     Setting("assignment", str, "auto", "who trains which batch of an epoch: static (each "
             "worker its own fixed shard, the same number of steps each), dynamic (the "
             "scheduler hands the epoch's batches to whichever worker asks next, so a fast "
-            "worker trains more; needs a quorum below N or preduce) or auto (dynamic exactly "
-            "when the quorum is below N or the algorithm is preduce; docs/spec/dynamic_data.md)",
+            "worker trains more; needs a quorum below N, quorum auto or preduce) or auto "
+            "(dynamic exactly then; docs/spec/dynamic_data.md)",
             path="data.assignment", choices=("auto", "static", "dynamic")),
     # --- checkpoints (docs/training.md)
     Setting("checkpoint_every_s", float, None, "also checkpoint mid-epoch once this many "
@@ -428,6 +434,13 @@ SETTINGS = (
     Setting("timeline_dir", str, None, "where a process writes its timeline; the launcher "
             "of a configured job sets it to RUN_DIR/timeline (with --, give it with --env, "
             "or nothing is recorded)", env="SSDSGD_TIMELINE_DIR", optional=True),
+    # --- the servers' snapshots of the global model (ssdsgd/kvstore/snapshots.py)
+    Setting("snapshot_every", int, 0, "every server copies its weights every this many "
+            "updates into SSDSGD_SNAPSHOT_DIR (with the time and the pushes applied), so "
+            "the global model can be tested off the workers' path (the benchmark's time "
+            "to accuracy); 0: never", env="SSDSGD_SNAPSHOT_EVERY", min=0, max=1 << 30),
+    Setting("snapshot_dir", str, None, "where the servers write SSDSGD_SNAPSHOT_EVERY's "
+            "snapshots (unset: nowhere)", env="SSDSGD_SNAPSHOT_DIR", optional=True),
     # --- the transport
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),
@@ -477,13 +490,14 @@ BY_PATH = {s.path: s for s in SETTINGS if s.path}
 
 def dynamic_data(assignment: str, algorithm: str, quorum: str, num_workers: int) -> bool:
     """Does data.assignment hand out batches dynamically (docs/spec/dynamic_data.md)?
-    auto: exactly when rounds close without some workers (Q < N) or the algorithm is
-    preduce, the two modes in which a worker's steps need not match the others'."""
+    auto: exactly when rounds may close without some workers (Q < N, or quorum auto)
+    or the algorithm is preduce, the modes in which a worker's steps need not match the
+    others'."""
     if assignment == "static":
         return False
     if assignment == "dynamic":
         return True
-    return algorithm == "preduce" or quorum_size(quorum, num_workers) < num_workers
+    return algorithm == "preduce" or quorum_rounds(quorum, num_workers)
 
 
 def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
@@ -496,7 +510,7 @@ def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) ->
     algorithm, quorum, n = (values.get("algorithm"), values.get("quorum"),
                             values.get("num_workers"))
     if algorithm != "preduce" and quorum is not None and n is not None and not _quorum(
-            str(quorum)) and quorum_size(str(quorum), n) >= n:
+            str(quorum)) and not quorum_rounds(str(quorum), n):
         return (f"{label('assignment')}: dynamic works with {label('quorum')} below the "
                 f"{n} workers or {label('algorithm')}: preduce only, got {algorithm} with "
                 f"quorum {quorum} (every step waits for every worker, and dynamic data "
@@ -515,6 +529,15 @@ def _heartbeats(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
         return (f"{label('heartbeat_timeout')}: expected at least twice "
                 f"{label('heartbeat_interval')} ({interval:g} s), got {timeout:g} (a live "
                 "node can be silent for 1.5 intervals)")
+    return None
+
+
+def _replicas(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """A backup lives on another server: replicas need two servers or more."""
+    replicas, servers = values.get("server_replicas"), values.get("num_servers")
+    if replicas and servers is not None and servers < 2:
+        return (f"{label('server_replicas')}: {replicas} needs {label('num_servers')} of "
+                f"2 or more (a key's backup lives on another server), got {servers}")
     return None
 
 
@@ -548,7 +571,7 @@ def _combinations(values: Mapping, label: Callable[[str], str]) -> Optional[str]
     return refusal(values, label)
 
 
-CROSS_CHECKS = (_heartbeats, _group_size, _slowdown_ranks, _combinations,
+CROSS_CHECKS = (_heartbeats, _group_size, _replicas, _slowdown_ranks, _combinations,
                 _dynamic_needs_uneven_steps)
 
 

@@ -261,7 +261,9 @@ class SSD_Sync(KVStoreBase):
             yield
         finally:
             batch, self._batch = self._batch, None
-        if batch:
+        if batch and self._machine.can_defer_step(batch):  # returns at once, as ps-lite's
+            self._machine.step_deferred(batch, timed=True)
+        elif batch:
             self._machine.step(batch)
 
     # ---- optimizer ---------------------------------------------------------------

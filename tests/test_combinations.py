@@ -24,7 +24,8 @@ ON = {"compression": {"sync": {"compression": "2bit"}},
       "continue": {"cluster": {"on_worker_failure": "continue"}},
       "scheduler_restart": {"cluster": {"scheduler_restarts": 1}},
       "resume": {},
-      "checkpoint": {"train": {"checkpoint_every": 1}}}
+      "checkpoint": {"train": {"checkpoint_every": 1}},
+      "replicas": {"cluster": {"servers": 2, "server_replicas": 1}}}
 # ... and as variables (compression and checkpoints have none)
 ON_ENV = {"relay": {"SSDSGD_PULL_RELAY": "chain"},
           "quorum": {"SSDSGD_QUORUM": "majority"},
@@ -32,14 +33,17 @@ ON_ENV = {"relay": {"SSDSGD_PULL_RELAY": "chain"},
           "restart": {"SSDSGD_ON_WORKER_FAILURE": "restart"},
           "continue": {"SSDSGD_ON_WORKER_FAILURE": "continue"},
           "scheduler_restart": {"SSDSGD_SCHEDULER_RESTARTS": "1"},
-          "resume": {S.BY_NAME["start_step"].env: "7"}}
+          "resume": {S.BY_NAME["start_step"].env: "7"},
+          "replicas": {"SSDSGD_SERVER_REPLICAS": "1", "SSDSGD_NUM_SERVERS": "2"}}
 VARIABLE = {"relay": "SSDSGD_PULL_RELAY", "quorum": "SSDSGD_QUORUM",
             "staggered": "SSDSGD_PULL_SCHEDULE", "restart": "SSDSGD_ON_WORKER_FAILURE",
-            "continue": "SSDSGD_ON_WORKER_FAILURE",
-            "scheduler_restart": "SSDSGD_SCHEDULER_RESTARTS", "resume": S.BY_NAME["start_step"].env}
+            "continue": "SSDSGD_ON_WORKER_FAILURE", "resume": S.BY_NAME["start_step"].env,
+            "replicas": "SSDSGD_SERVER_REPLICAS",
+            "scheduler_restart": "SSDSGD_SCHEDULER_RESTARTS"}
 KEY = {"compression": "sync.compression", "relay": "sync.pull_relay",
        "quorum": "sync.quorum", "staggered": "sync.pull_schedule",
        "restart": "cluster.on_worker_failure", "continue": "cluster.on_worker_failure",
+       "replicas": "cluster.server_replicas",
        "scheduler_restart": "cluster.scheduler_restarts"}
 
 
@@ -130,13 +134,13 @@ def test_each_combination_is_refused_in_one_line_or_run_by_a_named_test(algorith
 
 
 def test_every_pair_of_features_is_refused_or_run_by_a_named_test():
-    """No pair of features is left to chance: each of the 36 is in CONFLICTS (refused,
+    """No pair of features is left to chance: each of the 45 is in CONFLICTS (refused,
     the test below) or TESTED_PAIRS (run together by a named test), once."""
     named = [frozenset(pair) for pair in list(CONFLICTS) + list(TESTED_PAIRS)]
     assert len(named) == len(set(named)), "a pair named twice"
     every = {frozenset((a, b)) for a in FEATURES for b in FEATURES if a != b}
     assert every - set(named) == set(), sorted(map(sorted, every - set(named)))
-    assert len(every) == 36
+    assert len(every) == 45
 
 
 @pytest.mark.parametrize("pair", CONFLICTS, ids="-".join)

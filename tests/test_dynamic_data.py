@@ -210,3 +210,11 @@ def test_a_job_killed_after_an_epoch_resumes_at_the_cursor_and_trains_the_rest_o
     check_every_sample_once(ends, (1,))
     assert [records(run, r, "start")[-1]["start_step"] for r in range(3)] == [latest["step"]] * 3
     assert json.loads((run / "summary.json").read_text())["final_accuracy"] > 0.8
+
+
+def test_quorum_auto_takes_dynamic_data_as_a_quorum_below_n_does():
+    """quorum auto's rounds close without the workers its rule excuses, and each worker
+    ends at its final pull (quorum.md rule 4): uneven step counts are fine, so auto
+    assignment deals the batches there too and an explicit dynamic is accepted."""
+    assert dynamic_data("auto", "ssd", "auto", 4) and dynamic_data("auto", "ssgd", "auto", 2)
+    assert parse_config(_raw(assignment="dynamic", quorum="auto")).data.assignment == "dynamic"

@@ -44,6 +44,22 @@ def test_summary_aggregates_the_workers(tmp_path):
     assert s["time_blocked"] == pytest.approx(4.0) and s["time_blocked_max"] == pytest.approx(6.0)
 
 
+def test_the_summary_states_the_samples_applied_by_the_jobs_clock(tmp_path):
+    """Workers of unequal speed (dynamic data): their own rates summed overstate the job;
+    the samples applied over the longest worker's time do not."""
+    run = tmp_path / "dyn"
+    for rank, (steps, wall) in enumerate([(30, 3.0), (30, 3.0), (10, 4.0)]):
+        w = MetricsWriter(run, rank)
+        w.write("end", steps=steps, samples=steps * 32, wall_time=wall,
+                samples_per_sec=steps * 32 / wall)
+        w.close()
+    s = summarize(run, {"name": "dyn"}, wait_for=3, timeout=1)
+    assert s["samples"] == 70 * 32
+    assert s["samples_applied_per_sec"] == pytest.approx(70 * 32 / 4.0)
+    assert s["samples_per_sec"] == pytest.approx(2 * 320 + 80)
+    assert s["samples_per_sec"] > s["samples_applied_per_sec"]
+
+
 def test_report_table_and_plots(tmp_path, capsys):
     a = fake_run(tmp_path, "run-ssd", "ssd", [0.5, 0.8, 0.93])
     b = fake_run(tmp_path, "run-ssgd", "ssgd", [0.4, 0.7, 0.91], bytes_per_step=4000)

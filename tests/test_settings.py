@@ -29,7 +29,9 @@ PARTNERS = {"heartbeat_timeout": {"heartbeat_interval": 0.01},
             # preduce's default group of 2 needs 2 workers
             "algorithm": {"num_workers": 4},
             # dynamic data needs a quorum below N (or preduce)
-            "assignment": {"num_workers": 4, "quorum": "majority"}}
+            "assignment": {"num_workers": 4, "quorum": "majority"},
+            # a backup lives on another server
+            "server_replicas": {"num_servers": 2}}
 
 
 def probes(s):

@@ -105,7 +105,8 @@ def parse_args(argv=None):
                    "that ssgd needs a good part of the run for, not its first steps")
     p.add_argument('--hetero-epochs', type=int, default=20)
     p.add_argument('--hetero-systems', help='rows (default: rows.yaml\'s)')
-    p.add_argument('--hetero-cases', default='slow,random', help='slow, random or both')
+    p.add_argument('--hetero-cases', default='slow,random',
+                   help='comma list of slow, random and even (nobody slowed)')
     p.add_argument('--hetero-slow', default='delay:0=0.05,1=0.05,2=0.05,3=0.1',
                    help="case (a)'s debug.slowdown: emulated compute of 50 ms per step, "
                    "worker 3 twice as slow")

@@ -41,9 +41,12 @@ class Bench:
         return None
 
     def run(self, system, workload, rate, n, s, steps, warmup, extra_args=None, timeout=None,
-            bound_s=None):
+            bound_s=None, snapshot_every=0):
         """One job, one row: skipped if it may not fit in memory, 'failed' with the
-        error's tail, or the summary of its workers' results."""
+        error's tail, or the summary of its workers' results. ``snapshot_every``: an
+        ssd_sync row's servers copy the global model every that many updates into
+        OUT/snapshots (ssdsgd/kvstore/snapshots.py; the measurement, not a setting of
+        the row: the defaults row gets it too)."""
         from bench.cluster import runner
         self.job += 1
         values = job_settings(system, warmup, self.args.glu_state)
@@ -61,19 +64,24 @@ class Bench:
             return dict(base, status=skipped)
         args = extra_args if extra_args is not None else worker_args(workload, steps, warmup)
         args = list(args) + compression_args(system, self.args)
-        t0 = time.monotonic()
+        job_values = dict(values)
+        if snapshot_every and system.kind == 'ssd':
+            job_values.update(snapshot_every=snapshot_every,
+                              snapshot_dir=str(out / 'snapshots'))
+        t0, launched = time.monotonic(), time.time()
         try:
             job_notes = []
             results = runner.run_job_on(self.cluster, system, n, s, args, out, timeout,
-                                        values, out.with_suffix('.log'), notes=job_notes,
+                                        job_values, out.with_suffix('.log'), notes=job_notes,
                                         secure=security == 'curve')
             self.take_notes(tag, job_notes)
         except runner.Interrupted as e:
             raise KeyboardInterrupt(str(e)) from None
         except RuntimeError as e:
             return self.failed(base, e, system, workload, rate, out)
-        if workload.kind == 'digits':
+        if workload.kind == 'digits':      # the job's clock: launched .. ended (time.time())
             return dict(base, status='ok', results=results, job_s=time.monotonic() - t0,
+                        launched=launched, ended=time.time(), out=str(out),
                         loadavg=os.getloadavg()[0])
         row = runner.summarize(results, system, workload, rate, n, s, bound_s)
         row.update(status='ok', job_s=time.monotonic() - t0, loadavg=os.getloadavg()[0],

@@ -176,23 +176,26 @@ def per_seed_table(part, md=False):
 
 
 def hetero_tables(het, md=False):
-    """One table per straggler case: throughput, time to accuracy, final accuracy (with
-    several seeds each row's aggregate with its spread, then each seed's figures)."""
+    """One table per straggler case, by the wall clock: samples applied per second of
+    the job, time from the job's launch until the global model reached the target,
+    final accuracy, the job's wall time (with several seeds each row's aggregate with its
+    spread, then each seed's figures)."""
     out = []
     for case in het.get('cases', []):
         if not case['rows']:
             continue
         many = seeds.several(case)
         shown = seeds.judged(case)
-        ssgd = next((r for r in shown if r['system'] == 'ssgd' and r.get('samples_per_s')),
-                    None)
+        base = {key: next((r for r in shown if r['system'] == key and r.get('samples_per_s')),
+                          None) for key in ('native-sync', 'ssgd')}
         target = case.get('target', het['target'])
-        headers = ['system', 'samples/s', 'x ssgd', f"time to {target:.2%} (s)"
-                   if isinstance(target, float) else 'time to target (s)'] + (
-            ['reached'] if many else []) + [
-            'steps to it', 'x ssgd (sooner)', 'final accuracy', 'best accuracy',
-            'job (s)', 'steps per worker']
-        rows = [_hetero_cells(r, ssgd, many) for r in shown]
+        headers = ['system', 'samples/s applied', 'x native',
+                   f"time to {target:.2%} (s)" if isinstance(target, float)
+                   else 'time to target (s)'] + (['reached'] if many else []) + [
+            'global batches to it', 'x native (sooner)', 'x ssgd (sooner)',
+            'final accuracy', 'best accuracy', 'job (s)', 'start-up (s)', 'training (s)',
+            'batches per worker']
+        rows = [_hetero_cells(r, base, many) for r in shown]
         title = (f"{case['title']} (debug.slowdown {case['slowdown']}): {het['desc']} | "
                  f"{rate_label(het['rate_bits'])} per link | {het['workers']} workers, "
                  f"{het['servers']} server(s)")
@@ -207,22 +210,28 @@ def hetero_tables(het, md=False):
     return '\n'.join(out)
 
 
-def _hetero_cells(r, ssgd, many):
-    """One row of a straggler case's table; the ratios to ssgd are of the figures shown
-    (with several seeds, the aggregates)."""
+def _ratio(a, b):
+    return _f(a / b if a and b else None, '.2f')
+
+
+def _hetero_cells(r, base, many):
+    """One row of a straggler case's table; the ratios to native dist_sync and ssgd are
+    of the figures shown (with several seeds, the aggregates)."""
     ok = r.get('status', 'ok') == 'ok'
     label = r['label'] if ok else f"{r['label']} ({r['status']})"
-    sp, tt = r.get('samples_per_s'), r.get('time_to_target_s')
+    native, ssgd = base['native-sync'] or {}, base['ssgd'] or {}
+    tt = r.get('time_to_target_s')
     reached = [f"{r.get('reached', 0)} of {r.get('runs', 0)}"] if many else []
     return [label, seeds.cell(r, 'samples_per_s', '.1f'),
-            _f(sp / ssgd['samples_per_s'] if ssgd and sp else None, '.2f'),
+            _ratio(r.get('samples_per_s'), native.get('samples_per_s')),
             seeds.cell(r, 'time_to_target_s', '.2f', 'not reached')] + reached + [
-            seeds.cell(r, 'steps_to_target', 'd', spread=False),
-            _f(ssgd['time_to_target_s'] / tt if ssgd and tt and
-               ssgd.get('time_to_target_s') else None, '.2f'),
+            seeds.cell(r, 'steps_to_target', '.1f', spread=False),
+            _ratio(native.get('time_to_target_s'), tt),
+            _ratio(ssgd.get('time_to_target_s'), tt),
             seeds.cell(r, 'final_accuracy', '.4f'),
             seeds.cell(r, 'best_accuracy', '.4f', spread=False),
-            seeds.cell(r, 'wall_s', '.1f'),
+            seeds.cell(r, 'wall_s', '.1f'), seeds.cell(r, 'startup_s', '.1f'),
+            seeds.cell(r, 'train_s', '.1f'),
             '/'.join(str(x) for x in r.get('worker_steps', [])) or '-']
 
 

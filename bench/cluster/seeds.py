@@ -19,8 +19,8 @@ import re
 #: figures whose None means "never reached the target" (the slowest run)
 TIME_KEYS = ('time_to_target_s', 'steps_to_target')
 #: figures aggregated over the runs that have them (None: not measured)
-VALUE_KEYS = ('final_accuracy', 'best_accuracy', 'samples_per_s', 'wall_s', 'steps',
-              'step_s', 'worker_cpu_per_step_s', 'server_cpu_per_step_s')
+VALUE_KEYS = ('final_accuracy', 'best_accuracy', 'samples_per_s', 'wall_s', 'startup_s',
+              'train_s', 'steps', 'step_s', 'worker_cpu_per_step_s', 'server_cpu_per_step_s')
 MIN_REACHED = 3         # fewer runs than this at the target: no mean
 _PART = re.compile(r'(\d+)(?:-(\d+))?')
 

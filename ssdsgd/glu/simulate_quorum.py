@@ -4,7 +4,8 @@ distributed runs with ``sync.quorum`` below N.
 Unlike ``simulate`` (every step waits for all N, so the order of arrivals does not
 matter) a quorum's result depends on who is late, so the input is the order in which the
 servers receive the workers' messages: ``arrivals``, a list of ranks, each occurrence
-being that worker's next message -- its pushes of steps 0 .. steps-1, then its final
+being that worker's next message -- its pushes of steps 0 .. steps-1 (each worker's own
+count with dynamic data, whose chunk order the run recorded), then its final
 pull. Or ``delays``: each worker's seconds per step, from which the order is made on a
 virtual clock (the order injected delays produce; returned in the result).
 
@@ -161,8 +162,12 @@ class QuorumSim:
                  lr_local, excusals=()):
         if algorithm not in ('ssd', 'ssgd'):
             raise ValueError(f"algorithm must be ssd or ssgd; got {algorithm!r}")
-        self.grad_fn, self.steps, self.k = grad_fn, steps, delay_steps
-        self.T_w = steps if algorithm == 'ssgd' else warmup_steps
+        # steps: every worker's, or each worker's own (dynamic data: the chunks it trained)
+        self.steps = list(steps) if isinstance(steps, (list, tuple)) else [steps] * num_workers
+        if len(self.steps) != num_workers:
+            raise ValueError(f"steps: {len(self.steps)} counts for {num_workers} workers")
+        self.grad_fn, self.k = grad_fn, delay_steps
+        self.T_w = max(self.steps) if algorithm == 'ssgd' else warmup_steps
         rules = [make_local_rule(local_rule, make_optimizer, num_workers, glu_state, lr_local)
                  if algorithm == 'ssd' else None for _ in range(num_workers)]
         with_state = algorithm == 'ssd' and rules[0].needs_state
@@ -178,7 +183,7 @@ class QuorumSim:
     def ready(self, rank):
         w = self.workers[rank]
         return not w.done and w.blocked is None and not (
-            w.t == self.steps and w.pending is not None and w.pending.reply is None)
+            w.t == self.steps[rank] and w.pending is not None and w.pending.reply is None)
 
     def arrive(self, rank):
         """Worker ``rank``'s next message reaches the servers."""
@@ -187,7 +192,7 @@ class QuorumSim:
                              f"(done, or waiting for a reply)")
         self.arrivals.append(rank)
         w = self.workers[rank]
-        if w.t == self.steps:             # the final pull (the last pending one awaited)
+        if w.t == self.steps[rank]:       # the final pull (the last pending one awaited)
             w.done, ticket = True, Ticket()
             self.rs.final(rank, ticket)
             return
@@ -236,7 +241,7 @@ def _timed_order(sim, delays):
         sim.arrive(i)
         for r in range(n):
             if sim.ready(r) and (r == i or not before[r]):
-                last = sim.workers[r].t == sim.steps
+                last = sim.workers[r].t == sim.steps[r]
                 free[r] = now + (1e-6 if last else float(delays[r]))
 
 
@@ -244,7 +249,9 @@ def simulate_quorum(init_weights, grad_fn, make_optimizer, num_workers, steps, *
                     max_staleness, arrivals=None, delays=None, algorithm='ssd',
                     warmup_steps=0, delay_steps=1, local_rule='glu', glu_state='estimate',
                     lr_local=None, excusals=()):
-    """grad_fn(worker, step, weights) -> raw grads; quorum: Q, an int (1 <= Q <= N);
+    """grad_fn(worker, step, weights) -> raw grads; steps: every worker's count, or a
+    list of each worker's (dynamic data, docs/spec/dynamic_data.md: the batches the
+    scheduler dealt it, which ``grad_fn`` maps to their data); quorum: Q, an int (1 <= Q <= N);
     excusals: (round, worker, out) -- worker left out of the rounds from that round on
     (out), or waited for again (not out); ``auto_excusals`` reads them from a record."""
     if (arrivals is None) == (delays is None):

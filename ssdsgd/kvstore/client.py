@@ -34,6 +34,7 @@ from .key_tables import KeyTable
 from .piece_tuner import PieceTuner
 from .push_queue import PushCoder, PushOutbox, PushQueue  # noqa: F401 - PushOutbox: API
 from .relay import asks_relay
+from .replica_map import ReplicaMap, Routes, backup_copies
 from .requests import ENDED, Gather, KeyReply, Requests, ServerError  # noqa: F401 - API
 from .scheduler import JobAborted
 from .splitting import split
@@ -70,8 +71,14 @@ class WorkerClient:
         self.num_workers = self.topology["num_workers"]
         self.num_servers = self.topology["num_servers"]
         self.start = WorkerStart(env, self.rank, self.io, self.requests)
-        self.keys = KeyTable(self.num_servers, env.bigarray_bound)
+        # cluster.server_replicas: 1 places every key whole (a server's backup holds
+        # another server's keys, one slice of each), and copies requests to backups
+        self.replicas = ReplicaMap(self.num_servers, env.server_replicas)
+        self.io.replicas = self.replicas
+        self.keys = KeyTable(self.num_servers, (1 << 62) if self.replicas.replicas
+                             else env.bigarray_bound)
         self.placement = self.keys.placement
+        self.routes = Routes(self.placement, self.replicas)
         # With a quorum (docs/spec/quorum.md) a push is one contribution to a round: one
         # message per server, to every server, so every server counts the same pushes.
         # (The settings refuse a quorum with asgd and with relayed pulls.)
@@ -161,6 +168,10 @@ class WorkerClient:
             k.pushes += 1
         self.io.progress += 1
 
+    def mark_step(self):
+        """A timed step's push leaves now (piece_tuner.py)."""
+        self._mark_step()
+
     def _mark_step(self):
         self.pieces.mark()
         self.stats["pipeline_pieces"] = self.pieces.value
@@ -214,8 +225,9 @@ class WorkerClient:
         for key in self.placement.slices:
             arrays = states.get(key, [])
             entries.append((key, 0, arrays, arrays[0].dtype if arrays else self.keys[key].dtype))
-        return self._every_server(P.Kind.COMMAND, entries,
-                                  meta={"command": "set_state", "optimizer": spec})
+        return self._request(P.Kind.COMMAND, entries, every=True, whole_table=True,
+                             meta={"command": "set_state", "optimizer": spec},
+                             routes=self.routes.and_backups())
 
     def barrier(self, value=0):
         """Wait until every worker has reached the barrier; returns the largest ``value``
@@ -334,32 +346,44 @@ class WorkerClient:
         return self._request(kind, entries, meta=meta, every=True, whole_table=True)
 
     def _request(self, kind, entries, *, step=0, flags=0, meta=None, reply=True, every=False,
-                 chunk_bytes=None, whole_table=False, flush=True):
+                 chunk_bytes=None, whole_table=False, flush=True, routes=None):
         """Split, number, encode, check the size of, and queue a request's messages; the
         Gather of their replies (None without ``reply``). Nothing is queued unless every
         message is within SSDSGD_MAX_MESSAGE_BYTES (else the server would drop it unread).
         Sent after the queued pushes (``flush``: False on the I/O thread, whose outbox
-        was filled after them)."""
+        was filled after them). ``routes``: another placement than the routes of now."""
         self.start.await_servers()
         if flush:
             self.pushes.flush()
-        messages = split(self.placement, entries, chunk_bytes, self.pieces.value)
-        if every:
-            for server in range(self.num_servers):
-                messages.setdefault(server, [[[], [], 0]])
+        deaths = len(self.replicas.dead)
+        messages = self._split(entries, chunk_bytes, every, routes)
         sizes, dtypes = self.keys.shapes(None if whole_table else entries)
         with self.requests.lock:
             self.requests.check_open()
+            if len(self.replicas.dead) != deaths:   # a server died meanwhile (TAKEOVER)
+                messages = self._split(entries, chunk_bytes, every, routes)
             encoded = [(server, msg, self._encoded(msg)) for server, msg in _messages(
                 messages, kind, flags, step, meta)]
+            copies = backup_copies(self.replicas, encoded)
             relayed = bool(flags & P.Flag.RELAY)
             futures = [self.requests.expect(
                 msg.req, (server, F.reply_bound(msg.records), msg.records["key"].tolist())
-                if relayed else None)
+                if relayed else None, server=server, copied=server in copies)
                 for server, msg, _ in encoded] if reply else []
             for server, _, frames in encoded:
                 self.io.send(server, frames)
+                if server in copies:
+                    self.io.send(*copies[server].pop(0))
         return Gather(self.requests, futures, sizes, dtypes) if reply else None
+
+    def _split(self, entries, chunk_bytes, every, routes=None):
+        """Each server's messages (``splitting.split``) along the routes of now."""
+        messages = split(routes or self.routes, entries, chunk_bytes, self.pieces.value)
+        if every:
+            for server in range(self.num_servers):
+                if server not in self.replicas.dead:
+                    messages.setdefault(server, [[[], [], 0]])
+        return messages
 
     def _encoded(self, msg):
         """A message numbered (under the requests' lock), encoded and checked."""

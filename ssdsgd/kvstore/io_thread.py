@@ -51,6 +51,7 @@ class IOThread:
         # would hold its launcher for ever: the process exits this long after (None: never)
         self.exit_after_abort = None
         self.relay = None
+        self.replicas = None      # the client's ReplicaMap (cluster.server_replicas)
         self._commands = queue.SimpleQueue()
         # reply kind -> the scheduler request awaiting it: sent again to a restarted
         # scheduler (cluster.scheduler_restarts, reregister.py)
@@ -170,7 +171,8 @@ class IOThread:
             self.requests.fail(JobAborted(f"the worker's I/O thread failed: {e!r}"))
         finally:
             for s in self._sockets:
-                s.close()   # LINGER flushes queued pushes (bounded by the heartbeat timeout)
+                if s is not None:   # LINGER flushes queued pushes (bounded by the timeout)
+                    s.close()
             self.relay.close()
             link.sock.close(TELL_LINGER_MS if told else 0)
             self._wake_in.close(0)
@@ -263,7 +265,9 @@ class IOThread:
             except queue.Empty:
                 return False
             if target != "scheduler":
-                self._sent(self._sockets[target], frames)
+                sock = self._sockets[target]
+                if sock is not None:      # None: a dead server's (its backup has a copy)
+                    self._sent(sock, frames)
             elif link.rejoining is None:   # else sent again once rejoined, if asked
                 self._sent(link.sock, frames)
             sent += 1
@@ -307,7 +311,7 @@ class IOThread:
             self.stats["bytes_received"] += sum(len(f.buffer) for f in frames)
             try:
                 msg = P.decode(frames)
-                if msg.kind in (P.Kind.FRAGMENT, P.Kind.DIGEST):
+                if msg.kind in (P.Kind.FRAGMENT, P.Kind.DIGEST, P.Kind.TAKEOVER):
                     P.check_meta(msg.kind, msg.meta)
             except P.ProtocolError as e:
                 raise JobAborted(f"server {server} sent a malformed message: {e}") from None
@@ -315,8 +319,30 @@ class IOThread:
                 self.relay.on_fragment(frames, msg, server, f"server {server}")
             elif msg.kind == P.Kind.DIGEST:
                 self.relay.on_digest(msg, server)
+            elif msg.kind == P.Kind.TAKEOVER:
+                self._takeover(msg.meta, server)
+                return
             else:
                 self.requests.deliver(msg, server)
+
+    def _takeover(self, meta, server):
+        """TAKEOVER from ``server``: the server it backs up died; it has sent the replies
+        it held, so what it was not copied fails, and its keys go to ``server`` from now
+        on (kvstore/backup.py)."""
+        dead, owner = meta["dead"], meta["owner"]
+        with self.requests.lock:
+            wrong = (f"server {server} sent a TAKEOVER in the name of server {owner}"
+                     if owner != server else self.replicas.take(dead, owner))
+            if wrong:
+                raise JobAborted(wrong)
+            sock, self._sockets[dead] = self._sockets[dead], None
+        self._poller.unregister(sock)
+        sock.close(0)
+        lost = self.requests.server_lost(dead, JobAborted(
+            f"server {dead} died with a request of this worker its backup has no copy of"))
+        print(f"ssdsgd worker {self.topology['rank']}: server {dead} died; server {owner} "
+              f"owns its keys from now on" + (f" ({lost} requests lost)" if lost else ""),
+              file=sys.stderr, flush=True)
 
 
 def _exit_later(seconds, rank):

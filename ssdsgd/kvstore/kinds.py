@@ -1,6 +1,6 @@
 """The vocabulary: which messages exist, and which meta fields each carries, of what type.
 
-Twenty-one kinds, in three groups, and three flags:
+Twenty-three kinds, in three groups, and four flags:
 
 * membership (node <-> scheduler; ps-lite's control commands): REGISTER, TOPOLOGY,
   LISTEN (the servers' ports, bound once the job's message limit is known), BARRIER,
@@ -9,7 +9,8 @@ Twenty-one kinds, in three groups, and three flags:
 * data (worker <-> server): INIT, PUSH, PULL, and the answers REPLY, ACK, ERROR;
   FRAGMENT carries a piece of a relayed REPLY (sync.pull_relay: chain), and DIGEST the
   digests of its pieces, from the server straight to each worker the pieces reach through
-  another worker;
+  another worker; with cluster.server_replicas: 1, PROMOTE (scheduler -> servers: a
+  dead server's backup owns its keys) and TAKEOVER (that backup -> each worker);
 * generic: COMMAND (worker -> every server: the job's optimizer, compression, or
   optimizer state; MXNet's ``_send_command_to_servers``), and POLICY: a synchronization
   policy's own event (a quorum's round decisions, preduce's readiness, groups and
@@ -19,7 +20,8 @@ Twenty-one kinds, in three groups, and three flags:
   the same: options for the policy (a quorum's ``latest`` and ``final``).
 
 Flags are the transport's: PULL (a push that wants the weights back), STATE (add the
-optimizer state to the reply), RELAY (the reply may come through another worker).
+optimizer state to the reply), RELAY (the reply may come through another worker), BACKUP
+(a copy of a request to a key's owner, for its backup).
 """
 import enum
 import re
@@ -58,10 +60,14 @@ class Kind(enum.IntEnum):
     CHUNK = 20        # worker -> scheduler {epoch, per_epoch, budget, start}: the next
                       # chunk of that epoch; scheduler -> worker {epoch, chunk} or
                       # {epoch, over: "epoch" | "budget"} (kvstore/chunks.py)
+    PROMOTE = 21      # scheduler -> server {dead, owner}: server ``dead`` died; its
+                      # backup ``owner`` takes its keys (cluster.server_replicas: 1)
+    TAKEOVER = 22     # new owner -> worker {dead, owner}: after the replies it held for
+                      # ``dead``'s requests; from now on send ``dead``'s keys to ``owner``
     REJOIN = 31       # node -> a restarted scheduler: REGISTER's fields with the rank it
                       # has, {ready, passed}: what the new one rebuilds the job from;
                       # scheduler -> node {restart, waited}: taken back, go on
-                      # (kvstore/reregister.py; 21-30 are left free)
+                      # (kvstore/reregister.py; 23-30 are left free)
 
 
 class Flag(enum.IntFlag):
@@ -70,9 +76,12 @@ class Flag(enum.IntFlag):
     STATE = 2         # PUSH/PULL: add the optimizer state to the reply
     RELAY = 4         # PUSH with PULL, PULL: the reply may come through another worker
                       # (sync.pull_relay: chain; docs/spec/pull_relay.md)
+    BACKUP = 8        # INIT, PUSH, PULL: a copy of a request to a key's owner, sent to its
+                      # backup with the same request id; its reply is held until the owner
+                      # dies (cluster.server_replicas: 1; kvstore/backup.py)
 
 
-FLAGS = int(Flag.PULL | Flag.STATE | Flag.RELAY)
+FLAGS = int(Flag.PULL | Flag.STATE | Flag.RELAY | Flag.BACKUP)
 
 _ROLE = F.one_of("server", "worker")
 _GROUP = F.one_of("worker", "server", "all")
@@ -90,6 +99,7 @@ _EVENT_NAME = re.compile(r"[a-z_]{1,32}\Z")
 _EVENT = (lambda v: isinstance(v, str) and bool(_EVENT_NAME.match(v)),
           "an event name (1 to 32 of a-z and _)")
 _ANY = (lambda v: True, "any JSON value")
+_SERVER = (F.int_in(0, F.MAX_RANK), "a server rank")
 _BYTES = (F.int_in(1, F.MAX_STEP), "a number of bytes from 1 to 2^62")
 _CLOCK = (F.is_number, "a clock reading in seconds")
 _EPOCH = (F.int_in(0, 1 << 31), "an epoch number from 0 to 2^31")
@@ -160,6 +170,8 @@ META = {
     Kind.FRAGMENT: {"of": (F.COUNT, True), "relay": (_RELAY_TO, False),
                     "sizes": (_SIZES, False)},
     Kind.DIGEST: {"digests": (_DIGESTS, True), "relay": (_RELAY_TO, False)},
+    Kind.PROMOTE: {"dead": (_SERVER, True), "owner": (_SERVER, True)},
+    Kind.TAKEOVER: {"dead": (_SERVER, True), "owner": (_SERVER, True)},
 }
 
 # COMMAND's commands and the fields each carries besides ``command``.

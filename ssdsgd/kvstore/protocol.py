@@ -198,6 +198,14 @@ def readdress(frames, req):
     return [HEADER.pack(*fields)] + frames[1:]
 
 
+def reflag(frames, flags):
+    """``encode``'s frames with other flags in the header (a backup's copy of a request,
+    ``Flag.BACKUP``: the same frames otherwise, the tensors not copied)."""
+    fields = list(HEADER.unpack(frames[0]))
+    fields[3] = int(flags)
+    return [HEADER.pack(*fields)] + frames[1:]
+
+
 def frame_buffer(frame):
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 

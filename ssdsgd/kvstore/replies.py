@@ -41,7 +41,7 @@ class Reply:
     """A reply being assembled: values snapshotted per key as their step is applied.
     ``shards[i]`` is the key of slot i."""
     __slots__ = ("ident", "req", "shards", "records", "parts", "missing", "with_state", "lr",
-                 "tracker", "peer", "relay", "received", "policy")
+                 "tracker", "peer", "relay", "received", "policy", "held", "wanted")
 
     def __init__(self, ident, req, shards, with_state, peer, relay=False):
         n = len(shards)
@@ -53,6 +53,8 @@ class Reply:
         peer.open += 1
         self.received = now()     # the timeline's queue span (Replies.sent)
         self.policy = None        # the policy's fields for this reply's meta (``note``)
+        self.held = False         # a backup's reply to a copy: kept, not sent (backup.py)
+        self.wanted = ()
 
 
 class Replies:
@@ -69,6 +71,7 @@ class Replies:
         self._snapshots = {}    # (key, version) -> weights copied for replies, per message
         self._encoded = {}      # a reply's records and lr -> its encoded frames, per message
         self._relayed = []      # complete replies that may travel through a chain of workers
+        self.hold = None        # takes the complete held replies (backup.Backup.hold)
 
     # ---- sending -------------------------------------------------------------------
     @traced("send")
@@ -201,6 +204,9 @@ class Replies:
         if reply.missing != 0:
             return
         reply.peer.open -= 1
+        if reply.held:
+            self.hold(reply)
+            return
         if reply.relay:
             self._relayed.append(reply)
             return
@@ -275,9 +281,13 @@ class Replies:
         """Before ``shard.weight`` changes: replies holding a view of it take a copy (not
         sent yet); if ZeroMQ is still sending one, the shard moves to a fresh copy and the
         old buffer is kept until the send is done."""
-        busy = []
+        busy, held = [], None
         for reply, i in shard.lent:
-            if reply.tracker is None:
+            if reply.held:     # every view lent since the last change shows the same
+                # values: a backup's held replies (backup.py) share one copy
+                held = np.array(reply.parts[i][0]) if held is None else held
+                reply.parts[i][0] = held
+            elif reply.tracker is None:
                 reply.parts[i][0] = np.array(reply.parts[i][0])
             elif not reply.tracker.done:
                 busy.append(reply.tracker)

@@ -40,6 +40,7 @@ class Requests:
         self._futures = {}
         self._control = {}
         self._reply_from = {}
+        self._server_of = {}     # request id -> (server, copied to its backup)
         self._req = itertools.count(1)
 
     def check_open(self):
@@ -52,13 +53,16 @@ class Requests:
     def number(self, msg, sender):
         msg.req, msg.sender = next(self._req), sender
 
-    def expect(self, req, relayed_from=None):
+    def expect(self, req, relayed_from=None, server=None, copied=False):
         """The future of request ``req``'s reply; ``relayed_from``: (server, byte bound,
         keys) of a reply other workers may pass on (its pieces are taken only as that
-        server's, and only up to the bound; the keys name it in errors)."""
+        server's, and only up to the bound; the keys name it in errors). ``server``: where
+        it goes; ``copied``: its backup got a copy (cluster.server_replicas)."""
         fut = concurrent.futures.Future()
         with self.lock:
             self._futures[req] = fut
+            if server is not None:
+                self._server_of[req] = (server, copied)
             if relayed_from is not None:
                 self._reply_from[req] = relayed_from
         return fut
@@ -84,6 +88,7 @@ class Requests:
         with self.lock:
             fut = self._futures.pop(msg.req, None)
             self._reply_from.pop(msg.req, None)
+            self._server_of.pop(msg.req, None)
         if fut is None:
             if msg.kind == P.Kind.ERROR:   # refused a message that wanted no reply
                 raise JobAborted(f"server {server} refused a message of this worker: "
@@ -93,6 +98,20 @@ class Requests:
             fut.set_exception(ServerError(f"server {server}: {msg.meta.get('error')}"))
         else:
             fut.set_result(msg)
+
+    def server_lost(self, server, error):
+        """``server`` died and its backup took over: the requests it was sent that its
+        backup got no copy of get ``error``; the backup answers the others."""
+        with self.lock:
+            lost = [req for req, (s, copied) in self._server_of.items()
+                    if s == server and not copied]
+            futures = [self._futures.pop(req, None) for req in lost]
+            for req in lost:
+                self._server_of.pop(req, None)
+        for fut in futures:
+            if fut is not None and not fut.done():
+                fut.set_exception(error)
+        return len(lost)
 
     def fail(self, exc):
         """The I/O thread failed: every waiting future and every later request get ``exc``."""

@@ -22,6 +22,7 @@ from .chunks import ChunkError, Dealer
 from .env import NodeEnv
 from .removals import RemovalError, Removals
 from . import reregister
+from .replica_map import ReplicaError, ReplicaMap
 from .security import Guard
 from .. import timeline
 from .liveness import StallWatch, failed
@@ -95,6 +96,7 @@ class Scheduler(reregister.Rejoins):
         self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = Barriers()
         self.removals = Removals()    # cluster.on_worker_failure: continue
+        self.replicas = ReplicaMap(env.num_servers, env.server_replicas)
         self.dealer = Dealer()        # data.assignment: dynamic (chunks.py)
         self.counts = {"server": env.num_servers, "worker": env.num_workers}
         self.started = False
@@ -389,8 +391,28 @@ class Scheduler(reregister.Rejoins):
         if self.env.on_worker_failure == "continue" and n["role"] == "worker" and n["rank"]:
             self._send(ident, P.Kind.ABORT, {"reason": f"{why}; it leaves the job"})
             self._remove_worker(ident, why)
+        elif n["role"] == "server" and self.env.server_replicas:
+            self._promote(ident, why)
         else:
             self._abort(why)
+
+    def _promote(self, ident, why):
+        """cluster.server_replicas: 1: a dead server's backup owns its keys from now on
+        (replica_map.py); every server hears it, and the new owner tells the workers."""
+        dead = self.nodes[ident]["rank"]
+        if self.startup is None or self.startup.waiting:     # the workers know no server
+            self._abort(f"{why}; it died before every server listened (no backup has "
+                        "its keys yet)")
+        try:
+            owner = self.replicas.lose(dead)
+        except ReplicaError as e:
+            self._abort(f"{why}; {e}")
+        self._send(ident, P.Kind.ABORT, {"reason": f"{why}; its backup takes its keys"})
+        del self.nodes[ident]
+        for i in self._members("server"):
+            self._send(i, P.Kind.PROMOTE, {"dead": dead, "owner": owner})
+        self.log(f"{why}; server {owner} owns its keys from now on, and the job goes on "
+                 "with no replica left (cluster.server_replicas: 1)")
 
     def close(self):
         self.sock.close(0)

@@ -29,6 +29,7 @@ import zmq
 from ..mxglue.optimizer_spec import OptimizerSpecError, build
 from . import protocol as P
 from .compression import Compression, CompressionError
+from .backup import Backup
 from .env import NodeEnv
 from .replies import Fatal, Peer, Replies, RequestError
 from .scheduler import JobAborted, Rejections
@@ -50,7 +51,9 @@ class Server:
         self.weights = Weights(env.num_workers, reclaim=None)
         self.replies = Replies(None, self.weights, env, lambda text: self.log(text))
         self.weights.reclaim = self.replies.reclaim
-        self.actions = {"apply": self.weights.apply, "answer": self.replies.answer,
+        self.backup = Backup(env, self.replies, lambda text: self.log(text))
+        self.replies.hold = self.backup.hold
+        self.actions = {"apply": self._apply, "answer": self.replies.answer,
                         "fill": self.replies.fill, "note": self.replies.note,
                         "say": lambda text: self.log(text)}
         self.scheduler = None     # the socket to the scheduler, from ``start``
@@ -72,13 +75,19 @@ class Server:
             raise RequestError(str(e)) from None
         self._carry_out(actions)
 
+    def _apply(self, grads, pushes=0):
+        self.weights.apply(grads, pushes)
+        self.backup.applied(grads, self.weights)
+
     def _carry_out(self, actions):
         for kind, *what in actions:
             self.actions[kind](*what)
 
     def _new_reply(self, ident, msg, shards, with_state):
-        return self.replies.new(ident, msg.req, shards, with_state,
-                                relay=bool(msg.flags & P.Flag.RELAY))
+        reply = self.replies.new(ident, msg.req, shards, with_state,
+                                 relay=bool(msg.flags & P.Flag.RELAY))
+        self.backup.copied(msg, reply)    # a copy's reply is held (backup.py)
+        return reply
 
     def _reject(self, ident, req, text):
         peer = self.replies.peers.get(ident)
@@ -123,7 +132,8 @@ class Server:
             self.policy.declare(key)
         # Waiting INITs keep their key table only, never the tensors of the message.
         self.pending_inits.append((ident, P.Message(P.Kind.INIT, sender=msg.sender,
-                                                    req=msg.req, records=msg.records)))
+                                                    req=msg.req, records=msg.records,
+                                                    flags=msg.flags)))
         peer.inits += 1
         still = []
         for ident_i, msg_i in self.pending_inits:
@@ -182,6 +192,8 @@ class Server:
         reply = None
         if msg.flags & P.Flag.PULL:
             reply = self._new_reply(ident, msg, shards, bool(msg.flags & P.Flag.STATE))
+        else:
+            self.backup.copied(msg, None)
         self._decide(reply, self.policy.request, "push", msg.sender, items, reply,
                      msg.meta.get("policy", {}))
 
@@ -208,9 +220,14 @@ class Server:
         self._decide(reply, self.policy.on_event, msg.sender, msg.meta, items, reply)
 
     def on_get_state(self, ident, msg):
-        records, arrays, meta = self.weights.state()
-        self.replies.send(ident, P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req,
-                                           records=records, tensors=arrays, meta=meta))
+        """The state of the keys this server owns; a backup's copy: of those it backs up,
+        held while their owner lives (backup.py)."""
+        skip = self.backup.not_in_state(msg, self.weights.shards)
+        records, arrays, meta = self.weights.state(skip=skip)
+        reply = P.Message(P.Kind.REPLY, sender=self.rank, req=msg.req, records=records,
+                          tensors=arrays, meta=meta)
+        if not self.backup.hold_state(ident, msg, reply):
+            self.replies.send(ident, reply)
 
     def on_set_state(self, ident, msg):
         self._only_rank0(msg, "the optimizer state")
@@ -273,6 +290,7 @@ class Server:
             if handler is None:
                 raise RequestError(f"a server does not handle {msg.kind.name}")
             P.check_meta(msg.kind, msg.meta)
+            self.backup.check(msg)
             peer = self.replies.peers.get(ident)
             if peer is None:
                 raise RequestError("this connection is not one of the job's workers")
@@ -299,6 +317,8 @@ class Server:
         """A message from the scheduler (the node's loop acts on SHUTDOWN itself)."""
         if msg.kind == P.Kind.MEMBERSHIP:
             self.on_membership(msg.meta)
+        elif msg.kind == P.Kind.PROMOTE:
+            self.backup.promote(msg.meta, self.rank)
         elif msg.kind == P.Kind.POLICY:
             self._follow(msg.meta)
 

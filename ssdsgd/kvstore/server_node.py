@@ -20,6 +20,7 @@ from .replies import SNDHWM, Fatal
 from .scheduler import bind_router
 from .scheduler_link import SchedulerLink
 from .server import Server
+from .snapshots import Snapshots
 from .topology import job_limit
 from .. import timeline
 
@@ -52,6 +53,7 @@ class ServerNode:
         topo = self.link.register()
         timeline.start_node(env, "server", topo["rank"])   # if SSDSGD_TIMELINE (timeline.py)
         self.server.start(topo, self.link.sock)
+        self.server.weights.snapshots = Snapshots.from_env(env, topo["rank"])
         try:
             limit = self._await_limit()
             if limit is None:
@@ -103,6 +105,9 @@ class ServerNode:
             self.link.tick()
 
     def close(self):
+        snapshots = self.server.weights.snapshots
+        if snapshots is not None:      # the last weights and the pushes applied
+            snapshots.close(self.server.weights.shards)
         for sock in (self.sock, self.link and self.link.sock):
             if sock is not None:
                 sock.close(0)

@@ -82,6 +82,7 @@ class Weights:
         self.updater = None
         self.compression = None   # the job's push compression (COMMAND compression), if any
         self._sgd_seen = {}       # update_groups.sgd_call's knowledge of the arrays
+        self.snapshots = None     # snapshots.Snapshots, if the job asks for them
 
     def declare(self, key, offset, values):
         self.shards[key] = KeyShard(key, offset, values)
@@ -144,10 +145,12 @@ class Weights:
             self.updater.states_synced[shard.key] = True
         return [a.asnumpy() for a in flatten_state(self.updater.states[shard.key])]
 
-    def state(self):
+    def state(self, skip=()):
         """COMMAND get_state: every key's weights and optimizer state, with the optimizer's
-        description: (records, arrays, meta)."""
-        shards = sorted(self.shards.values(), key=lambda s: s.key)
+        description: (records, arrays, meta); ``skip``: keys another server owns (this
+        one backs them up)."""
+        shards = sorted((s for s in self.shards.values() if s.key not in skip),
+                        key=lambda s: s.key)
         arrays = [[s.weight.asnumpy()] + self.state_arrays(s) for s in shards]
         records = P.make_records((s.key, s.version, s.offset, s.count, s.dtype, len(a))
                                  for s, a in zip(shards, arrays))
@@ -229,6 +232,8 @@ class Weights:
             mx.nd.waitall()   # once per step: replies then read the weights' buffers directly
         for shard in shards:
             shard.version += 1
+        if self.snapshots is not None:
+            self.snapshots.after_apply(self.shards, len(grads[0][1]))
 
     @staticmethod
     def _add(parts, target):

@@ -303,7 +303,8 @@ def _run_training(config, run_dir, length, env, runner, port, resume, failures, 
                    port=port or None, launcher=runner, progress=progress,
                    stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr),
                    failures=failures, run_dir=run_dir,
-                   continue_without_workers=config.cluster.on_worker_failure == "continue")
+                   continue_without_workers=config.cluster.on_worker_failure == "continue",
+                   server_replicas=config.cluster.server_replicas)
 
 
 def _restart_from_checkpoint(config, run_dir, length):

@@ -88,7 +88,7 @@ def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0
 
 def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, launcher="local",
             progress=None, log=None, stdout=None, stderr=None, failures=None,
-            continue_without_workers=False, run_dir=None):
+            continue_without_workers=False, run_dir=None, server_replicas=0):
     """Start the job and wait for it; returns the exit code for the launcher's process.
 
     ``launcher``: a name in LAUNCHERS or an instance with the LocalLauncher interface.
@@ -98,7 +98,9 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     (cluster.on_worker_failure: continue): a worker other than rank 0 that dies is left
     behind (the scheduler removes it) and the job goes on. ``run_dir``: the run's
     directory, where a launcher whose processes read their keys from a shared
-    filesystem (mpi, slurm: ``keys_parent``) makes the job's key directory."""
+    filesystem (mpi, slurm: ``keys_parent``) makes the job's key directory.
+    ``server_replicas`` (cluster.server_replicas: 1): the first server that dies is left
+    behind (its backup takes its keys) and the job goes on."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     log = log or (lambda text: print(f"[launcher] {text}", file=stderr, flush=True))
     runner = _runner(launcher, log)
@@ -126,7 +128,8 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
             if restarts is None or not _start_plan(start, plan, procs):
                 return 2
             return _watch(procs, interrupted, progress, log, failures,
-                          continue_without_workers, status, restarts)
+                          continue_without_workers, status, server_replicas,
+                          restarts)
         finally:
             _stop_all(runner, procs)
             keys.remove()
@@ -271,8 +274,20 @@ class JobStatus:
         return self.read().get("abort")
 
 
+def _server_left_behind(failed, left, log):
+    """cluster.server_replicas: 1: the first server to die is left behind (its backup
+    owns its keys); True if that was the only failure."""
+    if any(p.role == "server" for p in left) or [p.role for p in failed] != ["server"]:
+        return False
+    p, = failed
+    log(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}; its backup takes its keys and "
+        "the job continues (cluster.server_replicas: 1)")
+    left.append(p)
+    return True
+
+
 def _watch(procs, interrupted, progress, log, failures=None, continue_without_workers=False,
-           status=None, restarts=None):
+           status=None, server_replicas=0, restarts=None):
     """Poll until a signal arrives (130/143), a process fails (1), a worker exits 0
     without having joined (1), or every worker has exited 0 and the scheduler and servers
     have followed (0; if they do not, they are stopped and the job fails: 1)."""
@@ -297,6 +312,8 @@ def _watch(procs, interrupted, progress, log, failures=None, continue_without_wo
             behind = [p for p in failed if p.role == "worker" and p.rank]   # scheduler
             if behind and _left_behind(behind, left, log):
                 failed = [p for p in failed if p not in behind]
+        if failed and server_replicas and _server_left_behind(failed, left, log):
+            failed = []
         if failed and restarts.take(failed, procs, _describe_exit):
             failed = []
         restarts.poll(procs)

@@ -17,6 +17,8 @@ class DenseSync(ServerPolicy):
         super().__init__(num_workers, steps_ahead, algorithm, averaging)
         self.pending = {}      # key -> {step: {rank: gradient}}
         self.waiting = {}      # key -> {step: [(token, slot)]} to answer once it is applied
+        self.joined = {}       # rank of a worker that joined -> the step it pushes from
+        self.holds = {}        # rank of a joiner being decided -> the step this server held
 
     def declare(self, key):
         super().declare(key)
@@ -37,6 +39,9 @@ class DenseSync(ServerPolicy):
 
     def _check_push(self, rank, key, step):
         version = self.version[key]
+        if step < self.joined.get(rank, 0):
+            raise PolicyError(f"key {key}: worker {rank} pushed step {step}, but it joined "
+                              f"the job from step {self.joined[rank]}")
         if step < version:
             raise PolicyError(f"key {key}: push for step {step} from worker {rank}, but "
                               f"step {version - 1} is already applied")
@@ -50,6 +55,8 @@ class DenseSync(ServerPolicy):
 
     def pull(self, rank, items, token, final=False):
         for key, step in items:
+            if rank in self.joined and step == self.joined[rank] - 1:
+                continue     # a joiner's first pull: the weights it starts from
             if step >= self.version[key] and rank not in self.pending[key].get(step, ()):
                 raise PolicyError(f"key {key}: worker {rank} pulls step {step}, which it has "
                                   f"not pushed (step {self.version[key] - 1} is the last "
@@ -65,9 +72,13 @@ class DenseSync(ServerPolicy):
         return actions
 
     def _complete(self, pushes, step):
-        """Has every worker still in the job at ``step`` pushed it?"""
+        """Has every worker still in the job at ``step`` pushed it (none, while a join
+        is being decided from a step at or before it)?"""
+        if self.holds and step >= min(self.holds.values()):
+            return False
+        joined = sum(1 for s in self.joined.values() if s <= step)
         return len(pushes) + sum(1 for r, s in self.removed.items()
-                                 if s <= step and r not in pushes) >= self.n
+                                 if s <= step and r not in pushes) >= self.n + joined
 
     def _drain(self, ready):
         """Apply the ready keys' steps, answer what waited for them, and go on while the
@@ -87,11 +98,12 @@ class DenseSync(ServerPolicy):
         return actions
 
     def _sum(self, key):
-        """The step's gradients of ``key`` in rank order; after a departure, their mean
-        counted as N workers' (the sum times N / pushes)."""
+        """The step's gradients of ``key`` in rank order; after a departure or a join,
+        their mean counted as N workers' (the sum times N / pushes; N: the job's first
+        size, so the lr keeps its meaning, docs/spec/membership.md)."""
         grads = self.pending[key].pop(self.version[key])
         parts = [grads[r] for r in sorted(grads)]
-        scale = self.n / len(parts) if len(parts) < self.n else None
+        scale = self.n / len(parts) if len(parts) != self.n else None
         return (key, parts, scale)
 
     def first_missing(self, rank):
@@ -113,6 +125,33 @@ class DenseSync(ServerPolicy):
                     pushes.pop(rank, None)
             if self._complete(pending.get(self.version[key], {}), self.version[key]):
                 ready.append(key)
+        return self._drain(ready)
+
+    def hold(self, rank):
+        """Worker ``rank`` asks to join: the first step no push of any key has reached,
+        and from it on nothing is applied until ``admit`` (the scheduler takes every
+        server's answer and admits from a step no server has applied;
+        ssdsgd/kvstore/joins.py)."""
+        if rank in self.joined or rank in self.holds or rank < self.n:
+            raise PolicyError(f"worker {rank} is in the job already, or joining")
+        free = max((max([self.version[k]] + [t + 1 for t in self.pending[k]])
+                    for k in self.version), default=0)
+        self.holds[rank] = free
+        return free
+
+    def admit(self, rank, from_step):
+        """Worker ``rank`` pushes from ``from_step`` on: the steps before it close
+        without it, the ones from it on wait for it too; apply what is complete now."""
+        if rank not in self.holds:
+            raise PolicyError(f"worker {rank} is admitted, but this server was not asked "
+                              "to hold for it")
+        if any(v > from_step for v in self.version.values()):
+            raise PolicyError(f"worker {rank} cannot join from step {from_step}: step "
+                              f"{max(self.version.values()) - 1} is already applied")
+        del self.holds[rank]
+        self.joined[rank] = from_step
+        ready = [key for key, pending in self.pending.items()
+                 if self._complete(pending.get(self.version[key], {}), self.version[key])]
         return self._drain(ready)
 
     def busy(self):

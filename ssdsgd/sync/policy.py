@@ -97,6 +97,16 @@ class ServerPolicy:
         self.removed[rank] = from_step
         return []
 
+    def hold(self, rank):
+        """Worker ``rank`` asks to join the job (docs/spec/membership.md): the first step
+        this server could admit it from, holding every step from there until ``admit``."""
+        raise PolicyError(f"workers cannot join a job whose algorithm is {self.algorithm} "
+                          "(only ssgd and ssd with sync.quorum: all take them)")
+
+    def admit(self, rank, from_step):
+        """Worker ``rank`` is in the job from ``from_step`` on."""
+        raise PolicyError(f"workers cannot join a job whose algorithm is {self.algorithm}")
+
     def average(self, rank, group, members, items, token):
         """A member of preduce group ``group`` sends its weights ``[(key, values)]``."""
         if self.averaging is None:

@@ -104,6 +104,8 @@ FEATURES = {f.name: f for f in (
             "SSDSGD_START_STEP > 0)", _positive("start_step")),
     Feature("checkpoint", "checkpoints written during the run (train.checkpoint_every)",
             _positive("checkpoint_every")),
+    Feature("replicas", "each server's keys backed up on another server, which takes "
+            "them over when it dies (cluster.server_replicas: 1)", _positive("server_replicas")),
 )}
 
 
@@ -132,6 +134,9 @@ _SCHED = "tests/test_scheduler_restart.py::"
 _SCHED_RESTART = _SCHED + "test_a_killed_scheduler_is_restarted_and_the_job_ends_as_if_uninterrupted"
 _SCHED_RESUMED = _SCHED + "test_a_job_restarted_from_its_checkpoint_survives_its_schedulers_death"
 _SCHED_UNTESTED = "no test restarts the scheduler of such a job yet"
+_REPLICAS = ("tests/test_replicas.py::"
+             "test_a_killed_server_is_replaced_by_its_backup_and_the_job_ends_as_if_uninterrupted")
+_NO_REPLICAS = "no test runs it beside a server's backup; use cluster.server_replicas: 0"
 _ASGD_DIVERGES = ("a digits job resumed while its workers ran at different speeds "
                   "diverged; not supported until that is mended")
 _NO_PERIOD = "every step waits for its weights: there is no pull period to stagger"
@@ -149,6 +154,7 @@ _PERIODIC_REFUSED = {
     "scheduler_restart": _SCHED_UNTESTED,
     "resume": "a worker's own optimizer state and local weights are not in a checkpoint "
               "yet (docs/spec/localsgd_diloco.md)",
+    "replicas": "the switch to the outer optimizer is not sent to a backup",
 }
 
 ALGORITHMS = {a.name: a for a in (
@@ -161,7 +167,8 @@ ALGORITHMS = {a.name: a for a in (
                   "scheduler_restart": _SCHED_RESTART,
                   "resume": "tests/test_resume.py::test_killed_ssd_job_resumes_to_the_same_weights",
                   "checkpoint": "tests/test_resume.py::test_killed_ssd_job_resumes_from_a_"
-                                "mid_epoch_checkpoint_to_the_same_weights"},
+                                "mid_epoch_checkpoint_to_the_same_weights",
+                  "replicas": _REPLICAS},
               refused={}),
     Algorithm("ssgd", "sum", "synchronous", doc="synchronous SGD, like dist_sync", tested={
         "compression": "tests/test_compression_oracle.py::"
@@ -169,7 +176,8 @@ ALGORITHMS = {a.name: a for a in (
         "relay": _RELAYED, "quorum": _QUORUM, "restart": _RESTART, "continue": _CONTINUE,
         "scheduler_restart": _SCHED_RESTART,
         "resume": "tests/test_resume.py::test_killed_ssgd_job_resumes_to_the_same_weights",
-        "checkpoint": "tests/test_resume.py::test_killed_ssgd_job_resumes_to_the_same_weights"},
+        "checkpoint": "tests/test_resume.py::test_killed_ssgd_job_resumes_to_the_same_weights",
+        "replicas": _REPLICAS},
         refused={"staggered": _NO_PERIOD}),
     Algorithm("asgd", "each", "synchronous", doc="asynchronous SGD, like dist_async", tested={
         "compression": "tests/test_compression_oracle.py::"
@@ -183,6 +191,8 @@ ALGORITHMS = {a.name: a for a in (
             "quorum": "every push is applied as it arrives: there are no rounds to close",
             "staggered": _NO_PERIOD,
             "continue": "no test runs it; use abort",
+            "replicas": "each push is applied on arrival, and a backup's arrival order is "
+                        "not its owner's: the two would hold different weights",
             "scheduler_restart": _SCHED_UNTESTED}),
     Algorithm("preduce", "average", "local", doc="Prague's partial reduce: groups of ready "
               "workers average their models (docs/spec/preduce.md)", tested={
@@ -200,7 +210,8 @@ ALGORITHMS = {a.name: a for a in (
                   "scheduler_restart": "its groups are formed at the scheduler, and a "
                                        "restarted scheduler does not rebuild them",
                   "resume": "no test resumes a partial reduce, where each worker keeps a "
-                            "model of its own"}),
+                            "model of its own",
+                  "replicas": "a group's average is not sent to a backup"}),
     Algorithm("localsgd", "sum", "periodic", outer="average", doc="post-local SGD: SSD's "
               "synchronous warm-up, then the workers' own optimizer steps and their models "
               "averaged on the servers every H steps (docs/spec/localsgd_diloco.md)",
@@ -232,17 +243,27 @@ CONFLICTS = {
     ("scheduler_restart", "compression"): _SCHED_UNTESTED,
     ("scheduler_restart", "relay"): _SCHED_UNTESTED,
     ("scheduler_restart", "staggered"): _SCHED_UNTESTED,
+    ("scheduler_restart", "replicas"): "a dead server's backup is promoted by the "
+                                       "scheduler, and a restarted scheduler does not "
+                                       "rebuild which servers died",
     ("relay", "staggered"): "staggered pulls never arrive together, so after the warm-up "
                             "there is no reply to relay; the two are alternative cures for "
                             "the same pull burst (docs/spec/pull_relay.md)",
+    ("replicas", "compression"): _NO_REPLICAS,
+    ("replicas", "relay"): "a relayed reply is not sent to a backup",
+    ("replicas", "quorum"): "a backup does not replay the leader's rounds",
+    ("replicas", "staggered"): _NO_REPLICAS,
+    ("replicas", "continue"): _NO_REPLICAS,
 }
 # Every other pair of features is run together by a named test (tests/test_combinations.py
-# checks that each of the 36 pairs is here or in CONFLICTS, and that each test exists).
+# checks that each of the 45 pairs is here or in CONFLICTS, and that each test exists).
 _MANY = ("tests/test_combination_jobs.py::"
          "test_a_compressed_staggered_continue_job_is_restarted_as_if_uninterrupted")
 _RELAY_RESTART = ("tests/test_combination_jobs.py::"
                   "test_a_killed_worker_of_a_relayed_job_is_restarted_as_if_uninterrupted")
 _QUORUM_RESTART = "tests/test_resume.py::test_a_killed_quorum_job_is_restarted_and_finishes"
+_REPLICAS_RESTART = ("tests/test_replicas.py::"
+                     "test_a_replicas_job_is_restarted_from_its_checkpoint_as_if_uninterrupted")
 TESTED_PAIRS = {
     ("compression", "staggered"): _MANY, ("compression", "restart"): _MANY,
     ("compression", "continue"): _MANY, ("compression", "resume"): _MANY,
@@ -260,6 +281,8 @@ TESTED_PAIRS = {
     ("scheduler_restart", "continue"): _SCHED + "test_after_a_scheduler_restart_a_"
                                                 "killed_worker_leaves_with_continue",
     ("scheduler_restart", "restart"): _SCHED_RESUMED, ("scheduler_restart", "resume"): _SCHED_RESUMED,
+    ("replicas", "checkpoint"): _REPLICAS,
+    ("replicas", "restart"): _REPLICAS_RESTART, ("replicas", "resume"): _REPLICAS_RESTART,
 }
 
 

@@ -105,3 +105,22 @@ def steps_ahead_bound(algorithm, delay_steps):
     step after requesting it, spec step 3); otherwise every step waits for its reply. One
     more for slack. This bounds the gradients a server holds to (bound x N x model)."""
     return (delay_steps if delays_pulls(algorithm) else 1) + 2
+
+
+def join_boundary(algorithm, warmup_steps, delay_steps):
+    """``boundary(held)``: the step a joiner comes in at, given ``held``, the largest
+    step the servers hold from (docs/spec/membership.md, "The step"). Every worker must
+    learn of the join from a reply a server sent after it admitted the joiner (a step
+    >= held) before it makes its batch of that step: in ssgd and ssd's warm-up it makes
+    batch s once it has w_G(s - 1), so s = held + 1; in ssd's steps-delay stage s is a
+    pull boundary T_w + m k (every worker resets to the same global weights there) and
+    batch s is made after the pull as of s - 1 - k, so s - 1 - k >= held."""
+    if algorithm != "ssd":
+        return lambda held: held + 1
+
+    def boundary(held):
+        if held + 1 <= warmup_steps:
+            return held + 1
+        m = max(0, -(-(held + 1 + delay_steps - warmup_steps) // delay_steps))
+        return warmup_steps + m * delay_steps
+    return boundary

@@ -130,8 +130,9 @@ class DeferredSteps:
             type(nd) is mx.nd.NDArray for _, grads, outs in entries
             for nd in list(grads) + list(outs or []))
 
-    def queue(self, entries, t, priority):
-        """Queue step ``t`` (see ``StageMachine.step_deferred``)."""
+    def queue(self, entries, t, priority, timed=False):
+        """Queue step ``t`` (see ``StageMachine.step_deferred``); ``timed``: a whole
+        step, which the pipeline pieces' tuner times as it leaves."""
         self.raise_error()
         ops = [self._key_op(key, grad_list, outs) for key, grad_list, outs in entries]
         if len(ops) > 1 and len({op.key for op in ops}) < len(ops):
@@ -139,6 +140,8 @@ class DeferredSteps:
 
         def run(done):
             try:
+                if timed:
+                    self.client.mark_step()
                 self.client.push_then(
                     [(op.key, op.grad_view()) for op in ops],
                     lambda replies, error: self._done(t, ops, replies, error, done))

@@ -197,14 +197,26 @@ class StageMachine:
         return (self.env.algorithm in ("ssgd", "asgd") and not self.quorum
                 and self.deferred.can_queue(entries))
 
-    def step_deferred(self, entries, priority=0):
+    def can_defer_step(self, entries):
+        """A Trainer's whole ssgd step can be one engine operation too (``step_deferred``
+        with ``timed``): ``Trainer.step`` then returns at once, as it does on ps-lite, and
+        what the script does before its next forward (its data, its own Python work, a
+        straggler's wait) overlaps the exchange. Not with relayed pulls (the outbox sends
+        every reply from the servers), nor while the timeline records: the wait would be
+        inside MXNet's engine, where no span shows whom the worker waited for."""
+        return (self.env.algorithm == "ssgd" and self.env.pull_relay != "chain"
+                and not TIMELINE.on and self.can_defer(entries))
+
+    def step_deferred(self, entries, priority=0, timed=False):
         """A synchronous step queued on MXNet's engine, as ps-lite queues a pushpull: it
         returns at once; the push leaves when the gradients are computed, and the outputs
         (the gradients where ``outs`` is None) are pending until the I/O thread has written
         w_G(t) into them. So a script calling pushpull key by key has all keys in flight
         and waits once (``wait_to_read``, ``waitall``). A failure is raised at the next
-        call of the machine (``settle``); the outputs then keep their old values."""
-        self.deferred.queue(entries, self.t, priority)
+        call of the machine (``settle``); the outputs then keep their old values.
+        ``timed``: the entries are a whole step (a Trainer's), timed for the pipeline
+        pieces as a synchronous step is."""
+        self.deferred.queue(entries, self.t, priority, timed)
         self.counts[Stage(self.env.algorithm)] += 1      # ssgd or asgd: the stage's name
         self.counts["pushes"] += 1
         self.counts["pulls"] += 1

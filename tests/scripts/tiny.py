@@ -44,3 +44,15 @@ def forward_backward(net, x, y):
 def params(net):
     """The Trainer's keys are the parameters' positions in collect_params()."""
     return list(net.collect_params().values())
+
+
+class ChunkData:
+    """A data set for dynamic data (ssdsgd.data.dynamic.ChunkFeed): ``n_train`` samples,
+    a batch a fixed function of its indices (so the test process can recompute the batch
+    of any chunk a worker was dealt, from the epoch's permutation)."""
+
+    def __init__(self, n_train, size=8):
+        self.n_train, self.size = n_train, size
+
+    def train_batch(self, idx, rng=None):
+        return batch(int(idx[0]), int(np.asarray(idx, np.int64).sum()) % 997, len(idx))

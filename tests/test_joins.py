@@ -1,0 +1,189 @@
+"""Workers that join (docs/spec/membership.md), in process: the scheduler's decider
+(ssdsgd/kvstore/joins.py: every server holds, the largest answer moved to a boundary
+wins), the stage rule's boundary, and the dense server policy's hold and admit."""
+import re
+
+import numpy as np
+import pytest
+
+from ssdsgd.kvstore.joins import Admissions, JoinError, refusal
+from ssdsgd.sync.dense import Async, DenseSync
+from ssdsgd.sync.policy import PolicyError
+from ssdsgd.sync.stage import join_boundary
+from test_server_policies import Executor, g, kinds
+
+
+def test_the_largest_answer_moved_to_a_boundary_decides_once_every_server_answered():
+    a = Admissions(join_boundary("ssd", 4, 3))       # boundaries 1..4, 7, 10, ...
+    a.begin(2, [b"s0", b"s1"])
+    assert a.answer(b"s1", {"joined": 2, "next_step": 5}) is None
+    assert a.answer(b"s0", {"joined": 2, "next_step": 8}) == {"joined": 2, "from_step": 13}
+    b = Admissions(join_boundary("ssgd", 0, 1))
+    b.begin(3, [b"s0"])
+    assert b.answer(b"s0", {"joined": 3, "next_step": 8}) == {"joined": 3, "from_step": 9}
+
+
+@pytest.mark.parametrize("held, expected", [(0, 1), (2, 3), (3, 4), (4, 10), (5, 10),
+                                            (6, 10), (7, 13)])
+def test_ssd_joins_in_the_warm_up_or_at_a_pull_boundary_the_workers_hear_of_in_time(
+        held, expected):
+    """T_w 4, k 3: in the warm-up the step after the held one; after it the first
+    T_w + m k whose batch is made after the pull as of s - 1 - k >= held."""
+    s = join_boundary("ssd", 4, 3)(held)
+    assert s == expected
+    assert s <= 4 or ((s - 4) % 3 == 0 and s - 1 - 3 >= held)
+
+
+@pytest.mark.parametrize("server, meta", [
+    (b"s0", {"joined": 5, "next_step": 1}),      # no such join
+    (b"sX", {"joined": 2, "next_step": 1}),      # a server that was not asked
+    (b"s0", {"joined": 2}),                      # no step
+])
+def test_an_answer_to_no_question_is_refused(server, meta):
+    a = Admissions(join_boundary("ssgd", 0, 1))
+    a.begin(2, [b"s0", b"s1"])
+    with pytest.raises(JoinError, match="not an answer to a join"):
+        a.answer(server, meta)
+
+
+@pytest.mark.parametrize("args, says", [
+    ((3, 2, 2, False, False), "has not started yet"),
+    ((3, 2, 2, True, True), "is finishing"),
+    ((2, 2, 2, True, False), "at most cluster.max_workers = 2 workers and has had 2"),
+    ((3, 1, 3, True, False), "has had 3 .* ranks are not reused"),
+])
+def test_a_join_the_job_cannot_take_has_a_one_line_reason(args, says):
+    why = refusal(*args)
+    assert why is not None and "\n" not in why
+    assert re.search(says, why)
+    assert refusal(3, 2, 2, True, False) is None
+
+
+def test_a_server_holds_from_its_first_free_step_and_admits_from_the_decided_one():
+    p = DenseSync(2, steps_ahead=3, algorithm="ssgd")
+    ex = Executor(p, [0, 1])
+    for r in range(2):
+        ex.run(p.push(r, [(0, 0, g(1)), (1, 0, g(1))], token=None))
+    ex.run(p.push(0, [(0, 1, g(2)), (1, 1, g(2))], token=None))
+    assert p.hold(2) == 2                         # step 1 has a push: 2 is the first free
+    ex.run(p.push(1, [(0, 1, g(2)), (1, 1, g(2))], token=None))   # step 1 < 2: applied
+    assert p.version == {0: 2, 1: 2}
+    assert ex.run(p.push(0, [(0, 2, g(3)), (1, 2, g(3))], token=None)) == []
+    assert ex.run(p.push(1, [(0, 2, g(3)), (1, 2, g(3))], token=None)) == []   # held
+    assert ex.run(p.admit(2, 2)) == []           # step 2 now waits for worker 2 too
+    with pytest.raises(PolicyError, match="joined the job from step 2"):
+        p.push(2, [(0, 1, g(1))], token=None)
+    # its first pull, as of step 1 (never pushed by it), is answered at once
+    assert p.pull(2, [(0, 1), (1, 1)], token=(0, 1)) == [("answer", (0, 1), 0),
+                                                          ("answer", (0, 1), 1)]
+    acts = ex.run(p.push(2, [(0, 2, g(4)), (1, 2, g(4))], token=None))
+    assert kinds(acts) == ["apply"]
+    assert [(key, len(parts), scale) for key, parts, scale in acts[0][1]] == \
+        [(0, 3, 2 / 3), (1, 3, 2 / 3)]          # the mean of three, counted as two
+    assert ex.weights[0] == pytest.approx([-(2 + 4) - 10 * 2 / 3] * 2)
+    # a later departure: the two left are the job's first size again, no scale
+    ex.run(p.push(0, [(0, 3, g(6))], token=None) + p.push(2, [(0, 3, g(3))], token=None))
+    assert p.first_missing(1) == 3
+    acts = ex.run(p.leave(1, 3))
+    assert [(key, len(parts), scale) for key, parts, scale in acts[0][1]] == [(0, 2, None)]
+
+
+def test_a_join_from_an_applied_step_or_of_a_member_is_refused():
+    p = DenseSync(2, steps_ahead=3, algorithm="ssgd")
+    ex = Executor(p, [0])
+    for r in range(2):
+        ex.run(p.push(r, [(0, 0, g(1))], token=None))
+    with pytest.raises(PolicyError, match="in the job already"):
+        p.hold(1)
+    with pytest.raises(PolicyError, match="was not asked to hold"):
+        p.admit(2, 1)
+    assert p.hold(2) == 1
+    with pytest.raises(PolicyError, match="in the job already, or joining"):
+        p.hold(2)
+    with pytest.raises(PolicyError, match="step 0 is already applied"):
+        p.admit(2, 0)
+    with pytest.raises(PolicyError, match="cannot join a job whose algorithm is asgd"):
+        Async(2, steps_ahead=3, algorithm="asgd").hold(2)
+
+
+def test_two_joins_decided_together_hold_until_both_are_admitted():
+    p = DenseSync(1, steps_ahead=4, algorithm="ssgd")
+    ex = Executor(p, [0])
+    assert p.hold(1) == 0 and p.hold(2) == 0
+    assert ex.run(p.push(0, [(0, 0, g(1))], token=None)) == []
+    assert ex.run(p.admit(1, 2)) == []           # worker 2's decision is still to come
+    assert p.version == {0: 0}
+    acts = ex.run(p.admit(2, 3))                 # step 0 had only worker 0 in it
+    assert [(k, len(parts), scale) for k, parts, scale in acts[0][1]] == [(0, 1, None)]
+    ex.run(p.push(0, [(0, 1, g(1))], token=None))
+    assert p.version == {0: 2}                   # step 1: worker 0 alone, as decided
+    ex.run(p.push(0, [(0, 2, g(1))], token=None))
+    assert p.version == {0: 2}                   # step 2 waits for worker 1 too
+    acts = ex.run(p.push(1, [(0, 2, g(1))], token=None))
+    assert [(k, len(parts), scale) for k, parts, scale in acts[0][1]] == [(0, 2, 0.5)]
+
+
+def test_the_servers_half_of_a_join_equals_the_simulator_bit_for_bit():
+    """Two servers (the real policy, the real ``Weights`` with MXNet's optimizer), ssgd
+    with 2 workers; worker 2 asks to join while step 4 is half pushed. Each server holds
+    from its first free step (5), step 5 waits for the decision, the decider admits from
+    ``join_boundary(5)`` = 6, and the weights equal ``simulate_membership`` fed that step,
+    bit for bit: what a running job's servers would do, short of the messages."""
+    import mxnet as mx
+    from ssdsgd.glu.simulate_membership import Change, simulate_membership
+    from ssdsgd.kvstore.weights import Weights
+    shapes = {0: (3,), 1: (4,)}
+    rs = np.random.RandomState(0)
+    init = {k: mx.nd.array(rs.randn(*s)) for k, s in shapes.items()}
+
+    def grad_fn(rank, step, weights):
+        r = np.random.RandomState(1000 * rank + step)
+        return {k: mx.nd.array(r.uniform(0.5, 1.5, w.shape)) * w - mx.nd.array(r.randn(*w.shape))
+                for k, w in weights.items()}
+
+    def make():
+        return mx.optimizer.SGD(learning_rate=0.05, momentum=0.9, wd=1e-3, rescale_grad=0.25)
+
+    servers = []                       # key k on server k
+    for k in shapes:
+        w, p = Weights(2, reclaim=lambda shard: None), DenseSync(2, 3, "ssgd")
+        w.declare(k, 0, init[k].asnumpy())
+        p.declare(k)
+        w.use_optimizer(make(), False)
+        servers.append((w, p))
+
+    def weights_now():
+        return {k: servers[k][0].shards[k].weight.copy() for k in shapes}
+
+    def push(rank, t, grads):
+        for k, (w, p) in enumerate(servers):
+            for kind, *what in p.push(rank, [(k, t, grads[k].asnumpy())], token=None):
+                assert kind == "apply"
+                w.apply(*what)
+
+    admissions = Admissions(join_boundary("ssgd", 0, 1))
+    members, decided = [0, 1], None
+    for t in range(10):
+        if decided is not None and t == decided["from_step"]:
+            members = [0, 1, 2]
+        at = weights_now()
+        grads = {r: grad_fn(r, t, at) for r in members}
+        push(members[0], t, grads[members[0]])
+        if t == 4:                     # worker 2 registers: every server holds
+            admissions.begin(2, ["s0", "s1"])
+            answers = [{"joined": 2, "next_step": p.hold(2)} for _, p in servers]
+            assert [a["next_step"] for a in answers] == [5, 5]
+        for r in members[1:]:
+            push(r, t, grads[r])
+        if t == 5:                     # step 5 is held until the decision
+            assert [p.version[k] for k, (_, p) in enumerate(servers)] == [5, 5]
+            decided = admissions.answer("s0", answers[0]) or admissions.answer("s1", answers[1])
+            assert decided == {"joined": 2, "from_step": 6}
+            for k, (w, p) in enumerate(servers):
+                for kind, *what in p.admit(2, decided["from_step"]):
+                    w.apply(*what)
+            assert [p.version[k] for k, (_, p) in enumerate(servers)] == [6, 6]
+    oracle = simulate_membership(init, grad_fn, make, 2, 10, [Change(6, "join", 2)],
+                                 algorithm="ssgd")
+    for k, got in weights_now().items():
+        assert np.array_equal(got.asnumpy(), oracle.global_weights[k].asnumpy()), k

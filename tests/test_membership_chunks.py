@@ -1,0 +1,46 @@
+"""Which chunk each member trains at each step as workers join and leave
+(ssdsgd/sync/membership.py, docs/spec/membership.md "The data"): each global chunk of
+the budget once, in rank order within a step, the same chunks as a fixed job's."""
+import pytest
+
+from ssdsgd.sync.membership import Membership
+
+
+def trained(m, steps):
+    return [(t, r, m.chunk(r, t)) for t in range(steps) for r in range(6)
+            if m.chunk(r, t) is not None]
+
+
+def test_with_no_change_worker_r_trains_chunk_t_n_plus_r():
+    m = Membership(2, per_epoch=10, budget=30)
+    assert m.end() == 15
+    assert m.chunk(1, 7) == divmod(15, 10) == (1, 5)
+    assert m.chunk(0, 15) is None and m.chunk(2, 3) is None
+
+
+@pytest.mark.parametrize("changes, end", [
+    ([("join", 2, 5)], 5 + (31 - 10) // 3),                  # 10 chunks, then 3 a step
+    ([("join", 2, 5), ("leave", 1, 9)], 9 + (31 - 10 - 12) // 2),
+    ([("join", 2, 0)], 31 // 3),
+])
+def test_every_chunk_of_the_budget_is_trained_once_whoever_is_in(changes, end):
+    m = Membership(2, per_epoch=10, budget=31)
+    for event, rank, step in changes:
+        getattr(m, event)(rank, step)
+    assert m.end() == end
+    rows = trained(m, 40)
+    assert max(t for t, _, _ in rows) == end - 1
+    globals_ = [e * 10 + c for _, _, (e, c) in rows]
+    assert sorted(globals_) == list(range(len(globals_)))      # each once, none skipped
+    assert 31 - len(globals_) < len(m.members(end - 1))      # at most |M| - 1 dropped
+    for t in range(end):                                      # rank order within a step
+        step = [e * 10 + c for s, _, (e, c) in rows if s == t]
+        assert step == sorted(step) and len(step) == len(m.members(t))
+
+
+def test_a_joiner_trains_nothing_before_its_step_and_ranks_are_not_reused():
+    m = Membership(2, per_epoch=10, budget=40)
+    m.join(2, 5)
+    assert m.chunk(2, 4) is None and m.chunk(2, 5) == (1, 2)
+    with pytest.raises(ValueError, match="in the job already"):
+        m.join(1, 6)
