@@ -189,7 +189,9 @@ def test_sync_env_matches_design_doc_names(tmp_path):
                                 "SSDSGD_HEARTBEAT_INTERVAL": "1.0",
                                 "SSDSGD_HEARTBEAT_TIMEOUT": "5.0",
                                 "SSDSGD_STALL_TIMEOUT": "300.0",
-                                "SSDSGD_ON_WORKER_FAILURE": "abort"}
+                                "SSDSGD_ON_WORKER_FAILURE": "abort",
+                                "SSDSGD_SCHEDULER_RESTARTS": "0",
+                                "SSDSGD_SERVER_REPLICAS": "0"}
 
 
 def test_warmup_epochs_converted_with_steps_per_epoch():
