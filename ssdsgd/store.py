@@ -166,6 +166,7 @@ class SSD_Sync(KVStoreBase):
                           else BY_NAME[name].env)
         if refused:
             raise CompressionError(refused)
+        self._machine.settle()      # steps queued on the engine go out as they were made
         if auto:
             self._machine.compress_auto()
         else:
@@ -268,6 +269,7 @@ class SSD_Sync(KVStoreBase):
 
     # ---- optimizer ---------------------------------------------------------------
     def set_optimizer(self, optimizer):
+        self._machine.settle()      # a step queued on the engine is applied by the old one
         self._updater = mx.optimizer.get_updater(optimizer)
         if self._env.algorithm == "preduce":
             # docs/spec/preduce.md: the Trainer's own optimizer object runs on this worker
@@ -287,6 +289,7 @@ class SSD_Sync(KVStoreBase):
         for MXNet's signature: the description is always written)."""
         if self._updater is None:
             raise RuntimeError("set_optimizer must be called before save_optimizer_states")
+        self._machine.settle()      # the state of every step made, queued ones included
         if self._env.algorithm == "preduce":     # each worker's own optimizer state
             state_file.save(fname, describe(self._updater.optimizer),
                             state_arrays(self._updater.states))
@@ -303,6 +306,7 @@ class SSD_Sync(KVStoreBase):
         pickle (MXNet's own format) is refused in one line, never loaded."""
         if self._updater is None:
             raise RuntimeError("set_optimizer must be called before load_optimizer_states")
+        self._machine.settle()      # a queued step must not land on the loaded state
         spec, arrays = state_file.load(fname)
         optimizer = build(spec)                       # MXNet's classes, checked
         optimizer.param_dict = self._updater.optimizer.param_dict
