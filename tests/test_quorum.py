@@ -17,6 +17,7 @@ from ssdsgd.settings import quorum_size
 from ssdsgd.slowdown import Slowdown
 from ssdsgd.sync.quorum_rules import LateWorkers
 from test_e2e_configs import sets
+from test_ssd_oracle import _equal_to_the_simulation
 
 STEPS, BATCH, WARMUP, K = 8, 8, 2, 2
 SLOW = 0.8        # seconds per step of the straggler: far more than a fast worker's step
@@ -75,10 +76,6 @@ def _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm, cosine=0, steps
             res.stdout + res.stderr)
 
 
-def _close(actual, expected, what):
-    np.testing.assert_allclose(actual, expected, rtol=2e-4, atol=2e-5, err_msg=what)
-
-
 # (algorithm, N, S, quorum, max_staleness, cosine): the last rank is a straggler
 # (debug.slowdown delay:R=SLOW), and there are as many fast workers as the quorum, so who
 # is late is fixed by the delays alone. cosine > 0: a cosine lr schedule over that many
@@ -104,17 +101,7 @@ def test_stragglers_end_with_the_simulators_weights(tmp_path, algorithm, n, s, q
     # the straggler's pushes joined later rounds than the fast workers' of the same step
     assert any(len(r) < n for r in ref.rounds[:STEPS]), ref.rounds
     assert ref.applied == [STEPS] * n
-    _same_as(ref, keys, locals_, finals)
-
-
-def _same_as(ref, keys, locals_, finals):
-    """Every worker's weights before and after its end are the simulator's."""
-    for r in range(len(locals_)):
-        for i, j in keys.items():
-            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
-                   f"worker {r} weights before the end, key {i} (rounds {ref.rounds})")
-            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
-                   f"worker {r} final weights, key {i} (rounds {ref.rounds})")
+    _equal_to_the_simulation(keys, ref, locals_, finals, f" (rounds {ref.rounds})")
 
 
 @pytest.mark.system
@@ -158,7 +145,7 @@ def test_quorum_auto_leaves_out_a_slow_worker_as_its_leader_recorded(tmp_path, a
     assert all(r == [0, 1, 2] for r in ref.rounds[:LateWorkers.PATIENCE]), ref.rounds
     assert [0, 1] in ref.rounds[LateWorkers.PATIENCE:], ref.rounds
     assert ref.applied == [AUTO_STEPS] * n
-    _same_as(ref, keys, locals_, finals)
+    _equal_to_the_simulation(keys, ref, locals_, finals, f" (rounds {ref.rounds})")
 
 
 @pytest.mark.system

@@ -7,25 +7,7 @@ import pytest
 from ssdsgd.glu.simulate import simulate
 from ssdsgd.glu.simulate_membership import (Change, MembershipError, members_by_step,
                                             simulate_membership)
-
-SHAPES = {0: (3,), 1: (2, 2)}
-LR, MU, WD, RESCALE = 0.05, 0.9, 1e-3, 1 / 4
-
-
-def init_weights():
-    rs = np.random.RandomState(0)
-    return {k: mx.nd.array(rs.randn(*s)) for k, s in SHAPES.items()}
-
-
-def grad_fn(worker, step, weights):
-    """Raw gradient of a per-(worker, step) quadratic: a * w - b, depends on the weights."""
-    rs = np.random.RandomState(1000 * worker + step)
-    return {k: mx.nd.array(rs.uniform(0.5, 1.5, w.shape)) * w - mx.nd.array(rs.randn(*w.shape))
-            for k, w in weights.items()}
-
-
-def make_sgd():
-    return mx.optimizer.SGD(learning_rate=LR, momentum=MU, wd=WD, rescale_grad=RESCALE)
+from test_simulate import LR, MU, RESCALE, WD, grad_fn, init_weights, make_sgd
 
 
 def make_scheduled():
