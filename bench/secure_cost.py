@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +77,6 @@ class Sealer:
         self.pool, self.opened = [], None
 
     def _buffer(self, size):
-        import numpy as np
         self.pool = self.pool[-64:]       # bounded: what is still unsent is not reused
         for i, (buf, tracker) in enumerate(self.pool):
             if len(buf) == size and tracker.done:
@@ -94,7 +94,6 @@ class Sealer:
             self.pool.append((out, tracker))
 
     def open(self, data):
-        import numpy as np
         self.seen += 1
         out = self.opened
         if not self.reuse or out is None or len(out) != len(data) - TAG:
@@ -148,7 +147,6 @@ def serve(mode, keys, messages, port_q, out_q):
 
 def work(mode, keys, port, args, rank, out_q):
     """A worker: rounds of --mb MB sent and answered; its rate and CPU per GB moved."""
-    import numpy as np
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.rcvtimeo = sock.sndtimeo = DEADLINE_S * 1000
