@@ -13,7 +13,8 @@ from conftest import load_npz
 from jobs import launch
 from ssdsgd.data import epoch_permutation
 from ssdsgd.glu.simulate_quorum import simulate_quorum
-from test_quorum import SLOW, _delays, _same_as, _trainer_keys
+from test_quorum import SLOW, _delays, _trainer_keys
+from test_ssd_oracle import _equal_to_the_simulation
 
 N, PER_EPOCH, EPOCHS, BATCH = 3, 6, 2, 8
 
@@ -63,5 +64,7 @@ def test_a_slow_rank_under_dynamic_data_ends_with_the_simulators_weights(tmp_pat
     keys, ref = _simulated(chunks, slowdown, staleness)
     assert ref.applied == [len(c) for c in chunks]
     assert any(len(r) < N for r in ref.rounds), ref.rounds
-    _same_as(ref, keys, [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(N)],
-             [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(N)])
+    _equal_to_the_simulation(keys, ref,
+                             [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(N)],
+                             [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(N)],
+                             f" (rounds {ref.rounds})")
