@@ -482,6 +482,11 @@ SETTINGS = (
             "so a test can check that the next worker refuses it and names the sender "
             "(docs/spec/pull_relay.md); unset: nobody does", env="SSDSGD_TAMPER_RELAY",
             min=0, optional=True),
+    Setting("drop_relay", int, None, "TEST ONLY, never for a real job: the worker of this "
+            "rank passes on no piece of a relayed reply (a relay that holds the chain up), "
+            "so a test can check that the next worker names it within "
+            "cluster.heartbeat_timeout (docs/spec/pull_relay.md); unset: nobody does",
+            env="SSDSGD_DROP_RELAY", min=0, optional=True),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 BY_ENV = {s.env: s for s in SETTINGS if s.env}

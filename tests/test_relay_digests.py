@@ -40,7 +40,8 @@ def _relayed(frames, altered=None):
     may change piece i on the way), decoded, with the server's DIGEST for worker 2."""
     pieces = F.fragments(frames, 11, 0, {"relay": [[2, 12]]}, size=1 << 20)
     digest = P.decode(P.encode(P.Message(P.Kind.DIGEST, sender=0, req=12,
-                                         meta={"digests": D.of_pieces(pieces)})))
+                                         meta={"digests": D.of_pieces(pieces),
+                                               "from": 1})))
     P.check_meta(digest.kind, digest.meta)
     out = []
     for i, p in enumerate(pieces):
@@ -129,19 +130,55 @@ def test_pieces_held_for_the_digests_are_bounded():
         check.given(digest)
 
 
+class _Clock:
+    """Seconds that pass when the test says so."""
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_pieces_that_stop_coming_name_the_worker_that_should_pass_them_on():
+    pieces, digest = _relayed(_reply())
+    clock = _Clock()
+    check = D.Expected(0, 1 << 22, [3, 4, 5], clock=clock)
+    clock.now += 1000          # before the digests nobody is named: the server is not done
+    assert check.overdue(30) is None
+    check.given(digest)
+    clock.now += 29.9
+    assert check.overdue(30) is None
+    frames, msg = pieces[0]
+    assert check.mismatch(msg, frames[3:], 1) is None
+    clock.now += 29.9          # a piece came: the wait starts again
+    assert check.overdue(30) is None
+    clock.now += 0.2
+    assert check.overdue(30) == (
+        "worker 1 stopped passing on server 0's reply (keys 3, 4, 5): 1 of its 3 pieces "
+        "came, none in the 30 s since server 0's digests or the last piece "
+        "(cluster.heartbeat_timeout + interval); stopping the job")
+    for frames, msg in pieces[1:]:
+        assert check.mismatch(msg, frames[3:], 1) is None
+    clock.now += 1000          # a reply that is complete is never overdue
+    assert check.done and check.overdue(30) is None
+
+
 @pytest.mark.parametrize("meta,ok", [
-    ({"digests": ["ab" * 32]}, True),
-    ({"digests": ["ab" * 32], "relay": [[2, 5]]}, True),
-    ({"digests": []}, False),
-    ({"digests": ["AB" * 32]}, False),
-    ({"digests": ["ab" * 31]}, False),
-    ({"digests": "ab" * 32}, False),
-    ({}, False)])
+    ({"digests": ["ab" * 32], "from": 0}, True),
+    ({"digests": ["ab" * 32], "relay": [[2, 5]], "from": 1}, True),
+    ({"digests": [], "from": 0}, False),
+    ({"digests": ["AB" * 32], "from": 0}, False),
+    ({"digests": ["ab" * 31], "from": 0}, False),
+    ({"digests": "ab" * 32, "from": 0}, False),
+    ({"from": 0}, False),
+    ({"digests": ["ab" * 32]}, False),
+    ({"digests": ["ab" * 32], "from": -1}, False),
+    ({"digests": ["ab" * 32], "from": "1"}, False)])
 def test_a_digest_message_is_type_checked(meta, ok):
     if ok:
         P.check_meta(P.Kind.DIGEST, meta)
     else:
-        with pytest.raises(P.ProtocolError, match="digests"):
+        with pytest.raises(P.ProtocolError, match="digests|from"):
             P.check_meta(P.Kind.DIGEST, meta)
 
 
@@ -162,6 +199,33 @@ def test_a_worker_that_alters_what_it_relays_is_named_and_the_job_stops(tmp_path
     named = [line for line in err.splitlines() if cause.search(line)]
     assert any(line.startswith("[worker 2] ssdsgd worker 2: ") for line in named), err[-3000:]
     # worker 2 told the scheduler: every node, and the launcher, say why the job ended
+    for node in ("[scheduler]", "[server 0]", "[worker 0]", "[launcher] the scheduler "
+                 "aborted the job: worker 2 (pid"):
+        assert any(line.startswith(node) for line in named), (node, err[-3000:])
+    assert not (tmp_path / "final-rank2.npz").exists()
+    assert "Traceback" not in err
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.system
+def test_a_worker_that_drops_what_it_relays_is_named_and_the_job_stops(tmp_path):
+    """Chain 0 -> 1 -> 2 at every step of ssgd; worker 1 passes nothing on. Worker 2 names
+    it once cluster.heartbeat_timeout + interval (here 4.5 s) passed with no piece after the server's
+    digests, and the job ends with that error everywhere (before: it waited until the
+    stall watch, 300 s by default, named worker 2, the victim)."""
+    started = time.monotonic()
+    res = launch(3, 1, ["--out", tmp_path, "--steps", "200"], timeout=120,
+                 env={"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "chain",
+                      "SSDSGD_DROP_RELAY": "1", "SSDSGD_HEARTBEAT_TIMEOUT": "4",
+                      "SSDSGD_HEARTBEAT_INTERVAL": "0.5"})
+    assert res.returncode != 0
+    err = res.stderr
+    assert "SSDSGD_DROP_RELAY=1: this worker passes on nothing it should relay" in err, \
+        err[-3000:]
+    cause = re.compile(r"worker 1 stopped passing on server 0's reply \(keys? [\d, .()a-z]+\): "
+                       r"0 of its \d+ pieces came, none in the 4.5 s since server 0's digests")
+    named = [line for line in err.splitlines() if cause.search(line)]
+    assert any(line.startswith("[worker 2] ssdsgd worker 2: ") for line in named), err[-3000:]
     for node in ("[scheduler]", "[server 0]", "[worker 0]", "[launcher] the scheduler "
                  "aborted the job: worker 2 (pid"):
         assert any(line.startswith(node) for line in named), (node, err[-3000:])

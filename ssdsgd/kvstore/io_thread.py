@@ -249,6 +249,7 @@ class IOThread:
                     self._receive(s, server)
             if self.relay.sock in events:
                 self.relay.receive(RECV_PER_TURN)
+            self.relay.overdue()
             link.tick(self._progress)
             if self._stopping and not backlog:
                 return

@@ -100,6 +100,7 @@ _EVENT = (lambda v: isinstance(v, str) and bool(_EVENT_NAME.match(v)),
           "an event name (1 to 32 of a-z and _)")
 _ANY = (lambda v: True, "any JSON value")
 _SERVER = (F.int_in(0, F.MAX_RANK), "a server rank")
+_WORKER = (F.int_in(0, F.MAX_RANK), "a worker rank")
 _BYTES = (F.int_in(1, F.MAX_STEP), "a number of bytes from 1 to 2^62")
 _CLOCK = (F.is_number, "a clock reading in seconds")
 _EPOCH = (F.int_in(0, 1 << 31), "an epoch number from 0 to 2^31")
@@ -169,7 +170,8 @@ META = {
     Kind.ERROR: {"error": (F.STR, True)},
     Kind.FRAGMENT: {"of": (F.COUNT, True), "relay": (_RELAY_TO, False),
                     "sizes": (_SIZES, False)},
-    Kind.DIGEST: {"digests": (_DIGESTS, True), "relay": (_RELAY_TO, False)},
+    Kind.DIGEST: {"digests": (_DIGESTS, True), "relay": (_RELAY_TO, False),
+                  "from": (_WORKER, True)},
     Kind.PROMOTE: {"dead": (_SERVER, True), "owner": (_SERVER, True)},
     Kind.TAKEOVER: {"dead": (_SERVER, True), "owner": (_SERVER, True)},
 }

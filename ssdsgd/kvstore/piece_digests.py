@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import struct
+import time
 
 from .protocol import HEADER, MAX_META_BYTES, ProtocolError, frame_buffer
 
@@ -64,15 +65,17 @@ MAX_HELD = 1 << 16      # pieces held for one reply before its digests (the dige
 
 
 class Expected:
-    """One relayed reply at a worker that gets it through another: the server's digests
-    and the rest of the chain, once its DIGEST is in, and the pieces passed on before
-    they came, held (at most the bytes a reply to the request can carry)."""
+    """One relayed reply at a worker that gets it through another: the server's digests,
+    the rest of the chain and the worker that passes the pieces on, once its DIGEST is
+    in, and the pieces passed on before they came, held (at most the bytes a reply to
+    the request can carry). ``clock``: when the last of them came (``overdue``)."""
 
-    def __init__(self, server, bound, keys):
-        self.server, self.bound, self.keys = server, bound, keys
-        self.digests = self.relay = None
+    def __init__(self, server, bound, keys, clock=time.monotonic):
+        self.server, self.bound, self.keys, self.clock = server, bound, keys, clock
+        self.digests = self.relay = self.relayer = None
         self.waiting, self.held = [], 0
         self.checked = 0          # pieces that matched (they come in order)
+        self.since = clock()      # the DIGEST or the last piece that matched
 
     def given(self, msg):
         """The server's DIGEST ``msg``; returns the pieces held for it, to be checked."""
@@ -80,6 +83,7 @@ class Expected:
             raise ProtocolError(f"server {self.server} sent the digests of its reply to "
                                 f"request {msg.req} twice")
         self.digests, self.relay = msg.meta["digests"], msg.meta.get("relay")
+        self.relayer, self.since = msg.meta["from"], self.clock()
         waiting, self.waiting, self.held = self.waiting, [], 0
         return waiting
 
@@ -114,7 +118,23 @@ class Expected:
             return (f"{what} does not match server {self.server}'s digest: it was altered "
                     "after the server sent it; stopping the job")
         self.checked += 1
+        self.since = self.clock()
         return None
+
+    def overdue(self, timeout):
+        """Why the pieces stopped coming, naming the worker that should pass them on, if
+        none came for ``timeout`` seconds since the server's digests or the last piece;
+        else None. The server sends the pieces right after the digests, so only that
+        worker (or its link) can hold them up: without this, a worker that dropped what
+        it should relay held the next one, and the job, until the stall watch named the
+        victim (docs/spec/pull_relay.md)."""
+        if self.digests is None or self.done or self.clock() - self.since <= timeout:
+            return None
+        return (f"worker {self.relayer} stopped passing on server {self.server}'s reply "
+                f"({keys_text(self.keys)}): {self.checked} of its {len(self.digests)} "
+                f"pieces came, none in the {timeout:g} s since server {self.server}'s "
+                f"digests or the last piece (cluster.heartbeat_timeout + interval); "
+                "stopping the job")
 
     @property
     def done(self):

@@ -50,6 +50,10 @@ class PullRelay:
             print(f"ssdsgd worker {self.rank}: SSDSGD_TAMPER_RELAY={self.rank}: this worker "
                   "alters every piece it relays (a test's fault injection, never for a real "
                   "job)", file=sys.stderr, flush=True)
+        if self.env.drop_relay == self.rank and self.sock is not None:
+            print(f"ssdsgd worker {self.rank}: SSDSGD_DROP_RELAY={self.rank}: this worker "
+                  "passes on nothing it should relay (a test's fault injection, never for a "
+                  "real job)", file=sys.stderr, flush=True)
         self.relays, self.link_id = topology.get("relays"), link_id
         self._ranks = {bytes.fromhex(h): r for r, h in enumerate(topology.get("workers", []))}
 
@@ -113,6 +117,15 @@ class PullRelay:
         except P.ProtocolError as e:
             raise RelayFault(str(e)) from None
         self._release(check, held, server, bound)
+
+    def overdue(self):
+        """Stop the job, naming the worker, if one holds up pieces this worker waits for
+        (``Expected.overdue``). The bound is a heartbeat interval longer than a silent
+        node's, so a worker that died or hangs is named by its heartbeats first."""
+        for check in self._checks.values():
+            error = check.overdue(self.env.heartbeat_timeout + self.env.heartbeat_interval)
+            if error:
+                raise RelayFault(error)
 
     def _check(self, req, server, bound, keys):
         """The digests' check of request ``req``'s relayed reply (one per request this
@@ -186,6 +199,8 @@ class PullRelay:
         out = F.forward(frames, req, meta)
         if self.env.tamper_relay == self.rank:      # TEST ONLY: a forged relay
             out = _tampered(out)
+        if self.env.drop_relay == self.rank:        # TEST ONLY: a relay that holds it up
+            return
         self.send(sock, out)
         self.stats["replies_relayed_out"] += 1
 

@@ -266,11 +266,12 @@ class Replies:
     def _send_digests(self, pieces, replies):
         """Every worker of a chain but the first gets the reply's pieces through another
         worker: this server sends it, on its own connection, the digests of the pieces and
-        the rest of the chain after it, so it can refuse a piece altered on the way
-        (``piece_digests``; docs/spec/pull_relay.md). Sent before the pieces."""
+        the rest of the chain after it, so it can refuse a piece altered on the way, and the
+        worker that passes the pieces on to it, so it can name that worker if they stop
+        coming (``piece_digests``; docs/spec/pull_relay.md). Sent before the pieces."""
         digests = D.of_pieces(pieces)
         for i, reply in enumerate(replies[1:], 2):
-            meta = {"digests": digests}
+            meta = {"digests": digests, "from": replies[i - 2].peer.rank}
             if i < len(replies):
                 meta["relay"] = [[r.peer.rank, r.req] for r in replies[i:]]
             self.send(reply.ident, P.Message(P.Kind.DIGEST, sender=self.rank, req=reply.req,
