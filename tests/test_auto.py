@@ -93,6 +93,60 @@ def test_the_relay_is_chosen_where_the_pulls_are_not_hidden_and_a_chain_can_form
     assert auto.delay_steps(burst, relay_workers=2)[1] is False     # no chain of 2
 
 
+def test_the_relay_is_chosen_by_what_its_trial_measured():
+    # secure ResNet-50 shapes at 10 Gbit/s on shared cores (docs/auto.md): rank 0 timed
+    # compute 834 ms, push 915 ms, pull 1829 ms; the model took a relayed pull at 2/4 of
+    # that, chose the relay and k = 2, and the job ran at 0.57x dist_sync (k = 10: 1.02x)
+    direct = dict(compute_s=0.834, round_s=1.83, sent_bytes=100e6, received_bytes=100e6,
+                  pull_bytes=200e6)
+    k, relay, why = auto.delay_steps(Timings(**direct), relay_workers=4)
+    assert (k, relay) == (K_MIN, True) and "modelled, 2/4 of a pull" in why
+    # its trial's relayed rounds took longer than the direct ones: no relay, k for the pull
+    k, relay, why = auto.delay_steps(Timings(**direct, relayed_round_s=2.1), relay_workers=4)
+    assert (k, relay) == (K_MAX, False)
+    assert "relayed 2370.0 ms (measured: relayed rounds 2100.0 ms against 1830.0 ms)" in why
+    # a trial that saved half the reply's link time: relayed, with a smaller k than alone
+    k, relay, why = auto.delay_steps(Timings(**direct, relayed_round_s=1.83 - 0.46),
+                                     relay_workers=4)
+    assert relay is True and k < K_MAX and "measured" in why
+    # a trial can show no more than the servers' one copy saved
+    assert auto.relayed_pull_s(Timings(**direct, relayed_round_s=0.0), 1.0, 4)[0] == 0.25
+
+
+def test_the_relays_trial_is_the_warmups_steps_before_its_last_on_every_worker():
+    now, stats = [0.0], {"time_blocked": 0.0, "bytes_sent": 0, "bytes_received": 0}
+    s = Schedule(_env(algorithm="ssd", warmup_steps=9, pull_relay="auto"), rank=0,
+                 num_workers=4, relay_workers=4)
+    assert s.trial_steps() == range(5, 8)
+    assert [s.trial_relays(t) for t in range(10)] == [None] * 5 + [True] * 3 + [False, None]
+    for t in range(9):
+        relayed = t in range(5, 8)
+        now[0] += 0.5                               # compute
+        with s.timed(t, stats, clock=lambda: now[0]):
+            blocked = 0.6 if relayed else 1.0       # relayed rounds are shorter here
+            if t == 8:
+                blocked = 1.4                       # and the last one waits for the chain
+            stats["time_blocked"] += blocked
+            stats["bytes_sent"] += 1000
+            stats["bytes_received"] += 3000 if t == 8 else 1000
+            now[0] += blocked
+    timings = s.timings()
+    # the span of steps 5-8 (3 x 1.1 + 1.9 s) less one direct step (1.5 s), per relayed
+    # step, less the compute: relayed rounds of (5.2 - 1.5) / 3 - 0.5 s
+    assert timings == Timings(0.5, 1.0, 1000, 1000, 3000,
+                              relayed_round_s=pytest.approx((5.2 - 1.5) / 3 - 0.5))
+    s.decide(None)
+    assert not s.trial_steps() and s.trial_relays(6) is None
+    # no trial where the relay is pinned, impossible, or the warm-up too short for it
+    assert not Schedule(_env(algorithm="ssd", warmup_steps=9, pull_relay="off"), rank=0,
+                        num_workers=4, relay_workers=4).trial_steps()
+    assert not Schedule(_env(algorithm="ssd", warmup_steps=9, pull_relay="auto"), rank=0,
+                        num_workers=4, relay_workers=0).trial_steps()
+    short = Schedule(_env(algorithm="ssd", warmup_steps=6, pull_relay="auto"), rank=0,
+                     num_workers=4, relay_workers=4)
+    assert not short.trial_steps() and short.trial_relays(3) is None
+
+
 # ---- sync.compression: auto --------------------------------------------------------------
 LINK_BOUND = Timings(0.1, 1.0, 100e6, 100e6, 100e6)     # push 0.5 s against 0.1 s of compute
 
@@ -281,3 +335,24 @@ def test_a_job_with_the_defaults_says_and_records_what_it_chose(tmp_path):
     text = p.stdout + p.stderr
     assert f"ssdsgd: warm-up {summary['warmup_steps']} steps (auto" in text
     assert f"ssdsgd: k = {summary['delay_steps']} (auto: compute" in text
+
+
+@pytest.mark.system
+def test_a_three_worker_job_times_the_relay_in_its_warmup_and_says_what_it_measured(tmp_path):
+    """Three workers, the relay at auto: the warm-up's steps T_w - 4 .. T_w - 2 are relayed
+    (every worker passes pieces on), rank 0 chooses from what they measured, and the
+    summary says so."""
+    p = dist(["configs/digits.yaml", *sets(cluster__workers=3, sync__warmup_steps=9,
+                                           train__epochs=1, output__plots="false",
+                                           output__dir=tmp_path)], timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = run_dir_of(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    why = summary["choices"]["pull_relay"]["why"]
+    assert "(measured: relayed rounds " in why, why
+    relayed = summary["choices"]["pull_relay"]["value"] == "chain"
+    ends = [records(run, rank, "end")[-1]["kv"] for rank in range(3)]
+    # the trial's 3 replies (and, if chosen, the steps-delay pulls) came through worker 0
+    assert all(e["replies_relayed_in"] >= 3 for e in ends[1:]), ends
+    assert ends[0]["replies_relayed_out"] >= 3 and ends[2]["replies_relayed_out"] == 0
+    assert f"pull relay {'chain' if relayed else 'off'} (auto: compute" in p.stderr

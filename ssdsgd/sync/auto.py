@@ -38,6 +38,11 @@ TIMED_LAST = 20                 # the k rule reads the last this many warm-up st
 
 
 RELAY_MIN_WORKERS = 3           # an auto relay needs a chain of at least this many
+# The relay's trial: where the relay is auto, the warm-up's steps T_w - 1 - RELAY_TRIAL ..
+# T_w - 2 are relayed and timed, so the choice rests on what a relayed pull cost here, not
+# on a model of it (the model's 2/N missed CURVE's decrypt and re-encrypt on every hop:
+# docs/auto.md). Needs TIMED_MIN direct steps before it and the last warm-up step after.
+RELAY_TRIAL = 3
 
 # sync.compression: auto (opt-in: compression changes results). The codecs weighed, in the
 # order of what they cost in accuracy (docs/spec/compression.md: topk at its default ratio
@@ -90,12 +95,15 @@ class Timings:
     (the script's forward, backward and data), ``round_s`` blocked in a step (push, the
     slowest worker, the update, the reply), and the bytes a step sent and received;
     ``pull_bytes``: what a steps-delay pull will receive (the last warm-up step's reply,
-    which carries the optimizer state when ``glu_state: exact`` needs it)."""
+    which carries the optimizer state when ``glu_state: exact`` needs it);
+    ``relayed_round_s``: a round of the relay's trial, whose replies were relayed (None:
+    no trial)."""
     compute_s: float
     round_s: float
     sent_bytes: float
     received_bytes: float
     pull_bytes: float
+    relayed_round_s: float | None = None
 
     def link_s(self, nbytes: float) -> float:
         """What ``nbytes`` cost on the link, at the warm-up rounds' time per byte."""
@@ -135,26 +143,51 @@ def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0,
     bytes; a push then costs ``push_s``, a pull ``pull_s``. A steps-delay step takes about
     max(compute, push) (the push-every-step bound), and a pull that does not fit in the
     step after it adds (pull - compute) once per k steps: k keeps that within SLACK of the
-    bound. ``relay_workers``: the chain a relay would have (0: no relay possible); it is
-    chosen when the pull is not hidden, and a relayed pull is taken to cost
-    2 / relay_workers of one from the servers (the servers' link carries one copy instead
-    of N; the rest is the chain's hops). ``codec``: the pushes are compressed with it (its
-    wire bytes, its coding time counted as compute; pulls are not compressed)."""
+    bound. ``relay_workers``: the chain a relay would have (0: no relay possible); the
+    relay is chosen when it makes the step estimate shorter (``relayed_pull_s``).
+    ``codec``: the pushes are compressed with it (its wire bytes, its coding time counted
+    as compute; pulls are not compressed)."""
     push_s, pull_s = t.link_s(t.sent_bytes), t.link_s(t.pull_bytes)
     compute_s = t.compute_s
     if codec is not None:
         push_s, compute_s = push_s * codec.wire, compute_s + codec.seconds
-    relay = relay_workers >= RELAY_MIN_WORKERS and pull_s > compute_s
-    cost_s = pull_s * 2 / relay_workers if relay else pull_s
     bound = max(compute_s, push_s, 1e-6)
-    excess = cost_s - compute_s
-    k = K_MIN if excess <= 0 else math.ceil(excess / (SLACK * bound))
-    k = min(k_max, max(K_MIN, k))
+
+    def period(cost_s):
+        """(k, the step estimate) for a pull of ``cost_s``."""
+        excess = cost_s - compute_s
+        k = K_MIN if excess <= 0 else math.ceil(excess / (SLACK * bound))
+        k = min(k_max, max(K_MIN, k))
+        return k, bound + max(0.0, excess) / k
+    k, step_s = period(pull_s)
+    relay, relayed = False, None
+    if relay_workers >= RELAY_MIN_WORKERS:
+        relayed, how = relayed_pull_s(t, pull_s, relay_workers)
+        k_relayed, step_relayed = period(relayed)
+        if step_relayed < step_s:
+            relay, k = True, k_relayed
     return k, relay, (
         f"auto: compute {t.compute_s * 1e3:.1f} ms/step, push {push_s * 1e3:.1f} ms, pull "
         f"{pull_s * 1e3:.1f} ms (from the warm-up's {t.round_s * 1e3:.1f} ms rounds)"
-        + (f", relayed ~{cost_s * 1e3:.1f} ms" if relay else "")
+        + (f", relayed {relayed * 1e3:.1f} ms ({how})" if relayed is not None else "")
         + f"; k within [{K_MIN}, {k_max}]")
+
+
+def relayed_pull_s(t: Timings, pull_s: float, relay_workers: int):
+    """(what a relayed pull costs, how it was found). Measured where the warm-up relayed
+    its trial steps: a relayed round saved (or cost) ``round_s - relayed_round_s`` on a
+    reply of ``received_bytes``, scaled to the pull's bytes (at least 1 / relay_workers
+    of a pull: the servers still send one copy). Else modelled: 2 / relay_workers of a
+    pull from the servers (their link carries one copy instead of N, the rest is the
+    chain's hops), which charges nothing for the CPU a hop spends, so it is used only
+    where the warm-up is too short for a trial."""
+    if t.relayed_round_s is None:
+        return pull_s * 2 / relay_workers, f"modelled, 2/{relay_workers} of a pull"
+    saved = t.round_s - t.relayed_round_s
+    relayed = max(pull_s - saved * t.pull_bytes / max(t.received_bytes, 1.0),
+                  pull_s / relay_workers)
+    return relayed, (f"measured: relayed rounds {t.relayed_round_s * 1e3:.1f} ms against "
+                     f"{t.round_s * 1e3:.1f} ms")
 
 
 class Schedule:
@@ -191,6 +224,9 @@ class Schedule:
         self.compression, self._measure = "none", None   # compress_auto: undecided
         self._samples = []        # (compute_s, round_s, sent, received) of timed steps
         self._left = None         # when the last step returned (clock)
+        self._trial_from = None   # when the step before the relay's trial returned
+        self._trial_s = None      # from then to the end of the warm-up (its last step)
+        self._last_received = None    # the last warm-up step's reply (after a trial)
         self._before = None
         if not self.undecided:
             self._chosen()
@@ -252,25 +288,61 @@ class Schedule:
     def _choosing(self):
         return self.undecided and stage.delays_pulls(self.algorithm)
 
+    def trial_steps(self) -> range:
+        """The warm-up steps relayed to time the relay (RELAY_TRIAL): only where the relay
+        is auto and undecided, and the warm-up has TIMED_MIN timed direct steps before
+        them and its last step after them; else none."""
+        last = self.warmup_steps - 1
+        if self.relay is not None or self.relay_workers < RELAY_MIN_WORKERS \
+                or not self._choosing() \
+                or last - RELAY_TRIAL < 1 + TIMED_MIN:
+            return range(0)
+        return range(last - RELAY_TRIAL, last)
+
+    def trial_relays(self, t: int) -> bool | None:
+        """Is step ``t``'s reply relayed for the trial? None outside it and the step after
+        it: the choice in force decides (every worker asks at the same steps)."""
+        trial = self.trial_steps()
+        if not trial or not trial.start <= t <= trial.stop:
+            return None
+        return t in trial
+
     @contextlib.contextmanager
     def timed(self, t: int, stats: dict, clock=time.perf_counter):
         """Around step ``t``: a warm-up step but the first is timed (``stats``: the
-        client's, read before and after)."""
+        client's, read before and after). The relay's trial and the warm-up's last step
+        after it are timed as one span: the last relayed reply's lag shows in the step
+        after it, where the workers wait for the last of the chain to push."""
         start, before = clock(), _counters(stats)
         yield
-        if 0 < t < self.warmup_steps and self._left is not None:
-            self._samples.append((start - self._left, *(
-                after - b for after, b in zip(_counters(stats), before))))
+        trial = self.trial_steps()
+        sample = (start - self._left if self._left is not None else None,
+                  *(after - b for after, b in zip(_counters(stats), before)))
+        if trial and t == trial.start:
+            self._trial_from = self._left
+        if trial and trial.start <= t <= trial.stop:
+            if t == trial.stop:
+                self._last_received = sample[3]
+                if self._trial_from is not None:
+                    self._trial_s = clock() - self._trial_from
+        elif 0 < t < self.warmup_steps and self._left is not None:
+            self._samples.append(sample)
             del self._samples[:-TIMED_LAST]
         self._left = clock()
 
     def timings(self) -> Timings | None:
-        """The medians of the timed steps (the last one's reply as the pull), or None."""
+        """The medians of the timed direct steps (the last warm-up step's reply as the
+        pull), and the relayed rounds of the trial, or None."""
         if len(self._samples) < TIMED_MIN:
             return None
         columns = list(zip(*self._samples))
-        return Timings(*(statistics.median(c) for c in columns),
-                       pull_bytes=max(self._samples[-1][3], statistics.median(columns[3])))
+        medians = [statistics.median(c) for c in columns]
+        last = self._last_received if self._last_received is not None else columns[3][-1]
+        relayed = None
+        if self._trial_s is not None:       # the span less its last (direct) step
+            relayed = (self._trial_s - medians[0] - medians[1]) / RELAY_TRIAL - medians[0]
+        return Timings(*medians, pull_bytes=max(last, medians[3]),
+                       relayed_round_s=None if relayed is None else max(relayed, 0.0))
 
     def decide(self, agree):
         """k and the relay where auto, from rank 0's timings; ``agree(value)`` returns

@@ -158,6 +158,9 @@ class StageMachine:
         """entries: (key, grads, outs); outs None means write the result into grads."""
         self.settle()
         TIMELINE.begin_step(self.t)
+        trial = self.schedule.trial_relays(self.t)     # the relay's trial (sync/auto.py)
+        if trial is not None:
+            self.client.relay_on = trial
         blocked0 = self.client.stats["time_blocked"]
         with self.schedule.timed(self.t, self.client.stats):
             if self.env.algorithm == "preduce":
