@@ -156,11 +156,24 @@ def worker_files(run_dir) -> dict[int, Path]:
     return files
 
 
+def job_throughput(ends):
+    """Samples applied per second of the job's wall time, from the workers' ``end``
+    records: their samples over the longest wall time (None if one lacks either)."""
+    ends = list(ends)
+    samples = [e.get("samples") for e in ends]
+    walls = [e.get("wall_time") for e in ends]
+    if not ends or any(s is None for s in samples) or not all(walls):
+        return None
+    return sum(samples) / max(walls)
+
+
 def summarize(run_dir, base: dict, wait_for: int = 0, timeout: float = 10.0) -> dict:
     """Write RUN_DIR/summary.json from ``base`` (rank 0's figures: final_accuracy,
     wall_time, ...) and the ``end`` records of every worker's metrics file: job
-    throughput (sum of the workers' samples/s), bytes moved (sums), time blocked (mean
-    and max over workers). Waits up to ``timeout`` s for ``wait_for`` end records."""
+    throughput (the samples every worker trained, which the servers applied once each,
+    over the longest worker's wall time: never a sum of the workers' rates, which
+    overstates a job whose workers differ in speed or steps), bytes moved (sums), time
+    blocked (mean and max over workers). Waits up to ``timeout`` s for ``wait_for`` end records."""
     deadline = time.monotonic() + timeout
     while True:
         ends = {}
@@ -177,14 +190,10 @@ def summarize(run_dir, base: dict, wait_for: int = 0, timeout: float = 10.0) -> 
         def total(key):
             vals = [e.get(key) for e in ends.values()]
             return None if any(v is None for v in vals) else sum(vals)
-        summary["samples_per_sec"] = total("samples_per_sec")
         # every push is applied once (quorum.md rule 1): the samples the servers applied,
         # over the longest worker's training time (the job's, not a sum of rates)
         summary["samples"] = total("samples")
-        walls = [e.get("wall_time") for e in ends.values()]
-        summary["samples_applied_per_sec"] = (
-            summary["samples"] / max(walls) if summary["samples"] is not None
-            and all(w for w in walls) else None)
+        summary["samples_per_sec"] = job_throughput(ends.values())
         summary["bytes_sent"] = total("bytes_sent")
         summary["bytes_received"] = total("bytes_received")
         blocked = [e.get("time_blocked") for e in ends.values()]

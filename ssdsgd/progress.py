@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from ssdsgd.metrics import worker_files
+from ssdsgd.metrics import job_throughput, worker_files
 
 
 class ProgressMonitor:
@@ -98,8 +98,9 @@ class ProgressMonitor:
             if event == "end":
                 state["step"] = rec.get("global_step", rec.get("steps", state.get("step", 0)))
                 state["done"] = True
-                # this worker's average over the run (what the job's summary sums)
+                # what the job's throughput is made of (metrics.job_throughput)
                 state["samples_per_sec"] = rec.get("samples_per_sec")
+                state["end"] = {k: rec.get(k) for k in ("samples", "wall_time")}
             else:
                 state.update({k: rec.get(k) for k in ("step", "epoch", "accuracy", "loss",
                                                       "samples_per_sec", "stage")})
@@ -121,9 +122,11 @@ class ProgressMonitor:
     def status(self) -> dict:
         live = [w for w in self.workers.values() if not w.get("done")]
         epochs = [w.get("epoch") for w in self.workers.values() if w.get("epoch") is not None]
-        # while running: the live workers' latest interval speeds; once every worker has
-        # ended: the job's average throughput (sum of the end records)
-        speed = sum(w.get("samples_per_sec") or 0.0 for w in (live or self.workers.values()))
+        # while running: the live workers' latest interval speeds (intervals of the same
+        # steps); once every worker has ended: the job's throughput by its wall clock, the
+        # summary's (metrics.job_throughput)
+        speed = sum(w.get("samples_per_sec") or 0.0 for w in live) if live else (
+            job_throughput(w.get("end", {}) for w in self.workers.values()) or 0.0)
         accs = [w.get("accuracy") for w in self.workers.values()
                 if w.get("accuracy") is not None]
         return {"step": self.step, "total_steps": self.total_steps,

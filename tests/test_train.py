@@ -277,6 +277,20 @@ def test_progress_monitor_follows_the_metrics_files(tmp_path):
     f1.close()
 
 
+def test_progress_ends_with_the_jobs_throughput_not_the_workers_rates_summed(tmp_path):
+    """Once every worker ended, the line shows the summary's figure: the samples applied
+    over the longest wall time (a slow worker's 80 samples/s does not add to the rest)."""
+    (tmp_path / "metrics").mkdir()
+    for rank, (steps, wall) in enumerate([(30, 3.0), (10, 4.0)]):
+        (tmp_path / f"metrics/worker-{rank}.jsonl").write_text(
+            json.dumps({"event": "start", "num_workers": 2, "total_steps": 30}) + "\n" +
+            json.dumps({"event": "end", "steps": steps, "samples": steps * 32,
+                        "wall_time": wall, "samples_per_sec": steps * 32 / wall}) + "\n")
+    mon = ProgressMonitor(tmp_path, None, tty=False, interval=0, stream=io.StringIO())
+    assert mon.poll()["samples_per_sec"] == pytest.approx(40 * 32 / 4.0)     # not 400
+    mon.close()
+
+
 def test_progress_monitor_tty_bar(tmp_path):
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics/worker-0.jsonl").write_text(
