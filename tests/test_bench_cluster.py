@@ -94,6 +94,15 @@ def ours(pid):
 
 
 # ---- pure functions -----------------------------------------------------------------------
+def test_the_hetero_page_takes_the_runs_name():
+    from bench.cluster.__main__ import hetero_stem
+    hetero_only = {'hetero': {'cases': [{}]}}
+    assert hetero_stem('cluster', hetero_only) == 'hetero'        # the run of record
+    assert hetero_stem('hetero_even', hetero_only) == 'hetero_even'
+    both = dict(hetero_only, matrix=[{}])
+    assert hetero_stem('quiet', both) == 'quiet_hetero'           # beside quiet.md
+
+
 def test_rates_and_bounds():
     assert netns.parse_rate('1gbit') == 1e9
     assert netns.parse_rate('10Gbit') == 1e10

@@ -172,16 +172,30 @@ def finish_results(results, bench, interrupted, started, src_start):
         (['the run was interrupted; the tables are partial'] if interrupted else [])
 
 
+def has_main_tables(results):
+    """Rows of the experiments NAME.md holds (the hetero one has its own page)."""
+    return bool(results.get('matrix') or results.get('scaling', {}).get('rows')
+                or results.get('tta', {}).get('rows') or results.get('tta_comm', {}).get('rows'))
+
+
+def hetero_stem(name, results):
+    """The hetero page's stem: hetero (the run of record) under the default --name, else
+    NAME, or NAME_hetero beside NAME.md's own tables."""
+    if name == 'cluster':
+        return 'hetero'
+    return f'{name}_hetero' if has_main_tables(results) else name
+
+
 def write_outputs(results, out, name='cluster'):
     out.mkdir(parents=True, exist_ok=True)
     if results.get('hetero', {}).get('cases'):
-        (out / 'hetero.json').write_text(json.dumps(strip_for_json(
+        stem = hetero_stem(name, results)
+        (out / f'{stem}.json').write_text(json.dumps(strip_for_json(
             {'meta': results['meta'], 'hetero': results['hetero']}), indent=1))
-        (out / 'hetero.md').write_text(pages.hetero_markdown(results))
-        record(results, out, 'hetero')
-        log(f'wrote {out / "hetero.md"} and {out / "hetero.json"}')
-    if not (results.get('matrix') or results.get('scaling', {}).get('rows')
-            or results.get('tta', {}).get('rows') or results.get('tta_comm', {}).get('rows')):
+        (out / f'{stem}.md').write_text(pages.hetero_markdown(results, stem))
+        record(results, out, stem)
+        log(f'wrote {out / (stem + ".md")} and {out / (stem + ".json")}')
+    if not has_main_tables(results):
         return      # NAME.md keeps the last full run's tables
     images = report.plots(results, out, name)
     (out / f'{name}.json').write_text(json.dumps(strip_for_json(results), indent=1))

@@ -75,12 +75,13 @@ def _judged_on(part):
             f"{', '.join(map(str, part['seeds']))} (the table below), not one seed.", '']
 
 
-def hetero_markdown(results):
-    """hetero.md: the heterogeneity tables of one run (discussion: heterogeneity.md)."""
+def hetero_markdown(results, stem='hetero'):
+    """STEM.md (hetero.md): the heterogeneity tables of one run (discussion:
+    heterogeneity.md)."""
     meta = results['meta']
     return '\n'.join(
         ['# Emulated-cluster benchmark: slow workers', '',
-         _made_by(meta, 'hetero', 'settings, method and the published figures: '
+         _made_by(meta, stem, 'settings, method and the published figures: '
                   '[heterogeneity.md](heterogeneity.md)'), '']
         + _machine(meta) + ['', hetero_tables(results['hetero'], md=True)] + _notes(meta))
 
@@ -135,8 +136,8 @@ def rewrite(json_path):
     """NAME.md beside NAME.json, from it and the plots already there."""
     path = Path(json_path)
     results = json.loads(path.read_text())
-    if path.stem == 'hetero':
-        text = hetero_markdown(results)
+    if set(results) == {'meta', 'hetero'}:      # a hetero page (write_outputs)
+        text = hetero_markdown(results, path.stem)
     else:
         images = [path.with_name(f'{path.stem}_{s}.png') for s in PLOT_SUFFIXES]
         text = markdown(results, [p for p in images if p.exists()], path.stem)
