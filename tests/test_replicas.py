@@ -139,6 +139,67 @@ def test_a_backup_holds_its_replies_until_promoted_then_sends_them_and_takeover(
         job.close()
 
 
+def test_a_copy_that_overtakes_worker_0s_init_waits_for_it():
+    """Worker 1's copies reach the backup in order (its INIT, then its push), but worker
+    0's INIT copy travels on another connection: worker 1 may have its INIT answered by
+    the owner and push before worker 0's copy reaches the backup. Before, the backup
+    refused that push ("key 5 was never initialized on server 0") and the job ended; now
+    it waits, bounded, for the INIT worker 1 is itself waiting for."""
+    from ssdsgd.kvstore import protocol as P
+    from test_server_in_process import SIZES, records
+    job = backup_job(SSDSGD_SERVER_REPLICAS=1)
+    try:
+        w0, w1 = job.workers
+        copy = P.Flag.BACKUP
+        values = {k: np.ones(n, np.float32) for k, n in SIZES.items()}
+        grads = {k: np.full(n, 0.25, np.float32) for k, n in SIZES.items()}
+        job.send(w1, P.Message(P.Kind.INIT, sender=1, flags=copy,
+                               records=records(SIZES, ntensors=0), tensors=[[] for _ in SIZES]))
+        job.send(w1, P.Message(P.Kind.PUSH, sender=1, flags=copy | P.Flag.PULL,
+                               records=records(SIZES, step=0),
+                               tensors=[[grads[k]] for k in SIZES]))
+        assert job.replies(w1) == [], "the early copy was refused, not kept for the INIT"
+        job.send(w0, P.Message(P.Kind.INIT, sender=0, flags=copy, records=records(SIZES),
+                               tensors=[[values[k]] for k in SIZES]))
+        job.send(w0, P.Message(P.Kind.PUSH, sender=0, flags=copy | P.Flag.PULL,
+                               records=records(SIZES, step=0),
+                               tensors=[[grads[k]] for k in SIZES]))
+        assert job.replies(w0) == [] and job.replies(w1) == []    # all held, none refused
+        held = job.server.backup.held           # both INITs' replies, then both pushes'
+        assert [r.peer.rank for r in held] == [1, 0, 1, 0] and job.server.backup.early == []
+        for reply in held[2:]:                  # no optimizer: the store keeps the sum
+            for arrays in reply.parts:
+                np.testing.assert_array_equal(arrays[0], np.full_like(arrays[0], 0.5))
+        # a push of a key no INIT of its worker waits for is still refused at once
+        job.send(w1, P.Message(P.Kind.PUSH, sender=1, flags=copy,
+                               records=P.make_records([(9, 0, 0, 4, np.float32, 1)]),
+                               tensors=[[np.ones(4, np.float32)]]))
+        (error,) = job.replies(w1)
+        assert error.kind == P.Kind.ERROR and "key 9 was never initialized" in error.meta["error"]
+    finally:
+        job.close()
+
+
+def test_copies_kept_for_an_init_are_bounded():
+    from types import SimpleNamespace
+    from ssdsgd.kvstore import protocol as P
+    from ssdsgd.kvstore.backup import EARLY_PER_WORKER, Backup
+    from ssdsgd.kvstore.replies import RequestError
+    backup = Backup(SimpleNamespace(num_servers=2, server_replicas=1), None, print)
+    recs = P.make_records([(5, 0, 0, 4, np.float32, 1)])
+    waiting = [(b"w1", P.Message(P.Kind.INIT, sender=1, records=recs))]
+    copy = P.Message(P.Kind.PUSH, sender=1, flags=P.Flag.BACKUP, records=recs)
+    assert not backup.overtook(b"w1", P.Message(P.Kind.PUSH, sender=1, records=recs), {},
+                               waiting), "only copies wait"
+    assert not backup.overtook(b"w2", copy, {}, waiting), "for an INIT of their own worker"
+    for _ in range(EARLY_PER_WORKER):
+        assert backup.overtook(b"w1", copy, {}, waiting)
+    with pytest.raises(RequestError, match=f"worker 1 sent {EARLY_PER_WORKER} copies before "
+                       "worker 0's INIT of key 5 reached this server"):
+        backup.overtook(b"w1", copy, {}, waiting)
+    assert backup.caught_up({}) == [] and len(backup.caught_up({5: None})) == EARLY_PER_WORKER
+
+
 def test_replication_messages_outside_their_rules_are_refused_in_one_line():
     from ssdsgd.kvstore import protocol as P
     from ssdsgd.kvstore.replica_map import ReplicaMap

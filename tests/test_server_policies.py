@@ -330,3 +330,28 @@ def test_the_servers_weights_carry_out_a_policys_updates():
     want = start - lr * sum(grads) - lr * grads[0] * np.float32(3)
     np.testing.assert_allclose(weights.shards[0].weight.asnumpy(), want, rtol=1e-6)
     assert weights.shards[0].version == 2 and weights.update_count(weights.shards[0]) == 2
+
+
+def test_unsent_replies_of_one_step_share_one_copy_when_the_weights_change():
+    """Every worker's pull of a step lends the same view of the weights; when the next
+    step changes them before ZeroMQ took the replies, the replies keep the old values in
+    one copy, not one copy each (N workers' pulls of a big model were N copies)."""
+    from ssdsgd.kvstore.replies import Peer, Replies, Reply
+    from ssdsgd.kvstore.weights import Weights
+
+    replies = Replies(sock=None, weights=None, env=None, log=print)
+    weights = replies.weights = Weights(3, reclaim=replies.reclaim)
+    weights.declare(0, 0, np.float32([1, 2, 3, 4]))
+    weights.declare(1, 0, np.float32([5]))
+    shard, other = weights.shards[0], weights.shards[1]
+    # replies still waiting for key 1 (so not sent) when key 0 changes
+    waiting = [Reply(bytes([r]), r + 1, [shard, other], False, Peer(r)) for r in range(3)]
+    for reply in waiting:
+        replies._snapshot(reply, 0, shard)
+    assert all(r.parts[0][0] is waiting[0].parts[0][0] for r in waiting)   # one view
+    replies.reclaim(shard)
+    shard.weight[:] = 0                    # the next step's update
+    copies = {id(r.parts[0][0]) for r in waiting}
+    assert len(copies) == 1, "each unsent reply took a copy of its own"
+    np.testing.assert_array_equal(waiting[0].parts[0][0], [1, 2, 3, 4])
+    assert shard.lent == []

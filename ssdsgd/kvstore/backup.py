@@ -11,6 +11,12 @@ ssd one step later). When the owner dies the scheduler sends PROMOTE: the backup
 every reply it holds, then TAKEOVER to every worker, who from then on sends the dead
 server's keys here; what the workers sent before TAKEOVER reached it too, so no push is
 lost or applied twice. No request is copied after that: the job has no replica left.
+
+A worker's copies reach the backup in the order it sent them, but worker 0's INIT copy
+travels on worker 0's connection: a worker whose INIT the owner answered may push before
+worker 0's copy reaches the backup. Such a copy waits (``overtook``), bounded, for the
+INIT its own worker is waiting for, and is taken once the keys are declared
+(``caught_up``).
 """
 import time
 
@@ -19,6 +25,7 @@ from .replica_map import ReplicaError, ReplicaMap
 from .replies import Fatal, RequestError
 
 HELD_PER_WORKER = 4_096   # replies held for one worker at most (a bug's bound, not a rule's)
+EARLY_PER_WORKER = 64     # copies of one worker waiting for worker 0's INIT copy at most
 
 
 class Backup:
@@ -31,6 +38,7 @@ class Backup:
         self.keys = set()         # keys this server backs up (named by copies)
         self.took_over = None     # (dead server, time) until the first step applied
         self.owner = False        # this server took over the keys it backs up
+        self.early = []           # (connection, copy) that came before its keys' INIT
 
     def foreign(self):
         """The keys this server holds for another that is alive (a checkpoint's state is
@@ -57,6 +65,30 @@ class Backup:
         if msg.flags & P.Flag.BACKUP and not self.map.replicas:
             raise RequestError("a backup's copy of a request, but this job has no replicas "
                                "(cluster.server_replicas: 0)")
+
+    def overtook(self, ident, msg, declared, pending_inits):
+        """Keep copy ``msg`` if it names a key not ``declared`` yet that an INIT of the same
+        connection waits for (``pending_inits``: (connection, INIT) waiting for worker 0's
+        values); True if kept. Anything else is handled (and refused) as it comes."""
+        if not msg.flags & P.Flag.BACKUP or msg.kind not in (P.Kind.PUSH, P.Kind.PULL):
+            return False
+        missing = {int(k) for k in msg.records["key"]} - set(declared)
+        awaited = {int(k) for i, init in pending_inits if i == ident
+                   for k in init.records["key"]}
+        if not missing or not missing <= awaited:
+            return False
+        if sum(i == ident for i, _ in self.early) >= EARLY_PER_WORKER:
+            raise RequestError(f"worker {msg.sender} sent {EARLY_PER_WORKER} copies before "
+                               f"worker 0's INIT of key {min(missing)} reached this server")
+        self.early.append((ident, msg))
+        return True
+
+    def caught_up(self, declared):
+        """The kept copies whose keys are all ``declared`` now, in the order they came."""
+        ready = [(i, m) for i, m in self.early
+                 if {int(k) for k in m.records["key"]} <= set(declared)]
+        self.early = [e for e in self.early if e not in ready]
+        return ready
 
     def copied(self, msg, reply):
         """``msg`` (a copy) was taken; its reply, if any, is held while the owner lives."""

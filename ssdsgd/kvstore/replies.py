@@ -280,16 +280,18 @@ class Replies:
     # ---- lending -------------------------------------------------------------------
     def reclaim(self, shard):
         """Before ``shard.weight`` changes: replies holding a view of it take a copy (not
-        sent yet); if ZeroMQ is still sending one, the shard moves to a fresh copy and the
-        old buffer is kept until the send is done."""
-        busy, held = [], None
+        sent yet), one copy for all that hold the same view (``lend`` lends one snapshot
+        per version: N workers' pulls of a step share it); if ZeroMQ is still sending one,
+        the shard moves to a fresh copy and the old buffer is kept until the send is
+        done."""
+        busy, copies = [], {}
         for reply, i in shard.lent:
-            if reply.held:     # every view lent since the last change shows the same
-                # values: a backup's held replies (backup.py) share one copy
-                held = np.array(reply.parts[i][0]) if held is None else held
-                reply.parts[i][0] = held
-            elif reply.tracker is None:
-                reply.parts[i][0] = np.array(reply.parts[i][0])
+            if reply.held or reply.tracker is None:    # a backup's held replies too
+                view = reply.parts[i][0]
+                copy = copies.get(id(view))
+                if copy is None:
+                    copy = copies[id(view)] = (view, np.array(view))   # keeps view alive
+                reply.parts[i][0] = copy[1]
             elif not reply.tracker.done:
                 busy.append(reply.tracker)
         shard.lent.clear()

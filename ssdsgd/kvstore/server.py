@@ -300,7 +300,10 @@ class Server:
             wrong = self.guard.wrong_claim(frames[1], "worker", peer.rank)
             if wrong:       # its key is another worker's (security.py)
                 raise RequestError(wrong)
+            if self.backup.overtook(ident, msg, self.weights.shards, self.pending_inits):
+                return
             handler(self, ident, msg)
+            self._take_early_copies()
             self._send_decisions()
         except (P.ProtocolError, RequestError) as e:
             self._reject(ident, getattr(e, "req", 0) or req, str(e))
@@ -312,6 +315,15 @@ class Server:
         finally:
             self.replies.forget()
             TIMELINE.span(kind, t0)     # the timeline: PUSH, PULL, ...
+
+    def _take_early_copies(self):
+        """Copies that came before worker 0's INIT (``Backup.overtook``), once it came; a
+        refusal names each one's own request."""
+        for ident, msg in self.backup.caught_up(self.weights.shards):
+            try:
+                self.HANDLERS[msg.kind](self, ident, msg)
+            except (P.ProtocolError, RequestError) as e:
+                self._reject(ident, getattr(e, "req", 0) or msg.req, str(e))
 
     def on_scheduler(self, msg):
         """A message from the scheduler (the node's loop acts on SHUTDOWN itself)."""
