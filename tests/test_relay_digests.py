@@ -182,53 +182,44 @@ def test_a_digest_message_is_type_checked(meta, ok):
             P.check_meta(P.Kind.DIGEST, meta)
 
 
-@pytest.mark.system
-def test_a_worker_that_alters_what_it_relays_is_named_and_the_job_stops(tmp_path):
-    """Chain 0 -> 1 -> 2 at every step of ssgd; worker 1 flips bits in every piece it
-    passes on. Worker 2 refuses the first, naming worker 1 and the reply, and the job ends
-    with that error everywhere, before any worker trained on the altered weights."""
+def _a_faulty_relay_is_named_and_stops_the_job(tmp_path, fault, said, cause, **env):
+    """Chain 0 -> 1 -> 2 at every step of ssgd, worker 1 relaying with ``fault`` (a
+    test-only setting, ``said`` its line): worker 2 names worker 1 (``cause``, a regex),
+    tells the scheduler, and every node and the launcher say why the job ended, before
+    worker 2 trained on anything but the server's weights."""
     started = time.monotonic()
     res = launch(3, 1, ["--out", tmp_path, "--steps", "200"], timeout=120,
                  env={"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "chain",
-                      "SSDSGD_TAMPER_RELAY": "1"})
+                      f"SSDSGD_{fault}": "1", **env})
     assert res.returncode != 0
     err = res.stderr
-    assert "SSDSGD_TAMPER_RELAY=1: this worker alters every piece it relays" in err, err[-3000:]
-    cause = re.compile(r"piece \d+ of server 0's reply \(keys? [\d, .()a-z]+\) relayed by "
-                       r"worker 1 does not match server 0's digest")
-    named = [line for line in err.splitlines() if cause.search(line)]
+    assert said in err, err[-3000:]
+    named = [line for line in err.splitlines() if re.search(cause, line)]
     assert any(line.startswith("[worker 2] ssdsgd worker 2: ") for line in named), err[-3000:]
-    # worker 2 told the scheduler: every node, and the launcher, say why the job ended
     for node in ("[scheduler]", "[server 0]", "[worker 0]", "[launcher] the scheduler "
                  "aborted the job: worker 2 (pid"):
         assert any(line.startswith(node) for line in named), (node, err[-3000:])
     assert not (tmp_path / "final-rank2.npz").exists()
     assert "Traceback" not in err
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.system
+def test_a_worker_that_alters_what_it_relays_is_named_and_the_job_stops(tmp_path):
+    """Worker 1 flips bits in every piece it passes on: worker 2 refuses the first."""
+    _a_faulty_relay_is_named_and_stops_the_job(
+        tmp_path, "TAMPER_RELAY", "SSDSGD_TAMPER_RELAY=1: this worker alters every piece it "
+        "relays", r"piece \d+ of server 0's reply \(keys? [\d, .()a-z]+\) relayed by worker 1 "
+        r"does not match server 0's digest")
 
 
 @pytest.mark.system
 def test_a_worker_that_drops_what_it_relays_is_named_and_the_job_stops(tmp_path):
-    """Chain 0 -> 1 -> 2 at every step of ssgd; worker 1 passes nothing on. Worker 2 names
-    it once cluster.heartbeat_timeout + interval (here 4.5 s) passed with no piece after the server's
-    digests, and the job ends with that error everywhere (before: it waited until the
-    stall watch, 300 s by default, named worker 2, the victim)."""
-    started = time.monotonic()
-    res = launch(3, 1, ["--out", tmp_path, "--steps", "200"], timeout=120,
-                 env={"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "chain",
-                      "SSDSGD_DROP_RELAY": "1", "SSDSGD_HEARTBEAT_TIMEOUT": "4",
-                      "SSDSGD_HEARTBEAT_INTERVAL": "0.5"})
-    assert res.returncode != 0
-    err = res.stderr
-    assert "SSDSGD_DROP_RELAY=1: this worker passes on nothing it should relay" in err, \
-        err[-3000:]
-    cause = re.compile(r"worker 1 stopped passing on server 0's reply \(keys? [\d, .()a-z]+\): "
-                       r"0 of its \d+ pieces came, none in the 4.5 s since server 0's digests")
-    named = [line for line in err.splitlines() if cause.search(line)]
-    assert any(line.startswith("[worker 2] ssdsgd worker 2: ") for line in named), err[-3000:]
-    for node in ("[scheduler]", "[server 0]", "[worker 0]", "[launcher] the scheduler "
-                 "aborted the job: worker 2 (pid"):
-        assert any(line.startswith(node) for line in named), (node, err[-3000:])
-    assert not (tmp_path / "final-rank2.npz").exists()
-    assert "Traceback" not in err
-    assert time.monotonic() - started < 60
+    """Worker 1 passes nothing on: worker 2 names it once cluster.heartbeat_timeout +
+    interval (here 4.5 s) passed with no piece after the server's digests (before: the job
+    waited until the stall watch, 300 s by default, named worker 2, the victim)."""
+    _a_faulty_relay_is_named_and_stops_the_job(
+        tmp_path, "DROP_RELAY", "SSDSGD_DROP_RELAY=1: this worker passes on nothing it "
+        "should relay", r"worker 1 stopped passing on server 0's reply \(keys? [\d, .()a-z]+\): "
+        r"0 of its \d+ pieces came, none in the 4.5 s since server 0's digests",
+        SSDSGD_HEARTBEAT_TIMEOUT="4", SSDSGD_HEARTBEAT_INTERVAL="0.5")
