@@ -304,7 +304,8 @@ def _run_training(config, run_dir, length, env, runner, port, resume, failures, 
                    stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr),
                    failures=failures, run_dir=run_dir,
                    continue_without_workers=config.cluster.on_worker_failure == "continue",
-                   server_replicas=config.cluster.server_replicas)
+                   server_replicas=config.cluster.server_replicas,
+                   max_workers=config.cluster.max_workers)
 
 
 def _restart_from_checkpoint(config, run_dir, length):
@@ -321,8 +322,46 @@ def _restart_from_checkpoint(config, run_dir, length):
             f"resuming from the checkpoint at step {info['step']}")
 
 
+def _join_form(argv):
+    """``--join RUN_DIR``: one worker of this host joins the running job of RUN_DIR
+    (launch/joining.py); its exit code, 2 with one line if the job takes no joiner."""
+    from .joining import JoinRefused, claim, read, worker_env
+    from .local import start_child
+    p = argparse.ArgumentParser(prog="launch/dist.py --join", description="start one worker "
+                                "that joins the running job of RUN_DIR (cluster.max_workers)")
+    p.add_argument("--join", metavar="RUN_DIR", required=True)
+    args = p.parse_args(argv)
+    try:
+        data = read(args.join)
+        rank, key_file = claim(args.join, data)
+    except JoinRefused as e:
+        print(f"launch/dist.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"[launcher] worker {rank} joins the job of {args.join}", file=sys.stderr,
+          flush=True)
+    proc = start_child(data["command"], worker_env(data, rank, key_file))
+    import threading
+    from .job import _pump
+    lock = threading.Lock()
+    pumps = [threading.Thread(target=_pump, args=(stream, f"[worker {rank}] ", sink, lock),
+                              daemon=True)
+             for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    for t in pumps:
+        t.start()
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        code = proc.wait(timeout=10)
+    for t in pumps:
+        t.join(timeout=2)
+    return code
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--join" or a.startswith("--join=") for a in argv):
+        return _join_form(argv)
     if "--" in argv or any(a in ("-n", "--num-workers") for a in argv):
         return _command_form(argv)
     return _config_form(argv)
