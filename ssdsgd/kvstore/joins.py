@@ -13,8 +13,24 @@ server held from its own answer, none has applied step s when the decision comes
 join cannot land in the middle of a step some server already closed without it.
 
 A pure decider: the scheduler sends the questions, the answers and the outcome; the
-reasons a joiner is refused are one line each.
+reasons a joiner is refused are one line each. The wiring is ``join_wiring.py``.
 """
+from .. import fields as F
+
+# a REPLY's ``policy`` field ``joins``: every join its server admitted, [[rank, from_step]]
+JOINS = (lambda v: isinstance(v, list) and len(v) <= F.MAX_RANK and all(
+    isinstance(j, list) and len(j) == 2 and F.int_in(0, F.MAX_RANK)(j[0])
+    and F.int_in(0, F.MAX_STEP)(j[1]) for j in v), "a list of [worker rank, step]")
+
+
+def joins_of(policy):
+    """{rank: from_step} of a REPLY's ``policy`` meta (already checked to be an object),
+    or {}; JoinError in one line if its ``joins`` is malformed."""
+    if not policy or "joins" not in policy:
+        return {}
+    if not JOINS[0](policy["joins"]):
+        raise JoinError(f"a REPLY's joins must be {JOINS[1]}, got {F.short(policy['joins'])}")
+    return {rank: step for rank, step in policy["joins"]}
 
 
 class JoinError(ValueError):

@@ -63,6 +63,9 @@ def _command_form(argv):
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process, e.g. SSDSGD_ALGORITHM=ssgd")
     _restarts_argument(p, "0; the command restarts as it is, it resumes by itself")
+    p.add_argument("--run-dir", metavar="DIR", help="with SSDSGD_MAX_WORKERS above -n: "
+                   "where join.json goes, for launch/dist.py --join DIR "
+                   "(docs/spec/membership.md)")
     add_arguments(p)
     args = p.parse_args(opts)
     if not cmd:
@@ -78,6 +81,13 @@ def _command_form(argv):
             p.error(f"--env {item!r}: expected KEY=VALUE")
         extra[key] = value
     cmd = resolve_python(cmd)
+    try:
+        most = _max_workers(extra)
+    except SettingError as e:
+        p.error(str(e))
+    if most and most > args.num_workers and not args.run_dir:
+        p.error("SSDSGD_MAX_WORKERS above -n takes joiners: give --run-dir DIR, where "
+                "launch/dist.py --join DIR finds the job")
     try:    # before anything starts: no --env for what the launcher sets, no bad values
         check_launch_env(extra, to_env(num_workers=args.num_workers, scheduler_port=args.port
                                        or None, num_servers=args.num_servers), os.environ)
@@ -90,12 +100,20 @@ def _command_form(argv):
     for attempt in range(restarts + 1):
         failures = []
         code = run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
-                       launcher=runner, failures=failures)
+                       launcher=runner, failures=failures, run_dir=args.run_dir,
+                       max_workers=_max_workers(extra))
         if code != 1 or attempt == restarts:
             break
         print(f"[launcher] {_restart_line(attempt + 1, restarts, failures, 'the command again')}",
               file=sys.stderr, flush=True)
     return _gave_up(code, restarts)
+
+
+def _max_workers(extra):
+    """cluster.max_workers of the command form (``--env SSDSGD_MAX_WORKERS=M``, checked
+    by check_launch_env), or None."""
+    raw = extra.get(BY_NAME["max_workers"].env)
+    return BY_NAME["max_workers"].parse(raw) if raw else None
 
 
 def _gave_up(code, restarts):

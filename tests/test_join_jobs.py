@@ -1,0 +1,107 @@
+"""Workers that join a running job (docs/spec/membership.md), end to end: real processes,
+real ZeroMQ, real MXNet. A 2-worker job started with SSDSGD_MAX_WORKERS=3 takes a third
+worker started with ``launch/dist.py --join RUN_DIR`` while it runs, and ends with the
+weights of ``simulate_membership`` fed the join step the job recorded; a joiner the job
+cannot take is refused in one line."""
+import json
+
+import mxnet as mx
+import pytest
+
+import tiny
+from conftest import load_npz
+from jobs import dist, launch_args
+from ssdsgd.data import epoch_permutation
+from ssdsgd.glu.simulate_membership import Change, simulate_membership
+from ssdsgd.sync.membership import Membership
+from test_quorum import _trainer_keys
+from test_ssd_oracle import _equal_to_the_simulation
+
+N, PER_EPOCH, EPOCHS, BATCH, WAIT_AT = 2, 8, 3, 8, 5
+TIMEOUT = 90
+
+
+def _simulated(joins, algorithm="ssgd", **sync):
+    """The simulator with the job's membership: each member's batch at step t is the
+    chunk ``Membership`` gives it (rule 7)."""
+    members = Membership(N, PER_EPOCH, PER_EPOCH * EPOCHS)
+    for rank, step in joins.items():
+        members.join(rank, step)
+    net = tiny.make_net()
+    keys = _trainer_keys(net)
+    params = tiny.params(net)
+    init = {i: params[j].data().copy() for i, j in keys.items()}
+    data = tiny.ChunkData(PER_EPOCH * BATCH)
+    perms = [epoch_permutation(data.n_train, e, 0) for e in range(EPOCHS)]
+
+    def grad_fn(worker, step, weights):
+        epoch, chunk = members.chunk(worker, step)
+        x, y = data.train_batch(perms[epoch][chunk * BATCH:(chunk + 1) * BATCH])
+        for i, j in keys.items():
+            params[j].set_data(weights[i])
+        tiny.forward_backward(net, x, y)
+        return {i: params[j].grad().copy() for i, j in keys.items()}
+
+    def make_optimizer():
+        return mx.optimizer.create("sgd", learning_rate=0.1, momentum=0.9,
+                                   rescale_grad=1.0 / BATCH)
+
+    changes = [Change(step, "join", rank) for rank, step in joins.items()]
+    return keys, members, simulate_membership(init, grad_fn, make_optimizer, N, members.end(),
+                                              changes, algorithm=algorithm, **sync)
+
+
+def _job(tmp_path, env, max_workers=3):
+    go = tmp_path / "go"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
+                              "--wait-at", WAIT_AT, "--go", go],
+                       env=dict({"SSDSGD_MAX_WORKERS": max_workers, "SSDSGD_PULL_RELAY": "off",
+                                 "SSDSGD_BIGARRAY_BOUND": 100}, **env),
+                       script="join_worker.py")
+    return dist(["--run-dir", run_dir, *args]), run_dir, go
+
+
+def _joined_run(tmp_path, env):
+    """A 2-worker job, a third joining while the first two wait at step WAIT_AT."""
+    job, run_dir, go = _job(tmp_path, env)
+    with job:
+        job.wait_for(lambda: (run_dir / "join.json").exists(), 60, "join.json")
+        job.wait_for("job started", 60)
+        joiner = dist(["--join", run_dir])
+        with joiner:
+            job.wait_for("asks to join", 60)
+            go.touch()
+            assert joiner.wait(TIMEOUT) == 0, joiner.tail()
+            assert job.wait(TIMEOUT) == 0, job.tail()
+    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in range(3)]
+    return job, joiner, records
+
+
+def _check(tmp_path, records, algorithm="ssgd", **sync):
+    s = records[2]["joined_from"]
+    assert s is not None and s > WAIT_AT, records[2]
+    # every worker saw the same join, and trained the chunks Membership gives it
+    assert all(r["joins"] == {"2": s} for r in records), records
+    keys, members, ref = _simulated({2: s}, algorithm, **sync)
+    for rank, r in enumerate(records):
+        first = 0 if rank < N else s
+        assert r["chunks"] == [members.chunk(rank, t)[0] * PER_EPOCH + members.chunk(rank, t)[1]
+                               for t in range(first, members.end())], (rank, r)
+    # the budget, every chunk once
+    assert sorted(c for r in records for c in r["chunks"]) == list(range(
+        members.first_chunk(members.end())))
+    _equal_to_the_simulation(keys, ref,
+                             [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(3)],
+                             [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(3)],
+                             f" (joined at {s})")
+    return s
+
+
+@pytest.mark.system
+def test_a_worker_joins_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_path):
+    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": "ssgd"})
+    s = _check(tmp_path, records)
+    assert s == WAIT_AT + 1     # the servers held from the step the first two wait at
+    assert f"worker 2 joins the job at step {s}" in job.text
