@@ -63,8 +63,10 @@ def _job(tmp_path, env, max_workers=3):
     return dist(["--run-dir", run_dir, *args]), run_dir, go
 
 
-def _joined_run(tmp_path, env):
-    """A 2-worker job, a third joining while the first two wait at step WAIT_AT."""
+def _joined_run(tmp_path, env, refused=None):
+    """A 2-worker job, a third joining while the first two wait at step WAIT_AT;
+    ``refused`` (a list): the one-line errors of a fourth joiner while the job is at
+    cluster.max_workers, and of one once it has ended."""
     job, run_dir, go = _job(tmp_path, env)
     with job:
         job.wait_for(lambda: (run_dir / "join.json").exists(), 60, "join.json")
@@ -72,11 +74,25 @@ def _joined_run(tmp_path, env):
         joiner = dist(["--join", run_dir])
         with joiner:
             job.wait_for("asks to join", 60)
+            if refused is not None:
+                refused.append(_refused(run_dir))
             go.touch()
             assert joiner.wait(TIMEOUT) == 0, joiner.tail()
             assert job.wait(TIMEOUT) == 0, job.tail()
+    if refused is not None:
+        refused.append(_refused(run_dir))
     records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in range(3)]
     return job, joiner, records
+
+
+def _refused(run_dir):
+    """The one line of a ``--join`` that fails (exit 2)."""
+    late = dist(["--join", run_dir])
+    with late:
+        assert late.wait(60) == 2, late.tail()
+    lines = late.stderr.strip().splitlines()
+    assert len(lines) == 1, late.stderr
+    return lines[0]
 
 
 def _check(tmp_path, records, algorithm="ssgd", **sync):
@@ -101,7 +117,26 @@ def _check(tmp_path, records, algorithm="ssgd", **sync):
 
 @pytest.mark.system
 def test_a_worker_joins_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_path):
-    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": "ssgd"})
+    refused = []
+    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": "ssgd"}, refused)
     s = _check(tmp_path, records)
     assert s == WAIT_AT + 1     # the servers held from the step the first two wait at
     assert f"worker 2 joins the job at step {s}" in job.text
+    full, ended = refused
+    assert "every spare rank is taken" in full and "cluster.max_workers = 3" in full, full
+    assert "the job has ended" in ended and str(tmp_path / "run") in ended, ended
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("glu_state", ["exact", "estimate"])
+def test_a_worker_joins_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(tmp_path,
+                                                                               glu_state):
+    """ssd, T_w = 3, k = 2: the first two wait before step 5, the servers hold from 5,
+    and the join comes at the first pull boundary T_w + m k with s - 1 - k >= 5: 9.
+    The joiner's first reset takes its first pull with no history (rule 5)."""
+    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                  "SSDSGD_WARMUP_STEPS": 3,
+                                                  "SSDSGD_DELAY_STEPS": 2,
+                                                  "SSDSGD_GLU_STATE": glu_state})
+    s = _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2, glu_state=glu_state)
+    assert s == 9

@@ -144,3 +144,16 @@ def test_a_tampered_join_file_is_refused(tmp_path):
     with pytest.raises(joining.JoinRefused, match="not a join file"):
         joining.read(str(run_dir))
     keys.remove()
+
+
+def test_a_job_whose_algorithm_takes_no_joiner_is_refused_before_it_starts(tmp_path):
+    bad = _dist("--run-dir", str(tmp_path), "-n", "2", "--env", "SSDSGD_ALGORITHM=asgd",
+                "--env", "SSDSGD_MAX_WORKERS=3", "--", "python", "-c", "pass")
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "SSDSGD_MAX_WORKERS: 3" in lines[0] and "asgd" in lines[0], \
+        bad.stderr
+    assert not (tmp_path / "join.json").exists()
+    nodir = _dist("-n", "2", "--env", "SSDSGD_ALGORITHM=ssgd", "--env", "SSDSGD_MAX_WORKERS=3",
+                  "--", "python", "-c", "pass")
+    assert nodir.returncode == 2 and "--run-dir" in nodir.stderr.strip().splitlines()[-1]

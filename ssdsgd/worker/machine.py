@@ -152,7 +152,10 @@ class StageMachine:
             self.keys.setdefault(key, KeyRecord(value.shape)).shape = value.shape
         keys = [(key, value.size, value.dtype) for key, value, _ in entries]
         if self.joined_from is not None:     # a joiner starts from w_G(s - 1), not rank 0's
-            replies = self.client.join_keys(keys, self.t).wait()
+            # with the servers' state as of then, which its first reset takes (rule 5)
+            state = bool(self.rule is not None and self.rule.needs_state) or \
+                self.periodic is not None
+            replies = self.client.join_keys(keys, self.t, state=state).wait()
         else:
             values = hostcopy.read([value for _, value, _ in entries]) \
                 if self.client.rank == 0 else None
