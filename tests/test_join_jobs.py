@@ -140,3 +140,44 @@ def test_a_worker_joins_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(tm
                                                   "SSDSGD_GLU_STATE": glu_state})
     s = _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2, glu_state=glu_state)
     assert s == 9
+
+
+@pytest.mark.system
+def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_path):
+    """``python -m ssdsgd.train`` (digits, ssgd): a third worker joins with --join; the
+    batches follow the membership (rule 7), so each epoch's chunks are trained once
+    whoever trains them, and the summary records the join."""
+    from test_e2e_configs import records, run_dir_of, sets
+    from test_dynamic_data import BATCH, N_TRAIN
+    job = dist(["configs/digits.yaml", *sets(
+        sync__algorithm="ssgd", cluster__max_workers=3,
+        data__batch_size=BATCH, train__epochs=3, train__log_interval=4,
+        output__plots="false", output__dir=tmp_path,
+        debug__slowdown="delay:0=0.1,1=0.1")])
+    with job:
+        job.wait_for(lambda: any(tmp_path.glob("*/join.json")), 60, "join.json")
+        run = run_dir_of(tmp_path)
+        job.wait_for("job started", 60)
+        joiner = dist(["--join", run])
+        with joiner:
+            assert joiner.wait(TIMEOUT) == 0, joiner.tail()
+            assert job.wait(TIMEOUT) == 0, job.tail()
+    summary = json.loads((run / "summary.json").read_text())
+    (joined,) = summary["workers_joined"]
+    s = joined["from_step"]
+    assert joined["rank"] == 2 and 0 < s, summary
+    ends = [records(run, r, "end")[-1] for r in range(3)]
+    per_epoch = N_TRAIN // (N * BATCH) * N
+    members = Membership(N, per_epoch, per_epoch * 3)
+    members.join(2, s)
+    assert [e["steps"] for e in ends] == [members.end()] * 3, ends
+    for e in range(3):
+        got = [end["data"].get(str(e), {}) for end in ends]
+        perm = epoch_permutation(N_TRAIN, e, 0)[:per_epoch * BATCH].astype("int64")
+        batches = sum(g.get("batches", 0) for g in got)
+        if e < 2:      # the last epoch drops the chunks of a step that does not fit
+            assert batches == per_epoch, (e, got)
+            assert sum(g.get("index_sum", 0) for g in got) == int(perm.sum()), e
+        else:
+            assert per_epoch - 2 <= batches <= per_epoch, (e, got)
+    assert summary["final_accuracy"] > 0.8, summary

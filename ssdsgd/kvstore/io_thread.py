@@ -50,6 +50,7 @@ class IOThread:
         # from, as every REPLY of a server that admitted it says; and this worker's own
         # step if it is the joiner (the scheduler's JOIN)
         self.joins = {}
+        self.join_times = {}      # rank -> when this worker heard of it (the summary's)
         self.joined_at = threading.Event()
         self.join_step = None
         self.progress = 0         # pushes the training thread made (liveness.py)
@@ -300,6 +301,7 @@ class IOThread:
             if msg.meta["joined"] == self.topology["rank"] and self.join_step is None:
                 self.join_step = msg.meta["from_step"]
                 self.joins[msg.meta["joined"]] = msg.meta["from_step"]
+                self.join_times[msg.meta["joined"]] = time.time()
                 self.joined_at.set()
             return False
         if msg.kind == P.Kind.MEMBERSHIP and "from_step" in msg.meta:
@@ -347,6 +349,8 @@ class IOThread:
             raise JobAborted(f"server {server} sent a REPLY whose policy is not an object")
         try:
             for rank, step in joins_of(policy).items():
+                if rank not in self.joins:
+                    self.join_times[rank] = time.time()
                 if self.joins.setdefault(rank, step) != step:
                     raise JoinError(f"worker {rank} joins from step {self.joins[rank]} "
                                     f"and from step {step}")

@@ -447,6 +447,10 @@ class StageMachine:
         stats["choices"] = self.schedule.choices
         stats["last_step_blocked"] = self.last_step_blocked
         stats["left"] = list(self.client.left)
+        # docs/spec/membership.md: who joined, from which step, when this worker heard
+        times = getattr(getattr(self.client, "io", None), "join_times", {})
+        stats["joined"] = [{"rank": r, "from_step": s, "time": times.get(r, 0.0)}
+                           for r, s in sorted(dict(getattr(self.client, "joins", {})).items())]
         if self.quorum_auto is not None:
             stats["quorum_auto"] = self.quorum_auto
         return stats
