@@ -1,6 +1,6 @@
 """Workers that join a running job (docs/spec/membership.md): whether a joiner may come
-in, and from which step. The mirror of ``removals.py``. Not wired into the scheduler
-yet: the spec page's "Not built" says what is missing.
+in, and from which step. The mirror of ``removals.py``; the messages around it are
+``join_wiring.py``.
 
 The scheduler asks every server to hold: each answers the first step no push of any key
 has reached, and applies nothing from that step on until it hears the decision. From
@@ -17,10 +17,7 @@ reasons a joiner is refused are one line each. The wiring is ``join_wiring.py``.
 """
 from .. import fields as F
 
-# a REPLY's ``policy`` field ``joins``: every join its server admitted, [[rank, from_step]]
-JOINS = (lambda v: isinstance(v, list) and len(v) <= F.MAX_RANK and all(
-    isinstance(j, list) and len(j) == 2 and F.int_in(0, F.MAX_RANK)(j[0])
-    and F.int_in(0, F.MAX_STEP)(j[1]) for j in v), "a list of [worker rank, step]")
+JOINS = F.JOINS     # a REPLY's ``policy`` field ``joins``
 
 
 def joins_of(policy):

@@ -7,7 +7,6 @@ no peer: an unknown event, a field it does not carry or one of the wrong type is
 with a one-line ``PolicyError`` naming it.
 """
 from .. import fields as F
-from ..kvstore.joins import JOINS
 
 
 class PolicyError(ValueError):
@@ -40,7 +39,7 @@ _RECORD = {"rule": (F.one_of("auto"), True), "rounds": (F.STEP, True),
            "excused": (_WORKERS, True), "changes": (_CHANGES, True), "dropped": (F.STEP, True)}
 # ``joins``: every join the server admitted, [[rank, from_step], ...] (docs/spec/
 # membership.md rule 6: how the workers hear of a join before its step)
-REPLY = {"quorum_auto": (F.OBJ, False), "joins": (JOINS, False)}
+REPLY = {"quorum_auto": (F.OBJ, False), "joins": (F.JOINS, False)}
 
 
 def reply_fields(given):
