@@ -21,7 +21,7 @@ N, PER_EPOCH, EPOCHS, BATCH, WAIT_AT = 2, 8, 3, 8, 5
 TIMEOUT = 90
 
 
-def _simulated(joins, algorithm="ssgd", **sync):
+def _simulated(joins, algorithm="ssgd", lr_step=0, **sync):
     """The simulator with the job's membership: each member's batch at step t is the
     chunk ``Membership`` gives it (rule 7)."""
     members = Membership(N, PER_EPOCH, PER_EPOCH * EPOCHS)
@@ -43,31 +43,33 @@ def _simulated(joins, algorithm="ssgd", **sync):
         return {i: params[j].grad().copy() for i, j in keys.items()}
 
     def make_optimizer():
+        sched = (mx.lr_scheduler.FactorScheduler(step=lr_step, factor=0.5, base_lr=0.1)
+                 if lr_step else None)
         return mx.optimizer.create("sgd", learning_rate=0.1, momentum=0.9,
-                                   rescale_grad=1.0 / BATCH)
+                                   rescale_grad=1.0 / BATCH, lr_scheduler=sched)
 
     changes = [Change(step, "join", rank) for rank, step in joins.items()]
     return keys, members, simulate_membership(init, grad_fn, make_optimizer, N, members.end(),
                                               changes, algorithm=algorithm, **sync)
 
 
-def _job(tmp_path, env, max_workers=3):
+def _job(tmp_path, env, max_workers=3, script_args=()):
     go = tmp_path / "go"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
-                              "--wait-at", WAIT_AT, "--go", go],
+                              "--wait-at", WAIT_AT, "--go", go, *script_args],
                        env=dict({"SSDSGD_MAX_WORKERS": max_workers, "SSDSGD_PULL_RELAY": "off",
                                  "SSDSGD_BIGARRAY_BOUND": 100}, **env),
                        script="join_worker.py")
     return dist(["--run-dir", run_dir, *args]), run_dir, go
 
 
-def _joined_run(tmp_path, env, refused=None):
+def _joined_run(tmp_path, env, refused=None, script_args=()):
     """A 2-worker job, a third joining while the first two wait at step WAIT_AT;
     ``refused`` (a list): the one-line errors of a fourth joiner while the job is at
     cluster.max_workers, and of one once it has ended."""
-    job, run_dir, go = _job(tmp_path, env)
+    job, run_dir, go = _job(tmp_path, env, script_args=script_args)
     with job:
         job.wait_for(lambda: (run_dir / "join.json").exists(), 60, "join.json")
         job.wait_for("job started", 60)
@@ -95,12 +97,12 @@ def _refused(run_dir):
     return lines[0]
 
 
-def _check(tmp_path, records, algorithm="ssgd", **sync):
+def _check(tmp_path, records, algorithm="ssgd", lr_step=0, **sync):
     s = records[2]["joined_from"]
     assert s is not None and s > WAIT_AT, records[2]
     # every worker saw the same join, and trained the chunks Membership gives it
     assert all(r["joins"] == {"2": s} for r in records), records
-    keys, members, ref = _simulated({2: s}, algorithm, **sync)
+    keys, members, ref = _simulated({2: s}, algorithm, lr_step, **sync)
     for rank, r in enumerate(records):
         first = 0 if rank < N else s
         assert r["chunks"] == [members.chunk(rank, t)[0] * PER_EPOCH + members.chunk(rank, t)[1]
@@ -117,9 +119,12 @@ def _check(tmp_path, records, algorithm="ssgd", **sync):
 
 @pytest.mark.system
 def test_a_worker_joins_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_path):
+    """Under an lr schedule that halves the lr every 4 global batches: after the join a
+    step counts 3/2 of one (rule 3), which the servers' clock and the simulator's agree on."""
     refused = []
-    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": "ssgd"}, refused)
-    s = _check(tmp_path, records)
+    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": "ssgd"}, refused,
+                                       ["--lr-step", 4])
+    s = _check(tmp_path, records, lr_step=4)
     assert s == WAIT_AT + 1     # the servers held from the step the first two wait at
     assert f"worker 2 joins the job at step {s}" in job.text
     full, ended = refused

@@ -29,14 +29,18 @@ p.add_argument("--epochs", type=int, required=True)
 p.add_argument("--wait-at", type=int, default=-1)
 p.add_argument("--go", default=None)
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--lr-step", type=int, default=0, help="halve the lr every this many "
+               "global batches (0: a constant lr)")
 args = p.parse_args()
 
 rank = int(os.environ["SSDSGD_RANK"])
 net = tiny.make_net()
 kv = mx.kv.create("ssd_sync")
 n = kv.num_workers
-trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                        kvstore=kv)
+sched = (mx.lr_scheduler.FactorScheduler(step=args.lr_step, factor=0.5, base_lr=0.1)
+         if args.lr_step else None)
+trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9,
+                                                      "lr_scheduler": sched}, kvstore=kv)
 trainer._optimizer.rescale_grad = 1.0 / 8
 trainer._init_kvstore()
 trainer._init_params()    # now, not at the first step: a joiner's first gradient is at w_G(s - 1)
