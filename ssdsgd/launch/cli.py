@@ -358,6 +358,7 @@ def _join_form(argv):
     print(f"[launcher] worker {rank} joins the job of {args.join}", file=sys.stderr,
           flush=True)
     proc = start_child(data["command"], worker_env(data, rank, key_file))
+    import subprocess
     import threading
     from .job import _pump
     lock = threading.Lock()
@@ -367,10 +368,14 @@ def _join_form(argv):
     for t in pumps:
         t.start()
     try:
-        code = proc.wait()
+        code = proc.wait()     # as long as the job runs; it dies with this process
     except KeyboardInterrupt:
         proc.terminate()
-        code = proc.wait(timeout=10)
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait(timeout=10)
     for t in pumps:
         t.join(timeout=2)
     return code
