@@ -14,6 +14,21 @@ from ssdsgd.sync.scheduler_policies import make_scheduler_policy
 from ssdsgd.sync.stage import joins_boundary
 
 
+def test_a_spare_rank_that_comes_before_the_start_takes_no_first_workers_place():
+    env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
+                                "SSDSGD_NUM_WORKERS": "2", "SSDSGD_MAX_WORKERS": "3",
+                                "SSDSGD_ALGORITHM": "ssgd"})
+    sched = Scheduler(env, make_scheduler_policy, log=lambda text: None,
+                      join_boundary=joins_boundary(env))
+    try:
+        sched._register(b"w0", {"role": "worker", "rank": 0, "routing_id": "01" * 8}, None)
+        msg = _refusal(sched, b"j2", 2)
+        assert msg.startswith("worker 2 cannot join: the job has not started yet"), msg
+        assert b"j2" not in sched.nodes
+    finally:
+        sched.close()
+
+
 @pytest.fixture
 def job():
     """A started job (its workers heard where the server listens) and its sends."""

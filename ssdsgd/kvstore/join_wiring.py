@@ -26,11 +26,17 @@ class Joins:
         self.joined = []          # {rank, from_step, time} of every join decided
         self.listen_out = None    # what the workers heard from LISTEN: a joiner hears it too
 
-    def _joining(self, role, meta):
-        """Is this REGISTER a joiner's (a worker after the start, in a job that takes
-        them)?"""
-        return (role == "worker" and self.started
-                and (self.env.max_workers or 0) > self.env.num_workers)
+    def _joining(self, role, meta, frame):
+        """Is this REGISTER a joiner's: a worker after the start, or one of a spare rank
+        (by its key or the rank it asks for) at any time, in a job that takes them? (A
+        spare rank early must not take a first worker's place.)"""
+        if role != "worker" or (self.env.max_workers or 0) <= self.env.num_workers:
+            return False
+        who = self.guard.sender(frame)
+        spare = (meta.get("rank", -1) >= self.env.num_workers
+                 or (who or "").startswith("worker ") and who.split()[1].isdigit()
+                 and int(who.split()[1]) >= self.env.num_workers)
+        return self.started or spare
 
     def _join(self, ident, meta, frame):
         """A joiner's REGISTER: refused in one line, or taken and the servers asked."""

@@ -196,7 +196,7 @@ class Scheduler(reregister.Rejoins, Joins):
         if ident in self.nodes:
             raise P.ProtocolError(f"this connection already registered as "
                                   f"{self.nodes[ident]['role']}")
-        if self._joining(role, meta):
+        if self._joining(role, meta, frame):
             self._join(ident, meta, frame)
             return
         who = self.guard.sender(frame)
