@@ -148,14 +148,19 @@ def test_a_worker_joins_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(tm
 
 
 @pytest.mark.system
-def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_path):
-    """``python -m ssdsgd.train`` (digits, ssgd): a third worker joins with --join; the
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_path,
+                                                                         algorithm):
+    """``python -m ssdsgd.train`` (digits): a third worker joins with --join; the
     batches follow the membership (rule 7), so each epoch's chunks are trained once
-    whoever trains them, and the summary records the join."""
+    whoever trains them, and the summary records the join. ssd: T_w = 8, k = 4 (the
+    relay off, quoted: YAML reads a bare off as false)."""
     from test_e2e_configs import records, run_dir_of, sets
     from test_dynamic_data import BATCH, N_TRAIN
+    ssd = ({"sync__warmup_steps": 8, "sync__delay_steps": 4, "sync__pull_relay": '"off"'}
+           if algorithm == "ssd" else {})
     job = dist(["configs/digits.yaml", *sets(
-        sync__algorithm="ssgd", cluster__max_workers=3,
+        sync__algorithm=algorithm, cluster__max_workers=3, **ssd,
         data__batch_size=BATCH, train__epochs=3, train__log_interval=4,
         output__plots="false", output__dir=tmp_path,
         debug__slowdown="delay:0=0.1,1=0.1")])
