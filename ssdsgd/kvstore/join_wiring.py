@@ -46,16 +46,16 @@ class Joins:
             rank = int(who.split()[1])
         workers = [n for n in self.nodes.values() if n["role"] == "worker"]
         taken = {n["rank"] for n in workers} | self.left | {j["rank"] for j in self.joined}
-        why = refusal(self.env.max_workers, len(workers),
-                      self.env.num_workers + len(self.joined) + len(self.admissions.pending
-                                                                     if self.admissions else ()),
-                      self.listen_out is not None, any(n["finished"] for n in workers))
+        pending = self.admissions.pending if self.admissions else {}
+        ever = self.env.num_workers + len(self.joined) + len(pending)   # ranks handed out
+        why = refusal(self.env.max_workers, len(workers), ever, self.listen_out is not None,
+                      any(n["finished"] for n in workers))
         if why is None and self.admissions is None:
             why = "this job's algorithm or settings take no joiner"
         if why is None and not self.env.num_workers <= rank < self.env.max_workers:
             why = (f"a joiner takes a spare rank {self.env.num_workers}.."
                    f"{self.env.max_workers - 1} (its key's), not {rank}")
-        if why is None and (rank in taken or rank in self.admissions.pending):
+        if why is None and (rank in taken or rank in pending):
             why = f"worker {rank} is or was in the job already (ranks are not reused)"
         if why is None and who is not None and who != f"worker {rank}":
             why = f"a connection holding {who}'s key cannot join as worker {rank}"
