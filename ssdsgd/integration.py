@@ -90,6 +90,8 @@ class Node:
         if os.environ.get("SSDSGD_ROLE"):      # started by a launcher, which waits for it
             self.client.io.exit_after_abort = EXIT_AFTER_ABORT
         self.machine = StageMachine(self.client, self.env)
+        if self.env.joining:     # launch/dist.py --join: from the step the servers chose
+            self.machine.join_at(self.client.await_join())
         self.closed = False
 
     def close(self):

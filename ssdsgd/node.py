@@ -10,7 +10,8 @@ from .kvstore.security import SecurityError
 
 def _scheduler(env):
     from .sync.scheduler_policies import make_scheduler_policy
-    return Scheduler(env, make_scheduler_policy)
+    from .sync.stage import joins_boundary
+    return Scheduler(env, make_scheduler_policy, join_boundary=joins_boundary(env))
 
 
 def _server(env):

@@ -126,7 +126,11 @@ def write_summary(run, wall: float) -> dict:
     }
     base["workers_left"] = [{"rank": w["rank"], "from_step": w["from_step"],
                              "time": w["time"] - run.t_train} for w in left]
-    summary = summarize(run.run_dir, base, wait_for=run.num_workers - len(left))
+    joined = m.get("joined", [])                         # docs/spec/membership.md
+    base["workers_joined"] = [{"rank": w["rank"], "from_step": w["from_step"],
+                               "time": w["time"] - run.t_train} for w in joined]
+    summary = summarize(run.run_dir, base,
+                        wait_for=run.num_workers + len(joined) - len(left))
     log.info("done: test accuracy %.4f after %d steps, %.1f s; checkpoints %.1f MB; "
              "summary in %s", last["accuracy"], run.step, wall,
              base["checkpoint_bytes"] / 1e6, run.run_dir / "summary.json")

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from .sync.registry import quorum_members, quorum_rounds as _rounds, refusal
+from .sync.registry import join_refusal, quorum_members, quorum_rounds as _rounds, refusal
 
 PREFIX = "SSDSGD_"
 
@@ -287,6 +287,9 @@ SETTINGS = (
     Setting("rank", int, -1, "rank a worker or server asks for (-1: assigned in registration "
             "order; the local launcher sets it so log prefixes match)", env="SSDSGD_RANK",
             min=-1, launcher="for each process"),
+    Setting("joining", bool, False, "this worker joins a running job at a step the "
+            "servers decide (docs/spec/membership.md)", env="SSDSGD_JOINING",
+            launcher="launch/dist.py --join"),
     Setting("node_host", str, "127.0.0.1", "address a server binds and advertises",
             env="SSDSGD_NODE_HOST", launcher="for each process"),
     # --- the cluster
@@ -331,6 +334,10 @@ SETTINGS = (
             "continue without it (not rank 0; docs/reliability.md)",
             env="SSDSGD_ON_WORKER_FAILURE", path="cluster.on_worker_failure",
             choices=("abort", "restart", "continue")),
+    Setting("max_workers", int, None, "the most workers the job may have had: spare ranks "
+            "N..max_workers-1 that workers started later with launch/dist.py --join RUN_DIR "
+            "take (ssgd, ssd; docs/spec/membership.md); unset: cluster.workers, no joining",
+            env="SSDSGD_MAX_WORKERS", path="cluster.max_workers", min=1, optional=True),
     Setting("server_replicas", int, 0, "backups of each server's keys on another server "
             "(0 or 1; 1 needs 2 or more servers): the workers send every push and pull to "
             "a key's owner and to its backup, which applies the same steps, so a dead "
@@ -546,6 +553,18 @@ def _replicas(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
     return None
 
 
+def _joins(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """cluster.max_workers above the workers takes joiners: at least N, and only where
+    the registry of algorithms says a join is handled (ssdsgd/sync/registry.py)."""
+    most, n = values.get("max_workers"), values.get("num_workers")
+    if most is None or n is None or most == n:
+        return None
+    if most < n:
+        return (f"{label('max_workers')}: expected at least {label('num_workers')} ({n}), "
+                f"got {most}")
+    return join_refusal(values, label)
+
+
 def _group_size(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
     """A partial reduce needs P workers that exist (docs/spec/preduce.md)."""
     size, workers = values.get("group_size"), values.get("num_workers")
@@ -577,7 +596,7 @@ def _combinations(values: Mapping, label: Callable[[str], str]) -> Optional[str]
 
 
 CROSS_CHECKS = (_heartbeats, _group_size, _replicas, _slowdown_ranks, _combinations,
-                _dynamic_needs_uneven_steps)
+                _dynamic_needs_uneven_steps, _joins)
 
 
 def cross_check(values: Mapping, label: Callable[[str], str]) -> None:

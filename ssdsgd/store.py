@@ -281,7 +281,8 @@ class SSD_Sync(KVStoreBase):
         self._machine.set_optimizer(spec)
         if self.rank == 0:
             self._client.set_optimizer(spec).wait()
-        self._client.barrier()   # no worker pushes before every server has the optimizer
+        if self._machine.joined_from is None:    # a joiner comes long after it
+            self._client.barrier()   # no worker pushes before every server has the optimizer
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Gather the servers' optimizer state into ``fname``: arrays and the optimizer's
@@ -364,6 +365,19 @@ class SSD_Sync(KVStoreBase):
         must call it; a no-op for the other algorithms, and the second time)."""
         if self._env.algorithm == "preduce":
             self._machine.finish()
+
+    @property
+    def joined_from(self):
+        """The step this worker joined the job at (launch/dist.py --join), or None."""
+        return self._machine.joined_from
+
+    def joins_before(self, step):
+        """{rank: first step} of the workers that joined this job, every one whose step
+        is <= ``step`` known for sure: the servers' replies say so before this worker
+        makes the batch of that step (docs/spec/membership.md rule 6). Waits for the
+        steps queued on the engine, whose replies may carry one."""
+        self._machine.settle()
+        return dict(self._client.joins)
 
     def ask_chunk(self, epoch, plan):
         """Dynamic data (ssdsgd.data.dynamic): ask for the next chunk of ``epoch``; a

@@ -43,6 +43,7 @@ from ssdsgd.config import (Config, ConfigError, load_config, new_run_dir,
                            resolve_warmup_steps, save_config)
 from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_epoch
 from ssdsgd.data.dynamic import ChunkFeed, chunk_plan
+from ssdsgd.data.membership_feed import MembershipFeed
 from ssdsgd.kvstore.compression import parse_setting as parse_compression
 from ssdsgd.metrics import MetricsWriter, Speedometer, kv_metrics, net_figures
 from ssdsgd.models import build_model, initializer
@@ -133,14 +134,34 @@ def set_up(config: Config, run_dir: Path, resume: bool, closing) -> Run:
     run.slowdown = Slowdown(config.debug.slowdown, rank, num_workers)
     if info:
         resume_from(run, info)
+    joined = getattr(kv, "joined_from", None)
+    if joined is not None:      # launch/dist.py --join: from step s, at w_G(s - 1)
+        run.step = joined
+        # the shapes (one forward pass), then the servers' weights before the first
+        # gradient, which the Trainer would otherwise fetch only at its first step
+        x0, _ = dataset.train_batch(np.arange(1), np.random.default_rng(0))
+        net(mx.nd.array(x0, ctx=ctx[0]))
+        # the optimizer the servers have, rescaled as Trainer.step would (it refuses a change)
+        trainer._optimizer.rescale_grad = trainer._scale / run.grad_batch  # noqa: SLF001
+        trainer._init_kvstore()   # noqa: SLF001
+        trainer._init_params()    # noqa: SLF001
     run.writer = MetricsWriter(run_dir, rank)
     closing.callback(run.writer.close)
     write_start(run)
     run.loader = Loader(dataset, config.train.seed, config.data.loader_threads)
     closing.callback(run.loader.close)
     run.feed = open_feed(run, info)
+    if joined is not None:
+        run.start_epoch = run.feed.first_epoch()
     run.t_train = run.t_checkpoint = time.time()
     return run
+
+
+def takes_joiners(config: Config) -> bool:
+    """cluster.max_workers above the workers (docs/spec/membership.md): the batches
+    follow the membership, and checkpoints are written at the end only (a join moves
+    the workers' epoch ends apart, and a checkpoint's barrier needs them together)."""
+    return (config.cluster.max_workers or 0) > config.cluster.workers
 
 
 def open_feed(run: Run, info: dict | None) -> ChunkFeed | None:
@@ -148,10 +169,17 @@ def open_feed(run: Run, info: dict | None) -> ChunkFeed | None:
     the one process's static shard is the whole epoch), starting at the checkpoint's
     cursor when resuming (an epoch end: dynamic data checkpoints nowhere else)."""
     c = run.config
+    per_epoch = run.length.steps_per_epoch * run.num_workers
+    if run.kv is not None and takes_joiners(c):
+        if info is not None:
+            raise DataError(f"{run.run_dir}: a job that takes joiners is not resumed (its "
+                            "checkpoint does not record who had joined)")
+        return MembershipFeed(run.kv, run.dataset, c.train.seed, c.data.batch_size,
+                              chunk_plan(per_epoch, run.length.total_steps, run.num_workers,
+                                         0), run.rank, run.num_workers, lambda: run.step)
     if run.kv is None or not dynamic_data(c.data.assignment, c.sync.algorithm,
                                           c.sync.quorum, run.num_workers):
         return None
-    per_epoch = run.length.steps_per_epoch * run.num_workers
     start = run.start_epoch * per_epoch
     if info is not None and info.get("chunks") is not None:
         start = info["chunks"]          # checked by checkpoint_info
@@ -271,8 +299,11 @@ def validate(run: Run, epoch: int) -> None:
 
 
 def wants_checkpoint(run: Run, epoch: int) -> bool:
-    """Every train.checkpoint_every epochs and after the last one; never when it is 0."""
+    """Every train.checkpoint_every epochs and after the last one; never when it is 0;
+    in a job that takes joiners after the last one only (``takes_joiners``)."""
     every = run.config.train.checkpoint_every
+    if takes_joiners(run.config) and epoch != run.length.last_epoch:
+        return False
     return bool(every) and ((epoch + 1) % every == 0 or epoch == run.length.last_epoch)
 
 
@@ -281,7 +312,7 @@ def time_for_checkpoint(run: Run) -> bool:
     clock passed it since the last checkpoint? Rank 0 decides and every worker hears
     the decision at a barrier (kv.barrier(value)), so all checkpoint at the same step."""
     every = run.config.train.checkpoint_every_s
-    if not every:
+    if not every or takes_joiners(run.config):
         return False
     due = int(run.rank == 0 and time.time() - run.t_checkpoint >= every)
     if run.kv is not None:

@@ -31,7 +31,9 @@ PARTNERS = {"heartbeat_timeout": {"heartbeat_interval": 0.01},
             # dynamic data needs a quorum below N (or preduce)
             "assignment": {"num_workers": 4, "quorum": "majority"},
             # a backup lives on another server
-            "server_replicas": {"num_servers": 2}}
+            "server_replicas": {"num_servers": 2},
+            # joiners need an algorithm that takes them (ssgd: with the default relay)
+            "max_workers": {"algorithm": "ssgd"}}
 
 
 def probes(s):

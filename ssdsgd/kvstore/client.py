@@ -35,6 +35,7 @@ from .piece_tuner import PieceTuner
 from .push_queue import PushCoder, PushOutbox, PushQueue  # noqa: F401 - PushOutbox: API
 from .relay import asks_relay
 from .replica_map import ReplicaMap, Routes, backup_copies
+from .scheduler import JobAborted
 from .requests import ENDED, Gather, KeyReply, Requests, ServerError  # noqa: F401 - API
 from .scheduler import JobAborted
 from .splitting import split
@@ -66,6 +67,7 @@ class WorkerClient:
         self.io = IOThread(env, self.requests, self.stats, self.outbox.flush, self._abandon)
         self.topology = self.io.start(env.pull_relay == "chain" if relay is None else relay)
         self.left = self.io.left  # workers that left the job (cluster.on_worker_failure)
+        self.joins = self.io.joins   # rank -> the step it joined from (membership.md)
         self.rank = self.topology["rank"]
         timeline.start_node(env, "worker", self.rank)   # if SSDSGD_TIMELINE (timeline.py)
         self.num_workers = self.topology["num_workers"]
@@ -102,6 +104,25 @@ class WorkerClient:
         values = [None] * len(keys) if values is None else values
         return self.exchange(P.Kind.INIT, [(key, 0, value, dtype) for (key, _, dtype), value
                                            in zip(keys, values)])
+
+    def await_join(self):
+        """A joiner (SSDSGD_JOINING): the step the servers admit it from, once the
+        scheduler says (bounded: JobAborted if it does not in time)."""
+        timeout = max(60.0, 4 * self.env.heartbeat_timeout)
+        if not self.io.joined_at.wait(timeout):
+            raise self.requests.failure or JobAborted(
+                f"worker {self.rank}: no decision on its join within {timeout:.0f} s")
+        return self.io.join_step
+
+    def join_keys(self, keys, step, state=False):
+        """A joiner's ``init``: the keys (as ``init`` takes them) and the weights as of
+        ``step`` - 1, which its first step s = ``step`` computes its gradient at
+        (docs/spec/membership.md rule 5); a late INIT would get the current weights
+        instead. Its pushes are numbered from ``step`` on."""
+        for key, size, dtype in keys:
+            self.keys.add(key, size, dtype)
+            self.keys[key].pushes = step
+        return self.pull([key for key, _, _ in keys], state=state)
 
     def push(self, step, grads, *, pull=False, state=False, latest=False):
         """grads: (key, flat gradient) of one step of this worker. With ``pull`` the reply

@@ -19,6 +19,7 @@ import zmq
 from . import protocol as P
 from . import fragments as F
 from .relay import PullRelay, RelayFault
+from .joins import JoinError, joins_of
 from .scheduler import JobAborted, bind_router
 from .scheduler_link import SchedulerLink
 from .security import Guard
@@ -45,6 +46,13 @@ class IOThread:
         self._sockets = []        # a DEALER to each server, once they listen
         self._poller = zmq.Poller()
         self.left = []            # workers that left the job (cluster.on_worker_failure)
+        # workers that joined the job (docs/spec/membership.md): rank -> the step it pushes
+        # from, as every REPLY of a server that admitted it says; and this worker's own
+        # step if it is the joiner (the scheduler's JOIN)
+        self.joins = {}
+        self.join_times = {}      # rank -> when this worker heard of it (the summary's)
+        self.joined_at = threading.Event()
+        self.join_step = None
         self.progress = 0         # pushes the training thread made (liveness.py)
         self.busy = False         # it says it does something else (rank 0's validation)
         # a launched worker whose training thread is stuck (it cannot see the abort)
@@ -290,6 +298,13 @@ class IOThread:
         if msg.kind == P.Kind.LISTEN and "servers" in msg.meta and not self._sockets:
             self._connect_servers(link, msg.meta)
             return False
+        if msg.kind == P.Kind.JOIN and "from_step" in msg.meta:
+            if msg.meta["joined"] == self.topology["rank"] and self.join_step is None:
+                self.join_step = msg.meta["from_step"]
+                self.joins[msg.meta["joined"]] = msg.meta["from_step"]
+                self.join_times[msg.meta["joined"]] = time.time()
+                self.joined_at.set()
+            return False
         if msg.kind == P.Kind.MEMBERSHIP and "from_step" in msg.meta:
             self.left.append({"rank": msg.meta["removed"], "from_step": msg.meta["from_step"],
                               "time": time.time()})
@@ -324,7 +339,24 @@ class IOThread:
                 self._takeover(msg.meta, server)
                 return
             else:
+                if msg.kind == P.Kind.REPLY and msg.meta and msg.meta.get("policy"):
+                    self._joins(msg.meta["policy"], server)
                 self.requests.deliver(msg, server)
+
+    def _joins(self, policy, server):
+        """The joins a REPLY's ``policy`` field names (before its future resolves: the
+        training thread knows them once it has the reply)."""
+        if not isinstance(policy, dict):
+            raise JobAborted(f"server {server} sent a REPLY whose policy is not an object")
+        try:
+            for rank, step in joins_of(policy).items():
+                if rank not in self.joins:
+                    self.join_times[rank] = time.time()
+                if self.joins.setdefault(rank, step) != step:
+                    raise JoinError(f"worker {rank} joins from step {self.joins[rank]} "
+                                    f"and from step {step}")
+        except JoinError as e:
+            raise JobAborted(f"server {server}: {e}") from None
 
     def _takeover(self, meta, server):
         """TAKEOVER from ``server``: the server it backs up died; it has sent the replies

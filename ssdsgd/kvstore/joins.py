@@ -1,6 +1,6 @@
 """Workers that join a running job (docs/spec/membership.md): whether a joiner may come
-in, and from which step. The mirror of ``removals.py``. Not wired into the scheduler
-yet: the spec page's "Not built" says what is missing.
+in, and from which step. The mirror of ``removals.py``; the messages around it are
+``join_wiring.py``.
 
 The scheduler asks every server to hold: each answers the first step no push of any key
 has reached, and applies nothing from that step on until it hears the decision. From
@@ -13,8 +13,21 @@ server held from its own answer, none has applied step s when the decision comes
 join cannot land in the middle of a step some server already closed without it.
 
 A pure decider: the scheduler sends the questions, the answers and the outcome; the
-reasons a joiner is refused are one line each.
+reasons a joiner is refused are one line each. The wiring is ``join_wiring.py``.
 """
+from .. import fields as F
+
+JOINS = F.JOINS     # a REPLY's ``policy`` field ``joins``
+
+
+def joins_of(policy):
+    """{rank: from_step} of a REPLY's ``policy`` meta (already checked to be an object),
+    or {}; JoinError in one line if its ``joins`` is malformed."""
+    if not policy or "joins" not in policy:
+        return {}
+    if not JOINS[0](policy["joins"]):
+        raise JoinError(f"a REPLY's joins must be {JOINS[1]}, got {F.short(policy['joins'])}")
+    return {rank: step for rank, step in policy["joins"]}
 
 
 class JoinError(ValueError):

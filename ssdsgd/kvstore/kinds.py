@@ -1,11 +1,12 @@
 """The vocabulary: which messages exist, and which meta fields each carries, of what type.
 
-Twenty-three kinds, in three groups, and four flags:
+Twenty-four kinds, in three groups, and four flags:
 
 * membership (node <-> scheduler; ps-lite's control commands): REGISTER, TOPOLOGY,
   LISTEN (the servers' ports, bound once the job's message limit is known), BARRIER,
   HEARTBEAT, FINISH, SHUTDOWN, ABORT, MEMBERSHIP (a worker leaves the job), CHUNK (a
-  worker asks for the next batch of an epoch: dynamic data, docs/spec/dynamic_data.md);
+  worker asks for the next batch of an epoch: dynamic data, docs/spec/dynamic_data.md),
+  JOIN (a worker joins a running job: docs/spec/membership.md);
 * data (worker <-> server): INIT, PUSH, PULL, and the answers REPLY, ACK, ERROR;
   FRAGMENT carries a piece of a relayed REPLY (sync.pull_relay: chain), and DIGEST the
   digests of its pieces, from the server straight to each worker the pieces reach through
@@ -68,6 +69,11 @@ class Kind(enum.IntEnum):
                       # has, {ready, passed}: what the new one rebuilds the job from;
                       # scheduler -> node {restart, waited}: taken back, go on
                       # (kvstore/reregister.py; 23-30 are left free)
+    JOIN = 41         # a worker joins a running job (docs/spec/membership.md, kvstore/
+                      # join_wiring.py): scheduler -> server {joined, routing_id}: hold,
+                      # and serve that connection as worker ``joined``; server ->
+                      # scheduler {joined, next_step}; scheduler -> every server and the
+                      # joiner {joined, from_step}: it pushes from that step on
 
 
 class Flag(enum.IntFlag):
@@ -173,6 +179,8 @@ META = {
     Kind.DIGEST: {"digests": (_DIGESTS, True), "relay": (_RELAY_TO, False),
                   "from": (_WORKER, True)},
     Kind.PROMOTE: {"dead": (_SERVER, True), "owner": (_SERVER, True)},
+    Kind.JOIN: {"joined": (F.WORKER, True), "routing_id": (F.ID, False),
+                "next_step": (F.STEP, False), "from_step": (F.STEP, False)},
     Kind.TAKEOVER: {"dead": (_SERVER, True), "owner": (_SERVER, True)},
 }
 

@@ -70,6 +70,10 @@ class Replies:
         self.retired = []       # (old weight NDArray, trackers of replies still sending it)
         self._snapshots = {}    # (key, version) -> weights copied for replies, per message
         self._encoded = {}      # a reply's records and lr -> its encoded frames, per message
+        # every join admitted, {"joins": [[rank, from_step], ...]}: on every reply sent
+        # from then on, which is how the workers hear of it in time (docs/spec/
+        # membership.md rule 6; a new object per join, so encoded replies differ)
+        self.joins = None
         self._relayed = []      # complete replies that may travel through a chain of workers
         self.hold = None        # takes the complete held replies (backup.Backup.hold)
 
@@ -154,11 +158,23 @@ class Replies:
             return self._snapshot(reply, slot, reply.shards[slot])
         if not reply.shards:
             reply.peer.open -= 1
+            policy = self._policy(reply)
             self.send(reply.ident, P.Message(P.Kind.REPLY, sender=self.rank, req=reply.req,
-                                             meta=None if reply.policy is None else
-                                             {"policy": reply.policy}))
+                                             meta=None if policy is None else
+                                             {"policy": policy}))
         for i, shard in enumerate(reply.shards):
             self._snapshot(reply, i, shard)
+
+    def _policy(self, reply):
+        """The ``policy`` meta of ``reply``: the policy's note and the joins admitted."""
+        if self.joins is None:
+            return reply.policy
+        return self.joins if reply.policy is None else dict(reply.policy, **self.joins)
+
+    def admitted(self, rank, from_step):
+        """Worker ``rank`` joined from ``from_step``: every reply from now on says so."""
+        joins = [] if self.joins is None else self.joins["joins"]
+        self.joins = {"joins": joins + [[rank, from_step]]}
 
     @staticmethod
     def note(reply, fields):
@@ -210,12 +226,13 @@ class Replies:
         if reply.relay:
             self._relayed.append(reply)
             return
-        sig = (tuple(reply.records), reply.lr, id(reply.policy))
+        sig = (tuple(reply.records), reply.lr, id(reply.policy), id(self.joins))
         body = self._encoded.get(sig)
         if body is None:
             meta = {"lr": reply.lr} if reply.lr is not None else {}
-            if reply.policy is not None:
-                meta["policy"] = reply.policy
+            policy = self._policy(reply)
+            if policy is not None:
+                meta["policy"] = policy
             body = P.encode(P.Message(
                 P.Kind.REPLY, sender=self.rank, req=reply.req,
                 records=P.make_records(reply.records), tensors=reply.parts,

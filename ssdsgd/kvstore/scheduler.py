@@ -22,6 +22,7 @@ from .chunks import ChunkError, Dealer
 from .env import NodeEnv
 from .removals import RemovalError, Removals
 from . import reregister
+from .join_wiring import Joins
 from .replica_map import ReplicaError, ReplicaMap
 from .security import Guard
 from .. import timeline
@@ -78,13 +79,15 @@ class Rejections:
             self.log(f"rejected a message from {source} ({n} so far): {text}")
 
 
-class Scheduler(reregister.Rejoins):
+class Scheduler(reregister.Rejoins, Joins):
     """``make_policy(env)``: what the job's synchronization mode decides here (a
     ``ssdsgd.sync.scheduler_policies.SchedulerPolicy``; the node wiring passes it).
     A restarted one (cluster.scheduler_restarts) first takes its nodes back
-    (``reregister.py``)."""
+    (``reregister.py``). ``join_boundary``: the stage rule's step a joiner comes in at
+    (``ssdsgd.sync.stage.join_boundary``), None if the job takes no joiner
+    (``join_wiring.py``)."""
 
-    def __init__(self, env: NodeEnv, make_policy, log=None):
+    def __init__(self, env: NodeEnv, make_policy, log=None, join_boundary=None):
         self.env = env
         self.log = log or (lambda text: print(f"ssdsgd scheduler: {text}", file=sys.stderr, flush=True))
         self.ctx = zmq.Context.instance()
@@ -106,6 +109,8 @@ class Scheduler(reregister.Rejoins):
         self.stalls = StallWatch(env.stall_timeout)
         self.left = set()         # workers removed (on_worker_failure: continue)
         self.rebuild = reregister.begin(env, self.counts, self.log)
+        self.layout = None        # the topology every node heard (a joiner hears it too)
+        self._init_joins(join_boundary)
         # the timeline's reference clock: its file names the host whose processes read
         # this clock (ssdsgd/timeline_merge.py)
         timeline.start_node(env, "scheduler", 0)
@@ -130,7 +135,7 @@ class Scheduler(reregister.Rejoins):
         wrong = reachable_or_why(nodes, self.env.pull_relay == "auto", self.log)
         if wrong:
             self._abort(wrong)
-        layout = topology(nodes, self.env.num_workers, self.env.num_servers)
+        layout = self.layout = topology(nodes, self.env.num_workers, self.env.num_servers)
         self.startup = Startup(self._members("server"))
         self.started = True
         self._record()     # before any node hears it (a restarted scheduler reads it)
@@ -159,6 +164,8 @@ class Scheduler(reregister.Rejoins):
                 self._abort(wrong)
             self.log(f"every server listens; messages to the servers carry at most "
                      f"{job_limit(self.env, out)} data bytes")
+        if role == "worker":
+            self.listen_out = out
         for i in self._members(role):
             self._send(i, P.Kind.LISTEN, out)
 
@@ -189,6 +196,9 @@ class Scheduler(reregister.Rejoins):
         if ident in self.nodes:
             raise P.ProtocolError(f"this connection already registered as "
                                   f"{self.nodes[ident]['role']}")
+        if self._joining(role, meta, frame):
+            self._join(ident, meta, frame)
+            return
         who = self.guard.sender(frame)
         meta, wrong = registration(role, meta, who, self.nodes.values(), self.counts,
                                    self.started)
@@ -273,7 +283,7 @@ class Scheduler(reregister.Rejoins):
     HANDLERS = {P.Kind.HEARTBEAT: _heartbeat, P.Kind.BARRIER: _barrier,
                 P.Kind.MEMBERSHIP: _membership, P.Kind.FINISH: _finish,
                 P.Kind.POLICY: _policy_event, P.Kind.LISTEN: _listen,
-                P.Kind.CHUNK: _chunk}
+                P.Kind.CHUNK: _chunk, P.Kind.JOIN: Joins._join_answer}
 
     def _decide(self, event, *args):
         """Run a policy event; send the messages it decides (sync/scheduler_policies.py)."""

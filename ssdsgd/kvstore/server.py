@@ -255,6 +255,29 @@ class Server:
         self._carry_out(self.policy.leave(rank, step))
         self.replies.forget()
 
+    def on_join(self, meta):
+        """A worker joins (docs/spec/membership.md). Asked (``routing_id``): serve that
+        connection as worker ``joined``, hold from the first step no push reached, and
+        say which. Told (``from_step``): it pushes from that step on; every reply from
+        now on carries the decision."""
+        rank = meta["joined"]
+        try:
+            if "routing_id" in meta:
+                self.replies.peers[bytes.fromhex(meta["routing_id"])] = Peer(rank)
+                held = self.policy.hold(rank)
+                self.log(f"worker {rank} asks to join; holding from step {held}")
+                self._tell_scheduler(P.Kind.JOIN, {"joined": rank, "next_step": held},
+                                     lost="answer to a join")
+            elif "from_step" in meta:
+                actions = self.policy.admit(rank, meta["from_step"])
+                self.replies.admitted(rank, meta["from_step"])
+                self.log(f"worker {rank} joined; aggregating it from step {meta['from_step']}")
+                self._carry_out(actions)
+        except self.policy.Error as e:
+            raise Fatal(f"server {self.rank}: {e}") from None
+        finally:
+            self.replies.forget()
+
     def _tell_scheduler(self, kind, meta, lost=None):
         """Never waits. A message the job cannot lose (``lost``: what losing it would do)
         stops the job when the scheduler does not take it; the heartbeats tell the rest."""
@@ -329,6 +352,8 @@ class Server:
         """A message from the scheduler (the node's loop acts on SHUTDOWN itself)."""
         if msg.kind == P.Kind.MEMBERSHIP:
             self.on_membership(msg.meta)
+        elif msg.kind == P.Kind.JOIN:
+            self.on_join(msg.meta)
         elif msg.kind == P.Kind.PROMOTE:
             self.backup.promote(msg.meta, self.rank)
         elif msg.kind == P.Kind.POLICY:

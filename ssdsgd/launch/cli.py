@@ -63,6 +63,9 @@ def _command_form(argv):
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for every process, e.g. SSDSGD_ALGORITHM=ssgd")
     _restarts_argument(p, "0; the command restarts as it is, it resumes by itself")
+    p.add_argument("--run-dir", metavar="DIR", help="with SSDSGD_MAX_WORKERS above -n: "
+                   "where join.json goes, for launch/dist.py --join DIR "
+                   "(docs/spec/membership.md)")
     add_arguments(p)
     args = p.parse_args(opts)
     if not cmd:
@@ -78,6 +81,13 @@ def _command_form(argv):
             p.error(f"--env {item!r}: expected KEY=VALUE")
         extra[key] = value
     cmd = resolve_python(cmd)
+    try:
+        most = _max_workers(extra)
+    except SettingError as e:
+        p.error(str(e))
+    if most and most > args.num_workers and not args.run_dir:
+        p.error("SSDSGD_MAX_WORKERS above -n takes joiners: give --run-dir DIR, where "
+                "launch/dist.py --join DIR finds the job")
     try:    # before anything starts: no --env for what the launcher sets, no bad values
         check_launch_env(extra, to_env(num_workers=args.num_workers, scheduler_port=args.port
                                        or None, num_servers=args.num_servers), os.environ)
@@ -90,12 +100,20 @@ def _command_form(argv):
     for attempt in range(restarts + 1):
         failures = []
         code = run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
-                       launcher=runner, failures=failures)
+                       launcher=runner, failures=failures, run_dir=args.run_dir,
+                       max_workers=_max_workers(extra))
         if code != 1 or attempt == restarts:
             break
         print(f"[launcher] {_restart_line(attempt + 1, restarts, failures, 'the command again')}",
               file=sys.stderr, flush=True)
     return _gave_up(code, restarts)
+
+
+def _max_workers(extra):
+    """cluster.max_workers of the command form (``--env SSDSGD_MAX_WORKERS=M``, checked
+    by check_launch_env), or None."""
+    raw = extra.get(BY_NAME["max_workers"].env)
+    return BY_NAME["max_workers"].parse(raw) if raw else None
 
 
 def _gave_up(code, restarts):
@@ -304,7 +322,8 @@ def _run_training(config, run_dir, length, env, runner, port, resume, failures, 
                    stdout=progress.sink(sys.stdout), stderr=progress.sink(sys.stderr),
                    failures=failures, run_dir=run_dir,
                    continue_without_workers=config.cluster.on_worker_failure == "continue",
-                   server_replicas=config.cluster.server_replicas)
+                   server_replicas=config.cluster.server_replicas,
+                   max_workers=config.cluster.max_workers)
 
 
 def _restart_from_checkpoint(config, run_dir, length):
@@ -321,8 +340,51 @@ def _restart_from_checkpoint(config, run_dir, length):
             f"resuming from the checkpoint at step {info['step']}")
 
 
+def _join_form(argv):
+    """``--join RUN_DIR``: one worker of this host joins the running job of RUN_DIR
+    (launch/joining.py); its exit code, 2 with one line if the job takes no joiner."""
+    from .joining import JoinRefused, claim, read, worker_env
+    from .local import start_child
+    p = argparse.ArgumentParser(prog="launch/dist.py --join", description="start one worker "
+                                "that joins the running job of RUN_DIR (cluster.max_workers)")
+    p.add_argument("--join", metavar="RUN_DIR", required=True)
+    args = p.parse_args(argv)
+    try:
+        data = read(args.join)
+        rank, key_file = claim(args.join, data)
+    except JoinRefused as e:
+        print(f"launch/dist.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"[launcher] worker {rank} joins the job of {args.join}", file=sys.stderr,
+          flush=True)
+    proc = start_child(data["command"], worker_env(data, rank, key_file))
+    import subprocess
+    import threading
+    from .job import _pump
+    lock = threading.Lock()
+    pumps = [threading.Thread(target=_pump, args=(stream, f"[worker {rank}] ", sink, lock),
+                              daemon=True)
+             for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    for t in pumps:
+        t.start()
+    try:
+        code = proc.wait()     # as long as the job runs; it dies with this process
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait(timeout=10)
+    for t in pumps:
+        t.join(timeout=2)
+    return code
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--join" or a.startswith("--join=") for a in argv):
+        return _join_form(argv)
     if "--" in argv or any(a in ("-n", "--num-workers") for a in argv):
         return _command_form(argv)
     return _config_form(argv)

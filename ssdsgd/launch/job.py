@@ -15,6 +15,7 @@ import time
 from ..kvstore import job_status
 from ..kvstore.security import KeyFile, identity
 from ..settings import to_env
+from . import joining
 from .janitor import Janitor
 from .hosts import role_label
 from .local import LAUNCHERS
@@ -88,7 +89,8 @@ def base_env(num_workers, num_servers, port, extra=None, scheduler_host="127.0.0
 
 def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, launcher="local",
             progress=None, log=None, stdout=None, stderr=None, failures=None,
-            continue_without_workers=False, run_dir=None, server_replicas=0):
+            continue_without_workers=False, run_dir=None, server_replicas=0,
+            max_workers=None):
     """Start the job and wait for it; returns the exit code for the launcher's process.
 
     ``launcher``: a name in LAUNCHERS or an instance with the LocalLauncher interface.
@@ -100,7 +102,9 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     directory, where a launcher whose processes read their keys from a shared
     filesystem (mpi, slurm: ``keys_parent``) makes the job's key directory.
     ``server_replicas`` (cluster.server_replicas: 1): the first server that dies is left
-    behind (its backup takes its keys) and the job goes on."""
+    behind (its backup takes its keys) and the job goes on. ``max_workers``
+    (cluster.max_workers) above ``num_workers``: keys for the spare ranks too, and
+    ``run_dir``/join.json for ``launch/dist.py --join`` (launch/joining.py)."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     log = log or (lambda text: print(f"[launcher] {text}", file=stderr, flush=True))
     runner = _runner(launcher, log)
@@ -114,12 +118,17 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     # system's temporary one, or of the shared filesystem when the launcher asks.
     plan = job_plan(num_workers, num_servers, worker_cmd)
     parent = getattr(runner, "keys_parent", lambda _run_dir: None)(run_dir)
+    spare = range(num_workers, max_workers or num_workers)
     keys = KeyFile(getattr(runner, "secure", False),
-                   [identity(role, rank) for role, rank, _ in plan], parent)
+                   [identity(role, rank) for role, rank, _ in plan]
+                   + [identity("worker", r) for r in spare], parent)
     janitor = Janitor(keys.dir)       # gone with the launcher, even after a SIGKILL
     # the scheduler's record for this loop (kvstore/job_status.py), beside the keys
     status = JobStatus(os.path.join(keys.dir, "status.json"))
     env.update(to_env(status_file=status.path))
+    if spare and run_dir:
+        joining.write(run_dir, keys.dir, keys.files, num_workers, max_workers, worker_cmd,
+                      env)
     procs, pumps = [], []
     start = _Starter(runner, env, keys, pumps, (stdout, stderr), log)
     with _signals_recorded() as interrupted:

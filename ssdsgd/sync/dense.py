@@ -13,8 +13,13 @@ from .policy import PolicyError, ServerPolicy
 class DenseSync(ServerPolicy):
     """ssgd and ssd: a step of a key is applied once every worker in the job pushed it."""
 
-    def __init__(self, num_workers, steps_ahead, algorithm, averaging=None):
+    def __init__(self, num_workers, steps_ahead, algorithm, averaging=None, joins=False):
         super().__init__(num_workers, steps_ahead, algorithm, averaging)
+        # a job that takes joiners counts its lr schedule in global batches (pushes / N,
+        # docs/spec/membership.md rule 3): a step of N + 1 members is (N + 1) / N of one.
+        # The clock moves once per step, when its first key is applied.
+        self.global_batches = joins
+        self.counted = -1      # the last step whose pushes the clock counted
         self.pending = {}      # key -> {step: {rank: gradient}}
         self.waiting = {}      # key -> {step: [(token, slot)]} to answer once it is applied
         self.joined = {}       # rank of a worker that joined -> the step it pushes from
@@ -57,6 +62,8 @@ class DenseSync(ServerPolicy):
         for key, step in items:
             if rank in self.joined and step == self.joined[rank] - 1:
                 continue     # a joiner's first pull: the weights it starts from
+            if rank in self.holds and step >= self.holds[rank] - 1:
+                continue     # the same, before the scheduler's decision reached here
             if step >= self.version[key] and rank not in self.pending[key].get(step, ()):
                 raise PolicyError(f"key {key}: worker {rank} pulls step {step}, which it has "
                                   f"not pushed (step {self.version[key] - 1} is the last "
@@ -86,7 +93,12 @@ class DenseSync(ServerPolicy):
         nothing is ready" loop of a push and of a departure)."""
         actions = []
         while ready:
-            actions.append(self._apply([self._sum(key) for key in ready]))
+            step = max(self.version[key] for key in ready)
+            sums = [self._sum(key) for key in ready]
+            pushes = 0
+            if self.global_batches and step > self.counted:
+                pushes, self.counted = len(sums[0][1]), step
+            actions.append(self._apply(sums, pushes))
             nxt = []
             for key in ready:
                 version = self.version[key]

@@ -37,7 +37,9 @@ _CHANGES = (lambda v: isinstance(v, list) and len(v) <= MAX_CHANGES
             f"a list of at most {MAX_CHANGES} objects")
 _RECORD = {"rule": (F.one_of("auto"), True), "rounds": (F.STEP, True),
            "excused": (_WORKERS, True), "changes": (_CHANGES, True), "dropped": (F.STEP, True)}
-REPLY = {"quorum_auto": (F.OBJ, False)}
+# ``joins``: every join the server admitted, [[rank, from_step], ...] (docs/spec/
+# membership.md rule 6: how the workers hear of a join before its step)
+REPLY = {"quorum_auto": (F.OBJ, False), "joins": (F.JOINS, False)}
 
 
 def reply_fields(given):

@@ -331,3 +331,53 @@ def markdown() -> str:
     lines += ["", "Every other pair of features is taken, and run together by the test "
               "`TESTED_PAIRS` names in `ssdsgd/sync/registry.py`."]
     return "\n".join(lines) + "\n"
+
+
+# ---- joiners: cluster.max_workers above cluster.workers (docs/spec/membership.md) -----------
+# The algorithms whose server policy holds and admits a joiner (``ServerPolicy.hold``):
+# every member pushes every step, and the step a joiner comes in at has a rule
+# (``stage.join_boundary``).
+JOINERS = ("ssd", "ssgd")
+JOIN_TEST = "tests/test_join_jobs.py"
+# what a job that takes joiners may not use, and why: no test runs the two together.
+# (resume is taken: a resumed job starts again with its first workers, who may be joined
+# again; its checkpoint does not record who had joined, docs/spec/membership.md)
+JOIN_REFUSED = {
+    "compression": "a joiner's residual would start empty mid-run; no test runs the two",
+    "relay": "a relayed reply does not carry the join's decision to the workers down the "
+             "chain",
+    "quorum": "a quorum's rounds have no rule for a joiner (docs/spec/membership.md rule 8)",
+    "staggered": "staggered pulls have no step every worker resets at, where a joiner "
+                 "could come in",
+    "restart": "a restarted job would not know who had joined",
+    "continue": "no test runs a departure beside a join yet; use abort",
+    "scheduler_restart": "a restarted scheduler does not rebuild the joins decided",
+    "replicas": "a join's decision is not sent to a backup",
+}
+
+
+def join_refusal(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
+    """Why a job with ``values`` (cluster.max_workers above the workers) cannot take
+    joiners, in one line naming the setting; None if it can."""
+    most = label("max_workers")
+    name = values.get("algorithm")
+    if name is not None and name not in JOINERS:
+        return (f"{most}: {values.get('max_workers')} (workers joining) works with "
+                f"{label('algorithm')}: {' or '.join(JOINERS)} only, got {name!r} (its "
+                "server policy takes no joiner)")
+    on = features_on(values)
+    for feature, reason in JOIN_REFUSED.items():
+        if feature in on:
+            setting, value, instead = on[feature]
+            return (f"{most}: {values.get('max_workers')} (workers joining) works with "
+                    f"{label(setting)}: {instead} only, got {value!r} ({reason})")
+    if values.get("pull_relay") == "chain" or (name == "ssd" and
+                                               values.get("pull_relay") == "auto"):
+        return (f"{most}: {values.get('max_workers')} (workers joining) works with "
+                f"{label('pull_relay')}: off only, got {values.get('pull_relay')!r} (auto "
+                "may relay, and a relayed reply does not carry the join's decision)")
+    if name == "ssd" and values.get("delay_steps") == "auto":
+        return (f"{most}: {values.get('max_workers')} (workers joining) works with "
+                f"{label('delay_steps')}: an integer only, got 'auto' (the servers must "
+                "know k to choose the step a joiner comes in at)")
+    return None

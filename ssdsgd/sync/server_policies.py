@@ -23,4 +23,5 @@ def make_server_policy(env, rank):
                             quorum=quorum_rule(env.quorum, n),
                             max_staleness=env.max_staleness, leader=rank == 0,
                             replicate=env.num_servers > 1)
-    return DenseSync(n, steps_ahead, env.algorithm, averaging)
+    return DenseSync(n, steps_ahead, env.algorithm, averaging,
+                     joins=(env.max_workers or 0) > n)

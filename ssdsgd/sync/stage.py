@@ -124,3 +124,16 @@ def join_boundary(algorithm, warmup_steps, delay_steps):
         m = max(0, -(-(held + 1 + delay_steps - warmup_steps) // delay_steps))
         return warmup_steps + m * delay_steps
     return boundary
+
+
+def joins_boundary(env):
+    """The job's ``join_boundary`` if it takes joiners (cluster.max_workers above its
+    workers, docs/spec/membership.md), else None; ssd needs T_w and k fixed in advance
+    (the settings refuse delay_steps auto; a warm-up left at auto is a command-form job's)."""
+    if (env.max_workers or 0) <= env.num_workers:
+        return None
+    if env.algorithm == "ssd" and "auto" in (env.warmup_steps, env.delay_steps):
+        return None
+    warmup = 0 if env.warmup_steps == "auto" else int(env.warmup_steps)
+    delay = 1 if env.delay_steps == "auto" else int(env.delay_steps)
+    return join_boundary(env.algorithm, warmup, delay)

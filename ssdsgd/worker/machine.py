@@ -83,6 +83,7 @@ class StageMachine:
     def __init__(self, client, env):
         self.client, self.env = client, env
         self.t = env.start_step      # a resumed job continues the stage schedule
+        self.joined_from = None      # a joiner's first step (docs/spec/membership.md)
         self.rule = None
         self.keys = {}               # key -> KeyRecord
         self.pending = None          # Gather of the pull requested at t - 1
@@ -111,6 +112,11 @@ class StageMachine:
         self.views = hostcopy.Views()
 
     # ---- set-up --------------------------------------------------------------------
+    def join_at(self, step):
+        """This worker joins a running job at ``step``: its stage schedule starts there,
+        as a resumed run's does (rule 5 of docs/spec/membership.md)."""
+        self.t = self.joined_from = step
+
     def set_optimizer(self, spec, updater=None):
         """``updater``: MXNet's updater of the Trainer's own optimizer (preduce runs it)."""
         self.preduce.updater = updater
@@ -144,10 +150,16 @@ class StageMachine:
         self.settle()
         for key, value, _ in entries:
             self.keys.setdefault(key, KeyRecord(value.shape)).shape = value.shape
-        values = hostcopy.read([value for _, value, _ in entries]) \
-            if self.client.rank == 0 else None
-        replies = self.client.init([(key, value.size, value.dtype) for key, value, _ in entries],
-                                   values).wait()
+        keys = [(key, value.size, value.dtype) for key, value, _ in entries]
+        if self.joined_from is not None:     # a joiner starts from w_G(s - 1), not rank 0's
+            # with the servers' state as of then, which its first reset takes (rule 5)
+            state = bool(self.rule is not None and self.rule.needs_state) or \
+                self.periodic is not None
+            replies = self.client.join_keys(keys, self.t, state=state).wait()
+        else:
+            values = hostcopy.read([value for _, value, _ in entries]) \
+                if self.client.rank == 0 else None
+            replies = self.client.init(keys, values).wait()
         for key, _, outs in entries:
             self.keys[key].remember(replies[key], self._dated(replies[key], self.t - 1))
             self.keys[key].params = list(outs) or self.keys[key].params
@@ -438,6 +450,10 @@ class StageMachine:
         stats["choices"] = self.schedule.choices
         stats["last_step_blocked"] = self.last_step_blocked
         stats["left"] = list(self.client.left)
+        # docs/spec/membership.md: who joined, from which step, when this worker heard
+        times = getattr(getattr(self.client, "io", None), "join_times", {})
+        stats["joined"] = [{"rank": r, "from_step": s, "time": times.get(r, 0.0)}
+                           for r, s in sorted(dict(getattr(self.client, "joins", {})).items())]
         if self.quorum_auto is not None:
             stats["quorum_auto"] = self.quorum_auto
         return stats

@@ -1,0 +1,193 @@
+"""Workers that join a running job (docs/spec/membership.md), end to end: real processes,
+real ZeroMQ, real MXNet. A 2-worker job started with SSDSGD_MAX_WORKERS=3 takes a third
+worker started with ``launch/dist.py --join RUN_DIR`` while it runs, and ends with the
+weights of ``simulate_membership`` fed the join step the job recorded; a joiner the job
+cannot take is refused in one line."""
+import json
+
+import mxnet as mx
+import pytest
+
+import tiny
+from conftest import load_npz
+from jobs import dist, launch_args
+from ssdsgd.data import epoch_permutation
+from ssdsgd.glu.simulate_membership import Change, simulate_membership
+from ssdsgd.sync.membership import Membership
+from test_quorum import _trainer_keys
+from test_ssd_oracle import _equal_to_the_simulation
+
+N, PER_EPOCH, EPOCHS, BATCH, WAIT_AT = 2, 8, 3, 8, 5
+TIMEOUT = 90
+
+
+def _simulated(joins, algorithm="ssgd", lr_step=0, **sync):
+    """The simulator with the job's membership: each member's batch at step t is the
+    chunk ``Membership`` gives it (rule 7)."""
+    members = Membership(N, PER_EPOCH, PER_EPOCH * EPOCHS)
+    for rank, step in joins.items():
+        members.join(rank, step)
+    net = tiny.make_net()
+    keys = _trainer_keys(net)
+    params = tiny.params(net)
+    init = {i: params[j].data().copy() for i, j in keys.items()}
+    data = tiny.ChunkData(PER_EPOCH * BATCH)
+    perms = [epoch_permutation(data.n_train, e, 0) for e in range(EPOCHS)]
+
+    def grad_fn(worker, step, weights):
+        epoch, chunk = members.chunk(worker, step)
+        x, y = data.train_batch(perms[epoch][chunk * BATCH:(chunk + 1) * BATCH])
+        for i, j in keys.items():
+            params[j].set_data(weights[i])
+        tiny.forward_backward(net, x, y)
+        return {i: params[j].grad().copy() for i, j in keys.items()}
+
+    def make_optimizer():
+        sched = (mx.lr_scheduler.FactorScheduler(step=lr_step, factor=0.5, base_lr=0.1)
+                 if lr_step else None)
+        return mx.optimizer.create("sgd", learning_rate=0.1, momentum=0.9,
+                                   rescale_grad=1.0 / BATCH, lr_scheduler=sched)
+
+    changes = [Change(step, "join", rank) for rank, step in joins.items()]
+    return keys, members, simulate_membership(init, grad_fn, make_optimizer, N, members.end(),
+                                              changes, algorithm=algorithm, **sync)
+
+
+def _job(tmp_path, env, max_workers=3, script_args=()):
+    go = tmp_path / "go"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
+                              "--wait-at", WAIT_AT, "--go", go, *script_args],
+                       env=dict({"SSDSGD_MAX_WORKERS": max_workers, "SSDSGD_PULL_RELAY": "off",
+                                 "SSDSGD_BIGARRAY_BOUND": 100}, **env),
+                       script="join_worker.py")
+    return dist(["--run-dir", run_dir, *args]), run_dir, go
+
+
+def _joined_run(tmp_path, env, refused=None, script_args=()):
+    """A 2-worker job, a third joining while the first two wait at step WAIT_AT;
+    ``refused`` (a list): the one-line errors of a fourth joiner while the job is at
+    cluster.max_workers, and of one once it has ended."""
+    job, run_dir, go = _job(tmp_path, env, script_args=script_args)
+    with job:
+        job.wait_for(lambda: (run_dir / "join.json").exists(), 60, "join.json")
+        job.wait_for("job started", 60)
+        joiner = dist(["--join", run_dir])
+        with joiner:
+            job.wait_for("asks to join", 60)
+            if refused is not None:
+                refused.append(_refused(run_dir))
+            go.touch()
+            assert joiner.wait(TIMEOUT) == 0, joiner.tail()
+            assert job.wait(TIMEOUT) == 0, job.tail()
+    if refused is not None:
+        refused.append(_refused(run_dir))
+    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in range(3)]
+    return job, joiner, records
+
+
+def _refused(run_dir):
+    """The one line of a ``--join`` that fails (exit 2)."""
+    late = dist(["--join", run_dir])
+    with late:
+        assert late.wait(60) == 2, late.tail()
+    lines = late.stderr.strip().splitlines()
+    assert len(lines) == 1, late.stderr
+    return lines[0]
+
+
+def _check(tmp_path, records, algorithm="ssgd", lr_step=0, **sync):
+    s = records[2]["joined_from"]
+    assert s is not None and s > WAIT_AT, records[2]
+    # every worker saw the same join, and trained the chunks Membership gives it
+    assert all(r["joins"] == {"2": s} for r in records), records
+    keys, members, ref = _simulated({2: s}, algorithm, lr_step, **sync)
+    for rank, r in enumerate(records):
+        first = 0 if rank < N else s
+        assert r["chunks"] == [members.chunk(rank, t)[0] * PER_EPOCH + members.chunk(rank, t)[1]
+                               for t in range(first, members.end())], (rank, r)
+    # the budget, every chunk once
+    assert sorted(c for r in records for c in r["chunks"]) == list(range(
+        members.first_chunk(members.end())))
+    _equal_to_the_simulation(keys, ref,
+                             [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(3)],
+                             [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(3)],
+                             f" (joined at {s})")
+    return s
+
+
+@pytest.mark.system
+def test_a_worker_joins_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_path):
+    """Under an lr schedule that halves the lr every 4 global batches: after the join a
+    step counts 3/2 of one (rule 3), which the servers' clock and the simulator's agree on."""
+    refused = []
+    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": "ssgd"}, refused,
+                                       ["--lr-step", 4])
+    s = _check(tmp_path, records, lr_step=4)
+    assert s == WAIT_AT + 1     # the servers held from the step the first two wait at
+    assert f"worker 2 joins the job at step {s}" in job.text
+    full, ended = refused
+    assert "every spare rank is taken" in full and "cluster.max_workers = 3" in full, full
+    assert "the job has ended" in ended and str(tmp_path / "run") in ended, ended
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("glu_state", ["exact", "estimate"])
+def test_a_worker_joins_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(tmp_path,
+                                                                               glu_state):
+    """ssd, T_w = 3, k = 2: the first two wait before step 5, the servers hold from 5,
+    and the join comes at the first pull boundary T_w + m k with s - 1 - k >= 5: 9.
+    The joiner's first reset takes its first pull with no history (rule 5)."""
+    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                  "SSDSGD_WARMUP_STEPS": 3,
+                                                  "SSDSGD_DELAY_STEPS": 2,
+                                                  "SSDSGD_GLU_STATE": glu_state})
+    s = _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2, glu_state=glu_state)
+    assert s == 9
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_path,
+                                                                         algorithm):
+    """``python -m ssdsgd.train`` (digits): a third worker joins with --join; the
+    batches follow the membership (rule 7), so each epoch's chunks are trained once
+    whoever trains them, and the summary records the join. ssd: T_w = 8, k = 4 (the
+    relay off, quoted: YAML reads a bare off as false)."""
+    from test_e2e_configs import records, run_dir_of, sets
+    from test_dynamic_data import BATCH, N_TRAIN
+    ssd = ({"sync__warmup_steps": 8, "sync__delay_steps": 4, "sync__pull_relay": '"off"'}
+           if algorithm == "ssd" else {})
+    job = dist(["configs/digits.yaml", *sets(
+        sync__algorithm=algorithm, cluster__max_workers=3, **ssd,
+        data__batch_size=BATCH, train__epochs=3, train__log_interval=4,
+        output__plots="false", output__dir=tmp_path,
+        debug__slowdown="delay:0=0.1,1=0.1")])
+    with job:
+        job.wait_for(lambda: any(tmp_path.glob("*/join.json")), 60, "join.json")
+        run = run_dir_of(tmp_path)
+        job.wait_for("job started", 60)
+        joiner = dist(["--join", run])
+        with joiner:
+            assert joiner.wait(TIMEOUT) == 0, joiner.tail()
+            assert job.wait(TIMEOUT) == 0, job.tail()
+    summary = json.loads((run / "summary.json").read_text())
+    (joined,) = summary["workers_joined"]
+    s = joined["from_step"]
+    assert joined["rank"] == 2 and 0 < s, summary
+    ends = [records(run, r, "end")[-1] for r in range(3)]
+    per_epoch = N_TRAIN // (N * BATCH) * N
+    members = Membership(N, per_epoch, per_epoch * 3)
+    members.join(2, s)
+    assert [e["steps"] for e in ends] == [members.end()] * 3, ends
+    for e in range(3):
+        got = [end["data"].get(str(e), {}) for end in ends]
+        perm = epoch_permutation(N_TRAIN, e, 0)[:per_epoch * BATCH].astype("int64")
+        batches = sum(g.get("batches", 0) for g in got)
+        if e < 2:      # the last epoch drops the chunks of a step that does not fit
+            assert batches == per_epoch, (e, got)
+            assert sum(g.get("index_sum", 0) for g in got) == int(perm.sum()), e
+        else:
+            assert per_epoch - 2 <= batches <= per_epoch, (e, got)
+    assert summary["final_accuracy"] > 0.8, summary

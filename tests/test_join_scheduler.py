@@ -1,0 +1,96 @@
+"""The scheduler's half of a join (ssdsgd/kvstore/join_wiring.py), in process: a real
+Scheduler whose sends are recorded, fed the registrations of a 2-worker ssgd job with
+cluster.max_workers, then joiners: each refusal is one line naming why, and a join taken
+asks every server to hold and, once they answered, tells them and the joiner the step."""
+import socket
+
+import pytest
+
+from ssdsgd.kvstore import protocol as P
+from ssdsgd.kvstore.env import NodeEnv
+from ssdsgd.kvstore.scheduler import Scheduler
+from ssdsgd.launch.job import free_port
+from ssdsgd.sync.scheduler_policies import make_scheduler_policy
+from ssdsgd.sync.stage import joins_boundary
+
+
+def test_a_spare_rank_that_comes_before_the_start_takes_no_first_workers_place():
+    env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
+                                "SSDSGD_NUM_WORKERS": "2", "SSDSGD_MAX_WORKERS": "3",
+                                "SSDSGD_ALGORITHM": "ssgd"})
+    sched = Scheduler(env, make_scheduler_policy, log=lambda text: None,
+                      join_boundary=joins_boundary(env))
+    try:
+        sched._register(b"w0", {"role": "worker", "rank": 0, "routing_id": "01" * 8}, None)
+        msg = _refusal(sched, b"j2", 2)
+        assert msg.startswith("worker 2 cannot join: the job has not started yet"), msg
+        assert b"j2" not in sched.nodes
+    finally:
+        sched.close()
+
+
+@pytest.fixture
+def job():
+    """A started job (its workers heard where the server listens) and its sends."""
+    env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
+                                "SSDSGD_NUM_WORKERS": "2", "SSDSGD_MAX_WORKERS": "4",
+                                "SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "off"})
+    sched = Scheduler(env, make_scheduler_policy, log=lambda text: None,
+                      join_boundary=joins_boundary(env))
+    sent = []
+    sched._send = lambda ident, kind, meta=None, req=0: sent.append((ident, kind, meta))
+    sched._register(b"s0", {"role": "server", "host": "127.0.0.1"}, None)
+    for r in range(2):
+        sched._register(b"w%d" % r, {"role": "worker", "rank": r,
+                                     "routing_id": f"{r + 1:02x}" * 8}, None)
+    yield sched, sent
+    sched.close()
+
+
+def _join(sched, ident, rank):
+    sched._register(ident, {"role": "worker", "rank": rank,
+                            "routing_id": "ab" * 8 + ident.hex()}, None)
+
+
+def _refusal(sched, ident, rank):
+    with pytest.raises(P.ProtocolError) as e:
+        _join(sched, ident, rank)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_joiners_are_refused_in_one_line_until_the_job_runs_and_when_it_cannot_take_them(job):
+    sched, sent = job
+    assert "has not started yet" in _refusal(sched, b"j2", 2)
+    with socket.create_server(("127.0.0.1", 0)) as port:
+        sched._listen(b"w0", sched.nodes[b"w0"], {})
+        sched._listen(b"s0", sched.nodes[b"s0"], {"port": port.getsockname()[1]})
+    assert "takes a spare rank 2..3" in _refusal(sched, b"j9", 9)
+    assert "takes a spare rank 2..3" in _refusal(sched, b"j1", 1)
+    sent.clear()
+    _join(sched, b"j2", 2)
+    kinds = [(ident, kind) for ident, kind, _ in sent]
+    assert (b"j2", P.Kind.TOPOLOGY) in kinds and (b"j2", P.Kind.LISTEN) in kinds
+    (hold,) = [meta for ident, kind, meta in sent if kind == P.Kind.JOIN]
+    assert hold["joined"] == 2 and "routing_id" in hold
+    assert "worker 2 is or was in the job already" in _refusal(sched, b"k2", 2)
+    sent.clear()
+    sched._join_answer(b"s0", sched.nodes[b"s0"], {"joined": 2, "next_step": 7})
+    told = sorted((ident, meta["from_step"]) for ident, kind, meta in sent
+                  if kind == P.Kind.JOIN)
+    assert told == [(b"j2", 8), (b"s0", 8)]          # ssgd: s = H + 1
+    assert sched.joined[0]["rank"] == 2 and sched.joined[0]["from_step"] == 8
+    with pytest.raises(P.ProtocolError, match="not an answer to a join"):
+        sched._join_answer(b"s0", sched.nodes[b"s0"], {"joined": 2, "next_step": 9})
+    sched.nodes[b"w1"]["finished"] = True
+    assert "the job is finishing" in _refusal(sched, b"j3", 3)
+
+
+def test_a_job_at_max_workers_refuses_the_next_joiner(job):
+    sched, sent = job
+    with socket.create_server(("127.0.0.1", 0)) as port:
+        sched._listen(b"w0", sched.nodes[b"w0"], {})
+        sched._listen(b"s0", sched.nodes[b"s0"], {"port": port.getsockname()[1]})
+    _join(sched, b"j2", 2)
+    _join(sched, b"j3", 3)
+    assert "at most cluster.max_workers = 4" in _refusal(sched, b"j4", 3)
