@@ -279,7 +279,7 @@ def test_only_a_preduce_job_averages():
 # ---- which policy a job's settings choose -------------------------------------------------
 def env(**kw):
     values = dict(algorithm="ssd", num_workers=4, num_servers=2, quorum="all",
-                  max_staleness=3, delay_steps=5)
+                  max_staleness=3, delay_steps=5, max_workers=None)
     return SimpleNamespace(**dict(values, **kw))
 
 
