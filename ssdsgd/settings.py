@@ -40,6 +40,7 @@ class _Required:
 
 
 REQUIRED = _Required()      # the default of a setting that has none
+YAML_WORDS = {False: "off", True: "on"}   # what a bare off / on in a config file became
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,12 @@ class Setting:
             return None
         wrong = SettingError(f"expected {self.expects()}")
         if self.choices:
-            if isinstance(value, bool) or value not in self.choices:
+            # YAML 1.1 (PyYAML) reads a bare off/on/no/yes as false/true: `pull_relay: off`
+            # means the choice the user wrote, where the setting has it
+            said = YAML_WORDS.get(value) if isinstance(value, bool) else value
+            if said not in self.choices or isinstance(said, bool):
                 raise wrong
-            return value
+            return said
         if self.int_text and isinstance(value, int) and not isinstance(value, bool):
             value = str(value)          # YAML's `quorum: 3` is the text "3"
         if self.type in (str, bool):

@@ -88,6 +88,20 @@ def test_defaults_and_overrides(tmp_path):
     assert load_config(path).sync.delay_steps == "auto"  # the file itself is unchanged
 
 
+def test_a_bare_off_in_a_config_file_is_the_choice_off(tmp_path):
+    """PyYAML reads `pull_relay: off` as false; a user who wrote off means the choice off
+    (before: "expected one of auto, off, chain, got false"). A word that is no choice of
+    the setting is still refused."""
+    path = write(tmp_path, "model: {name: digits_mlp}\ndata: {dataset: digits}\n"
+                           "sync: {pull_relay: off}\n")
+    assert load_config(path).sync.pull_relay == "off"
+    assert load_config(path, ["sync.pull_relay=off"]).sync.pull_relay == "off"
+    bad = write(tmp_path, "model: {name: digits_mlp}\ndata: {dataset: digits}\n"
+                          "sync: {compression: off}\n", "bad.yaml")
+    with pytest.raises(ConfigError, match="sync.compression: expected"):
+        load_config(bad)
+
+
 BAD = [
     # (sections merged into a minimal valid config, overrides, substrings of the error)
     (dict(sync={"delay": 3}), [], ["sync.delay: unknown key", "delay_steps"]),
