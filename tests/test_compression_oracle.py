@@ -102,7 +102,10 @@ def reference():
     return simulated(TWO_BIT)[0]
 
 
-@pytest.mark.parametrize('num_servers', [1, 2])
+# 2 servers, not 1 and 2 (2 jobs fewer): the small keys are each held whole by one
+# server, compressed and decoded as a single server does every key, and the first weight
+# (> BIG_BOUND) is split over both, each part with its own residual: both paths in one job.
+@pytest.mark.parametrize('num_servers', [2])
 def test_native_dist_sync_2bit_equals_the_simulation(native_runs, reference, num_servers):
     runs = native_runs(num_servers)
     assert sorted(runs[0]) == sorted(reference)
@@ -125,7 +128,7 @@ def run_ssd_sync(out, num_servers, compression, algorithm='ssgd', num_workers=NU
     return load_weights(out, num_workers)
 
 
-@pytest.mark.parametrize('num_servers', [1, 2])
+@pytest.mark.parametrize('num_servers', [2])       # both paths: see above
 def test_ssd_sync_ssgd_2bit_equals_native_dist_sync_2bit(tmp_path, native_runs, num_servers):
     native = native_runs(num_servers)
     ours = run_ssd_sync(tmp_path, num_servers, TWO_BIT)

@@ -37,7 +37,9 @@ def simulated(groups):
     return simulate_preduce(init, grad_fn, make_optimizer, N, STEPS, groups=groups)
 
 
-@pytest.mark.parametrize("servers", [1, 2])
+# 2 servers, not 1 and 2 (a 4-worker job fewer): the small keys are each held whole by
+# one server, as a single server holds every key, and the 16x12 weight is split over both.
+@pytest.mark.parametrize("servers", [2])
 def test_a_late_worker_does_not_hold_groups_up_and_the_weights_are_the_simulators(
         tmp_path, servers):
     """Worker 3 sleeps DELAY (1 s) before each step: the first groups are the others', and every

@@ -81,9 +81,13 @@ def _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm, cosine=0, steps
 # is late is fixed by the delays alone. cosine > 0: a cosine lr schedule over that many
 # updates, which a quorum counts in global batches (more rounds close than there are
 # steps; a schedule of rounds would reach 0 early).
+# For each algorithm a named quorum (majority or solo), 1 and 2 servers, and a run with
+# and without the cosine schedule; the numeric quorum ("3" of 4: settings.quorum_size, the
+# same for both algorithms, as the servers' rounds are) and N = 4 in the ssd case, which
+# covers them for both (an ssgd case of them, 4 workers and 2 servers, the heaviest job
+# here, was cut).
 CASES = [("ssgd", 3, 1, "majority", 1, 0),
          ("ssgd", 2, 2, "solo", 2, STEPS),
-         ("ssgd", 4, 2, "3", 1, STEPS),
          ("ssd", 3, 2, "majority", 1, STEPS),
          ("ssd", 2, 1, "solo", 2, 0),
          ("ssd", 4, 1, "3", 1, 0)]

@@ -97,8 +97,16 @@ def kill_once_with_a_restart(args, root, step, role, rank):
     return run, job.stdout
 
 
-@pytest.mark.parametrize("role", ["worker", "server", "scheduler"])
-@pytest.mark.parametrize("algorithm", ["ssd", "ssgd"])
+# Each role killed once, each algorithm at least once (3 jobs, not the 6 of every pair):
+# the role decides how the launcher sees the loss (a worker's, a server's or the
+# scheduler's exit, then the same stop-and-restart-from-the-checkpoint path), the
+# algorithm what the restarted job restores (ssd: every worker's own state as well).
+# worker-ssd covers a worker's loss and ssd's restore, server-ssgd a server's and ssgd's,
+# scheduler-ssgd the scheduler's; the scheduler of an ssd job killed and the job
+# restarted from its checkpoint is tests/test_replicas.py's
+# test_a_replicas_job_is_restarted_from_its_checkpoint_as_if_uninterrupted.
+@pytest.mark.parametrize("algorithm,role", [("ssd", "worker"), ("ssgd", "server"),
+                                            ("ssgd", "scheduler")])
 def test_a_killed_process_is_restarted_and_the_job_ends_as_if_uninterrupted(
         tmp_path, uninterrupted, role, algorithm):
     rng = random.Random(f"{role}-{algorithm}")

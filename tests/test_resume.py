@@ -231,7 +231,12 @@ def test_a_pickled_optimizer_state_file_is_refused_and_never_run(tmp_path, kille
     assert "Traceback" not in resumed.stdout + resumed.stderr
 
 
-@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+# ssd alone (3 jobs fewer than ssgd and ssd): issue 24's restore of the BatchNorm
+# statistics is the same in both algorithms, and the servers' optimizer state it reset
+# updates every step of an ssd job too (warm-up 3, k = 2), so a fresh optimizer there
+# changes the weights as it does in ssgd; ssd adds the workers' own state on top. ssgd's
+# resume to the same weights is test_killed_ssgd_job_resumes_to_the_same_weights's.
+@pytest.mark.parametrize("algorithm", ["ssd"])
 def test_a_killed_resnet20_job_resumes_bit_identically(tmp_path, algorithm):
     """Issue 24: the CIFAR-10 ResNet-20 config, killed after its first checkpoint and
     resumed, ends with exactly the uninterrupted run's weights (BatchNorm statistics,
