@@ -94,6 +94,14 @@ def ours(pid):
 
 
 # ---- pure functions -----------------------------------------------------------------------
+def test_the_defaults_auto_row_has_a_bound():
+    """sync.compression: auto (the defaults-auto row) crashed the plan (KeyError 'auto')
+    after the other rows of a matrix run; its bound is 2bit's, the smallest push."""
+    auto = rows.system('defaults-auto')
+    assert auto.compression == 'auto' and auto.push_fraction == rows.system(
+        'defaults-2bit').push_fraction == 1 / 16
+
+
 def test_the_hetero_page_takes_the_runs_name():
     from bench.cluster.__main__ import hetero_stem
     hetero_only = {'hetero': {'cases': [{}]}}

@@ -69,8 +69,9 @@ class System:
     @property
     def push_fraction(self):
         """Bytes a push carries per float32 byte of gradient (2bit: 2 bits of 32; topk:
-        8 bytes per sent element at the default ratio 0.1)."""
-        return {'': 1.0, '2bit': 1 / 16, 'topk': 0.2}[self.compression]
+        8 bytes per sent element at the default ratio 0.1; auto: the job chooses at the
+        end of its warm-up, so the bound is the smallest codec's, 2bit's)."""
+        return {'': 1.0, '2bit': 1 / 16, 'topk': 0.2, 'auto': 1 / 16}[self.compression]
 
     def warmup_or(self, default):
         """The warm-up steps this row runs: its own, else ``default``."""
