@@ -479,7 +479,9 @@ def digits_batches(job, args, kv):
 def run_digits(args, kv):
     job = Digits(args, kv)              # puts the checkout on sys.path
     slow = make_slowdown(args, kv)
+    dev = net_device()
     barrier(kv)
+    c0 = read_counters(dev)
     t_start, cpu0 = time.time(), time.process_time()
     evals, snaps = [], []
     step = 0
@@ -509,6 +511,9 @@ def run_digits(args, kv):
         closed = True
     else:
         final = False
+    # the bytes this worker's host sent and received from the first step to its last
+    # exchange (the close's final pulls included): what the method moved (issue 27)
+    moved = counter_deltas(c0, read_counters(dev), None, None)
     if final:
         evals.append((step, time.time() - t_start, job.evaluate()))
     # rank 0's copies are tested once its exchanges are over: a quorum's rounds and
@@ -517,6 +522,7 @@ def run_digits(args, kv):
     return {'t_start': t_start, 't_end': t_end, 'cpu_s': cpu_s, 'steps': step,
             'steps_per_epoch': job.spe, 'closed': closed,
             'batch': args.batch, 'evals': evals, 'param_bytes': job.param_bytes(),
+            'net_dev': dev, **moved,
             'kv_metrics_end': {k: v for k, v in (metrics or {}).items()
                                if isinstance(v, (int, float, str))}}
 

@@ -274,7 +274,8 @@ def test_aggregate_rows_keep_the_spread_and_count_the_seeds():
     def run(system, seed, tta, final, status='ok'):
         return {'system': system, 'label': system, 'status': status, 'seed': seed,
                 'time_to_target_s': tta, 'steps_to_target': None if tta is None else 10 * tta,
-                'final_accuracy': final, 'best_accuracy': final, 'wall_s': 30.0 + seed}
+                'final_accuracy': final, 'best_accuracy': final, 'wall_s': 30.0 + seed,
+                'moved_mb_per_worker': 100.0 + seed}
     rows = [run('native-sync', 0, 20.0, 0.97), run('ssd', 0, 9.0, 0.96),
             run('native-sync', 1, 22.0, 0.98), run('ssd', 1, None, 0.95),
             run('native-sync', 2, 24.0, 0.99), run('ssd', 2, 11.0, 0.94),
@@ -285,6 +286,7 @@ def test_aggregate_rows_keep_the_spread_and_count_the_seeds():
     assert nat['time_to_target_s'] == 23.0 and nat['time_to_target_s_spread'] == [20.0, 26.0]
     assert nat['final_accuracy'] == pytest.approx(0.975) and nat['reached'] == 4
     assert nat['final_accuracy_spread'] == [0.96, 0.99]
+    assert nat['moved_mb_per_worker'] == pytest.approx(101.5)   # 100 and 103 dropped
     # ssd: 3 seeds ran (one failed), one never reached: drop 9 and "never", keep 11
     assert ssd['time_to_target_s'] is None and (ssd['reached'], ssd['runs']) == (2, 3)
     assert ssd['failed'] == 1 and '1 of 4 seeds failed' in ssd['label']
@@ -300,6 +302,7 @@ def test_aggregate_rows_keep_the_spread_and_count_the_seeds():
             'seeds': [0, 1, 2, 3], 'rows': rows, 'aggregate': list(agg.values())}
     assert seeds.judged(part) is part['aggregate']
     text = report.tta_table(part, md=True)
+    assert 'MB moved per worker' in text
     assert 'seeds 0, 1, 2, 3' in text and '23.00 [20.00-26.00]' in text
     assert '4 of 4' in text and 'not reached in 1 of 3' in text
     assert seeds.judged({'rows': rows[:2]}) == rows[:2]          # a page from an old JSON

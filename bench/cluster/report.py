@@ -133,7 +133,7 @@ def tta_table(tta, md=False):
     many = seeds.several(tta)
     headers = ['system', f"time to {tta['target']:.0%} (s)"] + (['reached'] if many else []) + [
         'steps to target', 'final accuracy', 'best accuracy', 'whole run (s)', 'steps',
-        's/step', 'CPU s/step worker', 'CPU s/step server']
+        's/step', 'CPU s/step worker', 'CPU s/step server', 'MB moved per worker']
     rows = []
     for r in seeds.judged(tta):
         label = r['label'] if r.get('status', 'ok') == 'ok' else f"{r['label']} ({r['status']})"
@@ -143,7 +143,7 @@ def tta_table(tta, md=False):
                         ('steps_to_target', 'd'), ('final_accuracy', '.4f'),
                         ('best_accuracy', '.4f'), ('wall_s', '.1f'), ('steps', 'd'),
                         ('step_s', '.3f'), ('worker_cpu_per_step_s', '.3f'),
-                        ('server_cpu_per_step_s', '.3f'))])
+                        ('server_cpu_per_step_s', '.3f'), ('moved_mb_per_worker', '.1f'))])
     title = (f"Time to accuracy: {tta['desc']} | {rate_label(tta['rate_bits'])} per link | "
              f"{tta['workers']} workers, {tta['servers']} server(s)")
     text = (f"**{title}**\n\n{md_table(headers, rows)}\n" if md

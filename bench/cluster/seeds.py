@@ -20,7 +20,8 @@ import re
 TIME_KEYS = ('time_to_target_s', 'steps_to_target')
 #: figures aggregated over the runs that have them (None: not measured)
 VALUE_KEYS = ('final_accuracy', 'best_accuracy', 'samples_per_s', 'wall_s', 'startup_s',
-              'train_s', 'steps', 'step_s', 'worker_cpu_per_step_s', 'server_cpu_per_step_s')
+              'train_s', 'steps', 'step_s', 'worker_cpu_per_step_s', 'server_cpu_per_step_s',
+              'moved_mb_per_worker')
 MIN_REACHED = 3         # fewer runs than this at the target: no mean
 _PART = re.compile(r'(\d+)(?:-(\d+))?')
 
