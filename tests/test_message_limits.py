@@ -3,6 +3,7 @@ before it is buffered. A worker's pull relay takes only pieces of relayed replie
 protocol.FRAGMENT_MAX data bytes each), so its frame limit no longer follows
 SSDSGD_MAX_MESSAGE_BYTES (16 GiB by default): a peer holding a worker's key sent it a
 256 MiB frame, and the worker had to hold all of it."""
+import os
 import re
 import subprocess
 import sys
@@ -25,6 +26,9 @@ STEPS = 300
 JOB_ENV = {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "chain"}
 BIG = 256 << 20
 SERVER_BIG = 200 << 20
+# every step sleeps this long (the weights do not change), so the job is still running
+# when its node's RSS is read after the refusal: on a quiet machine 300 steps ended first
+PACED = ["--delays", '{"0": 0.03, "1": 0.03}']
 
 
 def rss_kb(pid):
@@ -33,6 +37,24 @@ def rss_kb(pid):
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def rss_kb_if_running(pid):
+    """``rss_kb``, or None once ``pid`` has exited: a node whose job ended right after
+    the refusal holds nothing any more (a CI run's worker 1 had ended when its RSS after
+    the frame was read)."""
+    try:
+        return rss_kb(pid)
+    except FileNotFoundError:
+        return None
+
+
+def test_the_rss_of_an_exited_process_is_none():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert rss_kb_if_running(proc.pid) is not None or proc.poll() is not None
+    proc.wait(timeout=30)
+    assert rss_kb_if_running(proc.pid) is None
+    assert rss_kb_if_running(os.getpid()) > 0
 
 
 class PeakRSS:
@@ -91,7 +113,7 @@ def send_oversized(job, node, head, size):
     highest = peak.close()
     events.close(0)
     sock.close(0)
-    return base, highest, rss_kb(pid)
+    return base, highest, rss_kb_if_running(pid)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +123,7 @@ def undisturbed(tmp_path_factory):
 
 @pytest.mark.system
 def test_an_oversized_frame_to_a_workers_relay_is_refused_unbuffered(tmp_path, undisturbed):
-    job = LiveJob(tmp_path, steps=STEPS, env=JOB_ENV)
+    job = LiveJob(tmp_path, steps=STEPS, env=JOB_ENV, script_args=PACED)
     try:
         head = P.encode(P.Message(P.Kind.FRAGMENT, sender=0, req=1, meta={"of": 1}))
         base, peak, _ = send_oversized(job, "worker 1", head, BIG)
@@ -148,10 +170,12 @@ def test_a_servers_limit_follows_the_model_not_the_setting(tmp_path, undisturbed
     ``Trainer(kvstore=kv)``, as MXNet's fit.py passes its store): before, that job's limit
     stayed the setting."""
     job = LiveJob(tmp_path, steps=STEPS, env={"SSDSGD_ALGORITHM": "ssgd"},
-                  script_args=["--kv-instance"] if store == "made_before_the_model" else [])
+                  script_args=PACED + (["--kv-instance"] if store == "made_before_the_model"
+                                       else []))
     try:
         head = P.encode(P.Message(P.Kind.PUSH, sender=0, req=1))
         base, peak, after = send_oversized(job, "server 0", head, SERVER_BIG)
+        assert after is not None, "server 0 exited before its RSS after the frame was read"
         grown, kept = peak - base, after - base
         assert grown < (SERVER_BIG >> 10) // 4, f"server 0 buffered the frame: RSS +{grown} KiB"
         assert kept < (SERVER_BIG >> 10) // 4, f"server 0 kept {kept} KiB after the drop"
@@ -171,7 +195,7 @@ def test_a_message_of_many_frames_each_under_the_limit_is_held_whole_then_freed(
     server holds all 192 MiB before it can look at the first. Then it refuses the message
     (its header announces no data frame), the memory goes back, and the job trains as if
     nobody had sent it."""
-    job = LiveJob(tmp_path, steps=STEPS, env={"SSDSGD_ALGORITHM": "ssgd"})
+    job = LiveJob(tmp_path, steps=STEPS, env={"SSDSGD_ALGORITHM": "ssgd"}, script_args=PACED)
     frame, count = 3 << 20, 64
     assert frame <= P.frame_limit(0)       # under the limit of any server's port
     try:
