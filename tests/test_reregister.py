@@ -89,3 +89,18 @@ def test_mpi_refuses_scheduler_restarts_in_one_line_before_starting_anything(tmp
                      "be restarted alone; use --launcher local or ssh"]
     assert [p.name for p in tmp_path.iterdir()] == []      # the key directory is gone
     launcher.listener.close()
+
+
+def test_a_node_that_registers_anew_had_not_received_its_rank_so_the_set_up_was_lost():
+    """Lost after it recorded the job's start but before a node got its rank, the
+    scheduler's successor hears that node's REGISTER again (it never had a rank to
+    rejoin with): that is the set-up lost, named as such, not a stray REGISTER (a CI
+    run failed the job with "none registers anew" instead)."""
+    r = rebuild()
+    with pytest.raises(SetUpLost, match="lost during the job's set-up: server 0 had not "
+                                        "received its rank"):
+        r.registered_again({"role": "server", "rank": 0})
+    with pytest.raises(SetUpLost, match="set-up: a worker had not received its rank"):
+        r.registered_again({"role": "worker", "rank": -1})
+    r.done = True         # once rebuilt, a REGISTER is a stray's: no verdict on the set-up
+    assert r.registered_again({"role": "worker", "rank": 1}) is None

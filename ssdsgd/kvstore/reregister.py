@@ -22,8 +22,9 @@ lives only in the scheduler, so from these and the status file the lost schedule
 
 A scheduler lost during the set-up is handled by who saw what: before it recorded the
 job's start, each node registers again with the new one (``SchedulerLink.register``);
-after that but before every worker heard where the servers listen, the rebuild fails
-naming the cause (``SetUpLost``), and ``--max-restarts`` restarts the job.
+after that but before every node had its rank (it registers again) or every worker
+heard where the servers listen, the rebuild fails naming the cause (``SetUpLost``), and
+``--max-restarts`` restarts the job.
 Quorum rounds and preduce's groups live in the scheduler and are not rebuilt: the
 registry refuses them with a restarted scheduler.
 """
@@ -85,6 +86,18 @@ class Rebuild:
         self.back[(role, rank)] = ident
         self.passed[ident] = dict(meta.get("passed") or {})
         return role, rank, role == "worker" and rank in self.finished
+
+    def registered_again(self, meta):
+        """A REGISTER while rebuilding: its node never got its rank (the lost scheduler
+        recorded the start before that node heard its TOPOLOGY), so the set-up was lost:
+        SetUpLost naming it. Once rebuilt, None: the caller refuses it as a stray."""
+        if self.done:
+            return None
+        role, rank = meta.get("role"), meta.get("rank", -1)
+        who = f"{role} {rank}" if isinstance(rank, int) and rank >= 0 else f"a {role}"
+        raise SetUpLost(f"the scheduler was lost during the job's set-up: {who} had not "
+                        "received its rank; a restarted scheduler rebuilds only a job that "
+                        "was set up (restart the job: --max-restarts)")
 
     def missing(self):
         return sorted(self.expected - set(self.back))

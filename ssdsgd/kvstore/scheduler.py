@@ -191,6 +191,10 @@ class Scheduler(reregister.Rejoins, Joins):
         the node is the one its key names: another rank, or that rank twice, is refused."""
         role = meta["role"]
         if self.rebuild is not None:
+            try:
+                self.rebuild.registered_again(meta)
+            except reregister.SetUpLost as e:
+                self._abort(f"restart {self.rebuild.restart}: {e}")
             raise P.ProtocolError("REGISTER: this scheduler was restarted after the job "
                                   "started; its nodes rejoin (REJOIN), none registers anew")
         if ident in self.nodes:
