@@ -258,6 +258,15 @@ def ran_with(results, system):
             'compression_ran': chosen.get('value') or system.compression or 'none'}
 
 
+def moved_bytes_per_worker(results):
+    """The bytes through each worker's own interface (tx + rx, headers and heartbeats
+    included) over its measured region, averaged over the workers; None unless every
+    worker read its counters."""
+    if not all('tx_bytes' in r for r in results):
+        return None
+    return sum(r['tx_bytes'] + r['rx_bytes'] for r in results) / len(results)
+
+
 def summarize(results, system, workload, rate_bits, num_workers, num_servers, bound_s):
     """One table row from the workers' result files."""
     start = min(r['t_start'] for r in results)
@@ -291,9 +300,9 @@ def summarize(results, system, workload, rate_bits, num_workers, num_servers, bo
         # the whole job's server CPU (start-up and untimed steps included) over its steps
         row['server_cpu_per_step_s'] = results[0]['server_cpu_s'] / (
             steps + results[0].get('warmup', 0))
-    if all('tx_bytes' in r for r in results):
-        row['wire_bytes_per_step'] = sum(r['tx_bytes'] + r['rx_bytes'] for r in results) \
-            / len(results) / steps
+    moved = moved_bytes_per_worker(results)
+    if moved is not None:
+        row['wire_bytes_per_step'] = moved / steps
         row['tx_bytes_per_step'] = sum(r['tx_bytes'] for r in results) / len(results) / steps
         row['rx_bytes_per_step'] = sum(r['rx_bytes'] for r in results) / len(results) / steps
     steady = [steady_step(r, system) for r in results]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from . import netns, plan, report, rows, seeds
 from .plan import Workload
+from .runner import moved_bytes_per_worker
 from .targets import check
 
 
@@ -115,10 +116,9 @@ def add_time_to_target(row, target):
         row['worker_cpu_per_step_s'] = sum(r['cpu_s'] for r in res) / len(res) / steps
     if res[0].get('server_cpu_s'):
         row['server_cpu_per_step_s'] = res[0]['server_cpu_s'] / steps
-    if all('tx_bytes' in r for r in res):
-        # sent + received through each worker's own link over the job, averaged
-        row['moved_mb_per_worker'] = sum(r['tx_bytes'] + r['rx_bytes'] for r in res) \
-            / len(res) / 1e6
+    moved = moved_bytes_per_worker(res)       # over the job: first step to last exchange
+    if moved is not None:
+        row['moved_mb_per_worker'] = moved / 1e6
     row.update(curve=curve, steps=r0['steps'], wall_s=wall, step_s=wall / steps,
                final_accuracy=curve[-1][2] if curve else None,
                best_accuracy=max(e[2] for e in curve) if curve else None,
