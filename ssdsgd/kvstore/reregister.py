@@ -78,11 +78,8 @@ class Rebuild:
         if role == "worker" and rank in self.left:
             raise RejoinError(f"worker {rank} left the job before the scheduler was lost")
         if not meta.get("ready"):
-            raise SetUpLost(
-                f"the scheduler was lost during the job's set-up: {role} {rank} had not "
-                + ("heard where the servers listen" if role == "worker" else "bound its port")
-                + "; a restarted scheduler rebuilds only a job that was set up (restart "
-                "the job: --max-restarts)")
+            raise SetUpLost.of(f"{role} {rank}", "heard where the servers listen"
+                               if role == "worker" else "bound its port")
         self.back[(role, rank)] = ident
         self.passed[ident] = dict(meta.get("passed") or {})
         return role, rank, role == "worker" and rank in self.finished
@@ -95,9 +92,7 @@ class Rebuild:
             return None
         role, rank = meta.get("role"), meta.get("rank", -1)
         who = f"{role} {rank}" if isinstance(rank, int) and rank >= 0 else f"a {role}"
-        raise SetUpLost(f"the scheduler was lost during the job's set-up: {who} had not "
-                        "received its rank; a restarted scheduler rebuilds only a job that "
-                        "was set up (restart the job: --max-restarts)")
+        raise SetUpLost.of(who, "received its rank")
 
     def missing(self):
         return sorted(self.expected - set(self.back))
@@ -149,6 +144,13 @@ def begin(env, counts, log):
 
 class SetUpLost(RejoinError):
     """The scheduler was lost before every node was set up: the job cannot go on."""
+
+    @classmethod
+    def of(cls, who, missed):
+        """``who`` (e.g. 'worker 0') had not done ``missed`` when the scheduler was lost."""
+        return cls(f"the scheduler was lost during the job's set-up: {who} had not "
+                   f"{missed}; a restarted scheduler rebuilds only a job that was set up "
+                   "(restart the job: --max-restarts)")
 
 
 class Rejoins:
