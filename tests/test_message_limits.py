@@ -31,30 +31,43 @@ SERVER_BIG = 200 << 20
 PACED = ["--delays", '{"0": 0.03, "1": 0.03}']
 
 
-def rss_kb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 def rss_kb_if_running(pid):
-    """``rss_kb``, or None once ``pid`` has exited: a node whose job ended right after
-    the refusal holds nothing any more (a CI run's worker 1 had ended when its RSS after
-    the frame was read)."""
+    """The VmRSS of ``pid`` in KiB, or None once it has exited (gone, or a zombie not
+    yet reaped, which has no VmRSS): a node whose job ended right after the refusal holds
+    nothing any more (a CI run's worker 1 had ended when its RSS after the frame was
+    read)."""
     try:
-        return rss_kb(pid)
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
     except FileNotFoundError:
         return None
+    return None
+
+
+def rss_kb(pid):
+    rss = rss_kb_if_running(pid)
+    if rss is None:
+        raise AssertionError(f"no VmRSS for pid {pid}: it has exited")
+    return rss
 
 
 def test_the_rss_of_an_exited_process_is_none():
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    assert rss_kb_if_running(proc.pid) is not None or proc.poll() is not None
-    proc.wait(timeout=30)
-    assert rss_kb_if_running(proc.pid) is None
-    assert rss_kb_if_running(os.getpid()) > 0
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert rss_kb_if_running(proc.pid) > 0
+        proc.kill()
+        deadline = time.monotonic() + 30         # a zombie until reaped: no VmRSS either
+        while rss_kb_if_running(proc.pid) is not None:
+            assert time.monotonic() < deadline, "the killed process kept its VmRSS"
+            time.sleep(0.01)
+        proc.wait(timeout=30)
+        assert rss_kb_if_running(proc.pid) is None
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert rss_kb(os.getpid()) > 0
 
 
 class PeakRSS:
