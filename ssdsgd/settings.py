@@ -582,14 +582,17 @@ def _group_size(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
 # Rules over several settings: f(values by name, label) -> one-line error or None, where
 # label(name) is how the caller names a setting (its config key or its variable).
 def _slowdown_ranks(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
-    """debug.slowdown may only name the job's workers."""
+    """debug.slowdown may only name the job's workers: its first ones and, with
+    cluster.max_workers above them, the spare ranks joiners take."""
     text, n = values.get("slowdown"), values.get("num_workers")
     if not text or n is None:
         return None
+    most = max(n, values.get("max_workers") or n)
     spec = parse_slowdown(text)
-    if any(r >= n for r in spec["per_rank"]) or spec["count"] > n:
-        return (f"{label('slowdown')}: {text!r} names ranks beyond the job's {n} workers "
-                f"({label('num_workers')})")
+    if any(r >= most for r in spec["per_rank"]) or spec["count"] > most:
+        which = "max_workers" if most > n else "num_workers"
+        return (f"{label('slowdown')}: {text!r} names ranks beyond the job's {most} "
+                f"workers ({label(which)})")
     return None
 
 

@@ -77,6 +77,18 @@ def test_the_config_checks_the_form_and_the_ranks():
         parse_config(_raw("random:x"))
 
 
+def test_a_job_that_takes_joiners_may_slow_its_spare_ranks():
+    """With cluster.max_workers above the workers, ranks up to max_workers - 1 are the
+    job's (a joiner takes one): a slowdown may name them, not a rank beyond."""
+    raw = _raw("delay:0=0.1,2=0.1")
+    raw["cluster"]["max_workers"] = 3
+    raw["sync"] = {"algorithm": "ssgd"}
+    assert parse_config(raw).debug.slowdown == "delay:0=0.1,2=0.1"
+    raw["debug"]["slowdown"] = "delay:3=0.1"
+    with pytest.raises(ConfigError, match=r"names ranks beyond the job's 3 workers"):
+        parse_config(raw)
+
+
 def test_the_environment_checks_it_too():
     assert read_env({"SSDSGD_SCHEDULER_PORT": "1", "SSDSGD_SLOWDOWN": "delay:0=1"})[
         "slowdown"] == "delay:0=1"
