@@ -167,6 +167,25 @@ def job_throughput(ends):
     return sum(samples) / max(walls)
 
 
+def throughput_by_membership(members, heard: dict, wall: float, batch_size: int):
+    """Samples applied per second of wall time in each span of a job whose workers
+    joined (``members``: its ``sync.membership.Membership``; ``heard``: rank -> seconds
+    after training started when this worker heard of the join, the span's edge in time).
+    A span's samples are its steps' chunks (the membership's, so they are the samples
+    the servers applied); a span with no time of its own has no rate."""
+    edges = sorted((members.changes[r][0], t) for r, t in heard.items())
+    steps = [0] + [s for s, _ in edges] + [members.end()]
+    times = [0.0] + [t for _, t in edges] + [wall]
+    spans = []
+    for a, b, ta, tb in zip(steps, steps[1:], times, times[1:]):
+        samples = (members.first_chunk(b) - members.first_chunk(a)) * batch_size
+        seconds = max(tb - ta, 0.0)
+        spans.append({"workers": len(members.members(a)), "from_step": a, "to_step": b,
+                      "seconds": seconds, "samples": samples,
+                      "samples_per_sec": samples / seconds if seconds > 0 else None})
+    return spans
+
+
 def summarize(run_dir, base: dict, wait_for: int = 0, timeout: float = 10.0) -> dict:
     """Write RUN_DIR/summary.json from ``base`` (rank 0's figures: final_accuracy,
     wall_time, ...) and the ``end`` records of every worker's metrics file: job

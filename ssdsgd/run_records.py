@@ -14,7 +14,8 @@ import time
 import numpy as np
 
 from ssdsgd.checkpoint import checkpoint_bytes
-from ssdsgd.metrics import Speedometer, kv_metrics, net_figures, summarize
+from ssdsgd.metrics import (Speedometer, kv_metrics, net_figures, summarize,
+                            throughput_by_membership)
 from ssdsgd.settings import count_or_auto
 from ssdsgd.sync.auto import K_UNTIMED
 from ssdsgd.sync.stage import Stage, plan, syncs_periodically
@@ -129,6 +130,16 @@ def write_summary(run, wall: float) -> dict:
     joined = m.get("joined", [])                         # docs/spec/membership.md
     base["workers_joined"] = [{"rank": w["rank"], "from_step": w["from_step"],
                                "time": w["time"] - run.t_train} for w in joined]
+    members = getattr(getattr(run, "feed", None), "members", None)
+    if joined and members is not None:
+        base["throughput_by_membership"] = spans = throughput_by_membership(
+            members, {w["rank"]: w["time"] for w in base["workers_joined"]}, wall,
+            c.data.batch_size)
+        log.info("throughput by membership (samples the servers applied per second of "
+                 "wall time): %s", "; ".join(
+                     f"{s['workers']} workers, steps {s['from_step']}-{s['to_step'] - 1}: "
+                     + ("-" if s["samples_per_sec"] is None
+                        else f"{s['samples_per_sec']:.1f} samples/s") for s in spans))
     summary = summarize(run.run_dir, base,
                         wait_for=run.num_workers + len(joined) - len(left))
     log.info("done: test accuracy %.4f after %d steps, %.1f s; checkpoints %.1f MB; "

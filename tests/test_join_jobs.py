@@ -181,6 +181,12 @@ def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_pat
     members = Membership(N, per_epoch, per_epoch * 3)
     members.join(2, s)
     assert [e["steps"] for e in ends] == [members.end()] * 3, ends
+    # the throughput after the join, by the wall clock (the samples of each membership)
+    spans = summary["throughput_by_membership"]
+    assert [(x["workers"], x["from_step"]) for x in spans] == [(2, 0), (3, s)], spans
+    assert sum(x["samples"] for x in spans) == members.first_chunk(members.end()) * BATCH
+    assert all(x["samples_per_sec"] > 0 for x in spans), spans
+    assert f"3 workers, steps {s}-{members.end() - 1}: " in job.text, job.tail()
     for e in range(3):
         got = [end["data"].get(str(e), {}) for end in ends]
         perm = epoch_permutation(N_TRAIN, e, 0)[:per_epoch * BATCH].astype("int64")

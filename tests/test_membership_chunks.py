@@ -44,3 +44,25 @@ def test_a_joiner_trains_nothing_before_its_step_and_ranks_are_not_reused():
     assert m.chunk(2, 4) is None and m.chunk(2, 5) == (1, 2)
     with pytest.raises(ValueError, match="in the job already"):
         m.join(1, 6)
+
+
+def test_throughput_by_membership_splits_the_samples_at_each_join():
+    """The summary's figure after a join (issue 29: "its throughput after the join"):
+    the samples of the steps of each membership over the wall time between the moments
+    the change was heard; never a sum of per-worker rates."""
+    from ssdsgd.metrics import throughput_by_membership
+    m = Membership(2, per_epoch=10, budget=40)
+    m.join(2, 5)                                   # 10 chunks in 5 steps, then 3 a step
+    assert m.end() == 15 and m.first_chunk(15) == 40
+    spans = throughput_by_membership(m, {2: 4.0}, wall=9.0, batch_size=8)
+    assert spans == [
+        {"workers": 2, "from_step": 0, "to_step": 5, "seconds": 4.0, "samples": 80,
+         "samples_per_sec": 20.0},
+        {"workers": 3, "from_step": 5, "to_step": 15, "seconds": 5.0, "samples": 240,
+         "samples_per_sec": 48.0}]
+    # no change: one span of the whole job
+    (only,) = throughput_by_membership(Membership(2, 10, 40), {}, wall=8.0, batch_size=8)
+    assert only["samples"] == 320 and only["samples_per_sec"] == 40.0
+    # a change heard at the very end has no time of its own: no rate, not a division by 0
+    spans = throughput_by_membership(m, {2: 9.0}, wall=9.0, batch_size=8)
+    assert spans[1]["samples_per_sec"] is None
