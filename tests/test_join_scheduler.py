@@ -94,3 +94,21 @@ def test_a_job_at_max_workers_refuses_the_next_joiner(job):
     _join(sched, b"j2", 2)
     _join(sched, b"j3", 3)
     assert "at most cluster.max_workers = 4" in _refusal(sched, b"j4", 3)
+
+
+def test_an_ssd_job_with_an_auto_warmup_of_known_length_takes_joiners_at_the_workers_boundary():
+    """The training program's default warm-up is auto, a share of the run whose length
+    every process has (SSDSGD_TOTAL_STEPS): the scheduler computes the same T_w as the
+    workers (sync/auto.py) and takes joiners; the demo's own settings were refused with
+    "this job's algorithm or settings take no joiner". Without a length T_w is not the
+    scheduler's to know (a worker may learn it from its lr scheduler): no joiner."""
+    from ssdsgd.sync import auto
+    base = {"SSDSGD_SCHEDULER_PORT": "1", "SSDSGD_NUM_WORKERS": "2",
+            "SSDSGD_MAX_WORKERS": "3", "SSDSGD_ALGORITHM": "ssd",
+            "SSDSGD_DELAY_STEPS": "4", "SSDSGD_PULL_RELAY": "off"}
+    env = NodeEnv.from_environ({**base, "SSDSGD_TOTAL_STEPS": "440"})
+    warmup, _ = auto.warmup_steps(env.warmup_steps, 440)
+    boundary = joins_boundary(env)
+    assert boundary is not None and warmup == 22
+    assert boundary(5) == 6 and boundary(30) == 22 + 4 * 4     # s - 1 - k >= held
+    assert joins_boundary(NodeEnv.from_environ(base)) is None

@@ -128,12 +128,18 @@ def join_boundary(algorithm, warmup_steps, delay_steps):
 
 def joins_boundary(env):
     """The job's ``join_boundary`` if it takes joiners (cluster.max_workers above its
-    workers, docs/spec/membership.md), else None; ssd needs T_w and k fixed in advance
-    (the settings refuse delay_steps auto; a warm-up left at auto is a command-form job's)."""
+    workers, docs/spec/membership.md), else None; ssd needs T_w and k fixed in advance:
+    k pinned (the settings refuse delay_steps auto), T_w pinned or ``auto`` of a run
+    whose length every process has (SSDSGD_TOTAL_STEPS: the workers' own rule,
+    ``auto.warmup_steps``); an auto warm-up of a run of unknown length (a worker may
+    learn it from its lr scheduler) is not the scheduler's to know."""
+    from .auto import is_auto, warmup_steps
     if (env.max_workers or 0) <= env.num_workers:
         return None
-    if env.algorithm == "ssd" and "auto" in (env.warmup_steps, env.delay_steps):
+    if env.algorithm == "ssd" and (is_auto(env.delay_steps) or (
+            is_auto(env.warmup_steps) and env.total_steps is None)):
         return None
-    warmup = 0 if env.warmup_steps == "auto" else int(env.warmup_steps)
-    delay = 1 if env.delay_steps == "auto" else int(env.delay_steps)
+    warmup = (warmup_steps(env.warmup_steps, env.total_steps)[0]
+              if env.algorithm == "ssd" else 0)
+    delay = 1 if is_auto(env.delay_steps) else int(env.delay_steps)
     return join_boundary(env.algorithm, warmup, delay)
