@@ -39,8 +39,11 @@ def write_start(run) -> None:
                     "purpose", c.debug.slowdown,
                     "drawn at random each step" if run.slowdown.kind == "random"
                     else run.slowdown.slow_ranks(0))
-    log.info("rank %d/%d: %s on %s, %d samples, %d steps/epoch x %d epochs (%d steps), "
-             "batch %d, warm-up %d steps, %s", run.rank, run.num_workers, c.model.name,
+    # a joiner's rank is past the job's first N (docs/spec/membership.md rule 1)
+    who = (f"rank {run.rank}/{run.num_workers}" if run.rank < run.num_workers else
+           f"rank {run.rank} (joining a job of {run.num_workers} workers)")
+    log.info("%s: %s on %s, %d samples, %d steps/epoch x %d epochs (%d steps), "
+             "batch %d, warm-up %d steps, %s", who, c.model.name,
              c.data.dataset, run.dataset.n_train, n.steps_per_epoch, c.train.epochs,
              n.total_steps, c.data.batch_size, run.warmup,
              "kvstore ssd_sync" if run.kv is not None else "single process (no kvstore)")

@@ -172,6 +172,7 @@ def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_pat
         with joiner:
             assert joiner.wait(TIMEOUT) == 0, joiner.tail()
             assert job.wait(TIMEOUT) == 0, job.tail()
+    assert "rank 2 (joining a job of 2 workers)" in joiner.text, joiner.tail()
     summary = json.loads((run / "summary.json").read_text())
     (joined,) = summary["workers_joined"]
     s = joined["from_step"]
