@@ -10,8 +10,9 @@ since the last call. On a tty it drives one tqdm bar for the job (steps of the s
 worker, or with dynamic data the job's global batches, with epoch, job samples/s and the
 latest accuracy); otherwise it prints a plain line at most every ``interval`` seconds
 (10 by default). ``total_steps`` may be None: it is then taken from the workers' ``start``
-records. At the end the samples/s shown is the job's average throughput (the sum of the
-workers' ``end`` records).
+records. The samples/s shown is the job's throughput by the wall clock: the samples the
+workers have trained over the longest time any of them has trained (at the end, their
+``end`` records': the summary's figure).
 
 On a tty, other output must not be written through the bar's line: ``mon.sink(stream)``
 is a file-like object for the launcher's output prefixer that writes whole lines above
@@ -92,7 +93,9 @@ class ProgressMonitor:
             if rec.get("num_workers"):
                 self.num_workers = int(rec["num_workers"])
             # a resumed run appends to the file: its start record begins afresh
-            self.workers[rank] = {"step": int(rec.get("start_step") or 0)}
+            start = int(rec.get("start_step") or 0)
+            self.workers[rank] = {"step": start, "from_step": start,
+                                  "batch_size": rec.get("batch_size")}
         elif event in ("train", "end"):
             state = self.workers.setdefault(rank, {})
             if event == "end":
@@ -103,7 +106,8 @@ class ProgressMonitor:
                 state["end"] = {k: rec.get(k) for k in ("samples", "wall_time")}
             else:
                 state.update({k: rec.get(k) for k in ("step", "epoch", "accuracy", "loss",
-                                                      "samples_per_sec", "stage")})
+                                                      "samples_per_sec", "stage", "elapsed")})
+                state["own_step"] = rec.get("step")
                 if "global_step" in rec:     # dynamic data: the job's global batches
                     state["step"] = rec["global_step"]
         elif event == "val":
@@ -122,11 +126,10 @@ class ProgressMonitor:
     def status(self) -> dict:
         live = [w for w in self.workers.values() if not w.get("done")]
         epochs = [w.get("epoch") for w in self.workers.values() if w.get("epoch") is not None]
-        # while running: the live workers' latest interval speeds (intervals of the same
-        # steps); once every worker has ended: the job's throughput by its wall clock, the
-        # summary's (metrics.job_throughput)
-        speed = sum(w.get("samples_per_sec") or 0.0 for w in live) if live else (
-            job_throughput(w.get("end", {}) for w in self.workers.values()) or 0.0)
+        # the job's throughput by its wall clock, the summary's (metrics.job_throughput)
+        # once every worker has ended, and the same figure so far while they run
+        speed = (self._speed_so_far() if live else job_throughput(
+            w.get("end", {}) for w in self.workers.values())) or 0.0
         accs = [w.get("accuracy") for w in self.workers.values()
                 if w.get("accuracy") is not None]
         return {"step": self.step, "total_steps": self.total_steps,
@@ -136,6 +139,25 @@ class ProgressMonitor:
                 "val_accuracy": self.val.get("accuracy") if self.val else None,
                 "stage": next((w.get("stage") for w in live if w.get("stage")), None),
                 "workers": len(self.workers)}
+
+    def _speed_so_far(self):
+        """The samples the workers have trained over the longest time any has trained
+        (each record's ``elapsed``), as the summary counts them at the end: never a sum
+        of the workers' interval rates, which overstates a job whose workers differ in
+        speed. None until it is known (a worker without its batch size or time)."""
+        samples, longest = 0, 0.0
+        for w in self.workers.values():
+            if w.get("done"):
+                end = w.get("end", {})
+                if end.get("samples") is None or not end.get("wall_time"):
+                    return None
+                samples, longest = samples + end["samples"], max(longest, end["wall_time"])
+            elif w.get("elapsed") is not None:
+                if w.get("batch_size") is None or w.get("own_step") is None:
+                    return None
+                samples += (w["own_step"] - w.get("from_step", 0)) * w["batch_size"]
+                longest = max(longest, w["elapsed"])
+        return samples / longest if longest > 0 else None
 
     def _text(self, s: dict) -> str:
         parts = [f"epoch {s['epoch']}" if s["epoch"] is not None else "epoch -",

@@ -247,32 +247,36 @@ def test_progress_monitor_follows_the_metrics_files(tmp_path):
     f0, f1 = (open(mdir / f"worker-{r}.jsonl", "w") for r in (0, 1))
     for r, f in enumerate((f0, f1)):
         f.write(json.dumps({"event": "start", "rank": r, "num_workers": 2,
-                            "total_steps": 100}) + "\n")
+                            "total_steps": 100, "batch_size": 32}) + "\n")
         f.flush()
     out = io.StringIO()
     mon = ProgressMonitor(tmp_path, None, tty=False, interval=0, stream=out)
     s = mon.poll()
     assert (s["step"], s["total_steps"]) == (0, 100)
     f0.write(json.dumps({"event": "train", "step": 40, "epoch": 1, "accuracy": 0.8,
-                         "samples_per_sec": 100.0, "stage": "warmup"}) + "\n")
+                         "samples_per_sec": 100.0, "stage": "warmup",
+                         "elapsed": 4.0}) + "\n")
     f1.write(json.dumps({"event": "train", "step": 30, "epoch": 1, "accuracy": 0.6,
-                         "samples_per_sec": 50.0}) + "\n")
+                         "samples_per_sec": 50.0, "elapsed": 5.0}) + "\n")
     f1.write('{"event": "train", "step": 4')        # torn line: not read yet
     f0.flush()
     f1.flush()
     s = mon.poll()
-    assert s["step"] == 30 and s["samples_per_sec"] == 150.0
+    # the job's samples so far over its wall time (70 steps x 32 in 5 s), never the
+    # workers' interval rates summed (150)
+    assert s["step"] == 30 and s["samples_per_sec"] == pytest.approx(70 * 32 / 5.0)
     assert s["train_accuracy"] == pytest.approx(0.7)
-    f1.write('1, "epoch": 1, "samples_per_sec": 50.0}\n')
+    f1.write('1, "epoch": 1, "samples_per_sec": 50.0, "elapsed": 6.4}\n')
     f0.write(json.dumps({"event": "val", "epoch": 1, "accuracy": 0.91}) + "\n")
     f0.flush()
     f1.flush()
     s = mon.poll()
     assert s["step"] == 40 and s["val_accuracy"] == 0.91
+    assert s["samples_per_sec"] == pytest.approx(81 * 32 / 6.4)
     mon.close()
     text = out.getvalue()
     assert "progress: step 0/100 (0%)" in text
-    assert "progress: step 40/100 (40%) | epoch 1 | 150 samples/s | val acc 0.9100" in text
+    assert "progress: step 40/100 (40%) | epoch 1 | 405 samples/s | val acc 0.9100" in text
     f0.close()
     f1.close()
 
