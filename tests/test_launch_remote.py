@@ -22,6 +22,7 @@ import jobs
 import launch_secrets
 from conftest import DIGITS_EPOCHS, digits_job
 from emulated_hosts import EmulatedHosts, copy_repo, unavailable
+from ssdsgd.metrics import read_records
 from ssdsgd.testing import clean_env
 from test_e2e_configs import PY, ROOT, run_dir_of, sets
 from test_resume import params
@@ -327,3 +328,74 @@ def test_a_data_path_missing_on_one_host_is_one_line_naming_it(hosts, tmp_path):
     assert f"[launcher] worker 1 on {z} (pid" in out and "exited with code 2" in out
     assert "Traceback" not in out
     assert_nothing_left(hosts)
+
+
+def test_a_worker_joins_an_ssh_job_on_a_host_of_its_own(hosts, tmp_path):
+    """``launch/dist.py --join RUN_DIR --host H``, run where the ssh launcher runs (its
+    keys are there): the joiner starts on H over ssh as the launcher starts its workers
+    (its key on ssh's stdin), the servers take it, every chunk of the budget is trained
+    once by the three, and nothing is left on any host. The job: ssgd digits, 2 workers
+    on hosts 0 and 1, cluster.max_workers 3; the joiner on host 2, in no hostfile."""
+    from test_dynamic_data import BATCH, N_TRAIN
+    from ssdsgd.sync.membership import Membership
+    x, y, z = hosts.addresses
+    two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two.txt")
+    args = job(hosts, dict(SSGD, cluster__max_workers=3, data__batch_size=BATCH,
+                           train__epochs=3, train__log_interval=4, output__plots="false",
+                           debug__slowdown="delay:0=0.1,1=0.1"), tmp_path, hostfile=two)
+    log, joined_log = tmp_path / "launcher.log", tmp_path / "joiner.log"
+    with start(hosts, args, log) as p:
+        p.wait_for(lambda: any((tmp_path / "runs").glob("*/join.json")), 120, "join.json")
+        run = run_dir_of(tmp_path / "runs")
+        wait_for(log, "job started", p)
+        with start(hosts, ["--join", run, "--host", z], joined_log) as joiner:
+            assert joiner.wait(timeout=240) == 0, joined_log.read_text()[-3000:]
+        assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
+    out, joined = log.read_text(), joined_log.read_text()
+    assert f"[launcher] worker 2 joins the job of {run} on {z}" in joined, joined[-3000:]
+    assert f"[worker 2 on {z}] " in joined and "Traceback" not in joined + out
+    summary = json.loads((run / "summary.json").read_text())
+    (join,) = summary["workers_joined"]
+    assert join["rank"] == 2 and join["from_step"] > 0, summary
+    per_epoch = N_TRAIN // (2 * BATCH) * 2
+    members = Membership(2, per_epoch, per_epoch * 3)
+    members.join(2, join["from_step"])
+    ends = [[r for r in read_records(run / "metrics" / f"worker-{w}.jsonl")
+             if r["event"] == "end"][-1] for w in range(3)]
+    assert [e["steps"] for e in ends] == [members.end()] * 3, ends
+    assert sum(e["data"].get("0", {}).get("batches", 0) for e in ends) == per_epoch
+    assert_nothing_left(hosts)
+
+
+def test_a_join_to_a_host_that_cannot_be_reached_is_one_line_and_claims_no_rank(
+        hosts, tmp_path):
+    """``--join RUN --host H`` checks H before it claims a spare rank: an unreachable
+    host is one line naming it, exit 2, and the rank stays free for the next joiner;
+    ``--host`` with a job of the local launcher is refused in one line too."""
+    from ssdsgd.launch.joining import read, write
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "worker-2.json").write_text("{}")
+    site = {"ssh_command": hosts.ssh_command, "ssh_port": None, "ssh_identity_file": None,
+            "sync_dir": None, "workdir": str(ROOT), "python": None, "interface": None,
+            "start_timeout": 3.0, "env_keys": []}
+    for run, ssh in ((tmp_path / "ssh-run", site), (tmp_path / "local-run", None)):
+        run.mkdir()
+        write(run, str(keys), {"worker 2": str(keys / "worker-2.json")}, 2, 3,
+              ["python", "x.py"], {}, ssh)
+    code, out = run_cmd(hosts, ["--join", tmp_path / "ssh-run", "--host", "198.18.0.250"],
+                        tmp_path)
+    assert code == 2 and "Traceback" not in out, out
+    (line,) = [ln for ln in out.splitlines() if "error" in ln]
+    assert f"--join {tmp_path / 'ssh-run'} --host 198.18.0.250: " in line, out
+    assert "cannot reach host 198.18.0.250" in line or "did not answer" in line, line
+    assert not (keys / "claimed-worker-2").exists()
+    assert read(tmp_path / "ssh-run")["ssh"]["workdir"] == str(ROOT)
+    code, out = run_cmd(hosts, ["--join", tmp_path / "local-run", "--host", hosts.addresses[1]],
+                        tmp_path)
+    assert code == 2 and "was not started with --launcher ssh" in out, out
+    assert not (keys / "claimed-worker-2").exists()
+
+
+def run_cmd(h, args, tmp_path):
+    return run(h, args, tmp_path, timeout=60)

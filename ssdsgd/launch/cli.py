@@ -341,44 +341,78 @@ def _restart_from_checkpoint(config, run_dir, length):
 
 
 def _join_form(argv):
-    """``--join RUN_DIR``: one worker of this host joins the running job of RUN_DIR
-    (launch/joining.py); its exit code, 2 with one line if the job takes no joiner."""
+    """``--join RUN_DIR [--host HOST]``: one worker joins the running job of RUN_DIR
+    (launch/joining.py), on this host, or with ``--host`` on HOST over ssh as the job's
+    ssh launcher starts its workers (run it where that launcher runs: the job's keys are
+    there). Its exit code, 2 with one line if the job takes no joiner."""
     from .joining import JoinRefused, claim, read, worker_env
-    from .local import start_child
     p = argparse.ArgumentParser(prog="launch/dist.py --join", description="start one worker "
                                 "that joins the running job of RUN_DIR (cluster.max_workers)")
     p.add_argument("--join", metavar="RUN_DIR", required=True)
+    p.add_argument("--host", help="start it on HOST over ssh (a job of --launcher ssh; "
+                   "run this where its launcher runs)")
     args = p.parse_args(argv)
     try:
         data = read(args.join)
+        site = _join_site(args, data)
         rank, key_file = claim(args.join, data)
     except JoinRefused as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"[launcher] worker {rank} joins the job of {args.join}", file=sys.stderr,
+    where = f" on {args.host}" if args.host else ""
+    print(f"[launcher] worker {rank} joins the job of {args.join}{where}", file=sys.stderr,
           flush=True)
-    proc = start_child(data["command"], worker_env(data, rank, key_file))
+    env = worker_env(data, rank, key_file)
+    if site is None:
+        from .local import LocalProcess, start_child
+        proc = LocalProcess("worker", rank, start_child(data["command"], env), "")
+    else:
+        proc = site.start_remote("worker", rank, data["command"],
+                                 dict(env, **site.node_env("worker", rank)), args.host)
+    return _follow_joiner(proc, f"[worker {rank}{where}] ")
+
+
+def _join_site(args, data):
+    """The ssh way to ``--host`` (None: this host), its host checked (and the code
+    copied with the job's --sync-dir) before a rank is claimed; JoinRefused if not."""
+    from .joining import JoinRefused
+    if not args.host:
+        return None
+    if "ssh" not in data:
+        raise JoinRefused(f"--join {args.join} --host {args.host}: the job was not started "
+                          "with --launcher ssh; run --join on the host itself")
+    from .ssh import SSHCommand
+    site = SSHCommand.from_join_spec(data["ssh"])
+    failures = site.prepare_host(args.host)
+    if failures:
+        raise JoinRefused(f"--join {args.join} --host {args.host}: " + "; ".join(failures))
+    return site
+
+
+def _follow_joiner(proc, prefix):
+    """The joiner's output, prefixed, until it ends (with the job); Ctrl-C stops it."""
+    import signal
     import subprocess
     import threading
     from .job import _pump
     lock = threading.Lock()
-    pumps = [threading.Thread(target=_pump, args=(stream, f"[worker {rank}] ", sink, lock),
-                              daemon=True)
-             for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    pumps = [threading.Thread(target=_pump, args=(stream, prefix, sink, lock), daemon=True)
+             for stream, sink in ((proc.popen.stdout, sys.stdout),
+                                  (proc.popen.stderr, sys.stderr))]
     for t in pumps:
         t.start()
     try:
-        code = proc.wait()     # as long as the job runs; it dies with this process
+        proc.popen.wait()     # as long as the job runs; it dies with this process
     except KeyboardInterrupt:
-        proc.terminate()
+        proc.signal(signal.SIGTERM)
         try:
-            code = proc.wait(timeout=10)
+            proc.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait(timeout=10)
+            proc.signal(signal.SIGKILL)
+            proc.popen.wait(timeout=10)
     for t in pumps:
         t.join(timeout=2)
-    return code
+    return proc.poll()        # a remote one's: -N when its process was killed by signal N
 
 
 def main(argv=None):

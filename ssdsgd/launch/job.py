@@ -128,7 +128,7 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     env.update(to_env(status_file=status.path))
     if spare and run_dir:
         joining.write(run_dir, keys.dir, keys.files, num_workers, max_workers, worker_cmd,
-                      env)
+                      env, getattr(runner, "join_spec", lambda: None)())
     procs, pumps = [], []
     start = _Starter(runner, env, keys, pumps, (stdout, stderr), log)
     with _signals_recorded() as interrupted:

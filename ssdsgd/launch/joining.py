@@ -23,16 +23,20 @@ class JoinRefused(RuntimeError):
     """A join this job cannot take (one line, naming RUN_DIR)."""
 
 
-def write(run_dir, key_dir, key_files, num_workers, max_workers, cmd, env):
+def write(run_dir, key_dir, key_files, num_workers, max_workers, cmd, env, ssh=None):
     """RUN_DIR/join.json (0600, replaced if a restart wrote one): what ``--join`` needs.
     ``key_files``: identity -> path of its key file; ``env``: the job's environment
-    (its SSDSGD_* variables are kept, a joiner's own rank and key are set by --join)."""
+    (its SSDSGD_* variables are kept, a joiner's own rank and key are set by --join);
+    ``ssh``: how the ssh launcher reaches a host (``SSHCommand.join_spec``), so that
+    ``--join RUN_DIR --host HOST`` starts the joiner there as it starts its workers."""
     path = os.path.join(run_dir, FILE)
     spare = {str(r): key_files[f"worker {r}"] for r in range(num_workers, max_workers)}
     data = {"version": VERSION, "key_dir": key_dir, "spare": spare, "command": list(cmd),
             "env": {k: v for k, v in env.items()
                     if k in BY_ENV and not k.startswith("SSDSGD_ROLE")
                     and k not in ("SSDSGD_RANK", ENV_VAR)}}
+    if ssh is not None:
+        data["ssh"] = ssh
     tmp = path + ".tmp"
     if os.path.exists(tmp):
         os.unlink(tmp)
@@ -70,6 +74,14 @@ def read(run_dir):
           and isinstance(data.get("env"), dict)
           and all(isinstance(k, str) and k in BY_ENV and isinstance(v, str)
                   for k, v in data["env"].items()))
+    if ok and "ssh" in data:
+        from .ssh import SSHCommand
+        fields = SSHCommand.JOIN_FIELDS
+        ssh = data["ssh"]
+        ok = (isinstance(ssh, dict) and set(ssh) == set(fields)
+              and all(isinstance(ssh[k], t) and not isinstance(ssh[k], bool)
+                      for k, t in fields.items())
+              and all(isinstance(k, str) for k in ssh["env_keys"]))
     if not ok:
         raise JoinRefused(f"--join {run_dir}: {FILE} is not a join file of version {VERSION}")
     if not os.path.isdir(data["key_dir"]):

@@ -55,27 +55,38 @@ class RemoteProcess(LocalProcess):
             super().signal(signal.SIGKILL)
 
 
-class SSHLauncher:
-    name = "ssh"
-    secure_default = True       # see launchers.make_launcher (SECURE-BY-DEFAULT)
+class SSHCommand:
+    """How one process is started on a host over ssh: the ssh client and its options,
+    the hosts' directory and interpreter. The launcher starts every remote process of
+    the job with it; ``launch/dist.py --join RUN_DIR --host HOST`` a joiner, from what
+    ``join_spec`` wrote into join.json."""
 
-    def __init__(self, hosts, num_workers, num_servers, opts):
-        if not hosts:
-            raise LaunchError("--launcher ssh needs hosts: -H/--hostfile FILE, --hosts "
-                              "h1:2,h2:2 or cluster.hosts")
+    #: the Options fields a joiner needs (join.json's ``ssh``) and their types
+    JOIN_FIELDS = {"ssh_command": str, "ssh_port": (int, type(None)),
+                   "ssh_identity_file": (str, type(None)), "sync_dir": (str, type(None)),
+                   "workdir": (str, type(None)), "python": (str, type(None)),
+                   "interface": (str, type(None)), "start_timeout": (int, float),
+                   "env_keys": list}
+
+    def __init__(self, opts):
         self.opts = opts
-        self.hosts = hosts
-        self.site = SchedulerSite(hosts, opts)
-        self.plan = {(s.role, s.rank): s for s in
-                     H.place(hosts, num_workers, num_servers, self.site.slot_name(hosts))}
-        self.scheduler_host = self.site.address
         self.workdir = opts.sync_dir or opts.workdir or os.getcwd()
         self.python = opts.python or sys.executable
         self.ssh = shlex.split(opts.ssh_command or os.environ.get("SSDSGD_SSH_COMMAND")
                                or "ssh")
-        self.lock = threading.Lock()
 
-    # ---- before the job -----------------------------------------------------------
+    def join_spec(self):
+        """join.json's ``ssh``: this launcher's way to a host, for a joiner."""
+        spec = {k: getattr(self.opts, k) for k in self.JOIN_FIELDS}
+        spec.update(ssh_command=quote(self.ssh), workdir=self.workdir,
+                    env_keys=list(self.opts.env_keys))
+        return spec
+
+    @classmethod
+    def from_join_spec(cls, spec):
+        from .remote import Options
+        return cls(Options(**dict(spec, env_keys=tuple(spec["env_keys"]))))
+
     def ssh_args(self, host, port=None):
         args = list(self.ssh) + SSH_OPTIONS + [
             "-o", f"ConnectTimeout={max(1, int(self.opts.start_timeout))}"]
@@ -85,13 +96,6 @@ class SSHLauncher:
         if self.opts.ssh_identity_file:
             args += ["-i", self.opts.ssh_identity_file]
         return args + [host]
-
-    def _remote_hosts(self):
-        seen = {}
-        for s in self.plan.values():
-            if not self._here(s):
-                seen[(s.host, s.port)] = s
-        return list(seen)
 
     def _check_host(self, host, port, failures):
         check = "true" if self.opts.sync_dir else (
@@ -116,16 +120,6 @@ class SSHLauncher:
                             "check that it is up and that 'ssh HOST true' works without a "
                             "prompt (keys, known_hosts), or remove it from the hosts")
 
-    def _parallel(self, fn, items):
-        failures = []
-        threads = [threading.Thread(target=fn, args=(*item, failures)) for item in items]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if failures:
-            raise LaunchError("; ".join(sorted(failures)))
-
     def _rsync(self, host, port, failures):
         rsh = quote(self.ssh_args(host, port)[:-1])
         src = os.getcwd().rstrip("/") + "/"
@@ -135,6 +129,86 @@ class SSHLauncher:
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or [""])[-1]
             failures.append(f"rsync to {host}:{self.workdir} failed ({last})")
+
+    def _check_host_after_sync(self, host, port, failures):
+        sync, self.opts.sync_dir = self.opts.sync_dir, None
+        try:
+            self._check_host(host, port, failures)
+        finally:
+            self.opts.sync_dir = sync
+
+    def prepare_host(self, host, port=None):
+        """Check one host (and copy the code there with --sync-dir): its failures, one
+        line each (none: ready)."""
+        failures = []
+        self._check_host(host, port, failures)
+        if self.opts.sync_dir and not failures:
+            self._rsync(host, port, failures)
+            if not failures:
+                self._check_host_after_sync(host, port, failures)
+        return failures
+
+    def start_remote(self, role, rank, cmd, env, host, port=None):
+        """One process on ``host``: its environment and its key files' text in the first
+        line of ssh's stdin (never a command line), which stays open as its lifeline."""
+        env, files = split_secrets(forwarded(env, self.opts.env_keys))
+        spec = {"procs": [[role, rank, replace_python(cmd, self.opts.python), host]],
+                "index": 0, "env": env, "files": files,
+                "connect_timeout": self.opts.start_timeout}
+        popen = subprocess.Popen(self.ssh_args(host, port) + [self.remote_command()],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True,
+                                 preexec_fn=die_with_parent())
+        popen.stdin.write((json.dumps(spec) + "\n").encode())
+        popen.stdin.flush()
+        return RemoteProcess(role, rank, popen, host)
+
+    def remote_command(self):
+        wd, py = shlex.quote(self.workdir), shlex.quote(self.python)
+        entry = shlex.quote(entry_path(bool(self.opts.sync_dir)))
+        return (f"cd {wd} 2>/dev/null || {{ echo \"ssdsgd: host $(hostname) has no "
+                f"directory {wd}\" >&2; exit 2; }}; exec {py} {entry} --stdin")
+
+    def node_env(self, role, rank):
+        return {"SSDSGD_INTERFACE": self.opts.interface} if self.opts.interface else {}
+
+    def stop(self, proc, sig=signal.SIGTERM):
+        proc.signal(sig)
+
+
+class SSHLauncher(SSHCommand):
+    name = "ssh"
+    secure_default = True       # see launchers.make_launcher (SECURE-BY-DEFAULT)
+
+    def __init__(self, hosts, num_workers, num_servers, opts):
+        if not hosts:
+            raise LaunchError("--launcher ssh needs hosts: -H/--hostfile FILE, --hosts "
+                              "h1:2,h2:2 or cluster.hosts")
+        super().__init__(opts)
+        self.hosts = hosts
+        self.site = SchedulerSite(hosts, opts)
+        self.plan = {(s.role, s.rank): s for s in
+                     H.place(hosts, num_workers, num_servers, self.site.slot_name(hosts))}
+        self.scheduler_host = self.site.address
+        self.lock = threading.Lock()
+
+    # ---- before the job -----------------------------------------------------------
+    def _remote_hosts(self):
+        seen = {}
+        for s in self.plan.values():
+            if not self._here(s):
+                seen[(s.host, s.port)] = s
+        return list(seen)
+
+    def _parallel(self, fn, items):
+        failures = []
+        threads = [threading.Thread(target=fn, args=(*item, failures)) for item in items]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failures:
+            raise LaunchError("; ".join(sorted(failures)))
 
     def prepare(self, log):
         """Check every host, copy the code when asked, print the placement."""
@@ -149,42 +223,13 @@ class SSHLauncher:
         for line in H.describe(self.plan.values(), self.scheduler_host):
             log(f"  {line}")
 
-    def _check_host_after_sync(self, host, port, failures):
-        sync, self.opts.sync_dir = self.opts.sync_dir, None
-        try:
-            self._check_host(host, port, failures)
-        finally:
-            self.opts.sync_dir = sync
-
     # ---- the launcher interface ---------------------------------------------------
-    def node_env(self, role, rank):
-        return {"SSDSGD_INTERFACE": self.opts.interface} if self.opts.interface else {}
-
     def start(self, role, rank, cmd, env):
         slot = self.plan[(role, rank)]
         if self._here(slot):                    # the scheduler, a child of the launcher
             env = dict(env, SSDSGD_NODE_HOST=self.scheduler_host)
             return LocalProcess(role, rank, start_child(cmd, env), self.scheduler_host)
-        env, files = split_secrets(forwarded(env, self.opts.env_keys))
-        spec = {"procs": [[role, rank, replace_python(cmd, self.opts.python), slot.host]],
-                "index": 0, "env": env, "files": files,
-                "connect_timeout": self.opts.start_timeout}
-        popen = subprocess.Popen(self.ssh_args(slot.host, slot.port) + [self.remote_command()],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True,
-                                 preexec_fn=die_with_parent())
-        popen.stdin.write((json.dumps(spec) + "\n").encode())
-        popen.stdin.flush()
-        return RemoteProcess(role, rank, popen, slot.host)
+        return self.start_remote(role, rank, cmd, env, slot.host, slot.port)
 
     def _here(self, slot):
         return slot.role == "scheduler" and self.site.local
-
-    def remote_command(self):
-        wd, py = shlex.quote(self.workdir), shlex.quote(self.python)
-        entry = shlex.quote(entry_path(bool(self.opts.sync_dir)))
-        return (f"cd {wd} 2>/dev/null || {{ echo \"ssdsgd: host $(hostname) has no "
-                f"directory {wd}\" >&2; exit 2; }}; exec {py} {entry} --stdin")
-
-    def stop(self, proc, sig=signal.SIGTERM):
-        proc.signal(sig)
