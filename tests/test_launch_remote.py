@@ -399,3 +399,57 @@ def test_a_join_to_a_host_that_cannot_be_reached_is_one_line_and_claims_no_rank(
 
 def run_cmd(h, args, tmp_path):
     return run(h, args, tmp_path, timeout=60)
+
+
+def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
+    """``--host-discovery-script`` (Horovod's option): a script that prints a file the
+    test rewrites while the job runs. A malformed answer is one line and the job goes
+    on; a host that appears (the third, in no hostfile) gets a joining worker; when it
+    disappears the launcher says its worker goes on (a departure is not built); the job
+    finishes with the joiner, and nothing is left on any host."""
+    x, y, z = hosts.addresses
+    two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two.txt")
+    listed = tmp_path / "hosts-now.txt"
+    listed.write_text(f"{x}\n{y}:1  # the job's own hosts get no joiner\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    args = job(hosts, dict(SSGD, cluster__max_workers=3, data__batch_size=16,
+                           train__epochs=3, train__log_interval=4, output__plots="false",
+                           debug__slowdown="delay:0=0.1,1=0.1"), tmp_path, hostfile=two)
+    log = tmp_path / "launcher.log"
+    with start(hosts, [*args, "--host-discovery-script", script], log) as p:
+        wait_for(log, "host discovery: running", p)
+        wait_for(log, "job started", p)
+        listed.write_text(f"{x}\n{y}\nno such host!\n")
+        wait_for(log, "is not a host name", p)
+        listed.write_text(f"{x}\n{y}\n{z}:1\n")
+        wait_for(log, f"[worker 2 on {z}] ", p)
+        listed.write_text(f"{x}\n{y}\n")
+        wait_for(log, f"{z} is no longer listed; its 1 worker(s) go on", p)
+        assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
+    out = log.read_text()
+    assert f"host discovery: {z} is new; starting a worker there" in out, out[-3000:]
+    assert out.count("is not a host name") == 1 and "Traceback" not in out, out[-3000:]
+    run = run_dir_of(tmp_path / "runs")
+    summary = json.loads((run / "summary.json").read_text())
+    assert [w["rank"] for w in summary["workers_joined"]] == [2], summary
+    assert summary["workers_reporting"] == 3, summary
+    assert_nothing_left(hosts)
+
+
+def test_host_discovery_is_refused_in_one_line_where_it_cannot_work(tmp_path):
+    """Before anything starts: another launcher, no spare rank, a script that cannot
+    run: one line each, exit 2."""
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho\n")
+    for more, why in (([], "works with --launcher ssh only"),
+                      (["--launcher", "ssh", "--hosts", "127.0.0.1"],
+                       "set cluster.max_workers above the job's 2 workers")):
+        r = jobs.run(["configs/digits.yaml", "--host-discovery-script", script, *more],
+                     timeout=60)
+        assert r.returncode == 2 and why in r.stderr, r.stderr
+    r = jobs.run(["configs/digits.yaml", "--host-discovery-script", script, "--launcher",
+                  "ssh", "--hosts", "127.0.0.1", "--set", "cluster.max_workers=3",
+                  "--set", "sync.algorithm=ssgd"], timeout=60)
+    assert r.returncode == 2 and "not an executable file" in r.stderr, r.stderr

@@ -16,6 +16,7 @@ import sys
 import time
 
 from ..settings import BY_NAME, SettingError, check_launch_env, to_env
+from . import discovery
 from .job import check_port, run_job
 from .launchers import make_launcher
 from .remote import LaunchError, add_arguments, options_from
@@ -91,6 +92,7 @@ def _command_form(argv):
     try:    # before anything starts: no --env for what the launcher sets, no bad values
         check_launch_env(extra, to_env(num_workers=args.num_workers, scheduler_port=args.port
                                        or None, num_servers=args.num_servers), os.environ)
+        discovery.check(options_from(args, extra), args.num_workers, most)
         runner = make_launcher(options_from(args, extra), args.num_workers, args.num_servers)
         check_port(args.port, runner)
     except (SettingError, LaunchError) as e:
@@ -188,6 +190,7 @@ def _prepare(args):
     check_launch_env({}, env, os.environ)
     _check_restarts(config, args.max_restarts)
     args.launcher = args.launcher or config.cluster.launcher
+    discovery.check(options_from(args), config.cluster.workers, config.cluster.max_workers)
     runner = make_launcher(options_from(args), config.cluster.workers, config.cluster.servers,
                            config.cluster.hosts)
     check_port(args.port, runner)       # before the run directory exists

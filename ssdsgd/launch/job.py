@@ -131,16 +131,23 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
                       env, getattr(runner, "join_spec", lambda: None)())
     procs, pumps = [], []
     start = _Starter(runner, env, keys, pumps, (stdout, stderr), log)
+    hosts, code = None, None
     with _signals_recorded() as interrupted:
         try:
             restarts = _scheduler_restarts(runner, env, plan, start, status, log)
             if restarts is None or not _start_plan(start, plan, procs):
                 return 2
-            return _watch(procs, interrupted, progress, log, failures,
+            # --host-discovery-script (ssh): joiners on the hosts that appear
+            hosts = getattr(runner, "watch_hosts", lambda *a: None)(
+                run_dir, len(spare), log, (stdout, stderr))
+            code = _watch(procs, interrupted, progress, log, failures,
                           continue_without_workers, status, server_replicas,
                           restarts)
+            return code
         finally:
             _stop_all(runner, procs)
+            if hosts is not None:      # joiners end with the job's end; else stopped now
+                hosts.stop(ended=code == 0)
             keys.remove()
             janitor.close()
             for t in pumps:

@@ -45,6 +45,7 @@ class Options:
     secure: bool = False          # --secure: ZeroMQ CURVE (kvstore/security.py)
     insecure: bool = False        # --insecure: no CURVE where it is the default
     env_keys: tuple = ()          # the --env names: they travel to every host
+    host_discovery_script: str | None = None     # ssh: hosts that join (discovery.py)
 
 
 def add_arguments(p, launchers=("local", "ssh", "mpi", "slurm"), default_launcher="local"):
@@ -75,6 +76,10 @@ def add_arguments(p, launchers=("local", "ssh", "mpi", "slurm"), default_launche
     g.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT,
                    metavar="S", help="seconds to reach a host or the scheduler before the "
                    "job fails naming it (default: %(default)g)")
+    g.add_argument("--host-discovery-script", metavar="FILE", help="ssh: run FILE every "
+                   "2 s while the job runs; each host it prints (host[:slots] a line) that "
+                   "is not one of the job's gets a joining worker per slot, up to "
+                   "cluster.max_workers (as horovodrun's option; docs/launch.md)")
     g.add_argument("--mpi-args", default="", metavar="ARGS", help="extra mpirun arguments")
     g.add_argument("--srun-args", default="", metavar="ARGS", help="extra srun arguments")
     security = g.add_mutually_exclusive_group()

@@ -231,5 +231,14 @@ class SSHLauncher(SSHCommand):
             return LocalProcess(role, rank, start_child(cmd, env), self.scheduler_host)
         return self.start_remote(role, rank, cmd, env, slot.host, slot.port)
 
+    def watch_hosts(self, run_dir, spare, log, sinks):
+        """``--host-discovery-script``: the loop that starts joiners on new hosts
+        (discovery.py), started; None without the option."""
+        if not self.opts.host_discovery_script:
+            return None
+        from .discovery import HostDiscovery
+        return HostDiscovery(self.opts.host_discovery_script, run_dir,
+                             {h.name for h in self.hosts}, spare, log, sinks).start()
+
     def _here(self, slot):
         return slot.role == "scheduler" and self.site.local

@@ -1,0 +1,176 @@
+"""Hosts that appear while a job runs (``--host-discovery-script FILE``, as Horovod's
+elastic ``horovodrun --host-discovery-script``): the ssh launcher's loop that grows a job.
+
+Every ``POLL_S`` seconds the launcher runs the script (at most ``SCRIPT_TIMEOUT_S``
+seconds); it prints the hosts available now, one ``host[:slots]`` a line (Horovod's
+format; blank lines and ``#`` comments skipped). A host that is not one of the job's own
+gets a joiner per slot (``launch/dist.py --join RUN_DIR --host HOST``, launch/cli.py)
+while spare ranks last (``cluster.max_workers``); each joiner's lines come prefixed as
+``[worker R on HOST]``. What the script says is reported once per change: a script
+that fails or prints a malformed line is one line and the job goes on with the hosts it
+has. A host that disappears from the list keeps its workers, and the launcher says so:
+a worker cannot leave a job that takes joiners yet (docs/spec/membership.md, "Not
+built").
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+from .hosts import HostError, parse_hosts
+from .local import LocalProcess, signal_group, start_child
+
+POLL_S = 2.0
+SCRIPT_TIMEOUT_S = 10.0
+JOINER_GRACE_S = 30.0       # a joiner's end after the job's (it ends with its worker)
+DIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "launch",
+                    "dist.py")
+
+
+def read_hosts(text, source):
+    """``{host: slots}`` from the script's output; HostError (one line) if malformed."""
+    items = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+    items = [i for i in items if i]
+    return {} if not items else {h.name: h.slots for h in parse_hosts(items, source)}
+
+
+class HostDiscovery:
+    """``script``: the discovery script; ``job_hosts``: the hosts the job started on
+    (they get no joiner); ``spare``: the ranks joiners may take; ``sinks``: where the
+    joiners' output goes (stdout, stderr)."""
+
+    def __init__(self, script, run_dir, job_hosts, spare, log, sinks, env=None):
+        self.script, self.run_dir, self.log = script, str(run_dir), log
+        self.job_hosts, self.spare, self.sinks = set(job_hosts), spare, sinks
+        self.env = env
+        self.joiners = []         # (host, LocalProcess of `dist.py --join`)
+        self.started = {}         # host -> joiners started there
+        self.listed = {}          # the script's last good answer
+        self._said = None         # the last problem reported (reported once)
+        self._full = False
+        self._ended = set()       # joiners whose failure was reported
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name="host-discovery")
+
+    def start(self):
+        self.log(f"host discovery: running {self.script} every {POLL_S:g} s; new hosts get "
+                 f"a joiner per slot ({self.spare} spare ranks, cluster.max_workers)")
+        self._thread.start()
+        return self
+
+    def stop(self, ended=True):
+        """The job is over: stop polling. After a clean end (``ended``) the joiners end
+        with their workers (stopped after JOINER_GRACE_S if they do not); otherwise they
+        are stopped now (their ssh, and so their remote worker, dies with them)."""
+        self._stop.set()
+        self._thread.join(timeout=SCRIPT_TIMEOUT_S + 5)
+        for host, proc in self.joiners:
+            if not ended:
+                signal_group(proc.popen, 15)
+            try:
+                proc.popen.wait(timeout=JOINER_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.log(f"host discovery: the joiner on {host} did not end with the job; "
+                         "stopping it")
+                signal_group(proc.popen, 9)
+                proc.popen.wait(timeout=10)
+
+    def _loop(self):
+        while True:
+            self.poll()
+            if self._stop.wait(POLL_S):
+                return
+
+    def _say_once(self, text):
+        if text != self._said:
+            self.log(f"host discovery: {text}")
+            self._said = text
+
+    def poll(self):
+        """Run the script once and act on its answer."""
+        try:
+            r = subprocess.run([self.script], capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL, timeout=SCRIPT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return self._say_once(f"{self.script} did not answer within "
+                                  f"{SCRIPT_TIMEOUT_S:g} s; keeping the hosts it listed")
+        except OSError as e:
+            return self._say_once(f"cannot run {self.script} ({e.strerror}); keeping the "
+                                  "hosts it listed")
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or [""])[-1]
+            why = last or "no message"
+            return self._say_once(f"{self.script} exited {r.returncode} ({why}); keeping "
+                                  "the hosts it listed")
+        try:
+            hosts = read_hosts(r.stdout, self.script)
+        except HostError as e:
+            return self._say_once(f"{e}; keeping the hosts it listed")
+        self._said = None
+        for host, proc in self.joiners:
+            if proc.poll() not in (None, 0) and proc not in self._ended:
+                self._ended.add(proc)
+                self.log(f"host discovery: the joiner on {host} ended with exit "
+                         f"{proc.poll()} (its lines say why); {host} gets no other try")
+        for host in sorted(set(self.listed) - set(hosts)):
+            if self.started.get(host):
+                self.log(f"host discovery: {host} is no longer listed; its "
+                         f"{self.started[host]} worker(s) go on (a worker cannot leave a "
+                         "job that takes joiners yet)")
+        self.listed = hosts
+        for host, slots in hosts.items():
+            if host in self.job_hosts:
+                continue
+            for _ in range(slots - self.started.get(host, 0)):
+                if not self._join(host):
+                    return
+
+    def _join(self, host):
+        """Start one joiner on ``host``; False once no spare rank is left."""
+        if len(self.joiners) >= self.spare:
+            if not self._full:
+                self.log(f"host discovery: {host} is listed but every spare rank is taken "
+                         f"({self.spare} joined; cluster.max_workers)")
+                self._full = True
+            return False
+        self.log(f"host discovery: {host} is new; starting a worker there")
+        popen = start_child([sys.executable, DIST, "--join", self.run_dir, "--host", host],
+                            self.env if self.env is not None else dict(os.environ))
+        proc = LocalProcess("joiner", len(self.joiners), popen, host)
+        for stream, sink in ((popen.stdout, self.sinks[0]), (popen.stderr, self.sinks[1])):
+            threading.Thread(target=_copy, args=(stream, sink), daemon=True).start()
+        self.joiners.append((host, proc))
+        self.started[host] = self.started.get(host, 0) + 1
+        return True
+
+
+def _copy(stream, sink):
+    """A joiner's lines, already prefixed by ``--join`` ([worker R on HOST])."""
+    for line in iter(stream.readline, b""):
+        try:
+            sink.write(line.decode(errors="replace"))
+            sink.flush()
+        except (OSError, ValueError):
+            return
+
+
+def check(opts, workers, max_workers):
+    """Before anything starts: ``--host-discovery-script`` needs the ssh launcher (it
+    starts joiners with ``--join --host``), spare ranks to give (cluster.max_workers
+    above the workers) and a script it can run; LaunchError (one line) if not."""
+    from .remote import LaunchError
+    script = opts.host_discovery_script
+    if not script:
+        return
+    if opts.launcher != "ssh":
+        raise LaunchError(f"--host-discovery-script works with --launcher ssh only (it "
+                          f"starts workers on new hosts over ssh), got --launcher "
+                          f"{opts.launcher}")
+    if not max_workers or max_workers <= workers:
+        raise LaunchError("--host-discovery-script needs spare ranks for the hosts it finds: "
+                          f"set cluster.max_workers above the job's {workers} workers")
+    if not (os.path.isfile(script) and os.access(script, os.X_OK)):
+        raise LaunchError(f"--host-discovery-script {script}: not an executable file")
