@@ -453,3 +453,28 @@ def test_host_discovery_is_refused_in_one_line_where_it_cannot_work(tmp_path):
                   "ssh", "--hosts", "127.0.0.1", "--set", "cluster.max_workers=3",
                   "--set", "sync.algorithm=ssgd"], timeout=60)
     assert r.returncode == 2 and "not an executable file" in r.stderr, r.stderr
+
+
+def test_a_killed_scheduler_of_an_ssh_job_is_restarted_in_place(hosts, local_ssgd, tmp_path):
+    """cluster.scheduler_restarts: 1 with the ssh launcher (the scheduler its local child,
+    the server and workers over ssh): the scheduler SIGKILLed mid-job is started again at
+    its address, every remote node re-registers without a restart, the ssgd weights equal
+    the local job's, and nothing is left on any host."""
+    from test_recovery import PACE, kill_step, wait_for_step
+    log = tmp_path / "launcher.log"
+    args = job(hosts, dict(SSGD, cluster__scheduler_restarts=1), tmp_path, *PACE)
+    with start(hosts, args, log) as p:
+        wait_for_step(p, tmp_path / "runs", kill_step("ssh-scheduler-restart"))
+        os.kill(p.process("scheduler"), signal.SIGKILL)
+        wait_for(log, "re-registered and the job goes on", p)
+        assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
+    out = log.read_text()
+    assert "restart 1 of 1" in out and "none restarted" in out, out[-3000:]
+    for who in ("server 0", "worker 0", "worker 1"):
+        assert f"{who}: rejoined the job with the restarted scheduler" in out, who
+    b = run_dir_of(tmp_path / "runs")
+    last = f"epoch-{EPOCHS - 1:04d}.params"
+    pa, pb = params(local_ssgd / "checkpoints" / last), params(b / "checkpoints" / last)
+    for key in pa:
+        np.testing.assert_allclose(pb[key], pa[key], rtol=0, atol=1e-6, err_msg=key)
+    assert_nothing_left(hosts)
