@@ -154,3 +154,25 @@ def test_max_restarts_on_the_command_line_is_checked_against_the_algorithm(tmp_p
     assert len(lines) == 1 and "sync.algorithm: asgd" in lines[0] \
         and "--max-restarts" in lines[0], lines
     assert not (tmp_path / "runs").exists()
+
+
+def test_asgd_with_several_workers_is_warned_of_its_lr_convention(capsys):
+    """asgd applies each worker's push as an update of its own at optimizer.lr (as
+    dist_async under Module): with N workers a round moves the weights about N times as
+    far as an ssgd step. The demo's lr 0.1 with 2 workers ended at 0.10-0.20 accuracy,
+    exit 0, with nothing said; now the launcher says so before the job starts."""
+    from ssdsgd.config import parse_config
+    from ssdsgd.launch.cli import _warn_async_lr
+
+    def config(algorithm, workers):
+        return parse_config({"cluster": {"workers": workers}, "sync": {"algorithm": algorithm},
+                             "model": {"name": "digits_mlp"}, "data": {"dataset": "digits"},
+                             "optimizer": {"name": "sgd", "lr": 0.1}})
+    _warn_async_lr(config("asgd", 2))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("[launcher] warning: sync.algorithm asgd applies each of the 2 "
+                           "workers' pushes as its own update at optimizer.lr 0.1"), line
+    assert "0.05" in line and "docs/training.md" in line, line
+    for algorithm, workers in (("asgd", 1), ("ssgd", 2), ("ssd", 4)):
+        _warn_async_lr(config(algorithm, workers))
+        assert capsys.readouterr().err == ""

@@ -195,6 +195,7 @@ def _prepare(args):
                            config.cluster.hosts)
     check_port(args.port, runner)       # before the run directory exists
     _warn_whole_warmup(config, length)
+    _warn_async_lr(config)
     try:
         if not args.resume:
             run_dir = str(new_run_dir(config))
@@ -207,6 +208,20 @@ def _prepare(args):
                           f"{config.output.dir}: {e.strerror or e} "
                           f"({e.filename or config.output.dir})") from None
     return config, run_dir, length, env, runner
+
+
+def _warn_async_lr(config):
+    """asgd's lr convention is dist_async's (docs/training.md): each push is an update of
+    its own at optimizer.lr, so N workers move the weights about N times as far a round
+    as ssgd's one step; a config written for ssgd collapses silently (the demo's lr 0.1
+    with 2 workers ended at 0.10-0.20 accuracy)."""
+    n, lr = config.cluster.workers, config.optimizer.lr
+    if config.sync.algorithm == "asgd" and n > 1:
+        print(f"[launcher] warning: sync.algorithm asgd applies each of the {n} workers' "
+              f"pushes as its own update at optimizer.lr {lr:g} (as dist_async): a round "
+              f"moves the weights about {n} times as far as an ssgd step; for the step of "
+              f"ssgd at this lr set optimizer.lr to about {lr / n:g} (docs/training.md)",
+              file=sys.stderr, flush=True)
 
 
 def _warn_whole_warmup(config, length):
