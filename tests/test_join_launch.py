@@ -157,3 +157,47 @@ def test_a_job_whose_algorithm_takes_no_joiner_is_refused_before_it_starts(tmp_p
     nodir = _dist("-n", "2", "--env", "SSDSGD_ALGORITHM=ssgd", "--env", "SSDSGD_MAX_WORKERS=3",
                   "--", "python", "-c", "pass")
     assert nodir.returncode == 2 and "--run-dir" in nodir.stderr.strip().splitlines()[-1]
+
+
+def _ssh_site(**changes):
+    site = {"ssh_command": "ssh", "ssh_port": None, "ssh_identity_file": None,
+            "sync_dir": None, "workdir": "/srv/work", "python": None, "interface": None,
+            "start_timeout": 10.0, "env_keys": []}
+    return dict(site, **changes)
+
+
+@pytest.mark.parametrize("ssh", [
+    "ssh", {"ssh_command": "ssh"}, _ssh_site(ssh_port="22"), _ssh_site(start_timeout=True),
+    _ssh_site(env_keys=[1]), dict(_ssh_site(), extra=1)])
+def test_a_join_file_whose_ssh_section_is_malformed_is_refused(tmp_path, ssh):
+    """join.json's ``ssh`` (how --join --host reaches a host) is type-checked like the
+    rest: a missing, extra or mistyped field is refused in one line."""
+    keys, run_dir = _job(tmp_path)
+    path = run_dir / "join.json"
+    data = json.loads(path.read_text())
+    data["ssh"] = _ssh_site()
+    path.write_text(json.dumps(data))
+    assert joining.read(str(run_dir))["ssh"]["workdir"] == "/srv/work"
+    data["ssh"] = ssh
+    path.write_text(json.dumps(data))
+    with pytest.raises(joining.JoinRefused, match="not a join file"):
+        joining.read(str(run_dir))
+    keys.remove()
+
+
+@pytest.mark.parametrize("host", ["-oProxyCommand=touch /tmp/x", "a b", ""])
+def test_a_join_host_that_is_not_a_host_name_is_refused_before_anything(tmp_path, host):
+    """--host goes to ssh as its host argument: one that is not a host name or an IPv4
+    address (one that ssh would read as an option) is refused in one line, and no rank
+    is claimed."""
+    keys, run_dir = _job(tmp_path)
+    path = run_dir / "join.json"
+    data = json.loads(path.read_text())
+    data["ssh"] = _ssh_site()
+    path.write_text(json.dumps(data))
+    r = _dist("--join", str(run_dir), f"--host={host}")
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "is not a host name" in line, line
+    assert not list(Path(keys.dir).glob("claimed-*"))
+    keys.remove()

@@ -377,7 +377,7 @@ def _join_form(argv):
     except JoinRefused as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
         return 2
-    where = f" on {args.host}" if args.host else ""
+    where = f" on {args.host}" if args.host is not None else ""
     print(f"[launcher] worker {rank} joins the job of {args.join}{where}", file=sys.stderr,
           flush=True)
     env = worker_env(data, rank, key_file)
@@ -393,9 +393,14 @@ def _join_form(argv):
 def _join_site(args, data):
     """The ssh way to ``--host`` (None: this host), its host checked (and the code
     copied with the job's --sync-dir) before a rank is claimed; JoinRefused if not."""
+    from .hosts import HostError, host_name
     from .joining import JoinRefused
-    if not args.host:
+    if args.host is None:
         return None
+    try:
+        host_name(args.host, f"--join {args.join} --host")
+    except HostError as e:
+        raise JoinRefused(str(e)) from None
     if "ssh" not in data:
         raise JoinRefused(f"--join {args.join} --host {args.host}: the job was not started "
                           "with --launcher ssh; run --join on the host itself")

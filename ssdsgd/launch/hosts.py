@@ -56,6 +56,12 @@ def _name(text, where):
     return text
 
 
+def host_name(text, where):
+    """``text`` if it is a host name or an IPv4 address (never one ssh would read as an
+    option); HostError naming ``where`` if not."""
+    return _name(text, where)
+
+
 def _positive(text, what, where):
     if not text.isdigit() or int(text) < 1:
         raise HostError(f"{where}: {what} must be an integer >= 1, got {text!r}")
