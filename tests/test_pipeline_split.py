@@ -86,6 +86,25 @@ def test_the_tuner_tries_each_candidate_in_turn_then_keeps_the_fastest_median():
     assert [len(t) for t in tuner.times.values()] == [3, 3, 3, 3]
 
 
+def test_steps_the_relay_times_are_not_charged_to_a_candidate_and_keep_the_count():
+    """The relay's trial (sync/auto.py) relays and times some warm-up steps; marked
+    untimed, those steps neither time a candidate nor change the count in force, so the
+    relay's trial runs with one count and the tuner's medians hold no relayed step (the
+    two trials overlapped in warm-ups of 7-16 steps)."""
+    step_s = {1: 0.070, 4: 0.040, 8: 0.045}
+    plan = [c for _ in range(3) for c in (1, 4, 8)]
+    relayed = 9.0                                   # what a relayed step takes here
+    periods = [0.2] * 3 + [step_s[c] for c in plan[:4]] + [relayed] * 3 \
+        + [step_s[c] for c in plan[4:]] + [0.0] * 5
+    tuner = PieceTuner(candidates=(1, 4, 8), clock=_clock(periods))
+    seen = [tuner.mark() for _ in range(3 + 4)]
+    during = [tuner.mark(timed=False) for _ in range(3)]      # the relay's trial steps
+    assert during == [seen[-1]] * 3                 # the count in force, unchanged
+    seen += [tuner.mark() for _ in range(len(plan) - 4 + 1)]
+    assert seen[3:] == plan[:4] + plan[4:] + [4]   # the plan resumed where it stopped
+    assert tuner.chosen == 4 and all(relayed not in t for t in tuner.times.values())
+
+
 def test_on_a_fast_link_the_tuner_keeps_one_message():
     step_s = {1: 0.010, 2: 0.013, 4: 0.016, 8: 0.022}
     plan = [c for _ in range(3) for c in (1, 2, 4, 8)]

@@ -87,6 +87,7 @@ class WorkerClient:
         self.quorum = quorum_rounds(env.quorum, self.num_workers)
         self.relays = self.topology.get("relays")
         self.relay_on = env.pull_relay == "chain"   # auto: the stage machine's choice
+        self.relay_trial = False     # this step is the relay's trial's (the stage machine)
         self.coder = PushCoder()  # the job's compression and this worker's residuals
         # SSDSGD_PIPELINE_PIECES: fixed, or timed on this worker's pulling pushes (auto)
         self.pieces = PieceTuner(count_or_auto(env.pipeline_pieces))
@@ -194,7 +195,8 @@ class WorkerClient:
         self._mark_step()
 
     def _mark_step(self):
-        self.pieces.mark()
+        # a step of the relay's trial is timed by that trial, not by the pieces' tuner
+        self.pieces.mark(timed=not self.relay_trial)
         self.stats["pipeline_pieces"] = self.pieces.value
 
     def pull(self, keys, *, latest=False, state=False, final=False):

@@ -40,14 +40,18 @@ class PieceTuner:
         self._trial = None                  # the candidate timed since the last mark
         self._last = None
 
-    def mark(self):
-        """A timed step starts now. Returns the pieces for it."""
+    def mark(self, timed=True):
+        """A step starts now. Returns the pieces for it. ``timed=False``: a step another
+        trial times (the relay's, sync/auto.py): it keeps the count in force and is
+        charged to no candidate; the plan goes on at the next timed step."""
         if self.chosen is not None:
             return self.value
         now = self._clock()
         if self._trial is not None:
             self.times[self._trial].append(now - self._last)
         self._last, self._trial = now, None
+        if not timed:
+            return self.value
         if self._skip > 0:                  # the first steps also pay for lazy set-up
             self._skip -= 1
         elif self._plan:

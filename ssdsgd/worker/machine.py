@@ -173,6 +173,7 @@ class StageMachine:
         trial = self.schedule.trial_relays(self.t)     # the relay's trial (sync/auto.py)
         if trial is not None:
             self.client.relay_on = trial
+        self.client.relay_trial = trial is not None     # untimed by the pieces' tuner
         blocked0 = self.client.stats["time_blocked"]
         with self.schedule.timed(self.t, self.client.stats):
             if self.env.algorithm == "preduce":
