@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 from .hosts import HostError, parse_hosts
 from .local import LocalProcess, signal_group, start_child
@@ -67,11 +68,12 @@ class HostDiscovery:
         are stopped now (their ssh, and so their remote worker, dies with them)."""
         self._stop.set()
         self._thread.join(timeout=SCRIPT_TIMEOUT_S + 5)
+        deadline = time.monotonic() + JOINER_GRACE_S      # one grace for all of them
         for host, proc in self.joiners:
             if not ended:
                 signal_group(proc.popen, 15)
             try:
-                proc.popen.wait(timeout=JOINER_GRACE_S)
+                proc.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 self.log(f"host discovery: the joiner on {host} did not end with the job; "
                          "stopping it")
