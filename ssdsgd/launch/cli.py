@@ -92,8 +92,9 @@ def _command_form(argv):
     try:    # before anything starts: no --env for what the launcher sets, no bad values
         check_launch_env(extra, to_env(num_workers=args.num_workers, scheduler_port=args.port
                                        or None, num_servers=args.num_servers), os.environ)
-        discovery.check(options_from(args, extra), args.num_workers, most)
-        runner = make_launcher(options_from(args, extra), args.num_workers, args.num_servers)
+        opts = options_from(args, extra)
+        discovery.check(opts, args.num_workers, most)
+        runner = make_launcher(opts, args.num_workers, args.num_servers)
         check_port(args.port, runner)
     except (SettingError, LaunchError) as e:
         print(f"launch/dist.py: error: {e}", file=sys.stderr)
@@ -190,8 +191,9 @@ def _prepare(args):
     check_launch_env({}, env, os.environ)
     _check_restarts(config, args.max_restarts)
     args.launcher = args.launcher or config.cluster.launcher
-    discovery.check(options_from(args), config.cluster.workers, config.cluster.max_workers)
-    runner = make_launcher(options_from(args), config.cluster.workers, config.cluster.servers,
+    opts = options_from(args)
+    discovery.check(opts, config.cluster.workers, config.cluster.max_workers)
+    runner = make_launcher(opts, config.cluster.workers, config.cluster.servers,
                            config.cluster.hosts)
     check_port(args.port, runner)       # before the run directory exists
     _warn_whole_warmup(config, length)

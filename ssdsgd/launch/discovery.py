@@ -21,6 +21,7 @@ import threading
 import time
 
 from .hosts import HostError, parse_hosts
+from .job import _pump
 from .local import LocalProcess, signal_group, start_child
 
 POLL_S = 2.0
@@ -40,12 +41,12 @@ def read_hosts(text, source):
 class HostDiscovery:
     """``script``: the discovery script; ``job_hosts``: the hosts the job started on
     (they get no joiner); ``spare``: the ranks joiners may take; ``sinks``: where the
-    joiners' output goes (stdout, stderr)."""
+    joiners' output goes (stdout, stderr), whole lines under the job's output ``lock``."""
 
-    def __init__(self, script, run_dir, job_hosts, spare, log, sinks, env=None):
+    def __init__(self, script, run_dir, job_hosts, spare, log, sinks, lock):
         self.script, self.run_dir, self.log = script, str(run_dir), log
-        self.job_hosts, self.spare, self.sinks = set(job_hosts), spare, sinks
-        self.env = env
+        self.job_hosts, self.spare = set(job_hosts), spare
+        self.sinks, self.lock = sinks, lock
         self.joiners = []         # (host, LocalProcess of `dist.py --join`)
         self.started = {}         # host -> joiners started there
         self.listed = {}          # the script's last good answer
@@ -140,23 +141,15 @@ class HostDiscovery:
             return False
         self.log(f"host discovery: {host} is new; starting a worker there")
         popen = start_child([sys.executable, DIST, "--join", self.run_dir, "--host", host],
-                            self.env if self.env is not None else dict(os.environ))
+                            dict(os.environ))
         proc = LocalProcess("joiner", len(self.joiners), popen, host)
         for stream, sink in ((popen.stdout, self.sinks[0]), (popen.stderr, self.sinks[1])):
-            threading.Thread(target=_copy, args=(stream, sink), daemon=True).start()
+            # the job's own pump and lock: its lines, already prefixed by --join
+            threading.Thread(target=_pump, args=(stream, "", sink, self.lock),
+                             daemon=True).start()
         self.joiners.append((host, proc))
         self.started[host] = self.started.get(host, 0) + 1
         return True
-
-
-def _copy(stream, sink):
-    """A joiner's lines, already prefixed by ``--join`` ([worker R on HOST])."""
-    for line in iter(stream.readline, b""):
-        try:
-            sink.write(line.decode(errors="replace"))
-            sink.flush()
-        except (OSError, ValueError):
-            return
 
 
 def check(opts, workers, max_workers):

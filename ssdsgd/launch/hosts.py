@@ -50,16 +50,12 @@ LAUNCHER_HOST = ""            # the scheduler's host when nobody chose one: the 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def _name(text, where):
-    if not _NAME.match(text) or text.startswith("-"):
-        raise HostError(f"{where}: {text!r} is not a host name or IPv4 address")
-    return text
-
-
 def host_name(text, where):
     """``text`` if it is a host name or an IPv4 address (never one ssh would read as an
     option); HostError naming ``where`` if not."""
-    return _name(text, where)
+    if not _NAME.match(text) or text.startswith("-"):
+        raise HostError(f"{where}: {text!r} is not a host name or IPv4 address")
+    return text
 
 
 def _positive(text, what, where):
@@ -76,7 +72,7 @@ def parse_hostfile_line(line, where="hostfile"):
     parts = text.split()
     head, opts = parts[0], parts[1:]
     name, sep, port = head.partition(":")
-    host = Host(_name(name, where), 1,
+    host = Host(host_name(name, where), 1,
                 _positive(port, "the ssh port (host:port)", where) if sep else None)
     for opt in opts:
         key, eq, value = opt.partition("=")
@@ -120,7 +116,7 @@ def parse_hosts(items, source="--hosts"):
         if not item:
             raise HostError(f"{source}: empty host name in the list")
         name, sep, slots = item.partition(":")
-        hosts.append(Host(_name(name, source),
+        hosts.append(Host(host_name(name, source),
                           _positive(slots, f"slots of {name}", source) if sep else 1))
     return _check(hosts, source)
 

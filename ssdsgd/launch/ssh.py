@@ -22,8 +22,8 @@ import threading
 
 from . import hosts as H
 from .local import LocalProcess, die_with_parent, start_child
-from .remote import (LaunchError, SchedulerSite, entry_path, forwarded, quote, replace_python,
-                     split_secrets)
+from .remote import (LaunchError, Options, SchedulerSite, entry_path, forwarded, quote,
+                     replace_python, split_secrets)
 
 SSH_OPTIONS = ["-T", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
                "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
@@ -84,7 +84,6 @@ class SSHCommand:
 
     @classmethod
     def from_join_spec(cls, spec):
-        from .remote import Options
         return cls(Options(**dict(spec, env_keys=tuple(spec["env_keys"]))))
 
     def ssh_args(self, host, port=None):
@@ -231,14 +230,14 @@ class SSHLauncher(SSHCommand):
             return LocalProcess(role, rank, start_child(cmd, env), self.scheduler_host)
         return self.start_remote(role, rank, cmd, env, slot.host, slot.port)
 
-    def watch_hosts(self, run_dir, spare, log, sinks):
+    def watch_hosts(self, run_dir, spare, log, sinks, lock):
         """``--host-discovery-script``: the loop that starts joiners on new hosts
         (discovery.py), started; None without the option."""
         if not self.opts.host_discovery_script:
             return None
         from .discovery import HostDiscovery
         return HostDiscovery(self.opts.host_discovery_script, run_dir,
-                             {h.name for h in self.hosts}, spare, log, sinks).start()
+                             {h.name for h in self.hosts}, spare, log, sinks, lock).start()
 
     def _here(self, slot):
         return slot.role == "scheduler" and self.site.local
