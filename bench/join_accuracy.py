@@ -6,7 +6,7 @@
 
 Issue 29 asks for it: "a 3-worker ssd job whose third worker joins late ends within 1
 point of the uninterrupted 3-worker job's accuracy; its throughput after the join is
-printed". Two rows, each a whole job of ``launch/dist.py configs/digits.yaml`` (the
+printed". Rows, each a whole job of ``launch/dist.py configs/digits.yaml`` (the
 demo: digits MLP, SSD-SGD, glu exact, sgd lr 0.1 momentum 0.9, cosine over 20 epochs)
 run once per seed:
 
@@ -15,7 +15,9 @@ run once per seed:
                  ``--join-at`` of the 2-worker job's steps, ``launch/dist.py --join RUN``
                  starts the third (it joins at the next pull boundary the servers agree on)
 
-Both rows pin what a job that takes joiners must (docs/spec/membership.md, refused with
+A third row, ``defaults``, is the demo with 3 workers exactly as a user starts it (k,
+warm-up and relay at auto, no pacing), beside the two. The other two rows pin what a
+job that takes joiners must (docs/spec/membership.md, refused with
 joins): ``sync.delay_steps`` (``--k``; auto's choice is made at the end of the warm-up and
 not yet agreed with a joiner) and ``sync.pull_relay: off``. Everything else is the
 demo's. Every worker sleeps ``--step-delay`` s a step (``debug.slowdown``, both rows
@@ -54,6 +56,8 @@ LAUNCH = ROOT / "launch" / "dist.py"
 CONFIG = ROOT / "configs" / "digits.yaml"
 JOB_TIMEOUT_S = 300      # one job, start to exit
 STEPS_2W = 20 * 22       # the demo's 2-worker job: 20 epochs of 22 steps
+SYSTEMS = {"defaults": "3 workers, the defaults (unpaced)",
+           "three": "3 workers from the start", "join": "2 + 1 joining"}
 
 
 def parse_args(argv=None):
@@ -69,11 +73,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def job_args(args, seed, out, workers, max_workers=None):
-    delays = ",".join(f"{r}={args.step_delay}" for r in range(3))
-    sets = {"cluster.workers": workers, "sync.delay_steps": args.k,
-            "sync.pull_relay": '"off"', "train.seed": seed, "output.dir": out,
-            "output.plots": "false", "debug.slowdown": f"delay:{delays}"}
+def job_args(args, seed, out, workers, max_workers=None, defaults=False):
+    """``defaults``: the demo as a user starts it with 3 workers (k, warm-up and relay at
+    auto, no pacing); else the rows a join needs, pinned and paced."""
+    sets = {"cluster.workers": workers, "train.seed": seed, "output.dir": out,
+            "output.plots": "false"}
+    if not defaults:
+        delays = ",".join(f"{r}={args.step_delay}" for r in range(3))
+        sets.update({"sync.delay_steps": args.k, "sync.pull_relay": '"off"',
+                     "debug.slowdown": f"delay:{delays}"})
     if max_workers:
         sets["cluster.max_workers"] = max_workers
     out_args = [sys.executable, str(LAUNCH), str(CONFIG)]
@@ -100,12 +108,14 @@ def run_dir_in(out):
     return dirs[0] if len(dirs) == 1 else None
 
 
-def run_row(args, seed, base, joining):
-    out = base / f"{'join' if joining else 'three'}-seed{seed}"
+def run_row(args, seed, base, system):
+    joining = system == "join"
+    out = base / f"{system}-seed{seed}"
     out.mkdir(parents=True)
     log = open(base / f"{out.name}.log", "w")
     env = clean_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = job_args(args, seed, out, 2 if joining else 3, 3 if joining else None)
+    cmd = job_args(args, seed, out, 2 if joining else 3, 3 if joining else None,
+                   defaults=system == "defaults")
     deadline = time.monotonic() + JOB_TIMEOUT_S
     t0 = time.monotonic()
     job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -130,7 +140,7 @@ def run_row(args, seed, base, joining):
     run = run_dir_in(out)
     summary = json.loads((run / "summary.json").read_text()) if run and (
         run / "summary.json").exists() else {}
-    row = {"system": "join" if joining else "three", "seed": seed, "rc": rc,
+    row = {"system": system, "seed": seed, "rc": rc,
            "joiner_rc": joiner_rc, "job_s": wall,
            "final_accuracy": summary.get("final_accuracy"),
            "samples_per_s": summary.get("samples_per_sec"),
@@ -159,12 +169,12 @@ def main(argv=None):
     base = Path(args.out or tempfile.mkdtemp(prefix="ssdsgd-join-accuracy-"))
     rows = []
     for seed in args.seeds:
-        for joining in (False, True):
-            row = run_row(args, seed, base, joining)
+        for system in SYSTEMS:
+            row = run_row(args, seed, base, system)
             rows.append(row)
             print(json.dumps(row), flush=True)
     agg = {}
-    for system in ("three", "join"):
+    for system in SYSTEMS:
         ok = [r for r in rows if r["system"] == system and r["status"] == "ok"]
         agg[system] = {"runs": len(ok), **{key: olympic(
             [r[key] for r in ok if r.get(key) is not None]) for key in (
@@ -179,7 +189,7 @@ def main(argv=None):
     print("| row | runs | final accuracy | samples/s (job) | joined at step | "
           "samples/s before join | samples/s after join |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for system, label in (("three", "3 workers from the start"), ("join", "2 + 1 joining")):
+    for system, label in SYSTEMS.items():
         a = agg[system]
         print(f"| {label} | {a['runs']} | {fmt(a, 'final_accuracy')} | "
               f"{fmt(a, 'samples_per_s', 1)} | {fmt(a, 'joined_at_step', 0)} | "
