@@ -167,13 +167,13 @@ def job_throughput(ends):
     return sum(samples) / max(walls)
 
 
-def throughput_by_membership(members, heard: dict, wall: float, batch_size: int):
+def throughput_by_membership(members, edges, wall: float, batch_size: int):
     """Samples applied per second of wall time in each span of a job whose workers
-    joined (``members``: its ``sync.membership.Membership``; ``heard``: rank -> seconds
-    after training started when this worker heard of the join, the span's edge in time).
-    A span's samples are its steps' chunks (the membership's, so they are the samples
-    the servers applied); a span with no time of its own has no rate."""
-    edges = sorted((members.changes[r][0], t) for r, t in heard.items())
+    joined or left (``members``: its ``sync.membership.Membership``; ``edges``: sorted
+    (step of a change, seconds after training started when this worker heard of it),
+    the span's edge in time). A span's samples are its steps' chunks (the membership's,
+    so they are the samples the servers applied); a span with no time of its own has
+    no rate."""
     steps = [0] + [s for s, _ in edges] + [members.end()]
     times = [0.0] + [t for _, t in edges] + [wall]
     spans = []

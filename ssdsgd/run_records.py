@@ -128,16 +128,22 @@ def write_summary(run, wall: float) -> dict:
         # on the final reply: sync/quorum_rules.py)
         **({"quorum_auto": m["quorum_auto"]} if "quorum_auto" in m else {}),
     }
+    # who left: removed when dead or stuck (cluster.on_worker_failure: continue; it writes
+    # no end record), or left at a step every worker heard of (docs/spec/membership.md;
+    # it ends its part and writes one)
+    leaves = m.get("leaves", [])
     base["workers_left"] = [{"rank": w["rank"], "from_step": w["from_step"],
-                             "time": w["time"] - run.t_train} for w in left]
+                             "time": w["time"] - run.t_train, "how": how}
+                            for how, ws in (("removed", left), ("left", leaves)) for w in ws]
     joined = m.get("joined", [])                         # docs/spec/membership.md
     base["workers_joined"] = [{"rank": w["rank"], "from_step": w["from_step"],
                                "time": w["time"] - run.t_train} for w in joined]
     members = getattr(getattr(run, "feed", None), "members", None)
-    if joined and members is not None:
+    if (joined or leaves) and members is not None:
+        edges = sorted((w["from_step"], w["time"]) for w in base["workers_joined"]
+                       + [w for w in base["workers_left"] if w["how"] == "left"])
         base["throughput_by_membership"] = spans = throughput_by_membership(
-            members, {w["rank"]: w["time"] for w in base["workers_joined"]}, wall,
-            c.data.batch_size)
+            members, edges, wall, c.data.batch_size)
         log.info("throughput by membership (samples the servers applied per second of "
                  "wall time): %s", "; ".join(
                      f"{s['workers']} workers, steps {s['from_step']}-{s['to_step'] - 1}: "

@@ -340,7 +340,8 @@ SETTINGS = (
             choices=("abort", "restart", "continue")),
     Setting("max_workers", int, None, "the most workers the job may have had: spare ranks "
             "N..max_workers-1 that workers started later with launch/dist.py --join RUN_DIR "
-            "take (ssgd, ssd; docs/spec/membership.md); unset: cluster.workers, no joining",
+            "take, and workers may leave with --leave RUN_DIR --rank R (ssgd, ssd; "
+            "docs/spec/membership.md); unset: cluster.workers, no joining or leaving",
             env="SSDSGD_MAX_WORKERS", path="cluster.max_workers", min=1, optional=True),
     Setting("server_replicas", int, 0, "backups of each server's keys on another server "
             "(0 or 1; 1 needs 2 or more servers): the workers send every push and pull to "

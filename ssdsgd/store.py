@@ -379,6 +379,12 @@ class SSD_Sync(KVStoreBase):
         self._machine.settle()
         return dict(self._client.joins)
 
+    def leaves_before(self, step):
+        """{rank: first step it does not push} of the workers that leave this job, as
+        ``joins_before`` (a departure is decided as a join is; this worker's own too)."""
+        self._machine.settle()
+        return dict(self._client.leaves)
+
     def ask_chunk(self, epoch, plan):
         """Dynamic data (ssdsgd.data.dynamic): ask for the next chunk of ``epoch``; a
         future for ``take_chunk`` (kvstore/chunks.py)."""

@@ -103,6 +103,9 @@ def train(config: Config, run_dir, resume: bool = False) -> dict:
             run_epoch(run, epoch)
             if run.feed is not None and run.feed.over:
                 break           # the job's budget is spent (docs/spec/dynamic_data.md)
+        if run.feed is not None and run.feed.over == "left":   # docs/spec/membership.md
+            log.info("rank %d left the job at step %d (the others go on)", run.rank,
+                     run.feed.left_at())
         return finish(run)
 
 

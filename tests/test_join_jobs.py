@@ -21,18 +21,21 @@ N, PER_EPOCH, EPOCHS, BATCH, WAIT_AT = 2, 8, 3, 8, 5
 TIMEOUT = 90
 
 
-def _simulated(joins, algorithm="ssgd", lr_step=0, **sync):
-    """The simulator with the job's membership: each member's batch at step t is the
-    chunk ``Membership`` gives it (rule 7)."""
-    members = Membership(N, PER_EPOCH, PER_EPOCH * EPOCHS)
+def _simulated(joins, algorithm="ssgd", lr_step=0, leaves=None, n=N, per_epoch=PER_EPOCH,
+               epochs=EPOCHS, **sync):
+    """The simulator with the job's membership (``joins``, ``leaves``: rank -> step):
+    each member's batch at step t is the chunk ``Membership`` gives it (rule 7)."""
+    members = Membership(n, per_epoch, per_epoch * epochs)
     for rank, step in joins.items():
         members.join(rank, step)
+    for rank, step in (leaves or {}).items():
+        members.leave(rank, step)
     net = tiny.make_net()
     keys = _trainer_keys(net)
     params = tiny.params(net)
     init = {i: params[j].data().copy() for i, j in keys.items()}
-    data = tiny.ChunkData(PER_EPOCH * BATCH)
-    perms = [epoch_permutation(data.n_train, e, 0) for e in range(EPOCHS)]
+    data = tiny.ChunkData(per_epoch * BATCH)
+    perms = [epoch_permutation(data.n_train, e, 0) for e in range(epochs)]
 
     def grad_fn(worker, step, weights):
         epoch, chunk = members.chunk(worker, step)
@@ -48,8 +51,9 @@ def _simulated(joins, algorithm="ssgd", lr_step=0, **sync):
         return mx.optimizer.create("sgd", learning_rate=0.1, momentum=0.9,
                                    rescale_grad=1.0 / BATCH, lr_scheduler=sched)
 
-    changes = [Change(step, "join", rank) for rank, step in joins.items()]
-    return keys, members, simulate_membership(init, grad_fn, make_optimizer, N, members.end(),
+    changes = ([Change(step, "join", rank) for rank, step in joins.items()]
+               + [Change(step, "leave", rank) for rank, step in (leaves or {}).items()])
+    return keys, members, simulate_membership(init, grad_fn, make_optimizer, n, members.end(),
                                               changes, algorithm=algorithm, **sync)
 
 

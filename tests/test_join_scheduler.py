@@ -112,3 +112,55 @@ def test_an_ssd_job_with_an_auto_warmup_of_known_length_takes_joiners_at_the_wor
     assert boundary is not None and warmup == 22
     assert boundary(5) == 6 and boundary(30) == 22 + 4 * 4     # s - 1 - k >= held
     assert joins_boundary(NodeEnv.from_environ(base)) is None
+
+
+def _leave(sched, ident, rank):
+    sched._handle(ident, P.Message(P.Kind.LEAVE, meta={"leaving": rank}), None)
+
+
+def _leave_refusal(sched, ident, rank):
+    with pytest.raises(P.ProtocolError) as e:
+        _leave(sched, ident, rank)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_departure_is_refused_in_one_line_or_asks_the_servers_and_tells_who_must_hear(job):
+    """LEAVE from a connection that never registered (``--leave``): refused until the job
+    runs, for rank 0 and for a rank not in the job; taken, every server holds, and once
+    they answered every server, the leaver and the asker hear the step. The leaver's
+    FINISH then takes it out of the job: a barrier no longer waits for it."""
+    sched, sent = job
+    assert "the job has not started yet" in _leave_refusal(sched, b"a1", 1)
+    with socket.create_server(("127.0.0.1", 0)) as port:
+        sched._listen(b"w0", sched.nodes[b"w0"], {})
+        sched._listen(b"s0", sched.nodes[b"s0"], {"port": port.getsockname()[1]})
+    assert "worker 0 never leaves" in _leave_refusal(sched, b"a0", 0)
+    assert "worker 3 is not in the job" in _leave_refusal(sched, b"a3", 3)
+    sent.clear()
+    _leave(sched, b"a1", 1)
+    assert sent == [(b"s0", P.Kind.LEAVE, {"leaving": 1})]
+    assert "worker 1 is leaving already" in _leave_refusal(sched, b"b1", 1)
+    sent.clear()
+    sched._handle(b"s0", P.Message(P.Kind.LEAVE, meta={"leaving": 1, "next_step": 4}), None)
+    told = sorted((ident, meta["from_step"]) for ident, kind, meta in sent
+                  if kind == P.Kind.LEAVE)
+    assert told == [(b"a1", 5), (b"s0", 5), (b"w1", 5)]    # ssgd: s = H + 1
+    assert sched.departed[1]["from_step"] == 5
+    sched._barrier(b"w0", sched.nodes[b"w0"], {})
+    assert not any(kind == P.Kind.BARRIER for _, kind, _ in sent)   # it waits for w1
+    sched._finish(b"w1", sched.nodes[b"w1"], {})
+    assert b"w1" not in sched.nodes
+    assert (b"w0", P.Kind.BARRIER) in [(i, k) for i, k, _ in sent]  # released without it
+
+
+def test_a_job_that_takes_no_joiner_lets_no_worker_leave():
+    env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
+                                "SSDSGD_NUM_WORKERS": "2", "SSDSGD_ALGORITHM": "ssgd"})
+    sched = Scheduler(env, make_scheduler_policy, log=lambda text: None,
+                      join_boundary=joins_boundary(env))
+    try:
+        msg = _leave_refusal(sched, b"a1", 1)
+        assert "take no leaver (only ssgd and ssd with cluster.max_workers" in msg, msg
+    finally:
+        sched.close()

@@ -123,67 +123,87 @@ def test_two_joins_decided_together_hold_until_both_are_admitted():
     assert [(k, len(parts), scale) for k, parts, scale in acts[0][1]] == [(0, 2, 0.5)]
 
 
+class TwoServers:
+    """Two servers of an ssgd job of ``n`` workers, in process: the real dense policy and
+    the real ``Weights`` with MXNet's optimizer (key k on server k), short of the
+    messages; ``grad_fn`` and ``make`` are the simulator's."""
+    shapes = {0: (3,), 1: (4,)}
+
+    def __init__(self, n):
+        import mxnet as mx
+        from ssdsgd.kvstore.weights import Weights
+        self.mx = mx
+        rs = np.random.RandomState(0)
+        self.init = {k: mx.nd.array(rs.randn(*s)) for k, s in self.shapes.items()}
+        self.servers = []
+        for k in self.shapes:
+            w, p = Weights(n, reclaim=lambda shard: None), DenseSync(n, 3, "ssgd")
+            w.declare(k, 0, self.init[k].asnumpy())
+            p.declare(k)
+            w.use_optimizer(self.make(), False)
+            self.servers.append((w, p))
+
+    def grad_fn(self, rank, step, weights):
+        mx, r = self.mx, np.random.RandomState(1000 * rank + step)
+        return {k: mx.nd.array(r.uniform(0.5, 1.5, w.shape)) * w - mx.nd.array(r.randn(*w.shape))
+                for k, w in weights.items()}
+
+    def make(self):
+        return self.mx.optimizer.SGD(learning_rate=0.05, momentum=0.9, wd=1e-3,
+                                     rescale_grad=0.25)
+
+    def weights_now(self):
+        return {k: self.servers[k][0].shards[k].weight.copy() for k in self.shapes}
+
+    def push(self, rank, t, grads):
+        for k, (w, p) in enumerate(self.servers):
+            for kind, *what in p.push(rank, [(k, t, grads[k].asnumpy())], token=None):
+                assert kind == "apply"
+                w.apply(*what)
+
+    def carry_out(self, decide):
+        """``decide(policy)``'s actions applied on every server."""
+        for w, p in self.servers:
+            for kind, *what in decide(p):
+                w.apply(*what)
+
+    def versions(self):
+        return [p.version[k] for k, (_, p) in enumerate(self.servers)]
+
+    def equal(self, oracle):
+        return all(np.array_equal(got.asnumpy(), oracle.global_weights[k].asnumpy())
+                   for k, got in self.weights_now().items())
+
+
 def test_the_servers_half_of_a_join_equals_the_simulator_bit_for_bit():
     """Two servers (the real policy, the real ``Weights`` with MXNet's optimizer), ssgd
     with 2 workers; worker 2 asks to join while step 4 is half pushed. Each server holds
     from its first free step (5), step 5 waits for the decision, the decider admits from
     ``join_boundary(5)`` = 6, and the weights equal ``simulate_membership`` fed that step,
     bit for bit: what a running job's servers would do, short of the messages."""
-    import mxnet as mx
     from ssdsgd.glu.simulate_membership import Change, simulate_membership
-    from ssdsgd.kvstore.weights import Weights
-    shapes = {0: (3,), 1: (4,)}
-    rs = np.random.RandomState(0)
-    init = {k: mx.nd.array(rs.randn(*s)) for k, s in shapes.items()}
-
-    def grad_fn(rank, step, weights):
-        r = np.random.RandomState(1000 * rank + step)
-        return {k: mx.nd.array(r.uniform(0.5, 1.5, w.shape)) * w - mx.nd.array(r.randn(*w.shape))
-                for k, w in weights.items()}
-
-    def make():
-        return mx.optimizer.SGD(learning_rate=0.05, momentum=0.9, wd=1e-3, rescale_grad=0.25)
-
-    servers = []                       # key k on server k
-    for k in shapes:
-        w, p = Weights(2, reclaim=lambda shard: None), DenseSync(2, 3, "ssgd")
-        w.declare(k, 0, init[k].asnumpy())
-        p.declare(k)
-        w.use_optimizer(make(), False)
-        servers.append((w, p))
-
-    def weights_now():
-        return {k: servers[k][0].shards[k].weight.copy() for k in shapes}
-
-    def push(rank, t, grads):
-        for k, (w, p) in enumerate(servers):
-            for kind, *what in p.push(rank, [(k, t, grads[k].asnumpy())], token=None):
-                assert kind == "apply"
-                w.apply(*what)
-
+    job = TwoServers(2)
+    servers = job.servers
     admissions = Admissions(join_boundary("ssgd", 0, 1))
     members, decided = [0, 1], None
     for t in range(10):
         if decided is not None and t == decided["from_step"]:
             members = [0, 1, 2]
-        at = weights_now()
-        grads = {r: grad_fn(r, t, at) for r in members}
-        push(members[0], t, grads[members[0]])
+        at = job.weights_now()
+        grads = {r: job.grad_fn(r, t, at) for r in members}
+        job.push(members[0], t, grads[members[0]])
         if t == 4:                     # worker 2 registers: every server holds
             admissions.begin(2, ["s0", "s1"])
             answers = [{"joined": 2, "next_step": p.hold(2)} for _, p in servers]
             assert [a["next_step"] for a in answers] == [5, 5]
         for r in members[1:]:
-            push(r, t, grads[r])
+            job.push(r, t, grads[r])
         if t == 5:                     # step 5 is held until the decision
-            assert [p.version[k] for k, (_, p) in enumerate(servers)] == [5, 5]
+            assert job.versions() == [5, 5]
             decided = admissions.answer("s0", answers[0]) or admissions.answer("s1", answers[1])
             assert decided == {"joined": 2, "from_step": 6}
-            for k, (w, p) in enumerate(servers):
-                for kind, *what in p.admit(2, decided["from_step"]):
-                    w.apply(*what)
-            assert [p.version[k] for k, (_, p) in enumerate(servers)] == [6, 6]
-    oracle = simulate_membership(init, grad_fn, make, 2, 10, [Change(6, "join", 2)],
+            job.carry_out(lambda p: p.admit(2, decided["from_step"]))
+            assert job.versions() == [6, 6]
+    oracle = simulate_membership(job.init, job.grad_fn, job.make, 2, 10, [Change(6, "join", 2)],
                                  algorithm="ssgd")
-    for k, got in weights_now().items():
-        assert np.array_equal(got.asnumpy(), oracle.global_weights[k].asnumpy()), k
+    assert job.equal(oracle)

@@ -375,14 +375,15 @@ def test_a_join_to_a_host_that_cannot_be_reached_is_one_line_and_claims_no_rank(
     from ssdsgd.launch.joining import read, write
     keys = tmp_path / "keys"
     keys.mkdir()
-    (keys / "worker-2.json").write_text("{}")
+    for r in (1, 2):
+        (keys / f"worker-{r}.json").write_text("{}")
     site = {"ssh_command": hosts.ssh_command, "ssh_port": None, "ssh_identity_file": None,
             "sync_dir": None, "workdir": str(ROOT), "python": None, "interface": None,
             "start_timeout": 3.0, "env_keys": []}
     for run, ssh in ((tmp_path / "ssh-run", site), (tmp_path / "local-run", None)):
         run.mkdir()
-        write(run, str(keys), {"worker 2": str(keys / "worker-2.json")}, 2, 3,
-              ["python", "x.py"], {}, ssh)
+        write(run, str(keys), {f"worker {r}": str(keys / f"worker-{r}.json") for r in (1, 2)},
+              2, 3, ["python", "x.py"], {}, ssh)
     code, out = run_cmd(hosts, ["--join", tmp_path / "ssh-run", "--host", "198.18.0.250"],
                         tmp_path)
     assert code == 2 and "Traceback" not in out, out
@@ -405,8 +406,9 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     """``--host-discovery-script`` (Horovod's option): a script that prints a file the
     test rewrites while the job runs. A malformed answer is one line and the job goes
     on; a host that appears (the third, in no hostfile) gets a joining worker; when it
-    disappears the launcher says its worker goes on (a departure is not built); the job
-    finishes with the joiner, and nothing is left on any host."""
+    disappears its worker leaves the job at a step every worker hears of in time, the
+    other two train its chunks from then on, the job finishes, and nothing is left on
+    any host."""
     x, y, z = hosts.addresses
     two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two.txt")
     listed = tmp_path / "hosts-now.txt"
@@ -426,7 +428,7 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
         listed.write_text(f"{x}\n{y}\n{z}:1\n")
         wait_for(log, f"[worker 2 on {z}] ", p)
         listed.write_text(f"{x}\n{y}\n")
-        wait_for(log, f"{z} is no longer listed; its 1 worker(s) go on", p)
+        wait_for(log, f"{z} is no longer listed; worker 2 leaves the job at step", p)
         assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
     out = log.read_text()
     assert f"host discovery: {z} is new; starting a worker there" in out, out[-3000:]
@@ -434,7 +436,15 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     run = run_dir_of(tmp_path / "runs")
     summary = json.loads((run / "summary.json").read_text())
     assert [w["rank"] for w in summary["workers_joined"]] == [2], summary
+    (left,) = summary["workers_left"]
+    assert left["rank"] == 2 and left["how"] == "left", summary
+    assert left["from_step"] > summary["workers_joined"][0]["from_step"], summary
+    assert f"rank 2 left the job at step {left['from_step']}" in out, out[-3000:]
     assert summary["workers_reporting"] == 3, summary
+    ends = [[r for r in read_records(run / "metrics" / f"worker-{w}.jsonl")
+             if r["event"] == "end"][-1] for w in range(3)]
+    assert ends[2]["steps"] == left["from_step"], ends
+    assert ends[0]["steps"] == ends[1]["steps"] > left["from_step"], ends
     assert_nothing_left(hosts)
 
 

@@ -54,15 +54,22 @@ def test_throughput_by_membership_splits_the_samples_at_each_join():
     m = Membership(2, per_epoch=10, budget=40)
     m.join(2, 5)                                   # 10 chunks in 5 steps, then 3 a step
     assert m.end() == 15 and m.first_chunk(15) == 40
-    spans = throughput_by_membership(m, {2: 4.0}, wall=9.0, batch_size=8)
+    spans = throughput_by_membership(m, [(5, 4.0)], wall=9.0, batch_size=8)
     assert spans == [
         {"workers": 2, "from_step": 0, "to_step": 5, "seconds": 4.0, "samples": 80,
          "samples_per_sec": 20.0},
         {"workers": 3, "from_step": 5, "to_step": 15, "seconds": 5.0, "samples": 240,
          "samples_per_sec": 48.0}]
     # no change: one span of the whole job
-    (only,) = throughput_by_membership(Membership(2, 10, 40), {}, wall=8.0, batch_size=8)
+    (only,) = throughput_by_membership(Membership(2, 10, 40), [], wall=8.0, batch_size=8)
     assert only["samples"] == 320 and only["samples_per_sec"] == 40.0
     # a change heard at the very end has no time of its own: no rate, not a division by 0
-    spans = throughput_by_membership(m, {2: 9.0}, wall=9.0, batch_size=8)
+    spans = throughput_by_membership(m, [(5, 9.0)], wall=9.0, batch_size=8)
     assert spans[1]["samples_per_sec"] is None
+    # and a departure after it: 3 workers, then 2 again
+    m.leave(1, 9)                                  # 10 + 12 chunks by step 9, then 2 a step
+    assert m.end() == 18
+    spans = throughput_by_membership(m, [(5, 4.0), (9, 6.0)], wall=9.0, batch_size=8)
+    assert [(x["workers"], x["from_step"], x["to_step"], x["samples"]) for x in spans] == [
+        (2, 0, 5, 80), (3, 5, 9, 96), (2, 9, 18, 144)]
+    assert spans[2]["samples_per_sec"] == pytest.approx(144 / 3.0)

@@ -30,7 +30,14 @@ class MembershipFeed(ChunkFeed):
         for rank, start in sorted(self.kv.joins_before(t).items()):
             if rank not in self.members.changes:
                 self.members.join(rank, start)
+        for rank, end in sorted(self.kv.leaves_before(t).items()):
+            if self.members.changes.get(rank, (0, None))[1] is None:
+                self.members.leave(rank, end)
         return self.members.chunk(self.rank, t)
+
+    def left_at(self):
+        """The step this worker left the job at, or None."""
+        return self.members.changes.get(self.rank, (0, None))[1]
 
     def first_epoch(self) -> int:
         """The epoch of this worker's next step (a joiner's first)."""
@@ -45,7 +52,9 @@ class MembershipFeed(ChunkFeed):
         while True:
             where = self.where(self.step())
             if where is None:
-                self.over, self.position = "budget", self.plan["budget"]
+                left = self.left_at()
+                self.over = "left" if left is not None and self.step() >= left else "budget"
+                self.position = self.plan["budget"]
                 return
             if where[0] != epoch:
                 return

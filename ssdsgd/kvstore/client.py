@@ -68,6 +68,7 @@ class WorkerClient:
         self.topology = self.io.start(env.pull_relay == "chain" if relay is None else relay)
         self.left = self.io.left  # workers that left the job (cluster.on_worker_failure)
         self.joins = self.io.joins   # rank -> the step it joined from (membership.md)
+        self.leaves = self.io.leaves  # rank -> the first step it does not push
         self.rank = self.topology["rank"]
         timeline.start_node(env, "worker", self.rank)   # if SSDSGD_TIMELINE (timeline.py)
         self.num_workers = self.topology["num_workers"]

@@ -51,6 +51,10 @@ class IOThread:
         # step if it is the joiner (the scheduler's JOIN)
         self.joins = {}
         self.join_times = {}      # rank -> when this worker heard of it (the summary's)
+        # workers that leave at a step every worker hears of in time (the same rule):
+        # rank -> the first step it does not push, and when this worker heard of it
+        self.leaves = {}
+        self.leave_times = {}
         self.joined_at = threading.Event()
         self.join_step = None
         self.progress = 0         # pushes the training thread made (liveness.py)
@@ -305,6 +309,10 @@ class IOThread:
                 self.join_times[msg.meta["joined"]] = time.time()
                 self.joined_at.set()
             return False
+        if msg.kind == P.Kind.LEAVE and "from_step" in msg.meta:
+            self._heard(self.leaves, self.leave_times, msg.meta["leaving"],
+                        msg.meta["from_step"], "leaves")
+            return False
         if msg.kind == P.Kind.MEMBERSHIP and "from_step" in msg.meta:
             self.left.append({"rank": msg.meta["removed"], "from_step": msg.meta["from_step"],
                               "time": time.time()})
@@ -344,19 +352,25 @@ class IOThread:
                 self.requests.deliver(msg, server)
 
     def _joins(self, policy, server):
-        """The joins a REPLY's ``policy`` field names (before its future resolves: the
-        training thread knows them once it has the reply)."""
+        """The joins and departures a REPLY's ``policy`` field names (before its future
+        resolves: the training thread knows them once it has the reply)."""
         if not isinstance(policy, dict):
             raise JobAborted(f"server {server} sent a REPLY whose policy is not an object")
         try:
             for rank, step in joins_of(policy).items():
-                if rank not in self.joins:
-                    self.join_times[rank] = time.time()
-                if self.joins.setdefault(rank, step) != step:
-                    raise JoinError(f"worker {rank} joins from step {self.joins[rank]} "
-                                    f"and from step {step}")
+                self._heard(self.joins, self.join_times, rank, step, "joins")
+            for rank, step in joins_of(policy, "leaves").items():
+                self._heard(self.leaves, self.leave_times, rank, step, "leaves")
         except JoinError as e:
             raise JobAborted(f"server {server}: {e}") from None
+
+    @staticmethod
+    def _heard(steps, times, rank, step, verb):
+        """Worker ``rank`` joins or leaves from ``step``: the same step whoever says it."""
+        if rank not in steps:
+            times[rank] = time.time()
+        if steps.setdefault(rank, step) != step:
+            raise JoinError(f"worker {rank} {verb} from step {steps[rank]} and from step {step}")
 
     def _takeover(self, meta, server):
         """TAKEOVER from ``server``: the server it backs up died; it has sent the replies

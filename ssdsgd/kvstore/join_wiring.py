@@ -1,6 +1,6 @@
-"""The scheduler's half of a worker joining a running job (docs/spec/membership.md):
-the messages around the pure decider ``joins.Admissions``, as ``_remove_worker`` wires
-``removals.Removals``.
+"""The scheduler's half of a worker joining a running job, or leaving it
+(docs/spec/membership.md): the messages around the pure decider ``joins.Admissions``, as
+``_remove_worker`` wires ``removals.Removals``.
 
 A joiner registers (REGISTER, its key's rank, one of the spare ranks
 N..max_workers-1 the launcher made keys for) once the job runs. The scheduler refuses it
@@ -9,11 +9,17 @@ asks every server to hold (JOIN ``{joined, routing_id}``: the connection id is t
 joiner's), and once every server answered (``{joined, next_step}``) tells every server
 and the joiner the step it pushes from (``{joined, from_step}``). The old workers hear it
 from the servers' replies (their ``policy`` field), in time for that step's batch.
+
+A departure is decided the same way: a connection holding worker R's key (the worker
+itself, or ``launch/dist.py --leave RUN_DIR --rank R``) sends LEAVE ``{leaving: R}``;
+every server holds and answers, and every server, the leaver and the asker hear
+``{leaving, from_step}``: the leaver pushes the steps before it, and ends there as if
+its budget were spent; once it finished, barriers no longer wait for it.
 """
 import time
 
 from . import protocol as P
-from .joins import Admissions, JoinError, refusal
+from .joins import Admissions, JoinError, leave_refusal, refusal
 from .topology import node_name, record
 
 
@@ -23,7 +29,10 @@ class Joins:
 
     def _init_joins(self, join_boundary):
         self.admissions = Admissions(join_boundary) if join_boundary else None
+        self.departures = Admissions(join_boundary, "leaving") if join_boundary else None
         self.joined = []          # {rank, from_step, time} of every join decided
+        self.departed = {}        # rank -> {rank, from_step, time} of every departure decided
+        self.leave_askers = {}    # rank -> the connection that asked it to leave
         self.listen_out = None    # what the workers heard from LISTEN: a joiner hears it too
 
     def _joining(self, role, meta, frame):
@@ -45,11 +54,12 @@ class Joins:
         if who is not None and rank == -1 and who.startswith("worker "):
             rank = int(who.split()[1])
         workers = [n for n in self.nodes.values() if n["role"] == "worker"]
-        taken = {n["rank"] for n in workers} | self.left | {j["rank"] for j in self.joined}
+        taken = ({n["rank"] for n in workers} | self.left | {j["rank"] for j in self.joined}
+                 | set(self.departed))
         pending = self.admissions.pending if self.admissions else {}
         ever = self.env.num_workers + len(self.joined) + len(pending)   # ranks handed out
         why = refusal(self.env.max_workers, len(workers), ever, self.listen_out is not None,
-                      any(n["finished"] for n in workers))
+                      any(n["finished"] for n in workers if n["rank"] not in self.departed))
         if why is None and self.admissions is None:
             why = "this job's algorithm or settings take no joiner"
         if why is None and not self.env.num_workers <= rank < self.env.max_workers:
@@ -99,3 +109,68 @@ class Joins:
         self.log(f"worker {rank} joins the job at step {decision['from_step']}; the servers "
                  f"aggregate {workers} workers from then on")
         self._record()
+
+    # ---- departures ---------------------------------------------------------------------
+    def _leave(self, ident, meta, frame):
+        """LEAVE ``{leaving}`` from a connection holding that worker's key (registered or
+        not: ``--leave`` dials with it): refused in one line, or the servers asked."""
+        rank = meta["leaving"]
+        node = self.nodes.get(ident)
+        if node is not None and node["role"] == "server":
+            self._leave_answer(ident, meta)
+            return
+        who = self.guard.sender(frame)
+        workers = {n["rank"]: n for n in self.nodes.values() if n["role"] == "worker"}
+        if self.departures is None:
+            why = ("this job's algorithm or settings take no leaver (only ssgd and ssd "
+                   "with cluster.max_workers above the workers)")
+        elif who is not None and who != f"worker {rank}":
+            why = f"a connection holding {who}'s key cannot make worker {rank} leave"
+        elif self.listen_out is None:
+            why = "the job has not started yet"
+        elif rank in self.admissions.pending:
+            why = f"worker {rank} is still joining; ask again once it has joined"
+        else:
+            why = leave_refusal(rank, {r for r, n in workers.items() if not n["finished"]},
+                                set(self.departures.pending) | set(self.departed),
+                                any(n["finished"] for r, n in workers.items()
+                                    if r not in self.departed))
+        if why is not None:
+            raise P.ProtocolError(f"worker {rank} cannot leave: {why}")
+        servers = self._members("server")
+        self.departures.begin(rank, servers)
+        self.leave_askers[rank] = ident
+        for i in servers:
+            self._send(i, P.Kind.LEAVE, {"leaving": rank})
+        self.log(f"worker {rank} asks to leave; the servers hold")
+
+    def _leave_answer(self, ident, meta):
+        """LEAVE from a server: the first step it holds from; once every server answered,
+        every server, the leaver and the asker hear the step it pushes no more from."""
+        try:
+            decision = self.departures.answer(ident, meta)
+        except JoinError as e:
+            raise P.ProtocolError(str(e)) from None
+        if decision is None:
+            return
+        rank = decision["leaving"]
+        self.departed[rank] = {"rank": rank, "from_step": decision["from_step"],
+                               "time": time.time()}
+        asker = self.leave_askers.pop(rank, None)
+        for i, n in self.nodes.items():
+            if n["role"] == "server" or n["rank"] == rank and n["role"] == "worker":
+                self._send(i, P.Kind.LEAVE, decision)
+        if asker is not None and asker not in self.nodes:
+            self._send(asker, P.Kind.LEAVE, decision)
+        left = len(self._members("worker")) - 1
+        self.log(f"worker {rank} leaves the job at step {decision['from_step']}; the servers "
+                 f"aggregate {left} workers from then on")
+        self._record()
+
+    def _departed_finish(self, ident, node):
+        """A worker that left finished its part: barriers wait for it no more."""
+        if node["role"] != "worker" or node["rank"] not in self.departed:
+            return
+        del self.nodes[ident]
+        for release in self.barriers.leave(ident, self._members):
+            self._release(*release)

@@ -1,6 +1,7 @@
-"""Workers that join a running job (docs/spec/membership.md): whether a joiner may come
-in, and from which step. The mirror of ``removals.py``; the messages around it are
-``join_wiring.py``.
+"""Workers that join a running job, or leave it, at a step every worker hears of in time
+(docs/spec/membership.md): whether a joiner may come in or a worker go, and from which
+step. The mirror of ``removals.py`` (a dead worker's removal, decided after the fact);
+the messages around it are ``join_wiring.py``.
 
 The scheduler asks every server to hold: each answers the first step no push of any key
 has reached, and applies nothing from that step on until it hears the decision. From
@@ -17,17 +18,15 @@ reasons a joiner is refused are one line each. The wiring is ``join_wiring.py``.
 """
 from .. import fields as F
 
-JOINS = F.JOINS     # a REPLY's ``policy`` field ``joins``
-
-
-def joins_of(policy):
-    """{rank: from_step} of a REPLY's ``policy`` meta (already checked to be an object),
-    or {}; JoinError in one line if its ``joins`` is malformed."""
-    if not policy or "joins" not in policy:
+def joins_of(policy, field="joins"):
+    """{rank: from_step} of a REPLY's ``policy`` meta (already checked to be an object)
+    ``field`` (``joins`` or ``leaves``), or {}; JoinError in one line if it is malformed."""
+    if not policy or field not in policy:
         return {}
-    if not JOINS[0](policy["joins"]):
-        raise JoinError(f"a REPLY's joins must be {JOINS[1]}, got {F.short(policy['joins'])}")
-    return {rank: step for rank, step in policy["joins"]}
+    check = F.JOINS if field == "joins" else F.LEAVES
+    if not check[0](policy[field]):
+        raise JoinError(f"a REPLY's {field} must be {check[1]}, got {F.short(policy[field])}")
+    return {rank: step for rank, step in policy[field]}
 
 
 class JoinError(ValueError):
@@ -49,32 +48,52 @@ def refusal(max_workers, in_job, ever, started, finished):
     return None
 
 
-class Admissions:
-    """The joins being decided: rank -> the servers still to answer and the largest step
-    they named. ``boundary(step)``: the first step at or after ``step`` a worker may join
-    at (the stage rule's)."""
+def leave_refusal(rank, members, leaving, finished):
+    """Why worker ``rank`` may not leave now, or None: ``members`` the ranks of the
+    workers in the job now, ``leaving`` those whose departure is being decided or was
+    decided, ``finished`` (a worker still in the job already sent FINISH: it is ending)."""
+    if rank == 0:
+        return "worker 0 never leaves (the job ends with it)"
+    if rank not in members:
+        return f"worker {rank} is not in the job (it never joined, left, or finished)"
+    if rank in leaving:
+        return f"worker {rank} is leaving already"
+    if finished:
+        return "the job is finishing (a worker already finished its part): nothing to leave"
+    return None
 
-    def __init__(self, boundary):
-        self.boundary = boundary
+
+class Admissions:
+    """The joins (``field`` ``joined``) or departures (``leaving``) being decided: rank ->
+    the servers still to answer and the largest step they named. ``boundary(step)``: the
+    first step at or after ``step`` a worker may join or leave at (the stage rule's: a
+    departure, like a join, must be heard of by every worker before the batch of its
+    step, docs/spec/membership.md rule 6)."""
+
+    def __init__(self, boundary, field="joined"):
+        self.boundary, self.field = boundary, field
         self.pending = {}
+        self._kind = "JOIN" if field == "joined" else "LEAVE"
 
     def begin(self, rank, servers):
-        """Worker ``rank`` registered to join; ``servers`` (the scheduler's connections)
-        are asked to hold."""
+        """Worker ``rank`` asked to join or leave; ``servers`` (the scheduler's
+        connections) are asked to hold."""
         if rank in self.pending:
-            raise JoinError(f"worker {rank} is joining already")
+            raise JoinError(f"worker {rank} is {'joining' if self._kind == 'JOIN' else 'leaving'} "
+                            "already")
         self.pending[rank] = {"waiting": set(servers), "step": 0}
 
     def answer(self, server, meta):
-        """Server ``server``'s JOIN answer ``{joined, next_step}``; the decision
-        ``{joined, from_step}`` once every server has answered, else None."""
-        join = self.pending.get(meta.get("joined"))
-        if join is None or server not in join["waiting"] or "next_step" not in meta:
-            raise JoinError("JOIN: not an answer to a join")
-        join["waiting"].discard(server)
-        join["step"] = max(join["step"], meta["next_step"])
-        if join["waiting"]:
+        """Server ``server``'s answer ``{joined | leaving, next_step}``; the decision
+        ``{joined | leaving, from_step}`` once every server has answered, else None."""
+        change = self.pending.get(meta.get(self.field))
+        if change is None or server not in change["waiting"] or "next_step" not in meta:
+            raise JoinError(f"{self._kind}: not an answer to a "
+                            f"{'join' if self._kind == 'JOIN' else 'departure'}")
+        change["waiting"].discard(server)
+        change["step"] = max(change["step"], meta["next_step"])
+        if change["waiting"]:
             return None
-        del self.pending[meta["joined"]]
-        return {"joined": meta["joined"], "from_step": self.boundary(join["step"])}
+        del self.pending[meta[self.field]]
+        return {self.field: meta[self.field], "from_step": self.boundary(change["step"])}
 

@@ -1,12 +1,13 @@
 """The vocabulary: which messages exist, and which meta fields each carries, of what type.
 
-Twenty-four kinds, in three groups, and four flags:
+Twenty-five kinds, in three groups, and four flags:
 
 * membership (node <-> scheduler; ps-lite's control commands): REGISTER, TOPOLOGY,
   LISTEN (the servers' ports, bound once the job's message limit is known), BARRIER,
   HEARTBEAT, FINISH, SHUTDOWN, ABORT, MEMBERSHIP (a worker leaves the job), CHUNK (a
   worker asks for the next batch of an epoch: dynamic data, docs/spec/dynamic_data.md),
-  JOIN (a worker joins a running job: docs/spec/membership.md);
+  JOIN (a worker joins a running job) and LEAVE (a worker leaves it at a step every
+  worker hears of in time): docs/spec/membership.md;
 * data (worker <-> server): INIT, PUSH, PULL, and the answers REPLY, ACK, ERROR;
   FRAGMENT carries a piece of a relayed REPLY (sync.pull_relay: chain), and DIGEST the
   digests of its pieces, from the server straight to each worker the pieces reach through
@@ -74,6 +75,11 @@ class Kind(enum.IntEnum):
                       # and serve that connection as worker ``joined``; server ->
                       # scheduler {joined, next_step}; scheduler -> every server and the
                       # joiner {joined, from_step}: it pushes from that step on
+    LEAVE = 42        # a worker leaves a running job (docs/spec/membership.md): a
+                      # connection holding its key -> scheduler {leaving}: asks;
+                      # scheduler -> server {leaving}: hold; server -> scheduler
+                      # {leaving, next_step}; scheduler -> every server, the leaver and
+                      # the asker {leaving, from_step}: it pushes the steps before it
 
 
 class Flag(enum.IntFlag):
@@ -181,6 +187,8 @@ META = {
     Kind.PROMOTE: {"dead": (_SERVER, True), "owner": (_SERVER, True)},
     Kind.JOIN: {"joined": (F.WORKER, True), "routing_id": (F.ID, False),
                 "next_step": (F.STEP, False), "from_step": (F.STEP, False)},
+    Kind.LEAVE: {"leaving": (F.WORKER, True), "next_step": (F.STEP, False),
+                 "from_step": (F.STEP, False)},
     Kind.TAKEOVER: {"dead": (_SERVER, True), "owner": (_SERVER, True)},
 }
 

@@ -37,7 +37,7 @@ from . import codecs
 from .kinds import FLAGS, Kind, Flag, check_meta as _check_meta
 
 MAGIC = b"SSDG"
-VERSION = 7        # 7: JOIN, and a DIGEST names the worker that relays; 6: PROMOTE, TAKEOVER, REJOIN and the BACKUP flag
+VERSION = 8        # 8: LEAVE; 7: JOIN, and a DIGEST names the worker that relays; 6: PROMOTE, TAKEOVER, REJOIN and the BACKUP flag
 HEADER = struct.Struct("<4sBBHiqIII")
 KEY_RECORD = np.dtype([("key", "<i8"), ("step", "<i8"), ("offset", "<i8"), ("count", "<i8"),
                        ("dtype", "u1"), ("ntensors", "u1"), ("encoding", "u1"), ("pad", "u1"),

@@ -70,9 +70,10 @@ class Replies:
         self.retired = []       # (old weight NDArray, trackers of replies still sending it)
         self._snapshots = {}    # (key, version) -> weights copied for replies, per message
         self._encoded = {}      # a reply's records and lr -> its encoded frames, per message
-        # every join admitted, {"joins": [[rank, from_step], ...]}: on every reply sent
-        # from then on, which is how the workers hear of it in time (docs/spec/
-        # membership.md rule 6; a new object per join, so encoded replies differ)
+        # every join and departure decided, {"joins" | "leaves": [[rank, from_step],
+        # ...]}: on every reply sent from then on, which is how the workers hear of it in
+        # time (docs/spec/membership.md rule 6; a new object per change, so encoded
+        # replies differ)
         self.joins = None
         self._relayed = []      # complete replies that may travel through a chain of workers
         self.hold = None        # takes the complete held replies (backup.Backup.hold)
@@ -171,10 +172,12 @@ class Replies:
             return reply.policy
         return self.joins if reply.policy is None else dict(reply.policy, **self.joins)
 
-    def admitted(self, rank, from_step):
-        """Worker ``rank`` joined from ``from_step``: every reply from now on says so."""
-        joins = [] if self.joins is None else self.joins["joins"]
-        self.joins = {"joins": joins + [[rank, from_step]]}
+    def admitted(self, rank, from_step, field="joins"):
+        """Worker ``rank`` joined (``field`` ``joins``) or leaves (``leaves``) from
+        ``from_step``: every reply from now on says so."""
+        changes = dict(self.joins or {})
+        changes[field] = changes.get(field, []) + [[rank, from_step]]
+        self.joins = changes
 
     @staticmethod
     def note(reply, fields):

@@ -221,6 +221,9 @@ class Scheduler(reregister.Rejoins, Joins):
         if msg.kind == P.Kind.REJOIN:
             self._rejoin(ident, msg.meta, frame)
             return
+        if msg.kind == P.Kind.LEAVE and self.rebuild is None:    # --leave dials unregistered
+            self._leave(ident, msg.meta, frame)
+            return
         if node is None and self.rebuild is not None:    # sent to the lost scheduler,
             self.rejected(f"{msg.kind.name} before its node rejoined; dropped")   # or a
             return       # stranger's: an ERROR could reach a node that is rejoining
@@ -270,6 +273,7 @@ class Scheduler(reregister.Rejoins, Joins):
         self.stalls.leave(node["rank"])
         self._record()      # before the ACK: a worker that heard it may be gone
         self._send(ident, P.Kind.ACK)
+        self._departed_finish(ident, node)
 
     def _chunk(self, ident, node, meta):
         """CHUNK: the next chunk of an epoch, to whichever worker asks (chunks.py)."""

@@ -278,6 +278,28 @@ class Server:
         finally:
             self.replies.forget()
 
+    def on_leave(self, meta):
+        """A worker leaves (docs/spec/membership.md), as a join is decided. Asked (no
+        ``from_step``): hold from the first step no push reached, and say which. Told:
+        it pushes the steps before ``from_step`` only; every reply from now on says so."""
+        rank = meta["leaving"]
+        try:
+            if "from_step" not in meta:
+                held = self.policy.hold_departure(rank)
+                self.log(f"worker {rank} asks to leave; holding from step {held}")
+                self._tell_scheduler(P.Kind.LEAVE, {"leaving": rank, "next_step": held},
+                                     lost="answer to a departure")
+            else:
+                actions = self.policy.depart(rank, meta["from_step"])
+                self.replies.admitted(rank, meta["from_step"], "leaves")
+                self.log(f"worker {rank} leaves; aggregating without it from step "
+                         f"{meta['from_step']}")
+                self._carry_out(actions)
+        except self.policy.Error as e:
+            raise Fatal(f"server {self.rank}: {e}") from None
+        finally:
+            self.replies.forget()
+
     def _tell_scheduler(self, kind, meta, lost=None):
         """Never waits. A message the job cannot lose (``lost``: what losing it would do)
         stops the job when the scheduler does not take it; the heartbeats tell the rest."""
@@ -354,6 +376,8 @@ class Server:
             self.on_membership(msg.meta)
         elif msg.kind == P.Kind.JOIN:
             self.on_join(msg.meta)
+        elif msg.kind == P.Kind.LEAVE:
+            self.on_leave(msg.meta)
         elif msg.kind == P.Kind.PROMOTE:
             self.backup.promote(msg.meta, self.rank)
         elif msg.kind == P.Kind.POLICY:

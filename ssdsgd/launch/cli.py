@@ -392,6 +392,18 @@ def _join_form(argv):
     return _follow_joiner(proc, f"[worker {rank}{where}] ")
 
 
+def _leave_form(argv):
+    """``--leave RUN_DIR --rank R``: worker R leaves the running job of RUN_DIR at a step
+    every worker hears of in time (launch/leaving.py); the others go on. Exit 0 once the
+    job decided the step, 2 with one line if it cannot."""
+    from .leaving import leave_form
+    p = argparse.ArgumentParser(prog="launch/dist.py --leave", description="worker R "
+                                "leaves the running job of RUN_DIR (cluster.max_workers)")
+    p.add_argument("--leave", metavar="RUN_DIR", required=True)
+    p.add_argument("--rank", type=int, required=True, help="the worker that leaves (not 0)")
+    return leave_form(p.parse_args(argv))
+
+
 def _join_site(args, data):
     """The ssh way to ``--host`` (None: this host), its host checked (and the code
     copied with the job's --sync-dir) before a rank is claimed; JoinRefused if not."""
@@ -444,6 +456,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--join" or a.startswith("--join=") for a in argv):
         return _join_form(argv)
+    if any(a == "--leave" or a.startswith("--leave=") for a in argv):
+        return _leave_form(argv)
     if "--" in argv or any(a in ("-n", "--num-workers") for a in argv):
         return _command_form(argv)
     return _config_form(argv)

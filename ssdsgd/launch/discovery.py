@@ -8,9 +8,10 @@ gets a joiner per slot (``launch/dist.py --join RUN_DIR --host HOST``, launch/cl
 while spare ranks last (``cluster.max_workers``); each joiner's lines come prefixed as
 ``[worker R on HOST]``. What the script says is reported once per change: a script
 that fails or prints a malformed line is one line and the job goes on with the hosts it
-has. A host that disappears from the list keeps its workers, and the launcher says so:
-a worker cannot leave a job that takes joiners yet (docs/spec/membership.md, "Not
-built").
+has. When a host it added disappears from the list, its workers leave the job
+(``leaving.leave``: at a step every worker hears of in time, docs/spec/membership.md);
+the rank of each comes from the claim file its ``--join`` wrote (its pid). A worker still
+joining is asked again at the next poll. The job's own hosts keep their workers.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import time
 
 from .hosts import HostError, parse_hosts
 from .job import _pump
+from .joining import JoinRefused, read
+from .leaving import leave
 from .local import LocalProcess, signal_group, start_child
 
 POLL_S = 2.0
@@ -50,6 +53,8 @@ class HostDiscovery:
         self.joiners = []         # (host, LocalProcess of `dist.py --join`)
         self.started = {}         # host -> joiners started there
         self.listed = {}          # the script's last good answer
+        self.going = set()        # hosts no longer listed whose workers are still to leave
+        self.gone = set()         # ranks that left (asked by this loop)
         self._said = None         # the last problem reported (reported once)
         self._full = False
         self._ended = set()       # joiners whose failure was reported
@@ -118,11 +123,10 @@ class HostDiscovery:
                 self._ended.add(proc)
                 self.log(f"host discovery: the joiner on {host} ended with exit "
                          f"{proc.poll()} (its lines say why); {host} gets no other try")
-        for host in sorted(set(self.listed) - set(hosts)):
-            if self.started.get(host):
-                self.log(f"host discovery: {host} is no longer listed; its "
-                         f"{self.started[host]} worker(s) go on (a worker cannot leave a "
-                         "job that takes joiners yet)")
+        self.going = (self.going | (set(self.listed) - set(hosts))) - set(hosts)
+        for host in sorted(self.going):
+            if self._remove(host):
+                self.going.discard(host)
         self.listed = hosts
         for host, slots in hosts.items():
             if host in self.job_hosts:
@@ -130,6 +134,57 @@ class HostDiscovery:
             for _ in range(slots - self.started.get(host, 0)):
                 if not self._join(host):
                     return
+
+    def _remove(self, host):
+        """``host`` is no longer listed: each worker this loop started there leaves the
+        job; False while one of them is still joining (asked again at the next poll)."""
+        ranks, unclaimed = self._ranks_on(host)
+        if not ranks and not unclaimed:
+            if host in self.started and host not in self.job_hosts:
+                self.log(f"host discovery: {host} is no longer listed; no worker of the "
+                         "job runs there")
+            return True
+        for rank in ranks:
+            try:
+                step = leave(self.run_dir, rank, wait_s=SCRIPT_TIMEOUT_S)
+            except JoinRefused as e:
+                if "still joining" in str(e) or "is not in the job" in str(e):
+                    unclaimed = True     # not registered yet: ask at the next poll
+                    continue
+                self.log(f"host discovery: {host} is no longer listed; {e}")
+                self.gone.add(rank)
+                continue
+            self.gone.add(rank)
+            self.started[host] -= 1
+            self.log(f"host discovery: {host} is no longer listed; worker {rank} leaves the "
+                     f"job at step {step}")
+        return not unclaimed
+
+    def _ranks_on(self, host):
+        """(ranks of the running joiners this loop started on ``host``, from the claim
+        files their ``--join`` wrote (``joining.claim``: its pid); whether one of them
+        has claimed no rank yet)."""
+        pids = {proc.popen.pid for h, proc in self.joiners
+                if h == host and proc.poll() is None}
+        if not pids:
+            return [], False
+        try:
+            key_dir = read(self.run_dir)["key_dir"]
+            names = os.listdir(key_dir)
+        except (JoinRefused, OSError):
+            return [], False              # the job has ended
+        claimed = {}
+        for name in names:
+            rank = name[len("claimed-worker-"):]
+            if not name.startswith("claimed-worker-") or not rank.isdigit():
+                continue
+            try:
+                with open(os.path.join(key_dir, name)) as f:
+                    claimed[int(f.read().strip() or -1)] = int(rank)
+            except (OSError, ValueError):
+                continue
+        ranks = [claimed[pid] for pid in pids if pid in claimed]
+        return sorted(r for r in ranks if r not in self.gone), len(ranks) < len(pids)
 
     def _join(self, host):
         """Start one joiner on ``host``; False once no spare rank is left."""

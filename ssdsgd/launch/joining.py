@@ -1,4 +1,5 @@
-"""Workers that join a running job (docs/spec/membership.md): the launcher's half.
+"""Workers that join a running job (docs/spec/membership.md): the launcher's half
+(``leaving.py`` is the half that lets one go).
 
 A job with ``cluster.max_workers`` above its workers has keys for its spare ranks
 N..max_workers-1, made with the others' (every process's key file then verifies them),
@@ -16,7 +17,7 @@ from ..kvstore.security import ENV_VAR
 from ..settings import BY_ENV, to_env
 
 FILE = "join.json"
-VERSION = 1
+VERSION = 2        # 2: ``workers``, every worker rank's key file but 0's (--leave)
 
 
 class JoinRefused(RuntimeError):
@@ -31,7 +32,9 @@ def write(run_dir, key_dir, key_files, num_workers, max_workers, cmd, env, ssh=N
     ``--join RUN_DIR --host HOST`` starts the joiner there as it starts its workers."""
     path = os.path.join(run_dir, FILE)
     spare = {str(r): key_files[f"worker {r}"] for r in range(num_workers, max_workers)}
-    data = {"version": VERSION, "key_dir": key_dir, "spare": spare, "command": list(cmd),
+    workers = {str(r): key_files[f"worker {r}"] for r in range(1, max_workers)}
+    data = {"version": VERSION, "key_dir": key_dir, "spare": spare, "workers": workers,
+            "command": list(cmd),
             "env": {k: v for k, v in env.items()
                     if k in BY_ENV and not k.startswith("SSDSGD_ROLE")
                     and k not in ("SSDSGD_RANK", ENV_VAR)}}
@@ -69,6 +72,8 @@ def read(run_dir):
           and isinstance(data.get("key_dir"), str)
           and isinstance(data.get("spare"), dict)
           and all(k.isdigit() and isinstance(v, str) for k, v in data["spare"].items())
+          and isinstance(data.get("workers"), dict)
+          and all(k.isdigit() and isinstance(v, str) for k, v in data["workers"].items())
           and isinstance(data.get("command"), list) and data["command"]
           and all(isinstance(c, str) for c in data["command"])
           and isinstance(data.get("env"), dict)

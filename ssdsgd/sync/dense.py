@@ -24,6 +24,7 @@ class DenseSync(ServerPolicy):
         self.waiting = {}      # key -> {step: [(token, slot)]} to answer once it is applied
         self.joined = {}       # rank of a worker that joined -> the step it pushes from
         self.holds = {}        # rank of a joiner being decided -> the step this server held
+        self.departing = {}    # rank of a leaver being decided -> the step this server held
 
     def declare(self, key):
         super().declare(key)
@@ -80,8 +81,9 @@ class DenseSync(ServerPolicy):
 
     def _complete(self, pushes, step):
         """Has every worker still in the job at ``step`` pushed it (none, while a join
-        is being decided from a step at or before it)?"""
-        if self.holds and step >= min(self.holds.values()):
+        or a departure is being decided from a step at or before it)?"""
+        held = list(self.holds.values()) + list(self.departing.values())
+        if held and step >= min(held):
             return False
         joined = sum(1 for s in self.joined.values() if s <= step)
         return len(pushes) + sum(1 for r, s in self.removed.items()
@@ -146,21 +148,46 @@ class DenseSync(ServerPolicy):
         ssdsgd/kvstore/joins.py)."""
         if rank in self.joined or rank in self.holds or rank < self.n:
             raise PolicyError(f"worker {rank} is in the job already, or joining")
-        free = max((max([self.version[k]] + [t + 1 for t in self.pending[k]])
-                    for k in self.version), default=0)
-        self.holds[rank] = free
+        self.holds[rank] = free = self._first_free()
         return free
+
+    def _first_free(self):
+        """The first step no push of any key has reached."""
+        return max((max([self.version[k]] + [t + 1 for t in self.pending[k]])
+                    for k in self.version), default=0)
+
+    def hold_departure(self, rank):
+        """Worker ``rank`` asks to leave: as ``hold``, until ``depart``."""
+        member = (rank < self.n or rank in self.joined) and rank not in self.removed
+        if not member or rank in self.departing:
+            raise PolicyError(f"worker {rank} is not in the job, or leaving already")
+        # a joiner pushes one step at least (its join step), so the replies of the steps
+        # from the held one on reach it too before its last (docs/spec/membership.md)
+        free = max(self._first_free(), self.joined.get(rank, -1) + 1)
+        self.departing[rank] = free
+        return free
+
+    def depart(self, rank, from_step):
+        """Worker ``rank`` pushes the steps before ``from_step`` only: those close with
+        it, the ones from it on without it (their mean counted as N workers', rule 2)."""
+        self._decided(self.departing, rank, from_step, "leaves", "leave")
+        return self.leave(rank, from_step)
+
+    def _decided(self, held, rank, from_step, verb, infinitive):
+        """The scheduler's decision for a change this server held for (``held``), from a
+        step it has not applied; the hold is released."""
+        if rank not in held:
+            raise PolicyError(f"worker {rank} {verb}, but this server was not asked to "
+                              "hold for it")
+        if any(v > from_step for v in self.version.values()):
+            raise PolicyError(f"worker {rank} cannot {infinitive} from step {from_step}: "
+                              f"step {max(self.version.values()) - 1} is already applied")
+        del held[rank]
 
     def admit(self, rank, from_step):
         """Worker ``rank`` pushes from ``from_step`` on: the steps before it close
         without it, the ones from it on wait for it too; apply what is complete now."""
-        if rank not in self.holds:
-            raise PolicyError(f"worker {rank} is admitted, but this server was not asked "
-                              "to hold for it")
-        if any(v > from_step for v in self.version.values()):
-            raise PolicyError(f"worker {rank} cannot join from step {from_step}: step "
-                              f"{max(self.version.values()) - 1} is already applied")
-        del self.holds[rank]
+        self._decided(self.holds, rank, from_step, "is admitted", "join")
         self.joined[rank] = from_step
         ready = [key for key, pending in self.pending.items()
                  if self._complete(pending.get(self.version[key], {}), self.version[key])]

@@ -37,9 +37,11 @@ _CHANGES = (lambda v: isinstance(v, list) and len(v) <= MAX_CHANGES
             f"a list of at most {MAX_CHANGES} objects")
 _RECORD = {"rule": (F.one_of("auto"), True), "rounds": (F.STEP, True),
            "excused": (_WORKERS, True), "changes": (_CHANGES, True), "dropped": (F.STEP, True)}
-# ``joins``: every join the server admitted, [[rank, from_step], ...] (docs/spec/
-# membership.md rule 6: how the workers hear of a join before its step)
-REPLY = {"quorum_auto": (F.OBJ, False), "joins": (F.JOINS, False)}
+# ``joins``, ``leaves``: every join and departure the server decided, [[rank,
+# from_step], ...] (docs/spec/membership.md rule 6: how the workers hear of a change
+# before its step)
+REPLY = {"quorum_auto": (F.OBJ, False), "joins": (F.JOINS, False),
+         "leaves": (F.LEAVES, False)}
 
 
 def reply_fields(given):

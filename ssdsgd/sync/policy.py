@@ -107,6 +107,16 @@ class ServerPolicy:
         """Worker ``rank`` is in the job from ``from_step`` on."""
         raise PolicyError(f"workers cannot join a job whose algorithm is {self.algorithm}")
 
+    def hold_departure(self, rank):
+        """Worker ``rank`` asks to leave the job (docs/spec/membership.md): as ``hold``."""
+        raise PolicyError(f"workers cannot leave a job whose algorithm is {self.algorithm} "
+                          "at a step the others hear of (only ssgd and ssd with "
+                          "cluster.max_workers take joiners and leavers)")
+
+    def depart(self, rank, from_step):
+        """Worker ``rank`` pushes the steps before ``from_step`` only."""
+        raise PolicyError(f"workers cannot leave a job whose algorithm is {self.algorithm}")
+
     def average(self, rank, group, members, items, token):
         """A member of preduce group ``group`` sends its weights ``[(key, values)]``."""
         if self.averaging is None:

@@ -346,7 +346,7 @@ JOIN_REFUSED = {
     "compression": "a joiner's residual would start empty mid-run; no test runs the two",
     "relay": "a relayed reply does not carry the join's decision to the workers down the "
              "chain",
-    "quorum": "a quorum's rounds have no rule for a joiner (docs/spec/membership.md rule 8)",
+    "quorum": "a quorum's rounds have no rule for a joiner (docs/spec/membership.md rule 9)",
     "staggered": "staggered pulls have no step every worker resets at, where a joiner "
                  "could come in",
     "restart": "a restarted job would not know who had joined",

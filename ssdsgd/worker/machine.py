@@ -455,6 +455,9 @@ class StageMachine:
         times = getattr(getattr(self.client, "io", None), "join_times", {})
         stats["joined"] = [{"rank": r, "from_step": s, "time": times.get(r, 0.0)}
                            for r, s in sorted(dict(getattr(self.client, "joins", {})).items())]
+        times = getattr(getattr(self.client, "io", None), "leave_times", {})
+        stats["leaves"] = [{"rank": r, "from_step": s, "time": times.get(r, 0.0)}
+                           for r, s in sorted(dict(getattr(self.client, "leaves", {})).items())]
         if self.quorum_auto is not None:
             stats["quorum_auto"] = self.quorum_auto
         return stats

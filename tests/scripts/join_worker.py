@@ -1,7 +1,8 @@
-"""A worker of a job that workers join (docs/spec/membership.md): tiny.py's network on
-ssd_sync with the stock gluon.Trainer, each step's batch the chunk ``Membership`` gives
-this rank (rule 7: the members in rank order train the next global chunks), the joins
-read from the servers' replies (``kv.joins_before``). Started as one of the first
+"""A worker of a job that workers join or leave (docs/spec/membership.md): tiny.py's
+network on ssd_sync with the stock gluon.Trainer, each step's batch the chunk
+``Membership`` gives this rank (rule 7: the members in rank order train the next global
+chunks), the joins and departures read from the servers' replies (``kv.joins_before``,
+``kv.leaves_before``); a worker that leaves stops at its step. Started as one of the first
 workers, or by ``launch/dist.py --join`` (``kv.joined_from``: its first step). The first
 workers wait before step ``--wait-at`` until the file ``--go`` exists (bounded), so a
 test can have a joiner ask while the job runs. Writes the chunks it trained, the step it
@@ -61,6 +62,9 @@ while True:
     for r, s in sorted(kv.joins_before(t).items()):
         if r not in members.changes:
             members.join(r, s)
+    for r, s in sorted(kv.leaves_before(t).items()):
+        if members.changes.get(r, (0, None))[1] is None:
+            members.leave(r, s)
     where = members.chunk(rank, t)
     if where is None:
         break
@@ -79,5 +83,7 @@ np.savez(os.path.join(args.out, f"final-rank{rank}.npz"),
          **{f"p{i}": q.data().asnumpy() for i, q in enumerate(tiny.params(net))})
 with open(os.path.join(args.out, f"chunks-rank{rank}.json"), "w") as f:
     json.dump({"chunks": trained, "joined_from": start, "end": t,
-               "joins": {str(r): s for r, (s, _) in members.changes.items()}}, f)
+               "joins": {str(r): s for r, (s, _) in members.changes.items() if s},
+               "leaves": {str(r): e for r, (_, e) in members.changes.items()
+                          if e is not None}}, f)
 print(f"rank {rank} done: {len(trained)} chunks, steps {start or 0}..{t - 1}", flush=True)

@@ -1,0 +1,179 @@
+"""Workers that leave a running job at a step every worker hears of in time
+(docs/spec/membership.md), end to end: real processes, real ZeroMQ, real MXNet. A
+3-worker job started with SSDSGD_MAX_WORKERS=4 lets worker 2 go, asked with
+``launch/dist.py --leave RUN_DIR --rank 2`` while it runs; it ends with the weights of
+``simulate_membership`` fed the step the job decided, and every chunk of the budget is
+trained once. A departure the job cannot take is refused in one line."""
+import contextlib
+import json
+
+import pytest
+
+from conftest import load_npz
+from jobs import dist, launch_args
+from ssdsgd.data import epoch_permutation
+from ssdsgd.sync.membership import Membership
+from test_join_jobs import _simulated
+from test_ssd_oracle import _close
+
+N, PER_EPOCH, EPOCHS, BATCH, WAIT_AT = 3, 9, 4, 8, 5
+TIMEOUT = 90
+
+
+def _refused(run_dir, rank):
+    """The one line of a ``--leave`` that fails (exit 2)."""
+    late = dist(["--leave", run_dir, "--rank", rank])
+    with late:
+        assert late.wait(TIMEOUT) == 2, late.tail()
+    lines = late.stderr.strip().splitlines()
+    assert len(lines) == 1, late.stderr
+    return lines[0]
+
+
+@contextlib.contextmanager
+def _keys_swapped(path, holder, rank):
+    """join.json with worker ``holder``'s key file listed for ``rank`` (still 0600)."""
+    original = path.read_text()
+    data = json.loads(original)
+    data["workers"][str(rank)] = data["workers"][str(holder)]
+    path.write_text(json.dumps(data))
+    try:
+        yield
+    finally:
+        path.write_text(original)
+
+
+def _left_run(tmp_path, env, refused=None):
+    """A 3-worker job; worker 2 asked to leave while all three wait before step
+    WAIT_AT. ``refused``: the one-line errors of --leave for rank 0, for a rank the job
+    never had, for worker 2 again, with worker 1's key for worker 2, and once the job
+    has ended."""
+    go = tmp_path / "go"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
+                              "--wait-at", WAIT_AT, "--go", go],
+                       env=dict({"SSDSGD_MAX_WORKERS": N + 1, "SSDSGD_PULL_RELAY": "off",
+                                 "SSDSGD_BIGARRAY_BOUND": 100}, **env),
+                       script="join_worker.py")
+    job = dist(["--run-dir", run_dir, *args])
+    with job:
+        job.wait_for(lambda: (run_dir / "join.json").exists(), 60, "join.json")
+        job.wait_for("job started", 60)
+        leaver = dist(["--leave", run_dir, "--rank", 2])
+        with leaver:
+            assert leaver.wait(TIMEOUT) == 0, leaver.tail()
+        if refused is not None:
+            refused += [_refused(run_dir, 0), _refused(run_dir, 7), _refused(run_dir, 2)]
+            with _keys_swapped(run_dir / "join.json", 1, 2):
+                refused.append(_refused(run_dir, 2))
+        go.touch()
+        assert job.wait(TIMEOUT) == 0, job.tail()
+    if refused is not None:
+        refused.append(_refused(run_dir, 1))
+    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in range(N)]
+    return job, leaver, records
+
+
+def _check(tmp_path, records, algorithm="ssgd", **sync):
+    s = records[0]["leaves"]["2"]
+    assert s > WAIT_AT, records[0]
+    assert all(r["leaves"] == {"2": s} for r in records), records
+    assert records[2]["end"] == s, records[2]          # it pushed the steps before s only
+    keys, members, ref = _simulated({}, algorithm, leaves={2: s}, n=N, per_epoch=PER_EPOCH,
+                                    epochs=EPOCHS, **sync)
+    for rank, r in enumerate(records):
+        assert r["chunks"] == [members.chunk(rank, t)[0] * PER_EPOCH + members.chunk(rank, t)[1]
+                               for t in range(min(members.end(), r["end"]))], (rank, r)
+    assert sorted(c for r in records for c in r["chunks"]) == list(range(
+        members.first_chunk(members.end())))
+    locals_ = [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(N)]
+    finals = [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(N)]
+    for r in range(N):
+        for i, j in keys.items():
+            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
+                   f"worker {r} local weights of key {i} (left at {s})")
+            if r != 2:      # the leaver ends with the weights of its own last step
+                _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
+                       f"worker {r} final global weights of key {i} (left at {s})")
+    return s
+
+
+@pytest.mark.system
+def test_a_worker_leaves_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_path):
+    refused = []
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssgd"}, refused)
+    s = _check(tmp_path, records)
+    assert s == WAIT_AT + 1     # the servers held from the step the three wait at
+    assert f"worker 2 leaves the job of {tmp_path / 'run'} at step {s}" in leaver.text
+    assert f"worker 2 leaves the job at step {s}" in job.text, job.tail()
+    zero, unknown, again, others_key, ended = refused
+    assert "worker 0 never leaves" in zero, zero
+    assert "has no worker 7" in unknown, unknown
+    assert "worker 2 is leaving already" in again, again
+    assert "a connection holding worker 1's key cannot make worker 2 leave" in others_key, \
+        others_key
+    assert "the job has ended" in ended, ended
+
+
+@pytest.mark.system
+def test_a_worker_leaves_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(tmp_path):
+    """ssd, T_w = 3, k = 2, glu exact: the three wait before step 5, the servers hold from
+    5, and the departure comes at the first pull boundary T_w + m k with s - 1 - k >= 5: 9."""
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                "SSDSGD_WARMUP_STEPS": 3,
+                                                "SSDSGD_DELAY_STEPS": 2,
+                                                "SSDSGD_GLU_STATE": "exact"})
+    assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2,
+                  glu_state="exact") == 9
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_the_training_program_lets_a_worker_go_and_trains_every_chunk_once(tmp_path,
+                                                                          algorithm):
+    """``python -m ssdsgd.train`` (digits, 3 workers, cluster.max_workers 4): worker 2
+    leaves with --leave; it ends its part at the decided step, the other two train its
+    chunks from then on (rule 7), so each epoch's chunks are trained once, and the
+    summary records the departure and the throughput of each membership. ssd: T_w = 8,
+    k = 4 (the relay off, quoted: YAML reads a bare off as false)."""
+    from test_e2e_configs import records, run_dir_of, sets
+    from test_dynamic_data import BATCH as B, N_TRAIN
+    ssd = ({"sync__warmup_steps": 8, "sync__delay_steps": 4, "sync__pull_relay": '"off"'}
+           if algorithm == "ssd" else {})
+    job = dist(["configs/digits.yaml", *sets(
+        sync__algorithm=algorithm, cluster__workers=N, cluster__max_workers=N + 1, **ssd,
+        data__batch_size=B, train__epochs=3, train__log_interval=4,
+        output__plots="false", output__dir=tmp_path,
+        debug__slowdown="delay:0=0.1,1=0.1,2=0.1")])
+    with job:
+        job.wait_for(lambda: any(tmp_path.glob("*/join.json")), 60, "join.json")
+        run = run_dir_of(tmp_path)
+        job.wait_for("job started", 60)
+        leaver = dist(["--leave", run, "--rank", 2])
+        with leaver:
+            assert leaver.wait(TIMEOUT) == 0, leaver.tail()
+        assert job.wait(TIMEOUT) == 0, job.tail()
+    summary = json.loads((run / "summary.json").read_text())
+    (left,) = summary["workers_left"]
+    s = left["from_step"]
+    assert left["rank"] == 2 and left["how"] == "left" and 0 < s, summary
+    assert f"rank 2 left the job at step {s}" in job.text, job.tail()
+    ends = [records(run, r, "end")[-1] for r in range(N)]
+    per_epoch = N_TRAIN // (N * B) * N
+    members = Membership(N, per_epoch, per_epoch * 3)
+    members.leave(2, s)
+    assert [e["steps"] for e in ends] == [members.end(), members.end(), s], ends
+    spans = summary["throughput_by_membership"]
+    assert [(x["workers"], x["from_step"]) for x in spans] == [(3, 0), (2, s)], spans
+    assert sum(x["samples"] for x in spans) == members.first_chunk(members.end()) * B
+    for e in range(3):
+        got = [end["data"].get(str(e), {}) for end in ends]
+        perm = epoch_permutation(N_TRAIN, e, 0)[:per_epoch * B].astype("int64")
+        batches = sum(g.get("batches", 0) for g in got)
+        if e < 2:      # the last epoch drops the chunks of a step that does not fit
+            assert batches == per_epoch, (e, got)
+            assert sum(g.get("index_sum", 0) for g in got) == int(perm.sum()), e
+        else:
+            assert per_epoch - 1 <= batches <= per_epoch, (e, got)
+    assert summary["final_accuracy"] > 0.8, summary
