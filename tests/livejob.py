@@ -5,7 +5,7 @@ import zmq
 
 import jobs
 from conftest import PY, SCRIPTS, load_npz
-from ssdsgd.kvstore import protocol as P
+from ssdsgd.kvstore import protocol as P, sealing
 from ssdsgd.kvstore.security import load_keys
 
 
@@ -14,7 +14,9 @@ class LiveJob(jobs.Job):
     started (tests/jobs.py), stdout and stderr merged."""
 
     def __init__(self, out, n=2, s=1, steps=300, env=None, secure=False, script_args=()):
-        args = ["-n", n, "-s", s] + (["--secure"] if secure else [])
+        """``secure``: False, True (CURVE) or a cipher (``aesgcm``, ``curve``)."""
+        cipher = "curve" if secure is True else secure
+        args = ["-n", n, "-s", s] + (["--secure", "--cipher", cipher] if secure else [])
         for k, v in (env or {}).items():
             args += ["--env", f"{k}={v}"]
         args += ["--", PY, SCRIPTS / "ssd_worker.py", "--out", out, "--steps", steps,
@@ -47,14 +49,16 @@ def dealer(address, configure=None):
 
 
 def answers(sock, frames, timeout=2.0):
-    """Send; the decoded answer, or None if nothing came back within ``timeout``."""
+    """Send; the decoded answer, or None if nothing came back within ``timeout``. A
+    socket a Guard prepared seals and opens its frames (aesgcm; a no-op otherwise)."""
+    channel = sealing.of(sock)
     try:
-        sock.send_multipart([bytes(f) for f in frames], flags=zmq.NOBLOCK)
+        sock.send_multipart(channel.seal([bytes(f) for f in frames]), flags=zmq.NOBLOCK)
     except zmq.Again:
         return None
     if not sock.poll(int(timeout * 1000)):
         return None
-    return P.decode(sock.recv_multipart())
+    return P.decode(channel.open(sock.recv_multipart(copy=False)))
 
 
 def job_pid(job, node="server 0"):

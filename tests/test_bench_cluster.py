@@ -4,7 +4,7 @@
 * without root the command says so and exits 0 (always run);
 * with root and working network namespaces (skipped otherwise, with the reason):
   - a tiny version of the benchmark (2 workers, 1 server, a 40 KB model, native dist_sync
-    and ssd_sync ssgd and ssd k=2 with CURVE, ssgd plain, 3 steps each, plus one
+    and ssd_sync ssgd and ssd k=2 with aesgcm, ssgd plain, 3 steps each, plus one
     time-to-accuracy row) makes its namespaces, runs every worker on a host of its own and
     traffic across the shaped links, prints and writes its tables (each row's label naming
     its security mode), and removes every namespace it made;
@@ -480,14 +480,14 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
     [group] = results['matrix']
     assert [r['system'] for r in group['rows']] == ['native-sync', 'ssgd', 'ssd-k2',
                                                     'ssgd-plain']
-    # the multi-host default, CURVE, unless a row says plain; ps-lite cannot be secured
-    modes = {'native-sync': 'open', 'ssgd': 'curve', 'ssd-k2': 'curve', 'ssgd-plain': 'plain'}
+    # the multi-host default, aesgcm, unless a row says plain; ps-lite cannot be secured
+    modes = {'native-sync': 'open', 'ssgd': 'aesgcm', 'ssd-k2': 'aesgcm', 'ssgd-plain': 'plain'}
     for r in group['rows']:
         assert r['security'] == modes[r['system']] and r['label'].endswith(
             f"[{modes[r['system']]}]"), r
         assert r['label'] in text
     # every node of the job said so (scheduler, server, and its workers' logs)
-    for row, said in (('ssgd', 'authenticated and encrypted (CURVE)'),
+    for row, said in (('ssgd', 'authenticated and encrypted (AES-256-GCM on every frame)'),
                       ('ssgd-plain', "authenticated (the job's key file), not encrypted")):
         [log] = (tmp_path / 'raw').glob(f'*-tiny-*-{row}-n2s1.log')
         assert log.read_text().count(said) >= 2, (row, log.read_text()[-2000:])
@@ -506,7 +506,7 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
     assert group['rows'][0]['speedup'] == pytest.approx(1.0)
     [tta] = results['tta']['rows']
     assert tta['status'] == 'ok' and tta['curve'] and tta['steps'] > 0
-    assert tta['security'] == 'curve' and tta['label'] == 'ssd_sync ssgd [curve]'
+    assert tta['security'] == 'aesgcm' and tta['label'] == 'ssd_sync ssgd [aesgcm]'
 
 
 @pytest.mark.system
@@ -809,16 +809,17 @@ def test_every_experiment_has_a_defaults_row_that_is_given_nothing():
         os.environ.pop('SSDSGD_DELAY_STEPS', None)
 
 
-def test_a_rows_security_is_curve_unless_it_or_the_run_says_plain():
-    """The emulated hosts are separate machines: ssd_sync rows run with CURVE, as the
-    multi-host launchers do by default; --insecure or a row's own `security: plain` runs
-    them plain; native rows cannot be secured, and a row that asks is refused."""
+def test_a_rows_security_is_aesgcm_unless_it_or_the_run_says_otherwise():
+    """The emulated hosts are separate machines: ssd_sync rows run with aesgcm, as the
+    multi-host launchers do by default; a row's own `security: curve` or `plain` wins,
+    --insecure runs the others plain; native rows cannot be secured, and a row that asks
+    is refused."""
     from bench.cluster import args as cli_args
     plain = rows.parse_row('ssgd-plain', {'sync.algorithm': 'ssgd', 'security': 'plain'})
     assert plain.security == 'plain' and plain.settings == (('algorithm', 'ssgd'),)
     ssgd, native = rows.system('ssgd'), rows.system('native-sync')
     assert [jobs.security_mode(s) for s in (ssgd, plain, native, rows.system('compute'))] == \
-        ['curve', 'plain', 'open', None]
+        ['aesgcm', 'plain', 'open', None]
     assert cli_args.parse_args(['--insecure']).insecure
     assert jobs.security_mode(ssgd, insecure=True) == 'plain'
     assert jobs.security_mode(rows.parse_row('c', {'security': 'curve'}), True) == 'curve'
@@ -826,7 +827,7 @@ def test_a_rows_security_is_curve_unless_it_or_the_run_says_plain():
     for overrides, words in (({'kvstore': 'dist_sync', 'security': 'curve'},
                               "kvstore dist_sync cannot be secured: MXNet's ps-lite has no "
                               'authentication'),
-                             ({'security': 'tls'}, "security: expected one of curve, plain "
+                             ({"security": "tls"}, "security: expected one of curve, aesgcm, plain "
                                                    "for an ssd_sync row, got 'tls'")):
         with pytest.raises(rows.RowError, match=re.escape(words)):
             rows.parse_row('bad', overrides)
@@ -835,7 +836,9 @@ def test_a_rows_security_is_curve_unless_it_or_the_run_says_plain():
     class Hosts:
         names, addresses = ['h0', 'h1', 'h2'], ['198.18.0.10', '198.18.0.11', '198.18.0.12']
     assert NetnsLauncher(Layout(Hosts, 1, 1)).secure is True     # run_job reads it
-    assert NetnsLauncher(Layout(Hosts, 1, 1), secure=False).secure is False
+    assert NetnsLauncher(Layout(Hosts, 1, 1), 'plain').secure is False
+    sealed = NetnsLauncher(Layout(Hosts, 1, 1), 'aesgcm')
+    assert sealed.secure is True and sealed.cipher == 'aesgcm'
 
 
 def test_a_row_from_the_command_line():

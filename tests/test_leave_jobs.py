@@ -60,6 +60,8 @@ def _left_run(tmp_path, env, refused=None):
     with job:
         job.wait_for(lambda: (run_dir / "join.json").exists(), 60, "join.json")
         job.wait_for("job started", 60)
+        for r in range(N):      # all three have pushed every step before WAIT_AT
+            job.wait_for(f"rank {r} waits before step {WAIT_AT}", 60)
         leaver = dist(["--leave", run_dir, "--rank", 2])
         with leaver:
             assert leaver.wait(TIMEOUT) == 0, leaver.tail()
@@ -77,7 +79,7 @@ def _left_run(tmp_path, env, refused=None):
 
 def _check(tmp_path, records, algorithm="ssgd", **sync):
     s = records[0]["leaves"]["2"]
-    assert s > WAIT_AT, records[0]
+    assert s >= WAIT_AT, records[0]
     assert all(r["leaves"] == {"2": s} for r in records), records
     assert records[2]["end"] == s, records[2]          # it pushed the steps before s only
     keys, members, ref = _simulated({}, algorithm, leaves={2: s}, n=N, per_epoch=PER_EPOCH,
@@ -118,14 +120,16 @@ def test_a_worker_leaves_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_pat
 
 @pytest.mark.system
 def test_a_worker_leaves_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(tmp_path):
-    """ssd, T_w = 3, k = 2, glu exact: the three wait before step 5, the servers hold from
-    5, and the departure comes at the first pull boundary T_w + m k with s - 1 - k >= 5: 9."""
+    """ssd, T_w = 3, k = 2, glu exact: the three wait before step 5, having pushed step 4
+    (which the servers may not have applied yet: ssd does not wait for it), so the
+    servers hold from 5, or from 4, and the departure comes at the first pull boundary
+    T_w + m k with s - 1 - k >= that step: 9, or 7."""
     job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
                                                 "SSDSGD_WARMUP_STEPS": 3,
                                                 "SSDSGD_DELAY_STEPS": 2,
                                                 "SSDSGD_GLU_STATE": "exact"})
     assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2,
-                  glu_state="exact") == 9
+                  glu_state="exact") in (7, 9)
 
 
 @pytest.mark.system

@@ -89,10 +89,10 @@ def undisturbed(tmp_path_factory):
 def _attackers(secure, job_keys):
     """(name, configure(node)) for processes without the job's keys, or with wrong ones
     (``node``: whose port the socket connects to)."""
-    other = JobKeys.generate(secure=True) if secure else JobKeys.generate(secure=False)
+    other = JobKeys.generate(secure=secure is True)
     attackers = [("no keys", lambda node: None),
                  ("another job's keys", lambda node: Guard(other, print).client)]
-    if secure:    # the nodes' public keys are public: a client key of its own is not enough
+    if secure is True:   # the nodes' public keys are public: a client key of its own is not enough
         public, secret = zmq.curve_keypair()
 
         def own_client_key(node):
@@ -113,7 +113,7 @@ def _attack(address, configure, frames, results, name):
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("secure", [False, True], ids=["plain", "curve"])
+@pytest.mark.parametrize("secure", [False, True, "aesgcm"], ids=["plain", "curve", "aesgcm"])
 def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secure):
     # with the pulls relayed (docs/spec/pull_relay.md) a worker listens too; the relayed
     # job must still end on the undisturbed (unrelayed) job's weights
@@ -123,7 +123,8 @@ def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secur
         scheduler, server = job.address("scheduler"), job.address("server 0")
         relay = job.address("worker 1")
         keyfile = next(line for line in job.lines if "listening" in line)
-        assert ("encrypted (CURVE)" if secure else "not encrypted") in keyfile
+        assert {False: "not encrypted", True: "encrypted (CURVE)",
+                "aesgcm": "encrypted (AES-256-GCM on every frame)"}[secure] in keyfile
         register = P.control(P.Kind.REGISTER, {"role": "worker", "rank": 1,
                                                "routing_id": os.urandom(16).hex()})
         push = P.encode(P.Message(P.Kind.PUSH, flags=P.Flag.PULL, sender=1, req=3,
@@ -407,7 +408,7 @@ RELAYED = dict(JOB_ENV, SSDSGD_PULL_RELAY="chain")
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("secure", [False, True], ids=["plain", "curve"])
+@pytest.mark.parametrize("secure", [False, True, "aesgcm"], ids=["plain", "curve", "aesgcm"])
 def test_a_stray_connection_to_a_workers_relay_is_refused(tmp_path, tmp_path_factory, secure):
     """3 workers with relayed pulls: each relay port (bound with the job's keys like every
     other port, kvstore/io_thread.py) refuses at the handshake a process without the job's
@@ -420,14 +421,14 @@ def test_a_stray_connection_to_a_workers_relay_is_refused(tmp_path, tmp_path_fac
         forged = P.encode(P.Message(P.Kind.REPLY, sender=0, req=5,
                                     records=P.make_records([(0, 50, 0, 4, F32, 1)]),
                                     tensors=[[np.full(4, 1e6, F32)]]))
-        other = JobKeys.generate(secure=secure)
+        other = JobKeys.generate(secure=secure is True)
         insider = job_keys(job, "worker 0")
         admitted = {}
         for node in ("worker 1", "worker 2"):
             address = job.address(node)
             strays = [("no keys", None),
                       ("another job's keys", lambda s, n=node: Guard(other, print).client(s, n))]
-            if secure:     # the relay's public key (public) and a client key of its own
+            if secure is True:   # the relay's public key (public) and a client key of its own
                 strays.append(("its own CURVE key",
                                _attackers(True, insider)[-1][1](node)))
             for name, configure in strays:

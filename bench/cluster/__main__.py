@@ -234,11 +234,11 @@ def settings_text(args, workloads):
          'OMP_NUM_THREADS / MXNET_CPU_WORKER_NTHREADS': '1 / 1 in every process',
          'MTU': args.mtu,
          'connections': ('ssd_sync rows: ' + ('plain (--insecure: authenticated by the '
-                         "job's keys, not encrypted)" if args.insecure else 'CURVE '
+                         "job's keys, not encrypted)" if args.insecure else 'aesgcm '
                          '(authenticated and encrypted), as ssh, mpi and slurm run across '
                          'hosts by default') + ", unless a row sets its own; native rows: "
                          "open (MXNet's ps-lite cannot be secured); each row's label "
-                         'names its mode [curve], [plain] or [open]')}
+                         'names its mode [aesgcm], [curve], [plain] or [open]')}
     for w, rates in workloads:
         s[f'workload {w.name}'] = w.describe() + ' @ ' + ', '.join(
             netns.rate_label(r) for r in rates)

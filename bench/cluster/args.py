@@ -29,9 +29,10 @@ row that changes nothing; --row adds one (ssd-k7:sync.delay_steps=7). The target
 checks judge are docs/benchmarks/targets.md's.
 
 The hosts are separate machines, so the ssd_sync rows run as the multi-host launchers do
-by default: CURVE, each process with its own key file; --insecure (or a row's
-`security: plain`) runs them plain. MXNet's native rows cannot be secured. Every row's
-label names the mode it ran in: [curve], [plain] or [open].
+by default: aesgcm (AES-256-GCM on every frame), each process with its own key file; a
+row's `security: curve` runs ZeroMQ CURVE; --insecure (or a row's `security: plain`)
+runs them plain. MXNet's native rows cannot be secured. Every row's label names the
+mode it ran in: [aesgcm], [curve], [plain] or [open].
 
 Results go to --out (docs/benchmarks/: cluster.md, cluster.json, PNG plots); every job's
 raw per-worker results and logs go to --raw. Needs root; without it, says so and exits 0.
@@ -140,7 +141,7 @@ def parse_args(argv=None):
     p.add_argument('--raw', help='per-job results and logs (default: a new temp dir)')
     p.add_argument('--insecure', action='store_true',
                    help='run the ssd_sync rows with PLAIN keys (authenticated, not encrypted) '
-                   'instead of CURVE, the multi-host launchers\' default; a row\'s own '
+                   'instead of aesgcm, the multi-host launchers\' default; a row\'s own '
                    '`security` wins. The native rows are never secured')
     p.add_argument('--no-write', action='store_true', help='print only; write nothing to --out')
     args = p.parse_args(argv)

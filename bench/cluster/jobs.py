@@ -73,7 +73,7 @@ class Bench:
             job_notes = []
             results = runner.run_job_on(self.cluster, system, n, s, args, out, timeout,
                                         job_values, out.with_suffix('.log'), notes=job_notes,
-                                        secure=security == 'curve')
+                                        security=security)
             self.take_notes(tag, job_notes)
         except runner.Interrupted as e:
             raise KeyboardInterrupt(str(e)) from None
@@ -121,15 +121,15 @@ class Bench:
 
 def security_mode(system, insecure=False):
     """How a row's connections were secured. The emulated hosts are separate machines, so
-    an ssd_sync row runs as ssh, mpi and slurm do by default: ``curve`` (authenticated
-    and encrypted), or ``plain`` (authenticated, not encrypted) with --insecure or its
-    own ``security: plain``. MXNet's ps-lite cannot be secured: ``open``. Compute alone
+    an ssd_sync row runs as ssh, mpi and slurm do by default: ``aesgcm`` (authenticated
+    and encrypted), or its own ``security`` (``curve``, or ``plain``: authenticated, not
+    encrypted), or ``plain`` with --insecure. MXNet's ps-lite cannot be secured: ``open``. Compute alone
     has no connections: None."""
     if system.kind == 'native':
         return 'open'
     if system.kind != 'ssd':
         return None
-    return system.security or ('plain' if insecure else 'curve')
+    return system.security or ('plain' if insecure else 'aesgcm')
 
 
 def labelled(system, security):

@@ -4,7 +4,8 @@
   every command with ``ip netns exec HOST``, so ``run_job(...,
   launcher=NetnsLauncher(layout))`` runs every role in its own namespace. The hosts are
   separate machines, so it is secure as the multi-host launchers are by default: ``run_job``
-  makes the job's CURVE keys, a 0600 file per process (``secure=False``: PLAIN keys).
+  makes the job's keys, a 0600 file per process, for aesgcm (or the row's ``curve``;
+  ``plain``: not encrypted).
 * MXNet's ps-lite: :meth:`Layout.native_node` for ``run_native_nodes(node=...)``.
 
 A :class:`Layout` says which host each role gets: host 0 the scheduler, hosts 1..S the
@@ -45,12 +46,15 @@ class Layout:
 
 
 class NetnsLauncher(LocalLauncher):
-    """ssdsgd's local launcher, with every role in its host's namespace; ``secure``:
-    CURVE, as ssh, mpi and slurm default to across hosts (run_job reads ``secure``)."""
+    """ssdsgd's local launcher, with every role in its host's namespace; ``security``:
+    ``curve`` or ``aesgcm`` (encrypted, as ssh, mpi and slurm are across hosts by
+    default), or ``plain`` (run_job reads ``secure`` and ``cipher``)."""
     name = 'netns'
 
-    def __init__(self, layout, secure=True):
-        self.layout, self.secure = layout, secure
+    def __init__(self, layout, security='aesgcm'):
+        self.layout = layout
+        self.secure = security not in ('plain', False)
+        self.cipher = security if security in ('curve', 'aesgcm') else 'curve'
         self.scheduler_host = layout.address('scheduler', 0)
 
     def node_env(self, role, rank):

@@ -26,7 +26,7 @@ from .plan import System
 
 ROWS_FILE = Path(__file__).with_name('rows.yaml')
 KVSTORES = ('ssd_sync', 'dist_sync', 'dist_async', 'none')
-SECURITY = ('curve', 'plain')     # launch/dist.py --secure, --insecure (docs/reliability.md)
+SECURITY = ('curve', 'aesgcm', 'plain')   # --secure --cipher C, --insecure (docs/reliability.md)
 #: settings a row may not set: the experiment decides them, or a launcher does
 NOT_A_ROW_SETTING = ('num_workers', 'num_servers', 'launcher', 'hosts', 'max_restarts',
                      'on_worker_failure', 'warmup_epochs', 'checkpoint_every_s', 'start_step',

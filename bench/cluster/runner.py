@@ -60,12 +60,12 @@ def _launcher_exit_race(log_path, out, num_workers):
 
 
 def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, settings,
-               log_path, notes=None, secure=True):
+               log_path, notes=None, security='curve'):
     """Run ``cluster_worker.py args`` as the workers of one job of ``system``; returns the
     per-worker result dicts. Raises RuntimeError (with the log's tail) on failure.
     ``settings``: an ssd_sync job's settings by name (``jobs.job_settings``), its only
-    SSDSGD_* variables besides the launcher's own; ``secure``: an ssd_sync job's
-    connections with CURVE (else PLAIN keys)."""
+    SSDSGD_* variables besides the launcher's own; ``security``: how an ssd_sync job's
+    connections are secured (``curve``, ``aesgcm``: encrypted; ``plain``)."""
     layout = Layout(cluster, num_workers, num_servers)
     notes = notes if notes is not None else []
     out = Path(out)
@@ -75,7 +75,7 @@ def run_job_on(cluster, system, num_workers, num_servers, args, out, timeout, se
         if system.kind == 'native':
             _run_native(system, layout, args, out, timeout, log_path)
         elif system.kind == 'ssd':
-            _run_ssd(system, layout, args, out, timeout, settings, log_path, notes, secure)
+            _run_ssd(system, layout, args, out, timeout, settings, log_path, notes, security)
         elif system.kind == 'none':
             _run_compute_only(layout, args, out, timeout, log_path)
         else:
@@ -145,12 +145,13 @@ def _run_native(system, layout, args, out, timeout, log_path):
 
 
 #: what each node of an ssd_sync job says of its port (security.Guard.describe)
-SAID = {True: 'authenticated and encrypted (CURVE)',
-        False: "authenticated (the job's key file), not encrypted"}
+SAID = {'curve': 'authenticated and encrypted (CURVE)',
+        'aesgcm': 'authenticated and encrypted (AES-256-GCM on every frame)',
+        'plain': "authenticated (the job's key file), not encrypted"}
 
 
-def _run_ssd(system, layout, args, out, timeout, settings, log_path, notes, secure):
-    """ssdsgd's run_job with the netns launcher (``secure``: CURVE); the launcher's exit
+def _run_ssd(system, layout, args, out, timeout, settings, log_path, notes, security):
+    """ssdsgd's run_job with the netns launcher in mode ``security``; the launcher's exit
     race is a note. The job's own nodes must say they ran in that mode."""
     env = dict(JOB_ENV, **to_env(**settings))
     with open(log_path, 'w') as f:
@@ -159,7 +160,7 @@ def _run_ssd(system, layout, args, out, timeout, settings, log_path, notes, secu
             f.flush()
         code = _run_job_with_timeout(
             layout.num_workers, layout.num_servers, worker_cmd('ssd_sync', out, args), env,
-            NetnsLauncher(layout, secure), f, log, timeout)
+            NetnsLauncher(layout, security), f, log, timeout)
     if code in (130, 143):
         raise Interrupted('SIGINT' if code == 130 else 'SIGTERM')
     if code == 1 and _launcher_exit_race(log_path, out, layout.num_workers):
@@ -169,9 +170,9 @@ def _run_ssd(system, layout, args, out, timeout, settings, log_path, notes, secu
         raise RuntimeError(f'ssd_sync ({system.mode}) job exited {code}:\n'
                            f'{_tail(log_path)}')
     said = Path(log_path).read_text(errors='replace')
-    if SAID[secure] not in said or SAID[not secure] in said:
+    if SAID[security] not in said or any(SAID[m] in said for m in SAID if m != security):
         raise RuntimeError(f'ssd_sync ({system.mode}) job: its nodes did not all say '
-                           f'"{SAID[secure]}" ({"curve" if secure else "plain"} expected)')
+                           f'"{SAID[security]}" ({security} expected)')
 
 
 def _run_compute_only(layout, args, out, timeout, log_path):

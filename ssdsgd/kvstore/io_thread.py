@@ -16,7 +16,7 @@ import time
 
 import zmq
 
-from . import protocol as P
+from . import protocol as P, sealing
 from . import fragments as F
 from .relay import PullRelay, RelayFault
 from .joins import JoinError, joins_of
@@ -288,7 +288,7 @@ class IOThread:
 
     def _sent(self, sock, frames):
         t0 = time.perf_counter()
-        sock.send_multipart(frames, copy=False)
+        sock.send_multipart(sealing.of(sock).seal(frames), copy=False)
         TIMELINE.span("send", t0)
         self.stats["messages_sent"] += 1
         self.stats["bytes_sent"] += sum(
@@ -331,6 +331,10 @@ class IOThread:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            try:
+                frames = sealing.of(sock).open(frames)
+            except sealing.SealError as e:
+                raise JobAborted(f"a message of server {server} does not open: {e}") from None
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += sum(len(f.buffer) for f in frames)
             try:

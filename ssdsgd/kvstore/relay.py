@@ -10,7 +10,7 @@ import time
 import numpy as np
 import zmq
 
-from . import protocol as P
+from . import protocol as P, sealing
 from . import fragments as F
 from . import piece_digests as D
 from .scheduler import JobAborted
@@ -66,6 +66,10 @@ class PullRelay:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            try:
+                frames = sealing.of(self.sock).open(frames)
+            except sealing.SealError as e:
+                raise RelayFault(f"a relayed message does not open: {e}") from None
             ident, frames = frames[0].bytes, frames[1:]
             rank = self._ranks.get(ident)
             if rank is None or self.guard.wrong_claim(frames[0], "worker", rank):

@@ -11,7 +11,7 @@ worker that stops reading fails the job, saying so.
 import numpy as np
 import zmq
 
-from . import protocol as P
+from . import protocol as P, sealing
 from . import fragments as F
 from . import piece_digests as D
 from .scheduler import JobAborted
@@ -87,8 +87,9 @@ class Replies:
         peer = self.peers.get(ident)
         frames = msg if isinstance(msg, list) else P.encode(msg)
         try:
-            tracker = self.sock.send_multipart([ident] + frames, copy=False, track=True,
-                                               flags=zmq.NOBLOCK)
+            tracker = self.sock.send_multipart(
+                [ident] + sealing.of(self.sock).seal(ident, frames), copy=False, track=True,
+                flags=zmq.NOBLOCK)
         except zmq.Again:
             if peer is not None:
                 raise Fatal(f"worker {peer.rank} does not read its replies ({SNDHWM} queued); "

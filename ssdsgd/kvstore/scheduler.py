@@ -24,6 +24,8 @@ from .removals import RemovalError, Removals
 from . import reregister
 from .join_wiring import Joins
 from .replica_map import ReplicaError, ReplicaMap
+from . import sealing
+from .sealing import SealError
 from .security import Guard
 from .. import timeline
 from .liveness import StallWatch, failed
@@ -52,6 +54,7 @@ def bind_router(ctx, host, port, what, guard=None, sndhwm=1000, rcvhwm=1000, max
     sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
     if guard is not None:
         guard.server(ctx, sock)
+    sealing.use(sock, guard.binder_channels() if guard is not None else sealing.PLAIN_BINDER)
     try:
         if port:
             sock.bind(f"tcp://{host}:{port}")
@@ -95,6 +98,7 @@ class Scheduler(reregister.Rejoins, Joins):
         self.sock, self.port = bind_router(self.ctx, env.scheduler_host, env.scheduler_port,
                                            "the scheduler", self.guard,
                                            maxmsgsize=P.frame_limit(0))
+        self.channels = sealing.of(self.sock)     # aesgcm: sealed frames (sealing.py)
         self.log(f"listening on {env.scheduler_host}:{self.port}; {self.guard.describe()}")
         self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = Barriers()
@@ -117,8 +121,9 @@ class Scheduler(reregister.Rejoins, Joins):
 
     def _send(self, ident, kind, meta=None, req=0):
         try:
-            self.sock.send_multipart([ident] + P.control(kind, meta, req=req), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
+            self.sock.send_multipart([ident] + self.channels.seal(
+                ident, P.control(kind, meta, req=req)), flags=zmq.NOBLOCK)
+        except (zmq.ZMQError, SealError):
             pass  # the peer is gone or does not read; heartbeats will tell
 
     def _members(self, role=None):
@@ -311,7 +316,8 @@ class Scheduler(reregister.Rejoins, Joins):
                 if self.nodes[other]["rank"] == which:
                     continue
                 try:
-                    self.sock.send_multipart([other] + frames, flags=zmq.NOBLOCK)
+                    self.sock.send_multipart([other] + self.channels.seal(other, frames),
+                                             flags=zmq.NOBLOCK)
                 except zmq.ZMQError as e:
                     self._abort(f"{node_name(self.nodes[other])} does not take the policy "
                                 f"messages of server {which} ({e.strerror})")
@@ -352,6 +358,11 @@ class Scheduler(reregister.Rejoins, Joins):
         """Read and handle one message; nothing a peer sends stops the scheduler (only a
         decision to abort the job does)."""
         frames = self.sock.recv_multipart(copy=False)
+        try:
+            frames = self.channels.open(frames)
+        except SealError as e:
+            self.rejected(f"a message that does not open: {e}")
+            return
         ident, frames = frames[0].bytes, frames[1:]
         req = 0
         try:

@@ -9,7 +9,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import protocol as P
+from . import protocol as P, sealing
 from .env import NodeEnv
 from .reregister import wait_seconds
 from .scheduler import JobAborted
@@ -66,7 +66,8 @@ class SchedulerLink:
     def send(self, kind, meta=None):
         """Never blocks: if the scheduler stopped reading, ``tick`` will say so."""
         try:
-            self.sock.send_multipart(P.control(kind, meta), flags=zmq.NOBLOCK)
+            self.sock.send_multipart(sealing.of(self.sock).seal(P.control(kind, meta)),
+                                     flags=zmq.NOBLOCK)
         except zmq.Again:
             pass
         self.last_sent = time.monotonic()
@@ -118,8 +119,8 @@ class SchedulerLink:
                 self.send(P.Kind.REGISTER, self._registration)
             if self.sock.poll(200):
                 try:
-                    msg = P.receive(self.sock.recv_multipart(), max_bytes=0)
-                except P.ProtocolError as e:
+                    msg = P.receive(self._received(), max_bytes=0)
+                except (P.ProtocolError, sealing.SealError) as e:
                     raise JobAborted(f"the scheduler at {where} sent a malformed message: "
                                      f"{e}") from None
                 if msg.kind == P.Kind.TOPOLOGY:
@@ -214,13 +215,17 @@ class SchedulerLink:
             if self.on_rejoined is not None:
                 self.on_rejoined()
 
+    def _received(self):
+        """The frames of one message from the scheduler, opened (aesgcm)."""
+        return sealing.of(self.sock).open(self.sock.recv_multipart(copy=False))
+
     def receive(self):
         """Handle one waiting scheduler message; returns it (the caller acts on SHUTDOWN,
         BARRIER, ACK); raises JobAborted on ABORT, or when the scheduler refused what
         this node sent (nothing a node of the job sends should be refused)."""
         try:
-            msg = P.receive(self.sock.recv_multipart(), max_bytes=0)
-        except P.ProtocolError as e:
+            msg = P.receive(self._received(), max_bytes=0)
+        except (P.ProtocolError, sealing.SealError) as e:
             raise JobAborted(f"the scheduler sent a malformed message: {e}") from None
         self.last_heard = time.monotonic()
         if msg.kind == P.Kind.HEARTBEAT and {"sent", "time"} <= msg.meta.keys():

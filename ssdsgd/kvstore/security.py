@@ -10,8 +10,11 @@ checked by a ZAP handler before a single message of the peer is read:
   its name, a fresh nonce, the time and a MAC of them made for the port it dials
   (``plain_handshake.py``: no replayable token). Authenticated, not encrypted: for one
   machine or a trusted network.
-* ``curve`` (``--secure``; the default of launchers that span hosts): ZeroMQ's CURVE.
-  Authenticated and encrypted.
+* ``aesgcm`` (``--secure``; the default of launchers that span hosts): plain mode's
+  handshake, then every frame sealed with AES-256-GCM under the connection's own keys,
+  outside libzmq (``sealing.py``). Authenticated and encrypted.
+* ``curve`` (``--secure --cipher curve``): ZeroMQ's CURVE. Authenticated and encrypted,
+  in libzmq's I/O thread.
 * ``open`` (no ``SSDSGD_SECRET_FILE``, e.g. nodes started by hand): any process that
   reaches a port may connect; nodes say so once when they start.
 
@@ -50,7 +53,7 @@ import tempfile
 import zmq
 from zmq.utils import z85
 
-from . import plain_handshake as PH, zap_gate
+from . import plain_handshake as PH, sealing, zap_gate
 
 ENV_VAR = "SSDSGD_SECRET_FILE"
 ZAP_DOMAIN = "ssdsgd"
@@ -169,14 +172,19 @@ class NodeKeys:
     curve: bool
     own: dict
     peers: dict
+    sealed: bool = False      # aesgcm: plain mode's keys, every frame sealed (sealing.py)
 
     @property
     def mode(self):
-        return "curve" if self.curve else "plain"
+        return "curve" if self.curve else "aesgcm" if self.sealed else "plain"
 
     @classmethod
-    def generate_job(cls, secure, identities):
-        """{identity: NodeKeys} of a job: a fresh secret for every process."""
+    def generate_job(cls, secure, identities, cipher="curve"):
+        """{identity: NodeKeys} of a job: a fresh secret for every process; ``secure``
+        with ``cipher`` aesgcm or curve."""
+        if secure and cipher == "aesgcm":
+            return {name: dataclasses.replace(keys, sealed=True)
+                    for name, keys in cls.generate_job(False, identities).items()}
         if secure and not zmq.has("curve"):
             raise SecurityError("--secure needs libzmq with CURVE support, which this "
                                 "pyzmq's libzmq lacks")
@@ -202,7 +210,7 @@ class NodeKeys:
     def from_json(cls, data):
         """Raises ValueError/KeyError/TypeError on anything but a version 2 file."""
         name, mode, own, peers = data["identity"], data["mode"], data["own"], data["peers"]
-        if mode not in ("plain", "curve") or not isinstance(peers, dict):
+        if mode not in ("plain", "curve", "aesgcm") or not isinstance(peers, dict):
             raise ValueError(f"mode {mode!r}")
         for who in [name] + list(peers):
             if not isinstance(who, str) or not _IDENTITY.match(who):
@@ -222,7 +230,8 @@ class NodeKeys:
             for value in peers.values():
                 if len(bytes.fromhex(str(value))) != 32:
                     raise ValueError("a verification key is not 32 bytes")
-        return cls(name, mode == "curve", own, {k: str(v) for k, v in peers.items()})
+        return cls(name, mode == "curve", own, {k: str(v) for k, v in peers.items()},
+                   mode == "aesgcm")
 
     def serve(self, sock):
         if self.curve:
@@ -234,16 +243,21 @@ class NodeKeys:
 
     def connect(self, sock, peer):
         """``peer``: the identity of the process that bound the port (CURVE checks it
-        is that process, by its public key)."""
+        is that process, by its public key). The connection's channel: what seals its
+        frames (aesgcm), or ``sealing.PLAIN``."""
         if self.curve:
             if peer not in self.peers:
                 raise SecurityError(f"{peer} has no key in this job's key file")
             sock.curve_serverkey = self.peers[peer].encode()
             sock.curve_publickey = self.own["public"].encode()
             sock.curve_secretkey = self.own["secret"].encode()
-        else:
-            sock.plain_username, sock.plain_password = PH.credentials(
-                bytes.fromhex(self.own["secret"]), self.identity, peer)
+            return sealing.PLAIN
+        secret = bytes.fromhex(self.own["secret"])
+        sock.plain_username, sock.plain_password = PH.credentials(secret, self.identity, peer)
+        if not self.sealed:
+            return sealing.PLAIN
+        return sealing.Channel(*sealing.session_keys(
+            PH.verification_key(secret, peer), sock.plain_username.decode(), peer))
 
     def plain_key(self, name):
         """(``name``, its verification key at this process's port), or None: no process
@@ -321,7 +335,7 @@ class KeyFile:
     each; without: the job's one file, ``env`` for every process (nodes started by hand,
     tests)."""
 
-    def __init__(self, secure=False, identities=None, parent=None):
+    def __init__(self, secure=False, identities=None, parent=None, cipher="curve"):
         self.dir = tempfile.mkdtemp(prefix=".ssdsgd-keys-" if parent else "ssdsgd-keys-",
                                     dir=parent)
         self.files = {}
@@ -330,7 +344,7 @@ class KeyFile:
             self.env = {ENV_VAR: self.path}
             return
         self.path, self.env = None, {}
-        for name, keys in NodeKeys.generate_job(secure, identities).items():
+        for name, keys in NodeKeys.generate_job(secure, identities, cipher).items():
             path = self.files[name] = os.path.join(self.dir, f"keys-{name.replace(' ', '-')}.json")
             keys.write(path)
 
@@ -374,9 +388,18 @@ class Guard:
 
     def client(self, sock, peer="scheduler"):
         """Before ``connect`` to ``peer`` (the identity of the process that bound the
-        port: ``scheduler``, ``server R``, ``worker R``): prove that this is the job's."""
-        if self.keys is not None:
-            self.keys.connect(sock, peer)
+        port: ``scheduler``, ``server R``, ``worker R``): prove that this is the job's.
+        Returns the connection's channel (``sealing``): what every message sent on it
+        goes through, and every message received."""
+        if self.keys is None:
+            return sealing.PLAIN
+        return sealing.use(sock, self.keys.connect(sock, peer) or sealing.PLAIN)
+
+    def binder_channels(self):
+        """The channels of a port this process bound with ``server`` (by connection)."""
+        if self.keys is None or self.keys.mode != "aesgcm":
+            return sealing.PLAIN_BINDER
+        return sealing.BinderChannels(self.gate.sessions)
 
     def sender(self, frame):
         """Whose key the connection that delivered ``frame`` (a zmq.Frame) proved, e.g.
@@ -384,7 +407,8 @@ class Guard:
         if self.keys is None or self.keys.identity is None:
             return None
         try:
-            return frame.get("User-Id") or "nobody"
+            # aesgcm: "identity#nonce", the nonce naming the connection's session
+            return (frame.get("User-Id") or "nobody").partition("#")[0]
         except (zmq.ZMQError, AttributeError):
             return "nobody"
 
@@ -397,7 +421,8 @@ class Guard:
         return {"open": "open: no SSDSGD_SECRET_FILE, any process that reaches this port "
                         "may connect",
                 "plain": "authenticated (the job's key file), not encrypted",
-                "curve": "authenticated and encrypted (CURVE)"}[self.mode]
+                "curve": "authenticated and encrypted (CURVE)",
+                "aesgcm": "authenticated and encrypted (AES-256-GCM on every frame)"}[self.mode]
 
     def close(self):
         if self.gate is not None:

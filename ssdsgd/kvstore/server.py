@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from ..mxglue.optimizer_spec import OptimizerSpecError, build
-from . import protocol as P
+from . import protocol as P, sealing
 from .compression import Compression, CompressionError
 from .backup import Backup
 from .env import NodeEnv
@@ -304,7 +304,8 @@ class Server:
         """Never waits. A message the job cannot lose (``lost``: what losing it would do)
         stops the job when the scheduler does not take it; the heartbeats tell the rest."""
         try:
-            self.scheduler.send_multipart(P.control(kind, meta), flags=zmq.NOBLOCK)
+            self.scheduler.send_multipart(sealing.of(self.scheduler).seal(P.control(kind, meta)),
+                                          flags=zmq.NOBLOCK)
         except zmq.Again:
             if lost:
                 raise Fatal(f"the scheduler does not take server {self.rank}'s {lost}") from None
@@ -328,6 +329,15 @@ class Server:
         """One message. Nothing in it can stop the server: a bad one gets an ERROR with
         its request id (the worker fails, naming it); only Fatal ends the loop."""
         ident, req, kind, t0 = frames[0].bytes, 0, "a message", now()
+        try:
+            frames = sealing.of(self.replies.sock).open(frames)
+        except sealing.SealError as e:      # only the job's processes pass the handshake
+            peer = self.replies.peers.get(ident)
+            if peer is None:      # a connection of the job that is no worker of it
+                self.rejected(f"a message that does not open: {e}")
+                return
+            raise Fatal(f"server {self.rank}: a message on worker {peer.rank}'s connection "
+                        f"does not open ({e}); stopping the job") from None
         try:
             msg = P.decode(frames[1:], max_bytes=self.max_message_bytes)
             req, kind = msg.req, msg.kind.name

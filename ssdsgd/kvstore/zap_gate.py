@@ -12,18 +12,27 @@ import threading
 
 from zmq.utils import z85
 
-from . import plain_handshake as PH
+from . import plain_handshake as PH, sealing
 
 
-def plain_identity(keys, replays, username, password):
+def plain_identity(keys, replays, username, password, sessions=None):
     """(the identity a PLAIN handshake proves, None): "" for the job's one file; or
-    (None, why not). ``replays``: the binder's plain_handshake.ReplayWindow."""
+    (None, why not). ``replays``: the binder's plain_handshake.ReplayWindow. With
+    ``sessions`` (aesgcm): the connection's keys go there by its nonce, and the identity
+    names it (``identity#nonce``, the User-Id ``sealing.BinderChannels`` reads)."""
     parts = PH.parse(username)
     held = keys.plain_key(parts[0]) if parts else None
     if held is None:
         return None, "it does not hold a key of this job (not this job's PLAIN handshake)"
     why = replays.check(held[1], username, password, keys.binder)
-    return (None, why) if why else (held[0], None)
+    if why:
+        return None, why
+    if sessions is None:
+        return held[0], None
+    if len(sessions) >= PH.CAPACITY:
+        return None, f"{PH.CAPACITY} sealed sessions wait for their first message"
+    sessions[parts[1]] = sealing.session_keys(held[1], username, keys.binder)
+    return f"{held[0]}#{parts[1]}", None
 
 
 def make_gate(ctx, keys, log):
@@ -43,13 +52,19 @@ def make_gate(ctx, keys, log):
             self._lock = threading.Lock()
             self._names = {}      # a CURVE key (raw) -> the identity it was issued to
             self._replays = PH.ReplayWindow()
+            # aesgcm: the keys of each admitted connection, by its handshake's nonce,
+            # until its first message binds them to it (sealing.BinderChannels)
+            self.sessions = {} if keys.mode == "aesgcm" else None
 
         async def handle_zap_message(self, msg):
             self.peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
             if len(msg) == 8 and msg[0] == VERSION and msg[5] == b"PLAIN":
                 name, why = plain_identity(keys, self._replays,
-                                           *(c.decode("utf-8", "replace") for c in msg[6:]))
-                ok = name == "" or self._admitted(name, why)    # User-Id: the identity
+                                           *(c.decode("utf-8", "replace") for c in msg[6:]),
+                                           sessions=self.sessions)
+                ok = name == "" or self._admitted(name and name.partition("#")[0], why)
+                if not ok and name and "#" in name:
+                    self.sessions.pop(name.partition("#")[2], None)
                 self._send_zap_reply(msg[1], b"200" if ok else b"400",
                                      b"OK" if ok else b"not a process of this job", name or "")
                 return

@@ -121,7 +121,8 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     spare = range(num_workers, max_workers or num_workers)
     keys = KeyFile(getattr(runner, "secure", False),
                    [identity(role, rank) for role, rank, _ in plan]
-                   + [identity("worker", r) for r in spare], parent)
+                   + [identity("worker", r) for r in spare], parent,
+                   cipher=getattr(runner, "cipher", "curve"))
     janitor = Janitor(keys.dir)       # gone with the launcher, even after a SIGKILL
     # the scheduler's record for this loop (kvstore/job_status.py), beside the keys
     status = JobStatus(os.path.join(keys.dir, "status.json"))

@@ -27,7 +27,7 @@ def make_launcher(opts, num_workers, num_servers, config_hosts=(), log=_log):
             given = "-H/--hostfile, --hosts" if opts.hostfile or opts.hosts else "cluster.hosts"
             raise LaunchError(f"{given}: hosts need --launcher ssh or mpi")
         runner = LocalLauncher()
-        runner.secure = opts.secure
+        runner.secure, runner.cipher = opts.secure, opts.cipher
         return runner
     if name == "ssh":
         from .ssh import SSHLauncher
@@ -51,6 +51,7 @@ def make_launcher(opts, num_workers, num_servers, config_hosts=(), log=_log):
     # line, never through mpirun's or srun's channels.
     runner.secure = opts.secure or (getattr(runner, "secure_default", False)
                                     and not opts.insecure)
+    runner.cipher = opts.cipher
     if not runner.secure:
         log("--insecure: connections are authenticated by the job's key file but not "
             "encrypted; anyone on the network between the hosts can read them")

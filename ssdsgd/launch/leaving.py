@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from ..kvstore import protocol as P
+from ..kvstore import protocol as P, sealing
 from ..kvstore.env import NodeEnv
 from ..kvstore.security import ENV_VAR, Guard
 from ..settings import to_env
@@ -46,14 +46,15 @@ def leave(run_dir, rank, wait_s=WAIT_S):
         guard.client(sock)
         where = f"{env.scheduler_host}:{env.scheduler_port}"
         sock.connect(f"tcp://{where}")
-        sock.send_multipart(P.control(P.Kind.LEAVE, {"leaving": rank}))
+        channel = sealing.of(sock)
+        sock.send_multipart(channel.seal(P.control(P.Kind.LEAVE, {"leaving": rank})))
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if not sock.poll(200):
                 continue
             try:
-                msg = P.receive(sock.recv_multipart(), max_bytes=0)
-            except P.ProtocolError as e:
+                msg = P.receive(channel.open(sock.recv_multipart(copy=False)), max_bytes=0)
+            except (P.ProtocolError, sealing.SealError) as e:
                 raise LeaveRefused(f"--leave {run_dir}: the scheduler at {where} sent a "
                                    f"malformed message ({e})") from None
             if msg.kind == P.Kind.ERROR:

@@ -42,8 +42,9 @@ class Options:
     start_timeout: float = DEFAULT_START_TIMEOUT
     mpi_args: str = ""
     srun_args: str = ""
-    secure: bool = False          # --secure: ZeroMQ CURVE (kvstore/security.py)
-    insecure: bool = False        # --insecure: no CURVE where it is the default
+    secure: bool = False          # --secure: encrypted (kvstore/security.py)
+    insecure: bool = False        # --insecure: not encrypted where that is the default
+    cipher: str = "aesgcm"        # --cipher: aesgcm (sealing.py) or curve (ZeroMQ's)
     env_keys: tuple = ()          # the --env names: they travel to every host
     host_discovery_script: str | None = None     # ssh: hosts that join (discovery.py)
 
@@ -84,8 +85,12 @@ def add_arguments(p, launchers=("local", "ssh", "mpi", "slurm"), default_launche
     g.add_argument("--srun-args", default="", metavar="ARGS", help="extra srun arguments")
     security = g.add_mutually_exclusive_group()
     security.add_argument("--secure", action="store_true", help="encrypt and authenticate "
-                          "every connection with ZeroMQ CURVE (the default of ssh, mpi and "
-                          "slurm; docs/reliability.md)")
+                          "every connection (the default of ssh, mpi and slurm; "
+                          "docs/reliability.md); --cipher says how")
+    g.add_argument("--cipher", choices=("aesgcm", "curve"), default="aesgcm",
+                   help="how a secure job encrypts: aesgcm (the default: plain mode's "
+                   "handshake, then AES-256-GCM on every frame, on the sending thread) or "
+                   "curve (ZeroMQ CURVE, in libzmq's I/O thread; docs/reliability.md)")
     security.add_argument("--insecure", action="store_true", help="no encryption with ssh, "
                           "mpi or slurm (connections are still authenticated by the job's "
                           "key file)")

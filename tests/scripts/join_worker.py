@@ -54,6 +54,8 @@ perms = {}
 trained, t = [], start or 0
 while True:
     if t == args.wait_at and start is None and args.go:
+        mx.nd.waitall()        # every step before it pushed
+        print(f"rank {rank} waits before step {t}", flush=True)
         deadline = time.monotonic() + 60
         while not os.path.exists(args.go):
             if time.monotonic() > deadline:

@@ -1,0 +1,136 @@
+"""AES-256-GCM on every frame (security mode aesgcm, ssdsgd/kvstore/sealing.py): what
+one connection's channel lets through, and how a real port's handshake gives each
+connection its own keys (real ZeroMQ sockets, the real ZAP handler, in process)."""
+import numpy as np
+import pytest
+import zmq
+
+from ssdsgd.kvstore import plain_handshake as PH, protocol as P, sealing
+from ssdsgd.kvstore.security import Guard, NodeKeys
+
+A, B = b"a" * 32, b"b" * 32
+
+
+def _pair():
+    return sealing.Channel(A, B), sealing.Channel(B, A)
+
+
+def test_a_message_opens_as_it_was_sent_whatever_its_buffers():
+    out, into = _pair()
+    weights = np.arange(12, dtype=np.float32).reshape(3, 4)
+    frames = P.encode(P.Message(P.Kind.PUSH, sender=1, req=7,
+                                records=P.make_records([(0, 3, 0, 12, np.float32, 1)]),
+                                tensors=[[weights]]))
+    sealed = out.seal(frames)
+    assert len(sealed) == len(frames) + 1 and len(sealed[0]) == sealing.COUNTER.size
+    assert all(len(s) == len(sealing._buffer(f)) + sealing.TAG
+               for s, f in zip(sealed[1:], frames))
+    assert bytes(weights.data) not in b"".join(bytes(s) for s in sealed)    # encrypted
+    msg = P.decode(into.open(sealed))
+    assert msg.kind == P.Kind.PUSH and msg.req == 7
+    assert np.array_equal(msg.tensors[0][0].reshape(3, 4), weights)
+
+
+@pytest.mark.parametrize("attack, says", [
+    ("replay", "replayed or out of order"),
+    ("reorder", "replayed or out of order"),
+    ("flip", "does not open with this connection's key"),
+    ("counter", "does not open with this connection's key"),
+    ("cut", "does not open"),
+    ("swap", "does not open"),
+    ("short", "shorter than a sealed one"),
+    ("no counter", "not a sealed message"),
+    ("other key", "does not open"),
+])
+def test_a_frame_altered_replayed_reordered_or_cut_short_is_refused(attack, says):
+    out, into = _pair()
+    first, second = out.seal([b"one", b"two"]), out.seal([b"three"])
+    if attack == "replay":
+        into.open([bytes(f) for f in first])
+        frames = first
+    elif attack == "reorder":
+        into.open(second)
+        frames = first
+    elif attack == "flip":
+        frames = [first[0], bytearray(first[1]), first[2]]
+        frames[1][1] ^= 1
+    elif attack == "counter":        # a later counter: the nonce differs, the tag fails
+        frames = [sealing.COUNTER.pack(7)] + first[1:]
+    elif attack == "cut":            # the first frame of two, presented as the last
+        frames = first[:2]
+    elif attack == "swap":
+        frames = [first[0], first[2], first[1]]
+    elif attack == "short":
+        frames = [first[0], b"x" * 10]
+    elif attack == "no counter":
+        frames = first[1:]
+    else:                            # sealed by another connection
+        frames = sealing.Channel(B, B).seal([b"one"])
+    with pytest.raises(sealing.SealError, match=says):
+        into.open(frames)
+
+
+def test_a_gap_is_allowed_a_message_the_binder_dropped_is_not_a_fault():
+    out, into = _pair()
+    out.seal([b"dropped at the high-water mark"])
+    assert bytes(into.open(out.seal([b"next"]))[0].buffer) == b"next"
+
+
+def test_each_direction_and_each_handshake_has_its_own_keys():
+    v = PH.verification_key(b"s" * 32, "server 0")
+    user1, _ = PH.credentials(b"s" * 32, "worker 1", "server 0")
+    user2, _ = PH.credentials(b"s" * 32, "worker 1", "server 0")
+    k1, k2 = sealing.session_keys(v, user1.decode(), "server 0"), \
+        sealing.session_keys(v, user2.decode(), "server 0")
+    assert k1[0] != k1[1] and set(k1).isdisjoint(k2)
+    assert sealing.session_keys(v, user1.decode(), "server 1") != k1     # bound to the binder
+
+
+def test_two_connections_with_one_key_each_get_their_own_session_at_a_real_port():
+    """A port bound with aesgcm keys: two DEALERs holding worker 1's key (its process,
+    and e.g. ``--leave`` dialling as it) each pass the handshake, are told apart by
+    their User-Id (``worker 1#nonce``; ``Guard.sender`` reads ``worker 1``), and each
+    one's messages open with its own keys only."""
+    keys = NodeKeys.generate_job(True, ["scheduler", "worker 1"], cipher="aesgcm")
+    assert keys["scheduler"].mode == "aesgcm"
+    ctx = zmq.Context()
+    guard = Guard(keys["scheduler"], print)
+    router = ctx.socket(zmq.ROUTER)
+    guard.server(ctx, router)
+    sealing.use(router, guard.binder_channels())
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealers = []
+    try:
+        for text in (b"first", b"second"):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            channel = Guard(keys["worker 1"], print).client(d, "scheduler")
+            d.connect(f"tcp://127.0.0.1:{port}")
+            d.send_multipart(channel.seal([text]))
+            dealers.append((d, channel))
+        got = {}
+        for _ in dealers:
+            assert router.poll(10_000)
+            frames = sealing.of(router).open(router.recv_multipart(copy=False))
+            assert guard.sender(frames[1]) == "worker 1"
+            assert frames[1].get("User-Id").startswith("worker 1#")
+            got[frames[1].bytes] = frames[0].bytes
+            router.send_multipart([frames[0].bytes] + sealing.of(router).seal(
+                frames[0].bytes, [b"back to " + frames[1].bytes]))
+        assert set(got) == {b"first", b"second"} and len(set(got.values())) == 2
+        for (d, channel), text in zip(dealers, (b"first", b"second")):
+            assert d.poll(10_000)
+            assert channel.open(d.recv_multipart(copy=False))[0].bytes == b"back to " + text
+        # a frame one connection sealed does not open on the other's session
+        d0, c0 = dealers[0]
+        d1, _ = dealers[1]
+        d1.send_multipart(c0.seal([b"spliced"]))
+        assert router.poll(10_000)
+        with pytest.raises(sealing.SealError):
+            sealing.of(router).open(router.recv_multipart(copy=False))
+    finally:
+        for d, _ in dealers:
+            d.close(0)
+        router.close(0)
+        guard.close()
+        ctx.term()
