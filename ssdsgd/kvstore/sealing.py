@@ -25,6 +25,8 @@ HKDF as documented; nothing else is built here.
 import struct
 import weakref
 
+import zmq
+
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -211,5 +213,9 @@ def use(sock, channels):
 
 
 def of(sock):
-    """The channel (a DEALER's) or channels (a ROUTER's) of ``sock``."""
-    return _BY_SOCKET.get(sock, PLAIN)
+    """The channel (a DEALER's) or channels (a ROUTER's) of ``sock``; a socket no Guard
+    prepared (open mode, a test's own) seals nothing."""
+    channels = _BY_SOCKET.get(sock)
+    if channels is None:
+        channels = PLAIN_BINDER if sock.socket_type == zmq.ROUTER else PLAIN
+    return channels
