@@ -217,5 +217,5 @@ def of(sock):
     prepared (open mode, a test's own) seals nothing."""
     channels = _BY_SOCKET.get(sock)
     if channels is None:
-        channels = PLAIN_BINDER if sock.socket_type == zmq.ROUTER else PLAIN
+        channels = PLAIN_BINDER if sock.type == zmq.ROUTER else PLAIN
     return channels
