@@ -81,6 +81,6 @@ def check_fields(what, fields, values, error, noun="field"):
 # a REPLY's ``policy`` fields ``joins`` and ``leaves``: every join and departure its
 # server decided, [[rank, from_step]] (docs/spec/membership.md rule 6; read by the
 # worker's transport and its policy checks)
-JOINS = LEAVES = (lambda v: isinstance(v, list) and len(v) <= MAX_RANK and all(
+CHANGES = (lambda v: isinstance(v, list) and len(v) <= MAX_RANK and all(
     isinstance(j, list) and len(j) == 2 and int_in(0, MAX_RANK)(j[0])
     and int_in(0, MAX_STEP)(j[1]) for j in v), "a list of [worker rank, step]")

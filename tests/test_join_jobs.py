@@ -192,13 +192,21 @@ def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_pat
     assert sum(x["samples"] for x in spans) == members.first_chunk(members.end()) * BATCH
     assert all(x["samples_per_sec"] > 0 for x in spans), spans
     assert f"3 workers, steps {s}-{members.end() - 1}: " in job.text, job.tail()
-    for e in range(3):
+    each_epoch_once(ends, per_epoch, BATCH, 3, dropped=2)
+    assert summary["final_accuracy"] > 0.8, summary
+
+
+def each_epoch_once(ends, per_epoch, batch, epochs, dropped):
+    """The workers' end records (their ``data``) trained each epoch's chunks once, whoever
+    trained them; the last epoch drops the chunks of a step that does not fit (at most
+    ``dropped``: the largest membership less one)."""
+    from test_dynamic_data import N_TRAIN
+    for e in range(epochs):
         got = [end["data"].get(str(e), {}) for end in ends]
-        perm = epoch_permutation(N_TRAIN, e, 0)[:per_epoch * BATCH].astype("int64")
+        perm = epoch_permutation(N_TRAIN, e, 0)[:per_epoch * batch].astype("int64")
         batches = sum(g.get("batches", 0) for g in got)
-        if e < 2:      # the last epoch drops the chunks of a step that does not fit
+        if e < epochs - 1:
             assert batches == per_epoch, (e, got)
             assert sum(g.get("index_sum", 0) for g in got) == int(perm.sum()), e
         else:
-            assert per_epoch - 2 <= batches <= per_epoch, (e, got)
-    assert summary["final_accuracy"] > 0.8, summary
+            assert per_epoch - dropped <= batches <= per_epoch, (e, got)

@@ -52,9 +52,10 @@ def _join(sched, ident, rank):
                             "routing_id": "ab" * 8 + ident.hex()}, None)
 
 
-def _refusal(sched, ident, rank):
+def _refusal(sched, ident, rank, ask=_join):
+    """The one line ``ask`` (a join, or ``_leave``) is refused with."""
     with pytest.raises(P.ProtocolError) as e:
-        _join(sched, ident, rank)
+        ask(sched, ident, rank)
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -119,10 +120,7 @@ def _leave(sched, ident, rank):
 
 
 def _leave_refusal(sched, ident, rank):
-    with pytest.raises(P.ProtocolError) as e:
-        _leave(sched, ident, rank)
-    assert "\n" not in str(e.value)
-    return str(e.value)
+    return _refusal(sched, ident, rank, _leave)
 
 
 def test_a_departure_is_refused_in_one_line_or_asks_the_servers_and_tells_who_must_hear(job):

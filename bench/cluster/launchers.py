@@ -53,7 +53,7 @@ class NetnsLauncher(LocalLauncher):
 
     def __init__(self, layout, security='aesgcm'):
         self.layout = layout
-        self.secure = security not in ('plain', False)
+        self.secure = security != 'plain'
         self.cipher = security if security in ('curve', 'aesgcm') else 'curve'
         self.scheduler_host = layout.address('scheduler', 0)
 

@@ -93,22 +93,31 @@ class Joins:
             raise P.ProtocolError(f"JOIN from a {node['role']} that answers no join")
         if self.admissions is None:
             raise P.ProtocolError("JOIN in a job that takes no joiner")
-        try:
-            decision = self.admissions.answer(ident, meta)
-        except JoinError as e:
-            raise P.ProtocolError(str(e)) from None
+        decision = self._decided(self.admissions, P.Kind.JOIN, ident, meta)
         if decision is None:
             return
         rank = decision["joined"]
         self.joined.append({"rank": rank, "from_step": decision["from_step"],
                             "time": time.time()})
-        for i, n in self.nodes.items():
-            if n["role"] == "server" or n["rank"] == rank and n["role"] == "worker":
-                self._send(i, P.Kind.JOIN, decision)
         workers = len(self._members("worker"))
         self.log(f"worker {rank} joins the job at step {decision['from_step']}; the servers "
                  f"aggregate {workers} workers from then on")
         self._record()
+
+    def _decided(self, decider, kind, ident, meta):
+        """Server ``ident``'s answer to a join or departure ``decider`` (joins.Admissions)
+        is deciding; once every server answered, the decision, which every server and
+        the worker it is about hear (``kind``), else None."""
+        try:
+            decision = decider.answer(ident, meta)
+        except JoinError as e:
+            raise P.ProtocolError(str(e)) from None
+        if decision is not None:
+            rank = decision[decider.field]
+            for i, n in self.nodes.items():
+                if n["role"] == "server" or n["rank"] == rank and n["role"] == "worker":
+                    self._send(i, kind, decision)
+        return decision
 
     # ---- departures ---------------------------------------------------------------------
     def _leave(self, ident, meta, frame):
@@ -147,19 +156,13 @@ class Joins:
     def _leave_answer(self, ident, meta):
         """LEAVE from a server: the first step it holds from; once every server answered,
         every server, the leaver and the asker hear the step it pushes no more from."""
-        try:
-            decision = self.departures.answer(ident, meta)
-        except JoinError as e:
-            raise P.ProtocolError(str(e)) from None
+        decision = self._decided(self.departures, P.Kind.LEAVE, ident, meta)
         if decision is None:
             return
         rank = decision["leaving"]
         self.departed[rank] = {"rank": rank, "from_step": decision["from_step"],
                                "time": time.time()}
         asker = self.leave_askers.pop(rank, None)
-        for i, n in self.nodes.items():
-            if n["role"] == "server" or n["rank"] == rank and n["role"] == "worker":
-                self._send(i, P.Kind.LEAVE, decision)
         if asker is not None and asker not in self.nodes:
             self._send(asker, P.Kind.LEAVE, decision)
         left = len(self._members("worker")) - 1

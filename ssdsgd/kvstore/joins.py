@@ -23,9 +23,9 @@ def joins_of(policy, field="joins"):
     ``field`` (``joins`` or ``leaves``), or {}; JoinError in one line if it is malformed."""
     if not policy or field not in policy:
         return {}
-    check = F.JOINS if field == "joins" else F.LEAVES
-    if not check[0](policy[field]):
-        raise JoinError(f"a REPLY's {field} must be {check[1]}, got {F.short(policy[field])}")
+    if not F.CHANGES[0](policy[field]):
+        raise JoinError(f"a REPLY's {field} must be {F.CHANGES[1]}, got "
+                        f"{F.short(policy[field])}")
     return {rank: step for rank, step in policy[field]}
 
 
@@ -63,6 +63,10 @@ def leave_refusal(rank, members, leaving, finished):
     return None
 
 
+# what a decider says of its changes: the message kind, the noun, the participle
+_WORDS = {"joined": ("JOIN", "join", "joining"), "leaving": ("LEAVE", "departure", "leaving")}
+
+
 class Admissions:
     """The joins (``field`` ``joined``) or departures (``leaving``) being decided: rank ->
     the servers still to answer and the largest step they named. ``boundary(step)``: the
@@ -73,14 +77,13 @@ class Admissions:
     def __init__(self, boundary, field="joined"):
         self.boundary, self.field = boundary, field
         self.pending = {}
-        self._kind = "JOIN" if field == "joined" else "LEAVE"
+        self._kind, self._noun, self._doing = _WORDS[field]
 
     def begin(self, rank, servers):
         """Worker ``rank`` asked to join or leave; ``servers`` (the scheduler's
         connections) are asked to hold."""
         if rank in self.pending:
-            raise JoinError(f"worker {rank} is {'joining' if self._kind == 'JOIN' else 'leaving'} "
-                            "already")
+            raise JoinError(f"worker {rank} is {self._doing} already")
         self.pending[rank] = {"waiting": set(servers), "step": 0}
 
     def answer(self, server, meta):
@@ -88,8 +91,7 @@ class Admissions:
         ``{joined | leaving, from_step}`` once every server has answered, else None."""
         change = self.pending.get(meta.get(self.field))
         if change is None or server not in change["waiting"] or "next_step" not in meta:
-            raise JoinError(f"{self._kind}: not an answer to a "
-                            f"{'join' if self._kind == 'JOIN' else 'departure'}")
+            raise JoinError(f"{self._kind}: not an answer to a {self._noun}")
         change["waiting"].discard(server)
         change["step"] = max(change["step"], meta["next_step"])
         if change["waiting"]:

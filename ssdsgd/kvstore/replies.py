@@ -74,7 +74,7 @@ class Replies:
         # ...]}: on every reply sent from then on, which is how the workers hear of it in
         # time (docs/spec/membership.md rule 6; a new object per change, so encoded
         # replies differ)
-        self.joins = None
+        self.changes = None
         self._relayed = []      # complete replies that may travel through a chain of workers
         self.hold = None        # takes the complete held replies (backup.Backup.hold)
 
@@ -168,17 +168,18 @@ class Replies:
             self._snapshot(reply, i, shard)
 
     def _policy(self, reply):
-        """The ``policy`` meta of ``reply``: the policy's note and the joins admitted."""
-        if self.joins is None:
+        """The ``policy`` meta of ``reply``: the policy's note and the membership changes
+        decided."""
+        if self.changes is None:
             return reply.policy
-        return self.joins if reply.policy is None else dict(reply.policy, **self.joins)
+        return self.changes if reply.policy is None else dict(reply.policy, **self.changes)
 
-    def admitted(self, rank, from_step, field="joins"):
-        """Worker ``rank`` joined (``field`` ``joins``) or leaves (``leaves``) from
+    def announce(self, rank, from_step, field):
+        """Worker ``rank`` joins (``field`` ``joins``) or leaves (``leaves``) from
         ``from_step``: every reply from now on says so."""
-        changes = dict(self.joins or {})
+        changes = dict(self.changes or {})
         changes[field] = changes.get(field, []) + [[rank, from_step]]
-        self.joins = changes
+        self.changes = changes
 
     @staticmethod
     def note(reply, fields):
@@ -230,7 +231,7 @@ class Replies:
         if reply.relay:
             self._relayed.append(reply)
             return
-        sig = (tuple(reply.records), reply.lr, id(reply.policy), id(self.joins))
+        sig = (tuple(reply.records), reply.lr, id(reply.policy), id(self.changes))
         body = self._encoded.get(sig)
         if body is None:
             meta = {"lr": reply.lr} if reply.lr is not None else {}

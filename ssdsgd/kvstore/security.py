@@ -391,9 +391,8 @@ class Guard:
         port: ``scheduler``, ``server R``, ``worker R``): prove that this is the job's.
         Returns the connection's channel (``sealing``): what every message sent on it
         goes through, and every message received."""
-        if self.keys is None:
-            return sealing.PLAIN
-        return sealing.use(sock, self.keys.connect(sock, peer) or sealing.PLAIN)
+        channel = self.keys.connect(sock, peer) if self.keys is not None else None
+        return sealing.use(sock, channel or sealing.PLAIN)
 
     def binder_channels(self):
         """The channels of a port this process bound with ``server`` (by connection)."""

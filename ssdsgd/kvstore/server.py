@@ -270,7 +270,7 @@ class Server:
                                      lost="answer to a join")
             elif "from_step" in meta:
                 actions = self.policy.admit(rank, meta["from_step"])
-                self.replies.admitted(rank, meta["from_step"])
+                self.replies.announce(rank, meta["from_step"], "joins")
                 self.log(f"worker {rank} joined; aggregating it from step {meta['from_step']}")
                 self._carry_out(actions)
         except self.policy.Error as e:
@@ -291,7 +291,7 @@ class Server:
                                      lost="answer to a departure")
             else:
                 actions = self.policy.depart(rank, meta["from_step"])
-                self.replies.admitted(rank, meta["from_step"], "leaves")
+                self.replies.announce(rank, meta["from_step"], "leaves")
                 self.log(f"worker {rank} leaves; aggregating without it from step "
                          f"{meta['from_step']}")
                 self._carry_out(actions)

@@ -138,8 +138,8 @@ class HostDiscovery:
     def _remove(self, host):
         """``host`` is no longer listed: each worker this loop started there leaves the
         job; False while one of them is still joining (asked again at the next poll)."""
-        ranks, unclaimed = self._ranks_on(host)
-        if not ranks and not unclaimed:
+        ranks, retry = self._ranks_on(host)
+        if not ranks and not retry:
             if host in self.started and host not in self.job_hosts:
                 self.log(f"host discovery: {host} is no longer listed; no worker of the "
                          "job runs there")
@@ -149,7 +149,7 @@ class HostDiscovery:
                 step = leave(self.run_dir, rank, wait_s=SCRIPT_TIMEOUT_S)
             except JoinRefused as e:
                 if "still joining" in str(e) or "is not in the job" in str(e):
-                    unclaimed = True     # not registered yet: ask at the next poll
+                    retry = True         # not registered yet: ask at the next poll
                     continue
                 self.log(f"host discovery: {host} is no longer listed; {e}")
                 self.gone.add(rank)
@@ -158,7 +158,7 @@ class HostDiscovery:
             self.started[host] -= 1
             self.log(f"host discovery: {host} is no longer listed; worker {rank} leaves the "
                      f"job at step {step}")
-        return not unclaimed
+        return not retry
 
     def _ranks_on(self, host):
         """(ranks of the running joiners this loop started on ``host``, from the claim

@@ -40,8 +40,8 @@ _RECORD = {"rule": (F.one_of("auto"), True), "rounds": (F.STEP, True),
 # ``joins``, ``leaves``: every join and departure the server decided, [[rank,
 # from_step], ...] (docs/spec/membership.md rule 6: how the workers hear of a change
 # before its step)
-REPLY = {"quorum_auto": (F.OBJ, False), "joins": (F.JOINS, False),
-         "leaves": (F.LEAVES, False)}
+REPLY = {"quorum_auto": (F.OBJ, False), "joins": (F.CHANGES, False),
+         "leaves": (F.CHANGES, False)}
 
 
 def reply_fields(given):
