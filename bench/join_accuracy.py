@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A worker that joins late: does the job end as well as one that had it from the start?
 
-    .venv/bin/python bench/join_accuracy.py [--seeds 0-4] [--join-at 0.3] [--k 4]
+    .venv/bin/python bench/join_accuracy.py [--seeds 0-4] [--join-at 0.3] [--k K]
                                             [--step-delay 0.03] [--json FILE] [--out DIR]
 
 Issue 29 asks for it: "a 3-worker ssd job whose third worker joins late ends within 1
@@ -16,13 +16,12 @@ run once per seed:
                  starts the third (it joins at the next pull boundary the servers agree on)
 
 A third row, ``defaults``, is the demo with 3 workers exactly as a user starts it (k,
-warm-up and relay at auto, no pacing), beside the two. The other two rows pin what a
-job that takes joiners must (docs/spec/membership.md, refused with
-joins): ``sync.delay_steps`` (``--k``; auto's choice is made at the end of the warm-up and
-not yet agreed with a joiner) and ``sync.pull_relay: off``. Everything else is the
-demo's. Every worker sleeps ``--step-delay`` s a step (``debug.slowdown``, both rows
-alike; it changes no arithmetic) so that the 2-worker job lasts long enough for a
-joiner's start-up (MXNet's import, about 2-3 s here) to land inside it.
+warm-up and relay at auto, no pacing), beside the two. The other two rows keep the
+demo's settings too (k and the relay at auto: a job that takes joiners never relays;
+``--k`` pins k in both), and every worker sleeps ``--step-delay`` s a step
+(``debug.slowdown``, both rows alike; it changes no arithmetic) so that the 2-worker job
+lasts long enough for a joiner's start-up (MXNet's import, about 2-3 s here) to land
+inside it.
 
 Reported per row, MLPerf's aggregate over the seeds (drop the highest and the lowest,
 mean of the rest) with the spread: the final test accuracy of the global model, and
@@ -65,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=parse_seeds, default=parse_seeds("0-4"))
     p.add_argument("--join-at", type=float, default=0.3,
                    help="start the joiner once rank 0 has done this share of its steps")
-    p.add_argument("--k", type=int, default=4, help="sync.delay_steps, both rows")
+    p.add_argument("--k", type=int, default=None,
+                   help="pin sync.delay_steps in the paced rows (default: auto, as the demo)")
     p.add_argument("--step-delay", type=float, default=0.03,
                    help="seconds every worker sleeps a step, both rows")
     p.add_argument("--json", help="also write the figures here")
@@ -75,13 +75,14 @@ def parse_args(argv=None):
 
 def job_args(args, seed, out, workers, max_workers=None, defaults=False):
     """``defaults``: the demo as a user starts it with 3 workers (k, warm-up and relay at
-    auto, no pacing); else the rows a join needs, pinned and paced."""
+    auto, no pacing); else the paced rows (``--k`` pins k in them)."""
     sets = {"cluster.workers": workers, "train.seed": seed, "output.dir": out,
             "output.plots": "false"}
     if not defaults:
         delays = ",".join(f"{r}={args.step_delay}" for r in range(3))
-        sets.update({"sync.delay_steps": args.k, "sync.pull_relay": '"off"',
-                     "debug.slowdown": f"delay:{delays}"})
+        sets["debug.slowdown"] = f"delay:{delays}"
+        if args.k is not None:
+            sets["sync.delay_steps"] = args.k
     if max_workers:
         sets["cluster.max_workers"] = max_workers
     out_args = [sys.executable, str(LAUNCH), str(CONFIG)]
@@ -144,6 +145,8 @@ def run_row(args, seed, base, system):
            "joiner_rc": joiner_rc, "job_s": wall,
            "final_accuracy": summary.get("final_accuracy"),
            "samples_per_s": summary.get("samples_per_sec"),
+           "k": summary.get("delay_steps"),
+           "relay": (summary.get("choices") or {}).get("pull_relay", {}).get("value"),
            "status": "ok" if rc == 0 and joiner_rc in (None, 0) and summary else "failed"}
     if joining:
         joined = summary.get("workers_joined") or [{}]
@@ -184,7 +187,7 @@ def main(argv=None):
     diffs = [100 * (r["final_accuracy"] - three[r["seed"]]["final_accuracy"])
              for r in rows if r["system"] == "join" and r["status"] == "ok"
              and r["seed"] in three]
-    print(f"\nseeds {args.seeds}; k = {args.k}, relay off, {args.step_delay} s a step; "
+    print(f"\nseeds {args.seeds}; k = {args.k or 'auto'}, {args.step_delay} s a step; "
           f"joiner started at {args.join_at:.0%} of the 2-worker job's steps; runs in {base}")
     print("| row | runs | final accuracy | samples/s (job) | joined at step | "
           "samples/s before join | samples/s after join |")

@@ -306,12 +306,21 @@ def test_a_resumed_worker_keeps_the_k_its_job_chose():
         m.load_state_dict(arrays, meta)
         assert m.schedule.delay_steps == k
         assert "before the restart" in m.schedule.choices["delay_steps"]["why"]
+    # and the job agrees on it again once, so the scheduler knows it (a joiner's step)
+    again.run(2)
+    assert [m.client.barriers for m in again.machines] == [[auto.encode_choice(
+        k, False, "none")]] * 2
+    assert [m.schedule.delay_steps for m in again.machines] == [k] * 2
 
 
-def test_no_warmup_and_k_auto_takes_the_fallback_on_every_worker_without_agreeing():
+def test_no_warmup_and_k_auto_takes_the_fallback_on_every_worker_agreed_at_one_barrier():
+    """Nothing to time, so k is the fallback; the workers still agree on it once, at the
+    barrier the scheduler keeps, so a join's step can be known (stage.join_boundary)."""
     job = Job(2, algorithm="ssd", warmup_steps=0, delay_steps="auto", local_rule="sgd")
     job.run(6)
     assert [m.schedule.delay_steps for m in job.machines] == [auto.K_UNTIMED] * 2
+    fallback = auto.encode_choice(auto.K_UNTIMED, False, "none")
+    assert [m.client.barriers for m in job.machines] == [[fallback]] * 2
 
 
 # ---- a real job ---------------------------------------------------------------------------

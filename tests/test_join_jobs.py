@@ -13,11 +13,14 @@ from conftest import load_npz
 from jobs import dist, launch_args
 from ssdsgd.data import epoch_permutation
 from ssdsgd.glu.simulate_membership import Change, simulate_membership
+from ssdsgd.sync import auto
 from ssdsgd.sync.membership import Membership
+from ssdsgd.sync.stage import join_boundary
 from test_quorum import _trainer_keys
 from test_ssd_oracle import _equal_to_the_simulation
 
 N, PER_EPOCH, EPOCHS, BATCH, WAIT_AT = 2, 8, 3, 8, 5
+LONG = 24     # chunks per epoch where k may be 10: a join after the warm-up may come at 24
 TIMEOUT = 90
 
 
@@ -57,33 +60,37 @@ def _simulated(joins, algorithm="ssgd", lr_step=0, leaves=None, n=N, per_epoch=P
                                               changes, algorithm=algorithm, **sync)
 
 
-def _job(tmp_path, env, max_workers=3, script_args=()):
+def _job(tmp_path, env, max_workers=3, script_args=(), wait_at=WAIT_AT, per_epoch=PER_EPOCH):
     go = tmp_path / "go"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
-                              "--wait-at", WAIT_AT, "--go", go, *script_args],
+    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", per_epoch, "--epochs", EPOCHS,
+                              "--wait-at", wait_at, "--go", go, *script_args],
                        env=dict({"SSDSGD_MAX_WORKERS": max_workers, "SSDSGD_PULL_RELAY": "off",
                                  "SSDSGD_BIGARRAY_BOUND": 100}, **env),
                        script="join_worker.py")
     return dist(["--run-dir", run_dir, *args]), run_dir, go
 
 
-def _joined_run(tmp_path, env, refused=None, script_args=()):
-    """A 2-worker job, a third joining while the first two wait at step WAIT_AT;
-    ``refused`` (a list): the one-line errors of a fourth joiner while the job is at
-    cluster.max_workers, and of one once it has ended."""
-    job, run_dir, go = _job(tmp_path, env, script_args=script_args)
+def _joined_run(tmp_path, env, refused=None, script_args=(), wait_at=WAIT_AT,
+                per_epoch=PER_EPOCH, waiting=()):
+    """A 2-worker job, a third joining while the first two wait at step ``wait_at``
+    (once ``waiting``, the ranks said so); ``refused`` (a list): the one-line errors of a
+    fourth joiner while the job is at cluster.max_workers, and of one once it has ended."""
+    job, run_dir, go = _job(tmp_path, env, script_args=script_args, wait_at=wait_at,
+                            per_epoch=per_epoch)
     with job:
         job.wait_for(lambda: (run_dir / "join.json").exists(), 60, "join.json")
         job.wait_for("job started", 60)
+        for r in waiting:
+            job.wait_for(f"rank {r} waits before step {wait_at}", 60)
         joiner = dist(["--join", run_dir])
         with joiner:
             job.wait_for("asks to join", 60)
             if refused is not None:
                 refused.append(_refused(run_dir))
             go.touch()
-            assert joiner.wait(TIMEOUT) == 0, joiner.tail()
+            assert joiner.wait(TIMEOUT) == 0, joiner.tail() + "\n" + job.tail()
             assert job.wait(TIMEOUT) == 0, job.tail()
     if refused is not None:
         refused.append(_refused(run_dir))
@@ -101,15 +108,16 @@ def _refused(run_dir):
     return lines[0]
 
 
-def _check(tmp_path, records, algorithm="ssgd", lr_step=0, **sync):
+def _check(tmp_path, records, algorithm="ssgd", lr_step=0, wait_at=WAIT_AT,
+           per_epoch=PER_EPOCH, **sync):
     s = records[2]["joined_from"]
-    assert s is not None and s > WAIT_AT, records[2]
+    assert s is not None and s > wait_at, records[2]
     # every worker saw the same join, and trained the chunks Membership gives it
     assert all(r["joins"] == {"2": s} for r in records), records
-    keys, members, ref = _simulated({2: s}, algorithm, lr_step, **sync)
+    keys, members, ref = _simulated({2: s}, algorithm, lr_step, per_epoch=per_epoch, **sync)
     for rank, r in enumerate(records):
         first = 0 if rank < N else s
-        assert r["chunks"] == [members.chunk(rank, t)[0] * PER_EPOCH + members.chunk(rank, t)[1]
+        assert r["chunks"] == [members.chunk(rank, t)[0] * per_epoch + members.chunk(rank, t)[1]
                                for t in range(first, members.end())], (rank, r)
     # the budget, every chunk once
     assert sorted(c for r in records for c in r["chunks"]) == list(range(
@@ -152,19 +160,53 @@ def test_a_worker_joins_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(tm
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+@pytest.mark.parametrize("wait_at, when", [(2, "in the warm-up"), (3, "at its end"),
+                                           (5, "after it"), (3, "while they agree")])
+def test_a_worker_joins_an_ssd_job_with_the_defaults_as_the_simulator(tmp_path, wait_at,
+                                                                       when):
+    """ssd with every sync setting at its default: T_w auto (5 % of a run stated as 12
+    steps: 4), k auto, the relay auto (off: the job takes joiners). The join comes in the
+    warm-up (the joiner takes part in the agreement on k), at its end (it agrees before
+    its first step), after it (the scheduler decides its step from the k agreed, and the
+    joiner hears that k at once), or while they agree: worker 1 waits before the warm-up's
+    last step, which worker 0 pushed, so the servers hold from step 4 = T_w and the step
+    waits until the agreement names k. Every worker runs the k rank 0 chose, and the
+    weights are the simulator's with it."""
+    agreeing = when == "while they agree"
+    job, joiner, records = _joined_run(tmp_path, {
+        "SSDSGD_ALGORITHM": "ssd", "SSDSGD_PULL_RELAY": "auto", "SSDSGD_TOTAL_STEPS": 12},
+        wait_at=wait_at, per_epoch=LONG, script_args=["--wait-rank", 1] if agreeing else (),
+        waiting=[1] if agreeing else ())
+    if agreeing:
+        assert "worker 2's join waits for the workers' agreement" in job.text, job.tail()
+        wait_at += 1        # worker 0 pushed the step worker 1 waits before
+    warmup = records[0]["warmup_steps"]
+    k = records[0]["delay_steps"]
+    assert warmup == 4 and auto.K_MIN <= k <= auto.K_MAX, records[0]
+    assert all((r["warmup_steps"], r["delay_steps"]) == (warmup, k) for r in records), records
+    s = _check(tmp_path, records, "ssd", wait_at=wait_at, per_epoch=LONG, warmup_steps=warmup,
+               delay_steps=k, glu_state="exact")      # the job's default
+    assert s == join_boundary("ssd", warmup, k)(wait_at), (s, k)
+    if wait_at >= warmup:
+        assert (s - warmup) % k == 0 and s - 1 - k >= wait_at, (s, k)
+    assert "pull relay off (auto: off, this job cannot relay" in job.text, job.tail()
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd", "defaults"])
 def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_path,
                                                                          algorithm):
     """``python -m ssdsgd.train`` (digits): a third worker joins with --join; the
     batches follow the membership (rule 7), so each epoch's chunks are trained once
     whoever trains them, and the summary records the join. ssd: T_w = 8, k = 4 (the
-    relay off, quoted: YAML reads a bare off as false)."""
+    relay off, quoted: YAML reads a bare off as false); defaults: ssd with T_w, k and the
+    relay at auto."""
     from test_e2e_configs import records, run_dir_of, sets
     from test_dynamic_data import BATCH, N_TRAIN
     ssd = ({"sync__warmup_steps": 8, "sync__delay_steps": 4, "sync__pull_relay": '"off"'}
            if algorithm == "ssd" else {})
     job = dist(["configs/digits.yaml", *sets(
-        sync__algorithm=algorithm, cluster__max_workers=3, **ssd,
+        sync__algorithm=algorithm.replace("defaults", "ssd"), cluster__max_workers=3, **ssd,
         data__batch_size=BATCH, train__epochs=3, train__log_interval=4,
         output__plots="false", output__dir=tmp_path,
         debug__slowdown="delay:0=0.1,1=0.1")])
@@ -194,6 +236,10 @@ def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_pat
     assert f"3 workers, steps {s}-{members.end() - 1}: " in job.text, job.tail()
     each_epoch_once(ends, per_epoch, BATCH, 3, dropped=2)
     assert summary["final_accuracy"] > 0.8, summary
+    if algorithm == "defaults":
+        assert summary["choices"]["delay_steps"]["why"].startswith("auto"), summary
+        assert summary["choices"]["pull_relay"]["value"] == "off", summary
+        assert {e["kv"]["delay_steps"] for e in ends} == {summary["delay_steps"]}, ends
 
 
 def each_epoch_once(ends, per_epoch, batch, epochs, dropped):

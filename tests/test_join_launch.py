@@ -1,6 +1,7 @@
 """cluster.max_workers and ``launch/dist.py --join`` short of a running job: the settings'
 one-line refusals, the keys of the spare ranks, RUN_DIR/join.json and the claims of
 spare ranks (docs/spec/membership.md). In process, no MXNet, no job."""
+import dataclasses
 import json
 import os
 import stat
@@ -13,7 +14,9 @@ import pytest
 from ssdsgd import settings as S
 from ssdsgd.config import ConfigError, cluster_env, parse_config
 from ssdsgd.kvstore.security import KeyFile, identity, load_keys
+from ssdsgd.kvstore.env import NodeEnv
 from ssdsgd.launch import joining
+from ssdsgd.sync.auto import relay_listens
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,9 +48,6 @@ def test_max_workers_unset_is_the_workers_and_writes_no_variable():
     ({"sync": {"algorithm": "localsgd"}}, ["sync.algorithm", "'localsgd'"]),
     ({"sync": {"algorithm": "ssd", "delay_steps": 3, "pull_schedule": "staggered"}},
      ["sync.pull_schedule: aligned only"]),
-    ({"sync": {"algorithm": "ssd"}}, ["sync.delay_steps: an integer only"]),
-    ({"sync": {"algorithm": "ssd", "delay_steps": 3, "pull_relay": "auto"}},
-     ["sync.pull_relay: off only", "'auto'"]),
     ({"sync": {"pull_relay": "chain"}}, ["sync.pull_relay: off only", "'chain'"]),
     ({"cluster": {"servers": 2, "server_replicas": 1}}, ["cluster.server_replicas"]),
     ({"cluster": {"scheduler_restarts": 1}}, ["cluster.scheduler_restarts"]),
@@ -62,7 +62,17 @@ def test_a_job_that_cannot_take_joiners_is_refused_in_one_line(sections, words):
         assert word in msg, msg
 
 
-def test_ssd_with_a_fixed_k_and_ssgd_take_joiners():
+def test_ssd_with_its_defaults_or_a_fixed_k_and_ssgd_take_joiners():
+    """sync.delay_steps and sync.pull_relay at auto (the defaults) take joiners: k is
+    agreed where the scheduler keeps it, and auto never relays in such a job."""
+    defaults = parse_config({"model": {"name": "digits_mlp"}, "data": {"dataset": "digits"},
+                             "cluster": {"workers": 3, "max_workers": 4}})
+    assert defaults.sync.algorithm == "ssd" and defaults.sync.delay_steps == "auto"
+    assert defaults.sync.pull_relay == "auto"
+    env = NodeEnv.from_environ(cluster_env(defaults) | {"SSDSGD_SCHEDULER_PORT": "9000",
+                                                         "SSDSGD_ROLE": "worker"})
+    assert not relay_listens(env)
+    assert relay_listens(dataclasses.replace(env, max_workers=None))
     assert _config(sync={"algorithm": "ssd", "delay_steps": 3}).cluster.max_workers == 3
     assert _config().sync.algorithm == "ssgd"
     env = {"SSDSGD_SCHEDULER_PORT": "9000", "SSDSGD_NUM_WORKERS": "2",

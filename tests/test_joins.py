@@ -6,9 +6,11 @@ import re
 import numpy as np
 import pytest
 
+from ssdsgd.kvstore.barriers import Barriers
 from ssdsgd.kvstore.joins import Admissions, JoinError, refusal
 from ssdsgd.sync.dense import Async, DenseSync
 from ssdsgd.sync.policy import PolicyError
+from ssdsgd.sync import auto
 from ssdsgd.sync.stage import join_boundary
 from test_server_policies import Executor, g, kinds
 
@@ -32,6 +34,47 @@ def test_ssd_joins_in_the_warm_up_or_at_a_pull_boundary_the_workers_hear_of_in_t
     s = join_boundary("ssd", 4, 3)(held)
     assert s == expected
     assert s <= 4 or ((s - 4) % 3 == 0 and s - 1 - 3 >= held)
+
+
+def test_with_k_auto_a_join_after_the_warm_up_waits_for_the_workers_agreement():
+    """T_w 4, k auto: a join in the warm-up needs no k; one after it is decided once the
+    workers' agreement (the barrier the scheduler keeps) names k, and not before."""
+    agreed = {}
+    boundary = join_boundary("ssd", 4, None)
+    a = Admissions(lambda held: boundary(held, agreed))
+    a.begin(2, [b"s0"])
+    assert a.answer(b"s0", {"joined": 2, "next_step": 2}) == {"joined": 2, "from_step": 3}
+    a.begin(3, [b"s0", b"s1"])
+    assert a.answer(b"s0", {"joined": 3, "next_step": 5}) is None
+    assert a.answer(b"s1", {"joined": 3, "next_step": 4}) is None    # every server answered
+    assert a.settle() == [] and 3 in a.pending                      # but k is not known
+    agreed[auto.AGREEMENT] = auto.encode_choice(3, False, "none")
+    assert a.settle() == [{"joined": 3, "from_step": 10}] and not a.pending
+    assert a.settle() == []
+
+
+def test_a_barrier_that_makes_an_agreement_keeps_its_value_for_those_who_come_later():
+    b = Barriers()
+    assert b.arrive("worker", b"w0", 7, [b"w0", b"w1"], "auto_choice") is None
+    with pytest.raises(ValueError, match="agreement None while the others wait at one of "
+                                         "'auto_choice'"):
+        b.arrive("worker", b"w1", 0, [b"w0", b"w1"])
+    assert b.arrive("worker", b"w1", 0, [b"w0", b"w1"], "auto_choice") == (
+        "worker", {b"w0", b"w1"}, 7)
+    assert b.agreed == {"auto_choice": 7}
+    # a worker that joined later hears the agreed value at once, whoever else is there
+    assert b.arrive("worker", b"w2", 0, [b"w0", b"w1", b"w2"], "auto_choice") == (
+        "worker", {b"w2"}, 7)
+    # an ordinary barrier keeps nothing
+    assert b.arrive("worker", b"w0", 1, [b"w0"]) == ("worker", {b"w0"}, 1)
+    assert b.agreed == {"auto_choice": 7}
+
+
+@pytest.mark.parametrize("value", [(2, False, "none"), (10, True, "2bit"), (7, False, "topk")])
+def test_a_choice_survives_its_barrier_value(value):
+    assert auto.decode_choice(auto.encode_choice(*value)) == value
+    assert auto.agreed_k({auto.AGREEMENT: auto.encode_choice(*value)}) == value[0]
+    assert auto.agreed_k({}) is None
 
 
 @pytest.mark.parametrize("server, meta", [

@@ -42,7 +42,7 @@ def _keys_swapped(path, holder, rank):
         path.write_text(original)
 
 
-def _left_run(tmp_path, env, refused=None):
+def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH):
     """A 3-worker job; worker 2 asked to leave while all three wait before step
     WAIT_AT. ``refused``: the one-line errors of --leave for rank 0, for a rank the job
     never had, for worker 2 again, with worker 1's key for worker 2, and once the job
@@ -50,7 +50,7 @@ def _left_run(tmp_path, env, refused=None):
     go = tmp_path / "go"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
+    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", per_epoch, "--epochs", EPOCHS,
                               "--wait-at", WAIT_AT, "--go", go],
                        env=dict({"SSDSGD_MAX_WORKERS": N + 1, "SSDSGD_PULL_RELAY": "off",
                                  "SSDSGD_BIGARRAY_BOUND": 100}, **env),
@@ -76,15 +76,15 @@ def _left_run(tmp_path, env, refused=None):
     return job, leaver, records
 
 
-def _check(tmp_path, records, algorithm="ssgd", **sync):
+def _check(tmp_path, records, algorithm="ssgd", per_epoch=PER_EPOCH, **sync):
     s = records[0]["leaves"]["2"]
     assert s >= WAIT_AT, records[0]
     assert all(r["leaves"] == {"2": s} for r in records), records
     assert records[2]["end"] == s, records[2]          # it pushed the steps before s only
-    keys, members, ref = _simulated({}, algorithm, leaves={2: s}, n=N, per_epoch=PER_EPOCH,
+    keys, members, ref = _simulated({}, algorithm, leaves={2: s}, n=N, per_epoch=per_epoch,
                                     epochs=EPOCHS, **sync)
     for rank, r in enumerate(records):
-        assert r["chunks"] == [members.chunk(rank, t)[0] * PER_EPOCH + members.chunk(rank, t)[1]
+        assert r["chunks"] == [members.chunk(rank, t)[0] * per_epoch + members.chunk(rank, t)[1]
                                for t in range(min(members.end(), r["end"]))], (rank, r)
     assert sorted(c for r in records for c in r["chunks"]) == list(range(
         members.first_chunk(members.end())))
@@ -129,6 +129,21 @@ def test_a_worker_leaves_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(t
                                                 "SSDSGD_GLU_STATE": "exact"})
     assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2,
                   glu_state="exact") in (7, 9)
+
+
+@pytest.mark.system
+def test_a_worker_leaves_an_ssd_job_with_the_defaults_as_the_simulator(tmp_path):
+    """ssd with every sync setting at its default (T_w auto of a run stated as 12 steps:
+    4; k and the relay auto): the departure, asked after the warm-up, comes at a pull
+    boundary of the k the workers agreed on, which the scheduler kept."""
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                "SSDSGD_PULL_RELAY": "auto",
+                                                "SSDSGD_TOTAL_STEPS": 12}, per_epoch=27)
+    warmup, k = records[0]["warmup_steps"], records[0]["delay_steps"]
+    assert warmup == 4 and all(r["delay_steps"] == k for r in records), records
+    s = _check(tmp_path, records, "ssd", per_epoch=27, warmup_steps=warmup, delay_steps=k,
+               glu_state="exact")
+    assert (s - warmup) % k == 0 and s - 1 - k >= WAIT_AT - 1, (s, k)
 
 
 @pytest.mark.system

@@ -131,7 +131,7 @@ class FakeClient:
     def load_residuals(self, residuals):
         assert residuals == {}
 
-    def barrier(self, value=0):
+    def barrier(self, value=0, agreement=None):
         """The scheduler's barrier: returns once every worker is in, with the largest
         value any passed (how rank 0 tells the others a decision)."""
         server = self.server

@@ -2,19 +2,35 @@
 ``all``), the largest value any of them passed (so rank 0 can tell all a decision), and
 when every member of the group is there. A pure decider (as ``removals.py``): the
 scheduler sends the releases; ``liveness.failed`` reads ``waiting`` (a worker waiting at a
-barrier is never the stuck one)."""
+barrier is never the stuck one).
+
+A barrier may carry an ``agreement`` name: its released value is kept (``agreed``), and a
+node that arrives at an agreement already made (a worker that joined the job later) hears
+that value at once instead of waiting: it takes what the others agreed on. The transport
+does not know what the value means; the node wiring does (a join's step may depend on
+it, ``ssdsgd/sync/stage.py:join_boundary``)."""
 
 
 class Barriers:
     def __init__(self):
         self.waiting = {}     # group -> the connections waiting at its barrier
         self.values = {}      # group -> the largest value passed to the waiting barrier
+        self.names = {}       # group -> the agreement the waiting barrier makes, if any
+        self.agreed = {}      # agreement name -> the value it was released with
 
-    def arrive(self, group, ident, value, members):
+    def arrive(self, group, ident, value, members, agreement=None):
         """Connection ``ident`` waits at ``group``'s barrier (``members``: the group's
         connections now): the release ``(group, waiting, value)`` once every member is
-        there, else None."""
-        self.waiting.setdefault(group, set()).add(ident)
+        there, else None. At an ``agreement`` made already: ``(group, {ident}, its
+        value)`` at once. ValueError: the others wait at another agreement."""
+        if agreement is not None and agreement in self.agreed:
+            return group, {ident}, self.agreed[agreement]
+        waiting = self.waiting.setdefault(group, set())
+        if waiting and self.names.get(group) != agreement:
+            raise ValueError(f"a barrier of agreement {agreement!r} while the others wait at "
+                             f"one of {self.names.get(group)!r}")
+        waiting.add(ident)
+        self.names[group] = agreement
         self.values[group] = max(self.values.get(group, 0), value)
         return self._release_if_all(group, members)
 
@@ -34,4 +50,8 @@ class Barriers:
         if not waiting >= set(members):
             return None
         self.waiting[group] = set()
-        return group, waiting, self.values.pop(group, 0)
+        value = self.values.pop(group, 0)
+        name = self.names.pop(group, None)
+        if name is not None:
+            self.agreed[name] = value
+        return group, waiting, value

@@ -253,9 +253,11 @@ class WorkerClient:
                              meta={"command": "set_state", "optimizer": spec},
                              routes=self.routes.and_backups())
 
-    def barrier(self, value=0):
+    def barrier(self, value=0, agreement=None):
         """Wait until every worker has reached the barrier; returns the largest ``value``
-        (an integer >= 0) any worker passed (so rank 0 can tell all a decision)."""
+        (an integer >= 0) any worker passed (so rank 0 can tell all a decision). An
+        ``agreement`` name makes the scheduler keep the value: a worker that comes to
+        it later (a joiner) hears it at once (kvstore/barriers.py)."""
         self.pushes.flush()
         if self.requests.failure is not None:
             raise self.requests.failure
@@ -265,8 +267,10 @@ class WorkerClient:
             # the round of its own push before it can reach the barrier
             self.exchange(P.Kind.POLICY, [], meta={"event": "pause"}, every=True).wait()
         self.start.declare_model(None)     # worker 0 never waits for the others unstated
-        msg = self.io.call_scheduler(P.Kind.BARRIER, {"group": "worker", "value": int(value)},
-                                     P.Kind.BARRIER)
+        meta = {"group": "worker", "value": int(value)}
+        if agreement is not None:
+            meta["agreement"] = agreement
+        msg = self.io.call_scheduler(P.Kind.BARRIER, meta, P.Kind.BARRIER)
         return int((msg.meta or {}).get("value", 0))
 
     def ready(self, final=False):

@@ -28,8 +28,10 @@ class Joins:
     wiring) is None where the job takes no joiner."""
 
     def _init_joins(self, join_boundary):
-        self.admissions = Admissions(join_boundary) if join_boundary else None
-        self.departures = Admissions(join_boundary, "leaving") if join_boundary else None
+        """``join_boundary(held, agreed)``: ``agreed`` the barriers' agreements so far."""
+        boundary = join_boundary and (lambda held: join_boundary(held, self.barriers.agreed))
+        self.admissions = Admissions(boundary) if join_boundary else None
+        self.departures = Admissions(boundary, "leaving") if join_boundary else None
         self.joined = []          # {rank, from_step, time} of every join decided
         self.departed = {}        # rank -> {rank, from_step, time} of every departure decided
         self.leave_askers = {}    # rank -> the connection that asked it to leave
@@ -94,8 +96,10 @@ class Joins:
         if self.admissions is None:
             raise P.ProtocolError("JOIN in a job that takes no joiner")
         decision = self._decided(self.admissions, P.Kind.JOIN, ident, meta)
-        if decision is None:
-            return
+        if decision is not None:
+            self._joined(decision)
+
+    def _joined(self, decision):
         rank = decision["joined"]
         self.joined.append({"rank": rank, "from_step": decision["from_step"],
                             "time": time.time()})
@@ -113,11 +117,25 @@ class Joins:
         except JoinError as e:
             raise P.ProtocolError(str(e)) from None
         if decision is not None:
-            rank = decision[decider.field]
-            for i, n in self.nodes.items():
-                if n["role"] == "server" or n["rank"] == rank and n["role"] == "worker":
-                    self._send(i, kind, decision)
+            self._announce(kind, decision[decider.field], decision)
+        elif not decider.pending.get(meta[decider.field], {}).get("waiting", True):
+            self.log(f"worker {meta[decider.field]}'s {kind.name.lower()} waits for the "
+                     "workers' agreement at the end of the warm-up (its step depends on k)")
         return decision
+
+    def _announce(self, kind, rank, decision):
+        """Every server and the worker ``rank`` hear a join's or departure's decision."""
+        for i, n in self.nodes.items():
+            if n["role"] == "server" or n["rank"] == rank and n["role"] == "worker":
+                self._send(i, kind, decision)
+
+    def _decide_waiting(self):
+        """After an agreement: the joins and departures whose step waited for it."""
+        for decider, kind, done in ((self.admissions, P.Kind.JOIN, self._joined),
+                                    (self.departures, P.Kind.LEAVE, self._left)):
+            for decision in decider.settle() if decider else ():
+                self._announce(kind, decision[decider.field], decision)
+                done(decision)
 
     # ---- departures ---------------------------------------------------------------------
     def _leave(self, ident, meta, frame):
@@ -157,8 +175,10 @@ class Joins:
         """LEAVE from a server: the first step it holds from; once every server answered,
         every server, the leaver and the asker hear the step it pushes no more from."""
         decision = self._decided(self.departures, P.Kind.LEAVE, ident, meta)
-        if decision is None:
-            return
+        if decision is not None:
+            self._left(decision)
+
+    def _left(self, decision):
         rank = decision["leaving"]
         self.departed[rank] = {"rank": rank, "from_step": decision["from_step"],
                                "time": time.time()}
@@ -175,5 +195,5 @@ class Joins:
         if node["role"] != "worker" or node["rank"] not in self.departed:
             return
         del self.nodes[ident]
-        for release in self.barriers.leave(ident, self._members):
+        for release in self.barriers.leave(ident, self._barrier_members):
             self._release(*release)

@@ -72,12 +72,33 @@ class Admissions:
     the servers still to answer and the largest step they named. ``boundary(step)``: the
     first step at or after ``step`` a worker may join or leave at (the stage rule's: a
     departure, like a join, must be heard of by every worker before the batch of its
-    step, docs/spec/membership.md rule 6)."""
+    step, docs/spec/membership.md rule 6), or None while it cannot be known yet (ssd's k,
+    agreed by the workers at the end of the warm-up): then the change waits, every server
+    holding, until ``settle`` finds its step."""
 
     def __init__(self, boundary, field="joined"):
         self.boundary, self.field = boundary, field
         self.pending = {}
         self._kind, self._noun, self._doing = _WORDS[field]
+
+    def settle(self):
+        """The decisions of the changes every server answered whose step can be known now
+        (after an agreement), in rank order."""
+        out = []
+        for rank in sorted(self.pending):
+            change = self.pending[rank]
+            if not change["waiting"]:
+                decision = self._decision(rank, change["step"])
+                if decision is not None:
+                    out.append(decision)
+        return out
+
+    def _decision(self, rank, step):
+        from_step = self.boundary(step)
+        if from_step is None:
+            return None
+        del self.pending[rank]
+        return {self.field: rank, "from_step": from_step}
 
     def begin(self, rank, servers):
         """Worker ``rank`` asked to join or leave; ``servers`` (the scheduler's
@@ -96,6 +117,5 @@ class Admissions:
         change["step"] = max(change["step"], meta["next_step"])
         if change["waiting"]:
             return None
-        del self.pending[meta[self.field]]
-        return {self.field: meta[self.field], "from_step": self.boundary(change["step"])}
+        return self._decision(meta[self.field], change["step"])
 

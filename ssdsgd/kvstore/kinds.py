@@ -97,6 +97,8 @@ FLAGS = int(Flag.PULL | Flag.STATE | Flag.RELAY | Flag.BACKUP)
 
 _ROLE = F.one_of("server", "worker")
 _GROUP = F.one_of("worker", "server", "all")
+_AGREEMENT = (lambda v: isinstance(v, str) and re.fullmatch(r"[a-z_]{1,32}", v) is not None,
+              "a name of 1 to 32 lowercase letters or underscores")
 _RELAY_TO = (lambda v: isinstance(v, list) and len(v) <= F.MAX_RANK and all(
     isinstance(p, list) and len(p) == 2 and F.int_in(0, F.MAX_RANK)(p[0])
     and F.int_in(1, (1 << 32) - 1)(p[1]) for p in v),
@@ -153,7 +155,9 @@ META = {
                   "servers": ((lambda v: isinstance(v, list) and all(map(F.is_address, v)),
                                "a list of [host, port]"), False)},
     Kind.BARRIER: {"group": (_GROUP, False),
-                   "value": ((F.int_in(0, 1 << 31), "an integer from 0 to 2^31"), False)},
+                   "value": ((F.int_in(0, 1 << 31), "an integer from 0 to 2^31"), False),
+                   # a barrier whose value the scheduler keeps (barriers.py)
+                   "agreement": (_AGREEMENT, False)},
     Kind.FINISH: {"error": (F.STR, False)},
     # a worker's: requests its training thread made, and whether it is busy with
     # something else (rank 0's validation); kvstore/liveness.py. A node that records a

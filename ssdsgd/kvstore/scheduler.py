@@ -249,22 +249,35 @@ class Scheduler(reregister.Rejoins, Joins):
 
     def _barrier(self, ident, node, meta):
         group = meta.get("group", "worker")
-        members = self._members(group)
+        members = self._barrier_members(group)
         if ident not in members:
             raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
         if self._released_alone(ident, group):
             return
-        release = self.barriers.arrive(group, ident, meta.get("value", 0), members)
+        try:
+            release = self.barriers.arrive(group, ident, meta.get("value", 0), members,
+                                           meta.get("agreement"))
+        except ValueError as e:
+            raise P.ProtocolError(f"{node_name(node)}: {e}") from None
         if release:
             self._release(*release)
         elif node["role"] == "worker":
             self._decide(self.policy.at_barrier, node["rank"])
 
+    def _barrier_members(self, group):
+        """Who a barrier waits for: the group's nodes, but a worker whose join is still
+        being decided (it takes no step before it hears its first one)."""
+        joining = self.admissions.pending if self.admissions else {}
+        return [i for i in self._members(group)
+                if self.nodes[i]["role"] != "worker" or self.nodes[i]["rank"] not in joining]
+
     def _release(self, group, waiting, value):
-        """Every member hears the largest value any sent."""
+        """Every member hears the largest value any sent; a join or departure that waited
+        for an agreement may be decided now."""
         for i in waiting:
             self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
         self.policy.barrier_released()
+        self._decide_waiting()
 
     def _membership(self, ident, node, meta):
         if node["role"] != "server":
@@ -335,7 +348,7 @@ class Scheduler(reregister.Rejoins, Joins):
         self.removals.begin(rank, servers)
         for i in servers:
             self._send(i, P.Kind.MEMBERSHIP, {"removed": rank})
-        for release in self.barriers.leave(ident, self._members):
+        for release in self.barriers.leave(ident, self._barrier_members):
             self._release(*release)
 
     def _removal_answer(self, ident, meta):

@@ -50,6 +50,29 @@ RELAY_TRIAL = 3
 # step estimate is within SLACK of the best one's is taken.
 CODECS_BY_COST = ("none", "topk", "2bit")
 
+# The scheduler keeps the value of the barrier that carries rank 0's choice under this
+# name: a worker that joins later takes it, and a join's step in the steps-delay stage,
+# which depends on k, is decided from it (stage.join_boundary).
+AGREEMENT = "auto_choice"
+
+
+def encode_choice(k: int, relay: bool, codec: str) -> int:
+    """k, the relay and the codec as one barrier value (the largest wins: only rank 0
+    passes a non-zero one)."""
+    return (2 * k + relay) * len(CODECS_BY_COST) + CODECS_BY_COST.index(codec)
+
+
+def decode_choice(value: int) -> tuple[int, bool, str]:
+    agreed, index = divmod(value, len(CODECS_BY_COST))
+    return agreed // 2, bool(agreed % 2), CODECS_BY_COST[index]
+
+
+def agreed_k(agreed) -> int | None:
+    """The k the workers agreed on, from the scheduler's kept barrier values; None
+    before they did."""
+    value = agreed.get(AGREEMENT)
+    return None if value is None else decode_choice(value)[0]
+
 
 def is_auto(value) -> bool:
     return value == "auto"
@@ -63,7 +86,14 @@ def relay_listens(env) -> bool:
     if env.pull_relay != "auto":
         return env.pull_relay == "chain"
     return (stage.delays_pulls(env.algorithm) and env.num_workers >= RELAY_MIN_WORKERS
+            and not takes_joiners(env)
             and refusal({**dataclasses.asdict(env), "pull_relay": "chain"}, str) is None)
+
+
+def takes_joiners(env) -> bool:
+    """cluster.max_workers above the workers: a relayed reply would not carry a join's
+    decision down the chain (docs/spec/membership.md), so ``auto`` never relays there."""
+    return (getattr(env, "max_workers", None) or 0) > env.num_workers
 
 
 def warmup_steps(setting, total_steps: int | None,
@@ -209,6 +239,8 @@ class Schedule:
         self.warmup_steps, why_w = warmup_steps(env.warmup_steps, env.total_steps)
         self.choices = {"warmup_steps": {"value": self.warmup_steps, "why": why_w}}
         self.delay_steps = None if is_auto(env.delay_steps) else int(env.delay_steps)
+        # k auto: the job agrees on it once, at a barrier the scheduler keeps (AGREEMENT)
+        self._to_agree = stage.delays_pulls(self.algorithm) and self.delay_steps is None
         if stage.syncs_periodically(self.algorithm):   # localsgd, diloco: H plays k's part
             self.delay_steps = env.sync_period
             self.choices["sync_period"] = {"value": self.delay_steps, "why": "pinned"}
@@ -220,7 +252,8 @@ class Schedule:
             self.choices["pull_relay"] = {"value": _relay_name(self.relay), "why": (
                 "pinned" if not is_auto(env.pull_relay) else
                 "auto: off, this job cannot relay (it needs ssd's aligned pulls, no quorum, "
-                f"no worker left behind and at least {RELAY_MIN_WORKERS} workers)")}
+                f"no worker left behind or joining, and at least {RELAY_MIN_WORKERS} "
+                "workers)")}
         self.compression, self._measure = "none", None   # compress_auto: undecided
         self._samples = []        # (compute_s, round_s, sent, received) of timed steps
         self._left = None         # when the last step returned (clock)
@@ -282,7 +315,16 @@ class Schedule:
 
     def after_step(self, t_next: int, agree):
         """After the warm-up's last step: every worker decides, together (``decide``)."""
-        if t_next == self.warmup_steps and self._choosing():
+        if t_next == self.warmup_steps and (self._choosing() or self._to_agree):
+            self.decide(agree)
+
+    def before_step(self, t: int, agree):
+        """Before step ``t`` past the warm-up, where k is auto and this worker took no part
+        in the job's agreement yet: a worker that joins after it (it hears rank 0's
+        choice at once), a job resumed past the warm-up or with none (T_w = 0), whose
+        workers agree on the recorded choice or the untimed fallback. So the scheduler
+        always knows k, which a join's step depends on (stage.join_boundary)."""
+        if t >= self.warmup_steps and self._to_agree:
             self.decide(agree)
 
     def _choosing(self):
@@ -364,12 +406,12 @@ class Schedule:
         k = k if self.delay_steps is None else self.delay_steps
         relay = relay if self.relay is None else self.relay
         if agree is not None:
-            mine = (2 * k + relay) * len(CODECS_BY_COST) + CODECS_BY_COST.index(codec)
-            agreed = agree(mine if self.rank == 0 else 0)
+            mine = encode_choice(k, relay, codec)
+            agreed = agree(mine if self.rank == 0 else 0, agreement=AGREEMENT)
             if agreed != mine:
                 why = why_c = f"auto: rank 0's choice (this worker's timings gave k = {k})"
-            agreed, index = divmod(agreed, len(CODECS_BY_COST))
-            k, relay, codec = agreed // 2, bool(agreed % 2), CODECS_BY_COST[index]
+            k, relay, codec = decode_choice(agreed)
+            self._to_agree = False
         self.set_choice(k, relay, why, codec, why_c)
 
     def set_choice(self, k: int, relay: bool, why: str, codec: str = "none",
@@ -412,6 +454,8 @@ class Schedule:
         auto = [name for name, c in (("k", k), ("the pull relay", relay)) if c is None]
         return (f"warm-up {self.warmup_steps} steps ({self.choices['warmup_steps']['why']})"
                 + (f"; k = {k['value']} (pinned)" if k else "")
+                + (f"; pull relay {relay['value']} ({relay['why']})"
+                   if relay and relay["why"] != "pinned" else "")
                 + (f"; {' and '.join(auto)}: auto, chosen at the end of the warm-up from "
                    "its timings" if auto else ""))
 

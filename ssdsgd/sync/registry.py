@@ -371,13 +371,6 @@ def join_refusal(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
             setting, value, instead = on[feature]
             return (f"{most}: {values.get('max_workers')} (workers joining) works with "
                     f"{label(setting)}: {instead} only, got {value!r} ({reason})")
-    if values.get("pull_relay") == "chain" or (name == "ssd" and
-                                               values.get("pull_relay") == "auto"):
-        return (f"{most}: {values.get('max_workers')} (workers joining) works with "
-                f"{label('pull_relay')}: off only, got {values.get('pull_relay')!r} (auto "
-                "may relay, and a relayed reply does not carry the join's decision)")
-    if name == "ssd" and values.get("delay_steps") == "auto":
-        return (f"{most}: {values.get('max_workers')} (workers joining) works with "
-                f"{label('delay_steps')}: an integer only, got 'auto' (the servers must "
-                "know k to choose the step a joiner comes in at)")
+    # sync.pull_relay auto never relays in a job that takes joiners (auto.relay_listens),
+    # and k auto is agreed at a barrier the scheduler keeps (stage.join_boundary)
     return None

@@ -108,38 +108,46 @@ def steps_ahead_bound(algorithm, delay_steps):
 
 
 def join_boundary(algorithm, warmup_steps, delay_steps):
-    """``boundary(held)``: the step a joiner comes in at, given ``held``, the largest
-    step the servers hold from (docs/spec/membership.md, "The step"). Every worker must
-    learn of the join from a reply a server sent after it admitted the joiner (a step
-    >= held) before it makes its batch of that step: in ssgd and ssd's warm-up it makes
-    batch s once it has w_G(s - 1), so s = held + 1; in ssd's steps-delay stage s is a
-    pull boundary T_w + m k (every worker resets to the same global weights there) and
-    batch s is made after the pull as of s - 1 - k, so s - 1 - k >= held."""
+    """``boundary(held, agreed)``: the step a joiner comes in at, given ``held``, the
+    largest step the servers hold from (docs/spec/membership.md, "The step"), or None
+    while it cannot be known yet. Every worker must learn of the join from a reply a
+    server sent after it admitted the joiner (a step >= held) before it makes its batch
+    of that step: in ssgd and ssd's warm-up it makes batch s once it has w_G(s - 1), so
+    s = held + 1; in ssd's steps-delay stage s is a pull boundary T_w + m k (every worker
+    resets to the same global weights there) and batch s is made after the pull as of
+    s - 1 - k, so s - 1 - k >= held. ``delay_steps`` None: k is ``auto``, known once the
+    workers agreed on it at the end of the warm-up (``agreed``, the scheduler's kept
+    barrier values: ``auto.agreed_k``); a step in the warm-up needs no k."""
     if algorithm != "ssd":
-        return lambda held: held + 1
+        return lambda held, agreed=None: held + 1
 
-    def boundary(held):
+    def boundary(held, agreed=None):
         if held + 1 <= warmup_steps:
             return held + 1
-        m = max(0, -(-(held + 1 + delay_steps - warmup_steps) // delay_steps))
-        return warmup_steps + m * delay_steps
+        k = delay_steps
+        if k is None:
+            from .auto import agreed_k
+            k = agreed_k(agreed or {})
+            if k is None:
+                return None
+        m = max(0, -(-(held + 1 + k - warmup_steps) // k))
+        return warmup_steps + m * k
     return boundary
 
 
 def joins_boundary(env):
     """The job's ``join_boundary`` if it takes joiners (cluster.max_workers above its
-    workers, docs/spec/membership.md), else None; ssd needs T_w and k fixed in advance:
-    k pinned (the settings refuse delay_steps auto), T_w pinned or ``auto`` of a run
-    whose length every process has (SSDSGD_TOTAL_STEPS: the workers' own rule,
-    ``auto.warmup_steps``); an auto warm-up of a run of unknown length (a worker may
-    learn it from its lr scheduler) is not the scheduler's to know."""
+    workers, docs/spec/membership.md), else None; ssd needs T_w in advance: pinned, or
+    ``auto`` of a run whose length every process has (SSDSGD_TOTAL_STEPS: the workers'
+    own rule, ``auto.warmup_steps``); an auto warm-up of a run of unknown length (a worker
+    may learn it from its lr scheduler) is not the scheduler's to know. k may be auto:
+    the workers' agreement on it tells the scheduler."""
     from .auto import is_auto, warmup_steps
     if (env.max_workers or 0) <= env.num_workers:
         return None
-    if env.algorithm == "ssd" and (is_auto(env.delay_steps) or (
-            is_auto(env.warmup_steps) and env.total_steps is None)):
+    if env.algorithm == "ssd" and is_auto(env.warmup_steps) and env.total_steps is None:
         return None
     warmup = (warmup_steps(env.warmup_steps, env.total_steps)[0]
               if env.algorithm == "ssd" else 0)
-    delay = 1 if is_auto(env.delay_steps) else int(env.delay_steps)
+    delay = None if is_auto(env.delay_steps) else int(env.delay_steps)
     return join_boundary(env.algorithm, warmup, delay)

@@ -169,6 +169,7 @@ class StageMachine:
     def step(self, entries):
         """entries: (key, grads, outs); outs None means write the result into grads."""
         self.settle()
+        self.schedule.before_step(self.t, self.client.barrier)   # a joiner takes the job's k
         TIMELINE.begin_step(self.t)
         trial = self.schedule.trial_relays(self.t)     # the relay's trial (sync/auto.py)
         if trial is not None:

@@ -6,7 +6,7 @@ chunks), the joins and departures read from the servers' replies (``kv.joins_bef
 workers, or by ``launch/dist.py --join`` (``kv.joined_from``: its first step). The first
 workers wait before step ``--wait-at`` until the file ``--go`` exists (bounded), so a
 test can have a joiner ask while the job runs. Writes the chunks it trained, the step it
-joined at, its local weights before its end and the final ones."""
+joined at, the T_w and k it ran with, its local weights before its end and the final ones."""
 import argparse
 import json
 import os
@@ -29,6 +29,7 @@ p.add_argument("--per-epoch", type=int, required=True, help="chunks per epoch")
 p.add_argument("--epochs", type=int, required=True)
 p.add_argument("--wait-at", type=int, default=-1)
 p.add_argument("--go", default=None)
+p.add_argument("--wait-rank", type=int, default=None, help="only this first worker waits")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--lr-step", type=int, default=0, help="halve the lr every this many "
                "global batches (0: a constant lr)")
@@ -53,7 +54,7 @@ members = Membership(n, args.per_epoch, args.per_epoch * args.epochs)
 perms = {}
 trained, t = [], start or 0
 while True:
-    if t == args.wait_at and start is None and args.go:
+    if t == args.wait_at and start is None and args.go and args.wait_rank in (None, rank):
         mx.nd.waitall()        # every step before it pushed
         print(f"rank {rank} waits before step {t}", flush=True)
         deadline = time.monotonic() + 60
@@ -78,13 +79,14 @@ while True:
     trainer.step(8)
     t += 1
 mx.nd.waitall()
+chosen = {name: kv.metrics().get(name) for name in ("warmup_steps", "delay_steps")}
 np.savez(os.path.join(args.out, f"local-rank{rank}.npz"),
          **{f"p{i}": q.data().asnumpy() for i, q in enumerate(tiny.params(net))})
 kv.close()
 np.savez(os.path.join(args.out, f"final-rank{rank}.npz"),
          **{f"p{i}": q.data().asnumpy() for i, q in enumerate(tiny.params(net))})
 with open(os.path.join(args.out, f"chunks-rank{rank}.json"), "w") as f:
-    json.dump({"chunks": trained, "joined_from": start, "end": t,
+    json.dump({"chunks": trained, "joined_from": start, "end": t, **chosen,
                "joins": {str(r): s for r, (s, _) in members.changes.items() if s},
                "leaves": {str(r): e for r, (_, e) in members.changes.items()
                           if e is not None}}, f)
