@@ -140,14 +140,6 @@ def set_up(config: Config, run_dir: Path, resume: bool, closing) -> Run:
     joined = getattr(kv, "joined_from", None)
     if joined is not None:      # launch/dist.py --join: from step s, at w_G(s - 1)
         run.step = joined
-        # the shapes (one forward pass), then the servers' weights before the first
-        # gradient, which the Trainer would otherwise fetch only at its first step
-        x0, _ = dataset.train_batch(np.arange(1), np.random.default_rng(0))
-        net(mx.nd.array(x0, ctx=ctx[0]))
-        # the optimizer the servers have, rescaled as Trainer.step would (it refuses a change)
-        trainer._optimizer.rescale_grad = trainer._scale / run.grad_batch  # noqa: SLF001
-        trainer._init_kvstore()   # noqa: SLF001
-        trainer._init_params()    # noqa: SLF001
     run.writer = MetricsWriter(run_dir, rank)
     closing.callback(run.writer.close)
     write_start(run)
@@ -155,9 +147,29 @@ def set_up(config: Config, run_dir: Path, resume: bool, closing) -> Run:
     closing.callback(run.loader.close)
     run.feed = open_feed(run, info)
     if joined is not None:
-        run.start_epoch = run.feed.first_epoch()
+        start_joiner(run, joined)
     run.t_train = run.t_checkpoint = time.time()
     return run
+
+
+def start_joiner(run: Run, joined: int) -> None:
+    """A joiner's first step s (docs/spec/membership.md rule 5): the servers' weights as of
+    s - 1 before its first gradient; none if the budget is spent before s (a join
+    decided at a pull boundary after the job's last step): it trains nothing and says so."""
+    run.start_epoch = run.feed.first_epoch()
+    if run.feed.where(joined) is None:
+        log.info("rank %d joined at step %d, after the job's last step (%d): nothing to "
+                 "train", run.rank, joined, run.feed.members.end() - 1)
+        return
+    # the shapes (one forward pass), then the servers' weights before the first
+    # gradient, which the Trainer would otherwise fetch only at its first step
+    x0, _ = run.dataset.train_batch(np.arange(1), np.random.default_rng(0))
+    run.net(mx.nd.array(x0, ctx=run.ctx[0]))
+    # the optimizer the servers have, rescaled as Trainer.step would (it refuses a change)
+    trainer = run.trainer
+    trainer._optimizer.rescale_grad = trainer._scale / run.grad_batch  # noqa: SLF001
+    trainer._init_kvstore()   # noqa: SLF001
+    trainer._init_params()    # noqa: SLF001
 
 
 def takes_joiners(config: Config) -> bool:

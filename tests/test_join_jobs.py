@@ -193,6 +193,31 @@ def test_a_worker_joins_an_ssd_job_with_the_defaults_as_the_simulator(tmp_path, 
 
 
 @pytest.mark.system
+def test_a_join_decided_after_the_jobs_last_step_ends_cleanly(tmp_path):
+    """ssd, T_w = 3, k = 10, a 12-step job: a join asked before step 5 comes at the
+    first pull boundary after it, 23, past the job's end. The joiner trains nothing and
+    says so, the job ends cleanly (no node left to stop), and the first two end with the
+    weights of the job without the join."""
+    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                  "SSDSGD_WARMUP_STEPS": 3,
+                                                  "SSDSGD_DELAY_STEPS": 10,
+                                                  "SSDSGD_GLU_STATE": "exact"})
+    assert records[2]["joined_from"] == 23 and records[2]["chunks"] == [], records[2]
+    assert "rank 2 joined at step 23, after the job's last step (11): nothing to train" \
+        in joiner.text, joiner.tail()
+    assert "did not exit" not in job.text, job.tail()
+    keys, members, ref = _simulated({}, "ssd", warmup_steps=3, delay_steps=10,
+                                    glu_state="exact")
+    assert all(r["chunks"] == [members.chunk(r_, t)[0] * PER_EPOCH + members.chunk(r_, t)[1]
+                               for t in range(members.end())]
+               for r_, r in enumerate(records[:N])), records
+    _equal_to_the_simulation(keys, ref,
+                             [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(N)],
+                             [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(N)],
+                             " (a join after the end)")
+
+
+@pytest.mark.system
 @pytest.mark.parametrize("algorithm", ["ssgd", "ssd", "defaults"])
 def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_path,
                                                                          algorithm):
@@ -240,6 +265,42 @@ def test_the_training_program_takes_a_joiner_and_trains_every_chunk_once(tmp_pat
         assert summary["choices"]["delay_steps"]["why"].startswith("auto"), summary
         assert summary["choices"]["pull_relay"]["value"] == "off", summary
         assert {e["kv"]["delay_steps"] for e in ends} == {summary["delay_steps"]}, ends
+
+
+@pytest.mark.system
+def test_the_training_program_ends_cleanly_when_a_join_comes_after_its_last_step(tmp_path):
+    """``python -m ssdsgd.train``, ssd with k = 10 and T_w = 3 over one epoch of 11 steps
+    (2 workers, batch 64, 1.5 s a step): a joiner started once rank 0 has logged step 4
+    comes at a pull boundary 3 + 10 m with m >= 2, past step 10. It trains nothing and
+    says so; the job ends cleanly and its summary records the join."""
+    from test_e2e_configs import records, run_dir_of, sets
+    from test_dynamic_data import N_TRAIN
+    batch = 64
+    job = dist(["configs/digits.yaml", *sets(
+        sync__algorithm="ssd", sync__warmup_steps=3, sync__delay_steps=10,
+        sync__pull_relay='"off"', cluster__max_workers=3, data__batch_size=batch,
+        train__epochs=1, train__log_interval=1, output__plots="false",
+        output__dir=tmp_path, debug__slowdown="delay:0=1.5,1=1.5")])
+    with job:
+        job.wait_for(lambda: any(tmp_path.glob("*/join.json")), 60, "join.json")
+        run = run_dir_of(tmp_path)
+        job.wait_for(lambda: any(r["step"] >= 4 for r in records(run, 0, "train")), 60,
+                     "rank 0 at step 4")
+        joiner = dist(["--join", run])
+        with joiner:
+            assert joiner.wait(TIMEOUT) == 0, joiner.tail() + "\n" + job.tail()
+            assert job.wait(TIMEOUT) == 0, job.tail()
+    steps = N_TRAIN // (N * batch)
+    summary = json.loads((run / "summary.json").read_text())
+    (joined,) = summary["workers_joined"]
+    s = joined["from_step"]
+    assert s >= steps and (s - 3) % 10 == 0, summary
+    assert (f"rank 2 joined at step {s}, after the job's last step ({steps - 1}): "
+            "nothing to train") in joiner.text, joiner.tail()
+    assert "did not exit" not in job.text, job.tail()
+    ends = [records(run, r, "end")[-1] for r in range(3)]
+    assert ends[2]["samples"] == 0 and ends[2]["steps"] == s, ends[2]
+    each_epoch_once(ends, steps * N, batch, 1, dropped=0)
 
 
 def each_epoch_once(ends, per_epoch, batch, epochs, dropped):

@@ -45,12 +45,24 @@ trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "mom
                                                       "lr_scheduler": sched}, kvstore=kv)
 trainer._optimizer.rescale_grad = 1.0 / 8
 trainer._init_kvstore()
-trainer._init_params()    # now, not at the first step: a joiner's first gradient is at w_G(s - 1)
 start = kv.joined_from
-if start is None:
-    kv.barrier()
 data = tiny.ChunkData(args.per_epoch * 8)
 members = Membership(n, args.per_epoch, args.per_epoch * args.epochs)
+if start is not None:
+    for r, s in sorted(kv.joins_before(start).items()):
+        if r not in members.changes and r != rank:
+            members.join(r, s)
+    members.join(rank, start)
+    if members.chunk(rank, start) is None:     # the budget is spent before step s
+        print(f"rank {rank} joined at step {start}, after the job's last step "
+              f"({members.end() - 1}): nothing to train", flush=True)
+        kv.close()
+        with open(os.path.join(args.out, f"chunks-rank{rank}.json"), "w") as f:
+            json.dump({"chunks": [], "joined_from": start, "end": start}, f)
+        sys.exit(0)
+trainer._init_params()    # now, not at the first step: a joiner's first gradient is at w_G(s - 1)
+if start is None:
+    kv.barrier()
 perms = {}
 trained, t = [], start or 0
 while True:
