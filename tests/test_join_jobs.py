@@ -193,6 +193,25 @@ def test_a_worker_joins_an_ssd_job_with_the_defaults_as_the_simulator(tmp_path, 
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("algorithm, codec", [("ssd", "2bit"), ("ssd", "topk"),
+                                              ("ssgd", "2bit")])
+def test_a_worker_joins_a_job_with_compressed_pushes_as_the_simulator(tmp_path, algorithm,
+                                                                      codec):
+    """Compression with error feedback (docs/spec/compression.md): the joiner's residual
+    starts empty at its first push, as a worker's does at the job's start, and the
+    simulator's pusher for it too. ssd: T_w = 3, k = 2, the join at 9; ssgd: at 6."""
+    params = {"2bit": {"type": "2bit", "threshold": 0.05},
+              "topk": {"type": "topk", "ratio": 0.1}}[codec]
+    ssd = ({"SSDSGD_WARMUP_STEPS": 3, "SSDSGD_DELAY_STEPS": 2, "SSDSGD_GLU_STATE": "exact"}
+           if algorithm == "ssd" else {})
+    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": algorithm, **ssd},
+                                       script_args=["--compression", json.dumps(params)])
+    sync = dict(warmup_steps=3, delay_steps=2, glu_state="exact") if ssd else {}
+    s = _check(tmp_path, records, algorithm, compression=params, **sync)
+    assert s == (9 if ssd else WAIT_AT + 1)
+
+
+@pytest.mark.system
 def test_a_join_decided_after_the_jobs_last_step_ends_cleanly(tmp_path):
     """ssd, T_w = 3, k = 10, a 12-step job: a join asked before step 5 comes at the
     first pull boundary after it, 23, past the job's end. The joiner trains nothing and

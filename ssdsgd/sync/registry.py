@@ -343,7 +343,6 @@ JOIN_TEST = "tests/test_join_jobs.py"
 # (resume is taken: a resumed job starts again with its first workers, who may be joined
 # again; its checkpoint does not record who had joined, docs/spec/membership.md)
 JOIN_REFUSED = {
-    "compression": "a joiner's residual would start empty mid-run; no test runs the two",
     "relay": "a relayed reply does not carry the join's decision to the workers down the "
              "chain",
     "quorum": "a quorum's rounds have no rule for a joiner (docs/spec/membership.md rule 9)",

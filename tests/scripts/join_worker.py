@@ -30,6 +30,7 @@ p.add_argument("--epochs", type=int, required=True)
 p.add_argument("--wait-at", type=int, default=-1)
 p.add_argument("--go", default=None)
 p.add_argument("--wait-rank", type=int, default=None, help="only this first worker waits")
+p.add_argument("--compression", default=None, help="JSON: the Trainer's compression_params")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--lr-step", type=int, default=0, help="halve the lr every this many "
                "global batches (0: a constant lr)")
@@ -42,7 +43,9 @@ n = kv.num_workers
 sched = (mx.lr_scheduler.FactorScheduler(step=args.lr_step, factor=0.5, base_lr=0.1)
          if args.lr_step else None)
 trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9,
-                                                      "lr_scheduler": sched}, kvstore=kv)
+                                                      "lr_scheduler": sched}, kvstore=kv,
+                        compression_params=json.loads(args.compression) if args.compression
+                        else None)
 trainer._optimizer.rescale_grad = 1.0 / 8
 trainer._init_kvstore()
 start = kv.joined_from
