@@ -42,7 +42,7 @@ def _keys_swapped(path, holder, rank):
         path.write_text(original)
 
 
-def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH):
+def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=()):
     """A 3-worker job; worker 2 asked to leave while all three wait before step
     WAIT_AT. ``refused``: the one-line errors of --leave for rank 0, for a rank the job
     never had, for worker 2 again, with worker 1's key for worker 2, and once the job
@@ -51,7 +51,7 @@ def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", per_epoch, "--epochs", EPOCHS,
-                              "--wait-at", WAIT_AT, "--go", go],
+                              "--wait-at", WAIT_AT, "--go", go, *script_args],
                        env=dict({"SSDSGD_MAX_WORKERS": N + 1, "SSDSGD_PULL_RELAY": "off",
                                  "SSDSGD_BIGARRAY_BOUND": 100}, **env),
                        script="join_worker.py")
@@ -144,6 +144,19 @@ def test_a_worker_leaves_an_ssd_job_with_the_defaults_as_the_simulator(tmp_path)
     s = _check(tmp_path, records, "ssd", per_epoch=27, warmup_steps=warmup, delay_steps=k,
                glu_state="exact")
     assert (s - warmup) % k == 0 and s - 1 - k >= WAIT_AT - 1, (s, k)
+
+
+@pytest.mark.system
+def test_a_worker_leaves_an_ssd_job_with_2bit_pushes_as_the_simulator(tmp_path):
+    """The leaver's residual goes with it; the others' error feedback is untouched."""
+    params = {"type": "2bit", "threshold": 0.05}
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                "SSDSGD_WARMUP_STEPS": 3,
+                                                "SSDSGD_DELAY_STEPS": 2,
+                                                "SSDSGD_GLU_STATE": "exact"},
+                                     script_args=["--compression", json.dumps(params)])
+    assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2,
+                  glu_state="exact", compression=params) in (7, 9)
 
 
 @pytest.mark.system
