@@ -31,6 +31,40 @@ def test_a_message_opens_as_it_was_sent_whatever_its_buffers():
     assert np.array_equal(msg.tensors[0][0].reshape(3, 4), weights)
 
 
+def test_big_frames_reuse_a_buffer_only_once_zeromq_has_sent_it():
+    """Big frames are sealed into kept buffers (no fresh pages per frame); a buffer still
+    held by a message ZeroMQ has not released is never written again: two big messages
+    queued unread on a real inproc pair both open as they were sent, and once read and
+    released the next one reuses a buffer."""
+    out, into = _pair()
+    ctx = zmq.Context.instance()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    pull.bind("inproc://sealing-big")
+    push.connect("inproc://sealing-big")
+    try:
+        big = [np.full(sealing.REUSED_FROM // 4 + 5, v, dtype=np.float32) for v in (1, 2, 3)]
+        for a in big[:2]:           # both queued: the second cannot take the first's buffer
+            push.send_multipart(out.seal([b"head", a]), copy=False)
+        kept = [bytes(s[0][:16]) for s in out._buffers.kept]
+        assert len(kept) == 2
+        for a in big[:2]:
+            got = into.open(pull.recv_multipart(copy=False))
+            assert got[0].bytes == b"head"
+            assert np.array_equal(np.frombuffer(got[1].buffer, dtype=np.float32), a)
+            del got
+        for _, tracker in out._buffers.kept:    # released: ZeroMQ says so (bounded)
+            tracker.wait(5)
+        first = out._buffers.kept[0][0]
+        push.send_multipart(out.seal([b"head", big[2]]), copy=False)
+        assert len(out._buffers.kept) == 2
+        assert any(s[0] is first for s in out._buffers.kept)
+        got = into.open(pull.recv_multipart(copy=False))
+        assert np.array_equal(np.frombuffer(got[1].buffer, dtype=np.float32), big[2])
+    finally:
+        push.close(0)
+        pull.close(0)
+
+
 @pytest.mark.parametrize("attack, says", [
     ("replay", "replayed or out of order"),
     ("reorder", "replayed or out of order"),

@@ -86,6 +86,38 @@ class Opened:
         return self._frame.get(name)
 
 
+REUSED_FROM = 1 << 20     # frames of this many bytes or more are sealed into kept buffers
+KEPT = 4                 # kept buffers per connection and direction
+
+
+class _Buffers:
+    """Ciphertext buffers of big frames, kept and reused once ZeroMQ has sent them and
+    every frame over them is freed (the frame's tracker says so). A fresh buffer per frame costs its pages' first touch:
+    100 MB sealed into a new one took 41-49 ms here, into a kept one 5 ms (AES-GCM
+    itself). At most KEPT are kept; a frame finding none free gets a new one."""
+
+    def __init__(self):
+        self.kept = []           # [bytearray, the tracker of the frame that last sent it]
+
+    def frame_for(self, nbytes, fill):
+        """A tracked zmq.Frame of ``nbytes`` that ``fill(view)`` wrote."""
+        slot = next((s for s in self.kept if len(s[0]) >= nbytes
+                     and (s[1] is None or s[1].done)), None)
+        if slot is None:
+            slot = [bytearray(nbytes), None]
+            if len(self.kept) < KEPT:
+                self.kept.append(slot)
+            else:       # replace the smallest free one, or keep none more
+                free = [s for s in self.kept if s[1] is None or s[1].done]
+                if free:
+                    self.kept[self.kept.index(min(free, key=lambda s: len(s[0])))] = slot
+        view = memoryview(slot[0])[:nbytes]
+        fill(view)
+        frame = zmq.Frame(view, copy=False, track=True)
+        slot[1] = frame.tracker     # not the frame: it holds a reference until it is freed
+        return frame
+
+
 class Channel:
     """Both directions of one connection: ``seal`` the frames of a message to send,
     ``open`` the frames of one received."""
@@ -94,19 +126,25 @@ class Channel:
         self._out, self._in = AESGCM(send_key), AESGCM(receive_key)
         self.sent = 0          # the counter of the last frame sealed
         self.opened = 0        # the largest counter opened
+        self._buffers = _Buffers()
 
     def seal(self, frames):
-        """``[counter of the first frame, sealed frame, ...]``: each frame's ciphertext
-        and tag come from OpenSSL in a buffer of its own (no zero-filled buffer first:
-        in a process with MXNet a fresh bytearray per 4 MB frame measured slower than
-        the cipher itself)."""
+        """``[counter of the first frame, sealed frame, ...]``: a small frame's ciphertext
+        and tag come from OpenSSL in a buffer of its own; a big one's go into a kept
+        buffer (``_Buffers``), sent as a tracked zmq.Frame."""
         first = self.sent + 1
         last = len(frames) - 1
         out = [COUNTER.pack(first)]
         for i, frame in enumerate(frames):
             self.sent += 1
-            out.append(self._out.encrypt(_NONCE + COUNTER.pack(self.sent), _buffer(frame),
-                                         _LAST if i == last else _MORE))
+            nonce, data = _NONCE + COUNTER.pack(self.sent), _buffer(frame)
+            extra = _LAST if i == last else _MORE
+            if data.nbytes < REUSED_FROM:
+                out.append(self._out.encrypt(nonce, data, extra))
+            else:
+                out.append(self._buffers.frame_for(
+                    data.nbytes + TAG,
+                    lambda view: self._out.encrypt_into(nonce, data, extra, view)))
         return out
 
     def open(self, frames):
