@@ -367,6 +367,50 @@ def test_a_worker_joins_an_ssh_job_on_a_host_of_its_own(hosts, tmp_path):
     assert_nothing_left(hosts)
 
 
+@needs_mpirun
+def test_a_worker_joins_an_mpi_job_from_a_host_of_its_own_and_leaves_it(hosts, tmp_path):
+    """``launch/dist.py --join RUN_DIR`` run on host 2 itself, for a job mpirun started
+    on hosts 0 and 1: the key directory is in the run directory (the shared filesystem
+    these launchers need), the joiner takes a spare rank from there and its key from a
+    0600 file, and reaches the scheduler across hosts. Then ``--leave RUN_DIR --rank 2``,
+    also from host 2, lets it go; every chunk of the budget is trained once and nothing
+    is left on any host. The job: ssgd digits, cluster.max_workers 3."""
+    from test_dynamic_data import BATCH
+    x, y, z = hosts.addresses
+    two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two.txt")
+    args = job(hosts, dict(SSGD, cluster__max_workers=3, data__batch_size=BATCH,
+                           train__epochs=3, train__log_interval=4, output__plots="false",
+                           debug__slowdown="delay:0=0.1,1=0.1,2=0.1"), tmp_path,
+               launcher="mpi", hostfile=two)
+    log, joined_log, left_log = (tmp_path / f"{n}.log" for n in ("launcher", "joiner", "leave"))
+    with start(hosts, args, log) as p:
+        p.wait_for(lambda: any((tmp_path / "runs").glob("*/join.json")), 120, "join.json")
+        run = run_dir_of(tmp_path / "runs")
+        wait_for(log, "job started", p)
+        with jobs.dist(["--join", run], hosts=(hosts, 2), environ=launcher_env(hosts),
+                       merge=True, log=joined_log) as joiner:
+            joiner.wait_for(lambda: any(r["event"] == "train" for r in read_records(
+                run / "metrics" / "worker-2.jsonl")), 120, "the joiner's first steps")
+            with jobs.dist(["--leave", run, "--rank", 2], hosts=(hosts, 2),
+                           environ=launcher_env(hosts), merge=True, log=left_log) as leaver:
+                assert leaver.wait(timeout=120) == 0, left_log.read_text()[-3000:]
+            assert joiner.wait(timeout=240) == 0, joined_log.read_text()[-3000:]
+        assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
+    out, joined = log.read_text(), joined_log.read_text()
+    assert "Traceback" not in out + joined
+    summary = json.loads((run / "summary.json").read_text())
+    (join,) = summary["workers_joined"]
+    (left,) = summary["workers_left"]
+    assert join["rank"] == 2 and left["rank"] == 2 and left["how"] == "left", summary
+    assert left["from_step"] > join["from_step"], summary
+    ends = [[r for r in read_records(run / "metrics" / f"worker-{w}.jsonl")
+             if r["event"] == "end"][-1] for w in range(3)]
+    from test_join_jobs import each_epoch_once
+    from test_dynamic_data import N_TRAIN
+    each_epoch_once(ends, N_TRAIN // (2 * BATCH) * 2, BATCH, 3, dropped=2)
+    assert_nothing_left(hosts)
+
+
 def test_a_join_to_a_host_that_cannot_be_reached_is_one_line_and_claims_no_rank(
         hosts, tmp_path):
     """``--join RUN --host H`` checks H before it claims a spare rank: an unreachable

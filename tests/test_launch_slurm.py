@@ -108,3 +108,50 @@ def test_srun_carries_no_key_through_its_own_channels(slurm, tmp_path):
         _wait(lambda: slurm.run(["squeue", "-h"]).stdout.strip() == "", 120,
               "the batch job's end")
     _wait(lambda: not keydir.exists(), 30, f"removal of {keydir}")
+
+
+def test_a_worker_joins_a_slurm_job_from_outside_its_allocation_and_leaves_it(slurm,
+                                                                             tmp_path):
+    """``launch/dist.py --join RUN_DIR`` for a batch job the slurm launcher started: the
+    key directory is in the run directory (the shared filesystem), so the joiner, started
+    here outside the allocation, takes a spare rank and its key from there; then
+    ``--leave RUN_DIR --rank 2`` lets it go. ssgd digits, 2 workers, cluster.max_workers 3:
+    the summary records both, and the batch job ends by itself."""
+    from test_join_jobs import each_epoch_once
+    from test_dynamic_data import BATCH, N_TRAIN
+    from ssdsgd.metrics import read_records
+    out, runs = tmp_path / "job.out", tmp_path / "runs"
+    sets = {"sync.algorithm": "ssgd", "cluster.max_workers": 3, "data.batch_size": BATCH,
+            "train.epochs": 3, "train.log_interval": 4, "output.plots": "false",
+            "debug.slowdown": "delay:0=0.1,1=0.1,2=0.1", "output.dir": runs}
+    cmd = " ".join([sys.executable, "launch/dist.py", "configs/digits.yaml", "--launcher",
+                    "slurm", *(f"--set {k}={v}" for k, v in sets.items())])
+    env = dict(clean_env(), PYTHONPATH=str(ROOT))
+    r = slurm.run(["sbatch", "-n", "4", "--parsable", "--chdir", str(ROOT), "--output",
+                   str(out), "--wrap", cmd], env=env)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    try:
+        _wait(lambda: out.exists() and "job started" in out.read_text(), 300,
+              f"the batch job's start ({slurm.logs()})")
+        run = run_dir_of(runs)
+        joiner = jobs.dist(["--join", run], environ=env, merge=True)
+        with joiner:
+            joiner.wait_for(lambda: any(r["event"] == "train" for r in read_records(
+                run / "metrics" / "worker-2.jsonl")), 120, "the joiner's first steps")
+            leave = jobs.run(["--leave", run, "--rank", "2"], environ=env, timeout=120)
+            assert leave.returncode == 0, leave.stdout + leave.stderr
+            assert joiner.wait(timeout=240) == 0, joiner.tail()
+        _wait(lambda: slurm.run(["squeue", "-h"]).stdout.strip() == "", 240,
+              f"the batch job's end: {out.read_text()[-3000:]}")
+    finally:
+        slurm.run(["scancel", job_id])
+    text = out.read_text()
+    assert "Traceback" not in text + joiner.stdout, text[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    (join,) = summary["workers_joined"]
+    (left,) = summary["workers_left"]
+    assert join["rank"] == 2 and left["rank"] == 2 and left["how"] == "left", summary
+    ends = [[r for r in read_records(run / "metrics" / f"worker-{w}.jsonl")
+             if r["event"] == "end"][-1] for w in range(3)]
+    each_epoch_once(ends, N_TRAIN // (2 * BATCH) * 2, BATCH, 3, dropped=2)
