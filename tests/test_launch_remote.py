@@ -451,8 +451,9 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     test rewrites while the job runs. A malformed answer is one line and the job goes
     on; a host that appears (the third, in no hostfile) gets a joining worker; when it
     disappears its worker leaves the job at a step every worker hears of in time, the
-    other two train its chunks from then on, the job finishes, and nothing is left on
-    any host."""
+    other two train its chunks from then on. Then the job's own hosts go too: worker 1's
+    leaves (its host keeps a server, which stays), worker 0's stays (the job ends with
+    it). The job finishes, and nothing is left on any host."""
     x, y, z = hosts.addresses
     two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two.txt")
     listed = tmp_path / "hosts-now.txt"
@@ -461,7 +462,7 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     script.write_text(f"#!/bin/sh\ncat {listed}\n")
     script.chmod(0o755)
     args = job(hosts, dict(SSGD, cluster__max_workers=3, data__batch_size=16,
-                           train__epochs=3, train__log_interval=4, output__plots="false",
+                           train__epochs=5, train__log_interval=4, output__plots="false",
                            debug__slowdown="delay:0=0.1,1=0.1"), tmp_path, hostfile=two)
     log = tmp_path / "launcher.log"
     with start(hosts, [*args, "--host-discovery-script", script], log) as p:
@@ -473,6 +474,15 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
         wait_for(log, f"[worker 2 on {z}] ", p)
         listed.write_text(f"{x}\n{y}\n")
         wait_for(log, f"{z} is no longer listed; worker 2 leaves the job at step", p)
+        placed = {m.group(1): m.group(2) for m in re.finditer(
+            r"^\[launcher\]\s+(\S+): (.*)$", log.read_text(), re.M)}
+        one = next(h for h, what in placed.items() if re.search(r"worker 1\b", what))
+        zero = next(h for h, what in placed.items() if re.search(r"worker 0\b", what))
+        listed.write_text("" if one == zero else f"{zero}\n")
+        wait_for(log, f"{one} is no longer listed; worker 1 leaves the job at step", p)
+        if one != zero:
+            listed.write_text("")
+        wait_for(log, f"{zero} is no longer listed; worker 0 stays there", p)
         assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
     out = log.read_text()
     assert f"host discovery: {z} is new; starting a worker there" in out, out[-3000:]
@@ -480,15 +490,20 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     run = run_dir_of(tmp_path / "runs")
     summary = json.loads((run / "summary.json").read_text())
     assert [w["rank"] for w in summary["workers_joined"]] == [2], summary
-    (left,) = summary["workers_left"]
+    left, first = sorted(summary["workers_left"], key=lambda w: w["from_step"])
     assert left["rank"] == 2 and left["how"] == "left", summary
+    assert first["rank"] == 1 and first["how"] == "left", summary
     assert left["from_step"] > summary["workers_joined"][0]["from_step"], summary
     assert f"rank 2 left the job at step {left['from_step']}" in out, out[-3000:]
+    assert f"rank 1 left the job at step {first['from_step']}" in out, out[-3000:]
     assert summary["workers_reporting"] == 3, summary
     ends = [[r for r in read_records(run / "metrics" / f"worker-{w}.jsonl")
              if r["event"] == "end"][-1] for w in range(3)]
     assert ends[2]["steps"] == left["from_step"], ends
-    assert ends[0]["steps"] == ends[1]["steps"] > left["from_step"], ends
+    assert ends[1]["steps"] == first["from_step"] > left["from_step"], ends
+    assert ends[0]["steps"] > first["from_step"], ends
+    from test_join_jobs import each_epoch_once
+    each_epoch_once(ends, 1437 // 32 * 2, 16, 5, dropped=2)
     assert_nothing_left(hosts)
 
 

@@ -8,10 +8,12 @@ gets a joiner per slot (``launch/dist.py --join RUN_DIR --host HOST``, launch/cl
 while spare ranks last (``cluster.max_workers``); each joiner's lines come prefixed as
 ``[worker R on HOST]``. What the script says is reported once per change: a script
 that fails or prints a malformed line is one line and the job goes on with the hosts it
-has. When a host it added disappears from the list, its workers leave the job
-(``leaving.leave``: at a step every worker hears of in time, docs/spec/membership.md);
-the rank of each comes from the claim file its ``--join`` wrote (its pid). A worker still
-joining is asked again at the next poll. The job's own hosts keep their workers.
+has. When a host disappears from the list, its workers leave the job (``leaving.leave``:
+at a step every worker hears of in time, docs/spec/membership.md): a joiner's rank comes
+from the claim file its ``--join`` wrote (its pid), and a worker still joining is asked
+again at the next poll; a host the job started on loses its first workers once the
+script has listed it and then stops (a script that lists only new hosts keeps them),
+but worker 0, with which the job ends, and the scheduler and servers stay.
 """
 from __future__ import annotations
 
@@ -46,9 +48,11 @@ class HostDiscovery:
     (they get no joiner); ``spare``: the ranks joiners may take; ``sinks``: where the
     joiners' output goes (stdout, stderr), whole lines under the job's output ``lock``."""
 
-    def __init__(self, script, run_dir, job_hosts, spare, log, sinks, lock):
+    def __init__(self, script, run_dir, job_hosts, spare, log, sinks, lock,
+                 first_workers=None):
         self.script, self.run_dir, self.log = script, str(run_dir), log
         self.job_hosts, self.spare = set(job_hosts), spare
+        self.first_workers = first_workers or {}     # host -> the job's own worker ranks
         self.sinks, self.lock = sinks, lock
         self.joiners = []         # (host, LocalProcess of `dist.py --join`)
         self.started = {}         # host -> joiners started there
@@ -139,23 +143,31 @@ class HostDiscovery:
         """``host`` is no longer listed: each worker this loop started there leaves the
         job; False while one of them is still joining (asked again at the next poll)."""
         ranks, retry = self._ranks_on(host)
-        if not ranks and not retry:
+        first = [r for r in self.first_workers.get(host, []) if r not in self.gone]
+        if 0 in first:
+            self.gone.add(0)
+            self.log(f"host discovery: {host} is no longer listed; worker 0 stays there "
+                     "(the job ends with it)")
+            first.remove(0)
+        if not ranks and not retry and not first:
             if host in self.started and host not in self.job_hosts:
                 self.log(f"host discovery: {host} is no longer listed; no worker of the "
                          "job runs there")
             return True
-        for rank in ranks:
+        for rank in sorted(ranks + first):
             try:
                 step = leave(self.run_dir, rank, wait_s=SCRIPT_TIMEOUT_S)
             except JoinRefused as e:
-                if "still joining" in str(e) or "is not in the job" in str(e):
+                if rank not in first and ("still joining" in str(e)
+                                          or "is not in the job" in str(e)):
                     retry = True         # not registered yet: ask at the next poll
                     continue
                 self.log(f"host discovery: {host} is no longer listed; {e}")
                 self.gone.add(rank)
                 continue
             self.gone.add(rank)
-            self.started[host] -= 1
+            if rank not in first:
+                self.started[host] -= 1
             self.log(f"host discovery: {host} is no longer listed; worker {rank} leaves the "
                      f"job at step {step}")
         return not retry

@@ -236,8 +236,13 @@ class SSHLauncher(SSHCommand):
         if not self.opts.host_discovery_script:
             return None
         from .discovery import HostDiscovery
+        workers = {}          # the job's own hosts -> the first workers placed there
+        for (role, rank), slot in self.plan.items():
+            if role == "worker":
+                workers.setdefault(slot.host, []).append(rank)
         return HostDiscovery(self.opts.host_discovery_script, run_dir,
-                             {h.name for h in self.hosts}, spare, log, sinks, lock).start()
+                             {h.name for h in self.hosts}, spare, log, sinks, lock,
+                             workers).start()
 
     def _here(self, slot):
         return slot.role == "scheduler" and self.site.local
