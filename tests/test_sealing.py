@@ -65,6 +65,29 @@ def test_big_frames_reuse_a_buffer_only_once_zeromq_has_sent_it():
         pull.close(0)
 
 
+def test_kept_buffers_are_bounded_in_number_and_bytes(monkeypatch):
+    """Frames in flight beyond the bounds are sealed into fresh buffers, not kept: a
+    connection holds at most KEPT buffers of at most KEPT_BYTES together."""
+    monkeypatch.setattr(sealing, "KEPT_BYTES", 3 * sealing.REUSED_FROM)
+    out, into = _pair()
+    ctx = zmq.Context.instance()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    pull.bind("inproc://sealing-bounds")
+    push.connect("inproc://sealing-bounds")
+    try:
+        big = [np.full(sealing.REUSED_FROM // 4, v, dtype=np.float32) for v in range(6)]
+        for a in big:               # all queued unread: every buffer is in flight
+            push.send_multipart(out.seal([a]), copy=False)
+        kept = out._buffers.kept
+        assert len(kept) == 2 and sum(len(b) for b, _ in kept) <= sealing.KEPT_BYTES
+        for a in big:               # the fresh ones and the kept ones all arrive intact
+            got = into.open(pull.recv_multipart(copy=False))
+            assert np.array_equal(np.frombuffer(got[0].buffer, dtype=np.float32), a)
+    finally:
+        push.close(0)
+        pull.close(0)
+
+
 @pytest.mark.parametrize("attack, says", [
     ("replay", "replayed or out of order"),
     ("reorder", "replayed or out of order"),

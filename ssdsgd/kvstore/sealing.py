@@ -87,14 +87,16 @@ class Opened:
 
 
 REUSED_FROM = 1 << 20     # frames of this many bytes or more are sealed into kept buffers
-KEPT = 4                 # kept buffers per connection and direction
+KEPT = 4                 # kept buffers per connection (the frames it sends)
+KEPT_BYTES = 256 << 20   # and their bytes: more in flight at once gets fresh buffers
 
 
 class _Buffers:
     """Ciphertext buffers of big frames, kept and reused once ZeroMQ has sent them and
     every frame over them is freed (the frame's tracker says so). A fresh buffer per frame costs its pages' first touch:
     100 MB sealed into a new one took 41-49 ms here, into a kept one 5 ms (AES-GCM
-    itself). At most KEPT are kept; a frame finding none free gets a new one."""
+    itself). At most KEPT of at most KEPT_BYTES together are kept; a frame finding none
+    free gets a new one, kept if the bounds allow (replacing the smallest free one)."""
 
     def __init__(self):
         self.kept = []           # [bytearray, the tracker of the frame that last sent it]
@@ -105,12 +107,13 @@ class _Buffers:
                      and (s[1] is None or s[1].done)), None)
         if slot is None:
             slot = [bytearray(nbytes), None]
-            if len(self.kept) < KEPT:
+            free = [s for s in self.kept if s[1] is None or s[1].done]
+            smallest = min(free, key=lambda s: len(s[0])) if free else None
+            held = sum(len(s[0]) for s in self.kept)
+            if len(self.kept) < KEPT and held + nbytes <= KEPT_BYTES:
                 self.kept.append(slot)
-            else:       # replace the smallest free one, or keep none more
-                free = [s for s in self.kept if s[1] is None or s[1].done]
-                if free:
-                    self.kept[self.kept.index(min(free, key=lambda s: len(s[0])))] = slot
+            elif smallest is not None and held - len(smallest[0]) + nbytes <= KEPT_BYTES:
+                self.kept[self.kept.index(smallest)] = slot
         view = memoryview(slot[0])[:nbytes]
         fill(view)
         frame = zmq.Frame(view, copy=False, track=True)
