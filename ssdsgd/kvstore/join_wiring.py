@@ -118,7 +118,7 @@ class Joins:
             raise P.ProtocolError(str(e)) from None
         if decision is not None:
             self._announce(kind, decision[decider.field], decision)
-        elif not decider.pending.get(meta[decider.field], {}).get("waiting", True):
+        elif decider.answered(meta[decider.field]):
             self.log(f"worker {meta[decider.field]}'s {kind.name.lower()} waits for the "
                      "workers' agreement at the end of the warm-up (its step depends on k)")
         return decision

@@ -81,16 +81,20 @@ class Admissions:
         self.pending = {}
         self._kind, self._noun, self._doing = _WORDS[field]
 
+    def answered(self, rank) -> bool:
+        """Has every server answered the change of worker ``rank`` still pending (so it
+        waits for its step to be known)?"""
+        change = self.pending.get(rank)
+        return change is not None and not change["waiting"]
+
     def settle(self):
         """The decisions of the changes every server answered whose step can be known now
         (after an agreement), in rank order."""
         out = []
-        for rank in sorted(self.pending):
-            change = self.pending[rank]
-            if not change["waiting"]:
-                decision = self._decision(rank, change["step"])
-                if decision is not None:
-                    out.append(decision)
+        for rank in sorted(r for r in self.pending if self.answered(r)):
+            decision = self._decision(rank, self.pending[rank]["step"])
+            if decision is not None:
+                out.append(decision)
         return out
 
     def _decision(self, rank, step):

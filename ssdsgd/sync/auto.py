@@ -86,14 +86,8 @@ def relay_listens(env) -> bool:
     if env.pull_relay != "auto":
         return env.pull_relay == "chain"
     return (stage.delays_pulls(env.algorithm) and env.num_workers >= RELAY_MIN_WORKERS
-            and not takes_joiners(env)
+            and not stage.takes_joiners(env)     # a relayed reply would not carry a join
             and refusal({**dataclasses.asdict(env), "pull_relay": "chain"}, str) is None)
-
-
-def takes_joiners(env) -> bool:
-    """cluster.max_workers above the workers: a relayed reply would not carry a join's
-    decision down the chain (docs/spec/membership.md), so ``auto`` never relays there."""
-    return (getattr(env, "max_workers", None) or 0) > env.num_workers
 
 
 def warmup_steps(setting, total_steps: int | None,

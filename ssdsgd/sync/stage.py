@@ -135,6 +135,11 @@ def join_boundary(algorithm, warmup_steps, delay_steps):
     return boundary
 
 
+def takes_joiners(env) -> bool:
+    """cluster.max_workers above the workers (docs/spec/membership.md)."""
+    return (env.max_workers or 0) > env.num_workers
+
+
 def joins_boundary(env):
     """The job's ``join_boundary`` if it takes joiners (cluster.max_workers above its
     workers, docs/spec/membership.md), else None; ssd needs T_w in advance: pinned, or
@@ -143,7 +148,7 @@ def joins_boundary(env):
     may learn it from its lr scheduler) is not the scheduler's to know. k may be auto:
     the workers' agreement on it tells the scheduler."""
     from .auto import is_auto, warmup_steps
-    if (env.max_workers or 0) <= env.num_workers:
+    if not takes_joiners(env):
         return None
     if env.algorithm == "ssd" and is_auto(env.warmup_steps) and env.total_steps is None:
         return None
