@@ -2,6 +2,7 @@
 slurmd started here): the README's demo job submitted with ``sbatch``; inside the
 allocation the launcher starts scheduler, server and workers with one ``srun``, each task
 taking its role from SLURM_PROCID, and the job ends like a local one."""
+import contextlib
 import json
 import os
 import re
@@ -94,7 +95,16 @@ def test_srun_carries_no_key_through_its_own_channels(slurm, tmp_path):
     out, runs = tmp_path / "job.out", tmp_path / "runs"
     cmd = (f"{sys.executable} launch/dist.py configs/digits.yaml --launcher slurm "
            f"--set train.epochs=1000 --set output.dir={runs}")
-    env = dict(clean_env(), PYTHONPATH=str(ROOT))
+    with _batch_job(slurm, cmd, out, dict(clean_env(), PYTHONPATH=str(ROOT))):
+        keydir = launch_secrets.check_running_job(run_dir_of(runs), 4)
+    _wait(lambda: not keydir.exists(), 30, f"removal of {keydir}")
+
+
+@contextlib.contextmanager
+def _batch_job(slurm, cmd, out, env):
+    """``cmd`` submitted with ``sbatch -n 4`` (its output in ``out``), once it says the
+    job started; on the way out it is cancelled (a no-op if it ended by itself) and
+    waited for (bounded)."""
     r = slurm.run(["sbatch", "-n", "4", "--parsable", "--chdir", str(ROOT), "--output",
                    str(out), "--wrap", cmd], env=env)
     assert r.returncode == 0, r.stderr
@@ -102,12 +112,11 @@ def test_srun_carries_no_key_through_its_own_channels(slurm, tmp_path):
     try:
         _wait(lambda: out.exists() and "job started" in out.read_text(), 300,
               f"the batch job's start ({slurm.logs()})")
-        keydir = launch_secrets.check_running_job(run_dir_of(runs), 4)
+        yield job_id
     finally:
         slurm.run(["scancel", job_id])
         _wait(lambda: slurm.run(["squeue", "-h"]).stdout.strip() == "", 120,
               "the batch job's end")
-    _wait(lambda: not keydir.exists(), 30, f"removal of {keydir}")
 
 
 def test_a_worker_joins_a_slurm_job_from_outside_its_allocation_and_leaves_it(slurm,
@@ -127,13 +136,7 @@ def test_a_worker_joins_a_slurm_job_from_outside_its_allocation_and_leaves_it(sl
     cmd = " ".join([sys.executable, "launch/dist.py", "configs/digits.yaml", "--launcher",
                     "slurm", *(f"--set {k}={v}" for k, v in sets.items())])
     env = dict(clean_env(), PYTHONPATH=str(ROOT))
-    r = slurm.run(["sbatch", "-n", "4", "--parsable", "--chdir", str(ROOT), "--output",
-                   str(out), "--wrap", cmd], env=env)
-    assert r.returncode == 0, r.stderr
-    job_id = r.stdout.strip().split(";")[0]
-    try:
-        _wait(lambda: out.exists() and "job started" in out.read_text(), 300,
-              f"the batch job's start ({slurm.logs()})")
+    with _batch_job(slurm, cmd, out, env):
         run = run_dir_of(runs)
         joiner = jobs.dist(["--join", run], environ=env, merge=True)
         with joiner:
@@ -144,8 +147,6 @@ def test_a_worker_joins_a_slurm_job_from_outside_its_allocation_and_leaves_it(sl
             assert joiner.wait(timeout=240) == 0, joiner.tail()
         _wait(lambda: slurm.run(["squeue", "-h"]).stdout.strip() == "", 240,
               f"the batch job's end: {out.read_text()[-3000:]}")
-    finally:
-        slurm.run(["scancel", job_id])
     text = out.read_text()
     assert "Traceback" not in text + joiner.stdout, text[-3000:]
     summary = json.loads((run / "summary.json").read_text())

@@ -1,6 +1,8 @@
 """AES-256-GCM on every frame (security mode aesgcm, ssdsgd/kvstore/sealing.py): what
 one connection's channel lets through, and how a real port's handshake gives each
 connection its own keys (real ZeroMQ sockets, the real ZAP handler, in process)."""
+import contextlib
+
 import numpy as np
 import pytest
 import zmq
@@ -13,6 +15,20 @@ A, B = b"a" * 32, b"b" * 32
 
 def _pair():
     return sealing.Channel(A, B), sealing.Channel(B, A)
+
+
+@contextlib.contextmanager
+def _inproc(name):
+    """A real PUSH -> PULL pair over inproc://``name``, closed on the way out."""
+    ctx = zmq.Context.instance()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        pull.bind(f"inproc://{name}")
+        push.connect(f"inproc://{name}")
+        yield push, pull
+    finally:
+        push.close(0)
+        pull.close(0)
 
 
 def test_a_message_opens_as_it_was_sent_whatever_its_buffers():
@@ -37,11 +53,7 @@ def test_big_frames_reuse_a_buffer_only_once_zeromq_has_sent_it():
     queued unread on a real inproc pair both open as they were sent, and once read and
     released the next one reuses a buffer."""
     out, into = _pair()
-    ctx = zmq.Context.instance()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    pull.bind("inproc://sealing-big")
-    push.connect("inproc://sealing-big")
-    try:
+    with _inproc("sealing-big") as (push, pull):
         big = [np.full(sealing.REUSED_FROM // 4 + 5, v, dtype=np.float32) for v in (1, 2, 3)]
         for a in big[:2]:           # both queued: the second cannot take the first's buffer
             push.send_multipart(out.seal([b"head", a]), copy=False)
@@ -60,9 +72,6 @@ def test_big_frames_reuse_a_buffer_only_once_zeromq_has_sent_it():
         assert any(s[0] is first for s in out._buffers.kept)
         got = into.open(pull.recv_multipart(copy=False))
         assert np.array_equal(np.frombuffer(got[1].buffer, dtype=np.float32), big[2])
-    finally:
-        push.close(0)
-        pull.close(0)
 
 
 def test_kept_buffers_are_bounded_in_number_and_bytes(monkeypatch):
@@ -70,11 +79,7 @@ def test_kept_buffers_are_bounded_in_number_and_bytes(monkeypatch):
     connection holds at most KEPT buffers of at most KEPT_BYTES together."""
     monkeypatch.setattr(sealing, "KEPT_BYTES", 3 * sealing.REUSED_FROM)
     out, into = _pair()
-    ctx = zmq.Context.instance()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    pull.bind("inproc://sealing-bounds")
-    push.connect("inproc://sealing-bounds")
-    try:
+    with _inproc("sealing-bounds") as (push, pull):
         big = [np.full(sealing.REUSED_FROM // 4, v, dtype=np.float32) for v in range(6)]
         for a in big:               # all queued unread: every buffer is in flight
             push.send_multipart(out.seal([a]), copy=False)
@@ -83,9 +88,6 @@ def test_kept_buffers_are_bounded_in_number_and_bytes(monkeypatch):
         for a in big:               # the fresh ones and the kept ones all arrive intact
             got = into.open(pull.recv_multipart(copy=False))
             assert np.array_equal(np.frombuffer(got[0].buffer, dtype=np.float32), a)
-    finally:
-        push.close(0)
-        pull.close(0)
 
 
 @pytest.mark.parametrize("attack, says", [
