@@ -176,3 +176,16 @@ def test_asgd_with_several_workers_is_warned_of_its_lr_convention(capsys):
     for algorithm, workers in (("asgd", 1), ("ssgd", 2), ("ssd", 4)):
         _warn_async_lr(config(algorithm, workers))
         assert capsys.readouterr().err == ""
+
+
+def test_the_command_forms_watch_follows_continue_and_replicas_from_its_env():
+    """``--env SSDSGD_ON_WORKER_FAILURE=continue`` (or SSDSGD_SERVER_REPLICAS=1) in the
+    command form: the launcher leaves a dead worker behind (or lets a backup take a dead
+    server's keys), as the config form does, instead of stopping a job its scheduler
+    would carry on (tests/test_leave_jobs.py runs a dead worker in the command form)."""
+    from ssdsgd.launch.cli import _watch_settings
+    assert _watch_settings({}) == {"max_workers": None, "continue_without_workers": False,
+                                   "server_replicas": 0}
+    assert _watch_settings({"SSDSGD_ON_WORKER_FAILURE": "continue",
+                            "SSDSGD_SERVER_REPLICAS": "1", "SSDSGD_MAX_WORKERS": "4"}) == {
+        "max_workers": 4, "continue_without_workers": True, "server_replicas": 1}

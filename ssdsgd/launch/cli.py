@@ -83,7 +83,7 @@ def _command_form(argv):
         extra[key] = value
     cmd = resolve_python(cmd)
     try:
-        most = _max_workers(extra)
+        most = _watch_settings(extra)["max_workers"]
     except SettingError as e:
         p.error(str(e))
     if most and most > args.num_workers and not args.run_dir:
@@ -104,7 +104,7 @@ def _command_form(argv):
         failures = []
         code = run_job(args.num_workers, args.num_servers, cmd, extra, port=args.port or None,
                        launcher=runner, failures=failures, run_dir=args.run_dir,
-                       max_workers=_max_workers(extra))
+                       **_watch_settings(extra))
         if code != 1 or attempt == restarts:
             break
         print(f"[launcher] {_restart_line(attempt + 1, restarts, failures, 'the command again')}",
@@ -112,11 +112,17 @@ def _command_form(argv):
     return _gave_up(code, restarts)
 
 
-def _max_workers(extra):
-    """cluster.max_workers of the command form (``--env SSDSGD_MAX_WORKERS=M``, checked
-    by check_launch_env), or None."""
-    raw = extra.get(BY_NAME["max_workers"].env)
-    return BY_NAME["max_workers"].parse(raw) if raw else None
+def _watch_settings(extra):
+    """What the launcher's watch of the command form follows from ``--env`` (checked by
+    check_launch_env), as the config form's from its config: who may join, whether a dead
+    worker is left behind (cluster.on_worker_failure: continue), whether a dead server's
+    backup takes over (cluster.server_replicas)."""
+    def value(name):
+        raw = extra.get(BY_NAME[name].env)
+        return BY_NAME[name].parse(raw) if raw else None
+    return {"max_workers": value("max_workers"),
+            "continue_without_workers": value("on_worker_failure") == "continue",
+            "server_replicas": value("server_replicas") or 0}
 
 
 def _gave_up(code, restarts):
