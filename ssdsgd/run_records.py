@@ -130,18 +130,23 @@ def write_summary(run, wall: float) -> dict:
     }
     # who left: removed when dead or stuck (cluster.on_worker_failure: continue; it writes
     # no end record), or left at a step every worker heard of (docs/spec/membership.md;
-    # it ends its part and writes one)
+    # it ends its part and writes one). A dead worker of a job that takes joiners does
+    # both: the servers drop it from one step, its data leaves at a later one (rule 10)
     leaves = m.get("leaves", [])
-    base["workers_left"] = [{"rank": w["rank"], "from_step": w["from_step"],
-                             "time": w["time"] - run.t_train, "how": how}
-                            for how, ws in (("removed", left), ("left", leaves)) for w in ws]
+    data_left = {w["rank"]: w["from_step"] for w in leaves}
+    removed = {w["rank"] for w in left}
+    base["workers_left"] = [
+        {"rank": w["rank"], "from_step": w["from_step"], "time": w["time"] - run.t_train,
+         "how": how, **({"data_from_step": data_left[w["rank"]]}
+                        if how == "removed" and w["rank"] in data_left else {})}
+        for how, ws in (("removed", left), ("left", leaves)) for w in ws
+        if how == "removed" or w["rank"] not in removed]
     joined = m.get("joined", [])                         # docs/spec/membership.md
     base["workers_joined"] = [{"rank": w["rank"], "from_step": w["from_step"],
                                "time": w["time"] - run.t_train} for w in joined]
     members = getattr(getattr(run, "feed", None), "members", None)
     if (joined or leaves) and members is not None:
-        edges = sorted((w["from_step"], w["time"]) for w in base["workers_joined"]
-                       + [w for w in base["workers_left"] if w["how"] == "left"])
+        edges = sorted((w["from_step"], w["time"] - run.t_train) for w in joined + leaves)
         base["throughput_by_membership"] = spans = throughput_by_membership(
             members, edges, wall, c.data.batch_size)
         log.info("throughput by membership (samples the servers applied per second of "

@@ -25,9 +25,11 @@ TIMEOUT = 90
 
 
 def _simulated(joins, algorithm="ssgd", lr_step=0, leaves=None, n=N, per_epoch=PER_EPOCH,
-               epochs=EPOCHS, **sync):
+               epochs=EPOCHS, removed=None, **sync):
     """The simulator with the job's membership (``joins``, ``leaves``: rank -> step):
-    each member's batch at step t is the chunk ``Membership`` gives it (rule 7)."""
+    each member's batch at step t is the chunk ``Membership`` gives it (rule 7).
+    ``removed`` (rank -> E): a dead worker the servers drop from E, before its data
+    leaves (rule 10): its pushes stop at E, its chunks until its departure go untrained."""
     members = Membership(n, per_epoch, per_epoch * epochs)
     for rank, step in joins.items():
         members.join(rank, step)
@@ -55,7 +57,8 @@ def _simulated(joins, algorithm="ssgd", lr_step=0, leaves=None, n=N, per_epoch=P
                                    rescale_grad=1.0 / BATCH, lr_scheduler=sched)
 
     changes = ([Change(step, "join", rank) for rank, step in joins.items()]
-               + [Change(step, "leave", rank) for rank, step in (leaves or {}).items()])
+               + [Change((removed or {}).get(rank, step), "leave", rank)
+                  for rank, step in (leaves or {}).items()])
     return keys, members, simulate_membership(init, grad_fn, make_optimizer, n, members.end(),
                                               changes, algorithm=algorithm, **sync)
 

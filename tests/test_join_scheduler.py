@@ -162,3 +162,70 @@ def test_a_job_that_takes_no_joiner_lets_no_worker_leave():
         assert "take no leaver (only ssgd and ssd with cluster.max_workers" in msg, msg
     finally:
         sched.close()
+
+
+@pytest.fixture
+def continuing():
+    """A started 3-worker ssgd job with cluster.on_worker_failure: continue and
+    cluster.max_workers 4, and its sends."""
+    env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
+                                "SSDSGD_NUM_WORKERS": "3", "SSDSGD_MAX_WORKERS": "4",
+                                "SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "off",
+                                "SSDSGD_ON_WORKER_FAILURE": "continue"})
+    lines = []
+    sched = Scheduler(env, make_scheduler_policy, log=lines.append,
+                      join_boundary=joins_boundary(env))
+    sent = []
+    sched._send = lambda ident, kind, meta=None, req=0: sent.append((ident, kind, meta))
+    sched._register(b"s0", {"role": "server", "host": "127.0.0.1"}, None)
+    for r in range(3):
+        sched._register(b"w%d" % r, {"role": "worker", "rank": r,
+                                     "routing_id": f"{r + 1:02x}" * 8}, None)
+    with socket.create_server(("127.0.0.1", 0)) as port:
+        sched._listen(b"w0", sched.nodes[b"w0"], {})
+        sched._listen(b"s0", sched.nodes[b"s0"], {"port": port.getsockname()[1]})
+    sent.clear()
+    yield sched, sent, lines
+    sched.close()
+
+
+def _to(sent, kind):
+    return [(ident, meta) for ident, k, meta in sent if k == kind]
+
+
+def test_with_continue_a_dead_workers_data_leaves_at_the_boundary_after_its_removal(continuing):
+    """docs/spec/membership.md rule 10: the servers drop the dead worker from the first
+    step they lack (the removal), then hold for its departure as for one asked for, and
+    every server hears the step from which the others train its chunks."""
+    sched, sent, lines = continuing
+    sched._failed(b"w2", "worker 2 sent no heartbeat")
+    assert _to(sent, P.Kind.MEMBERSHIP) == [(b"s0", {"removed": 2})]
+    assert not _to(sent, P.Kind.LEAVE)           # not before the servers dropped it
+    sent.clear()
+    sched._handle(b"s0", P.Message(P.Kind.MEMBERSHIP, meta={"removed": 2, "next_step": 4}),
+                  None)
+    told = _to(sent, P.Kind.MEMBERSHIP)
+    assert sorted(i for i, _ in told) == [b"s0", b"w0", b"w1"]
+    assert all(m == {"removed": 2, "from_step": 4} for _, m in told)
+    assert _to(sent, P.Kind.LEAVE) == [(b"s0", {"leaving": 2})]
+    sent.clear()
+    sched._handle(b"s0", P.Message(P.Kind.LEAVE, meta={"leaving": 2, "next_step": 6}), None)
+    assert _to(sent, P.Kind.LEAVE) == [(b"s0", {"leaving": 2, "from_step": 7})]
+    assert sched.departed[2]["from_step"] == 7
+    assert any("worker 2's chunks go to the 2 others from step 7" in x for x in lines), lines
+    assert "worker 2 cannot leave: worker 2 is not in the job" in _leave_refusal(
+        sched, b"a2", 2)
+
+
+def test_with_continue_a_joiner_that_dies_while_joining_is_removed_once_it_joined(continuing):
+    """A joiner whose join the servers are still deciding when it dies: the join is
+    decided first (every server already holds for it), then it is removed as any worker
+    from the first step it did not push (its join step at least) and its data leaves."""
+    sched, sent, lines = continuing
+    _join(sched, b"j3", 3)
+    sent.clear()
+    sched._failed(b"j3", "worker 3 sent no heartbeat")
+    assert b"j3" not in sched.nodes and not _to(sent, P.Kind.MEMBERSHIP)
+    sched._handle(b"s0", P.Message(P.Kind.JOIN, meta={"joined": 3, "next_step": 5}), None)
+    assert (b"s0", {"joined": 3, "from_step": 6}) in _to(sent, P.Kind.JOIN)
+    assert _to(sent, P.Kind.MEMBERSHIP) == [(b"s0", {"removed": 3})]

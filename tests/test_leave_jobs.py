@@ -200,3 +200,105 @@ def test_the_training_program_lets_a_worker_go_and_trains_every_chunk_once(tmp_p
     assert sum(x["samples"] for x in spans) == members.first_chunk(members.end()) * B
     each_epoch_once(ends, per_epoch, B, 3, dropped=1)
     assert summary["final_accuracy"] > 0.8, summary
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm, die_at", [("ssgd", 5), ("ssd", 2)])
+def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simulator(
+        tmp_path, algorithm, die_at):
+    """cluster.on_worker_failure: continue beside cluster.max_workers (the command form,
+    ``--env SSDSGD_ON_WORKER_FAILURE=continue``): worker 2 SIGKILLs itself before step
+    ``die_at``, every step before it applied (ssgd; ssd in its warm-up, T_w = 3, k = 2).
+    The servers aggregate without it from E = ``die_at``; its data leaves at a step s
+    every worker hears of in time (docs/spec/membership.md rule 10): its chunks of the
+    steps E..s-1 go untrained, the two others train every other chunk of the budget
+    once, and they end with ``simulate_membership``'s weights (its pushes stop at E,
+    the data follows s)."""
+    sync = ({"warmup_steps": 3, "delay_steps": 2, "glu_state": "exact"}
+            if algorithm == "ssd" else {})
+    env = {f"SSDSGD_{k.upper()}": v for k, v in sync.items()}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
+                              "--die-at", die_at, "--die-rank", 2],
+                       env=dict({"SSDSGD_MAX_WORKERS": N + 1, "SSDSGD_PULL_RELAY": "off",
+                                 "SSDSGD_BIGARRAY_BOUND": 100, "SSDSGD_ALGORITHM": algorithm,
+                                 "SSDSGD_ON_WORKER_FAILURE": "continue",
+                                 "SSDSGD_HEARTBEAT_INTERVAL": 0.2,
+                                 "SSDSGD_HEARTBEAT_TIMEOUT": 1}, **env),
+                       script="join_worker.py")
+    job = dist(["--run-dir", run_dir, *args])
+    with job:
+        assert job.wait(TIMEOUT) == 0, job.tail()
+    assert "worker 2 (pid" in job.text and "the job continues without it" in job.text, \
+        job.tail()
+    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in range(2)]
+    assert not (tmp_path / "chunks-rank2.json").exists()
+    s = records[0]["leaves"]["2"]
+    assert all(r["removed"] == {"2": die_at} for r in records), records
+    assert all(r["leaves"] == {"2": s} for r in records) and s > die_at, records
+    assert f"worker 2's chunks go to the 2 others from step {s}" in job.text, job.tail()
+    keys, members, ref = _simulated({}, algorithm, leaves={2: s}, removed={2: die_at}, n=N,
+                                    per_epoch=PER_EPOCH, epochs=EPOCHS, **sync)
+    if algorithm == "ssd":
+        assert s > 3 and (s - 3) % 2 == 0, s      # a pull boundary after the warm-up
+
+    def chunk(rank, t):
+        epoch, c = members.chunk(rank, t)
+        return epoch * PER_EPOCH + c
+    end = members.end()
+    for rank, r in enumerate(records):
+        assert r["end"] == end and r["chunks"] == [chunk(rank, t) for t in range(end)], r
+    lost = {chunk(2, t) for t in range(die_at, s)}
+    dead = {chunk(2, t) for t in range(die_at)}
+    assert sorted(c for r in records for c in r["chunks"]) == sorted(
+        set(range(members.first_chunk(end))) - lost - dead)
+    for r in range(2):
+        local, final = (load_npz(tmp_path / f"{what}-rank{r}.npz") for what in ("local", "final"))
+        for i, j in keys.items():
+            _close(local[f"p{j}"], ref.worker_weights[r][i].asnumpy(),
+                   f"worker {r} local weights of key {i} (removed at {die_at}, data left at {s})")
+            _close(final[f"p{j}"], ref.global_weights[i].asnumpy(),
+                   f"worker {r} final global weights of key {i}")
+
+
+@pytest.mark.system
+def test_the_training_program_with_continue_hands_a_dead_workers_chunks_to_the_others(
+        tmp_path):
+    """``python -m ssdsgd.train`` (digits, ssgd, 3 workers, cluster.max_workers 4,
+    on_worker_failure continue): worker 2 SIGKILLed while the job runs. The summary
+    names it removed from the step E the servers lacked, its data leaving at s >= E
+    (rule 10); the two others train every chunk of the budget but worker 2's of the
+    steps before s, and the throughput spans follow the data's membership."""
+    import os
+    import signal
+    from test_dynamic_data import BATCH as B, N_TRAIN
+    from test_e2e_configs import records, sets
+    from test_recovery import role_of, wait_for_step
+    root = tmp_path / "runs"
+    job = dist(["configs/digits.yaml", *sets(
+        sync__algorithm="ssgd", cluster__workers=N, cluster__max_workers=N + 1,
+        cluster__on_worker_failure="continue", cluster__heartbeat_interval=0.2,
+        cluster__heartbeat_timeout=1.0, data__batch_size=B, train__epochs=3,
+        train__log_interval=4, output__plots="false", output__dir=root,
+        debug__slowdown="delay:0=0.05")], merge=True)
+    with job:
+        run = wait_for_step(job, root, 8)
+        victim, = [c for c in job.processes() if role_of(c) == ("worker", 2)]
+        os.kill(victim, signal.SIGKILL)
+        assert job.wait(TIMEOUT) == 0, job.tail()
+    summary = json.loads((run / "summary.json").read_text())
+    (left,) = summary["workers_left"]
+    e, s = left["from_step"], left["data_from_step"]
+    assert left["rank"] == 2 and left["how"] == "removed" and 8 <= e <= s, summary
+    assert f"worker 2's chunks go to the 2 others from step {s}" in job.text, job.tail()
+    per_epoch = N_TRAIN // (N * B) * N
+    members = Membership(N, per_epoch, per_epoch * 3)
+    members.leave(2, s)
+    ends = [records(run, r, "end")[-1] for r in range(2)]
+    assert [x["steps"] for x in ends] == [members.end()] * 2, ends
+    trained = sum(d.get("batches", 0) for x in ends for d in x["data"].values())
+    assert trained == members.first_chunk(members.end()) - s    # worker 2 had one a step
+    spans = summary["throughput_by_membership"]
+    assert [(x["workers"], x["from_step"]) for x in spans] == [(3, 0), (2, s)], spans
+    assert summary["final_accuracy"] > 0.8, summary

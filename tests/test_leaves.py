@@ -122,3 +122,44 @@ def test_a_joiner_that_leaves_pushes_its_join_step_at_least():
     p.hold(2)
     p.admit(2, 6)                      # it joins from step 6; nothing is pushed yet
     assert p.hold_departure(2) == 7    # its step 6 before it goes
+
+
+def test_a_dead_workers_data_leaves_at_a_boundary_after_the_servers_dropped_it():
+    """on_worker_failure: continue in a job that takes joiners (docs/spec/membership.md
+    rule 10): the servers drop the dead worker from the first step they lack (E), then
+    hold for its departure as for one asked for; the decision (s >= E) is what the
+    workers' data follows, and the servers keep aggregating without it from E, not s."""
+    p = DenseSync(3, 3, "ssgd", joins=True)
+    ex = Executor(p, [0])
+    for t in range(2):
+        for r in range(3):
+            ex.run(p.push(r, [(0, t, g(1))], token=None))
+    for r in (0, 1):
+        ex.run(p.push(r, [(0, 2, g(1))], token=None))
+    assert p.first_missing(2) == 2
+    acts = ex.run(p.leave(2, 2))               # the removal: step 2 closes without it
+    assert p.version == {0: 3}
+    assert [(k, len(parts), scale) for k, parts, scale in acts[0][1]] == [(0, 2, 1.5)]
+    ex.run(p.push(0, [(0, 3, g(1))], token=None))
+    assert p.hold_departure(2) == 4            # a dead worker's departure is held for too
+    ex.run(p.push(1, [(0, 3, g(1))], token=None))
+    assert p.version == {0: 4}                 # step 3 is before the held step
+    ex.run(p.depart(2, 5))
+    assert p.removed == {2: 2}                 # still out from E = 2, not from s = 5
+    for r in (0, 1):
+        ex.run(p.push(r, [(0, 4, g(1))], token=None))
+    assert p.version == {0: 5}
+    with pytest.raises(PolicyError, match="not in the job, or leaving already"):
+        p.hold_departure(2)
+
+
+def test_a_joiner_that_dies_before_its_first_push_is_missing_from_its_join_step():
+    """A worker admitted from step s lacks nothing before s: its removal's step is s at
+    least, or the steps between would close short of a push the job never expected."""
+    p = DenseSync(2, 3, "ssgd", joins=True)
+    ex = Executor(p, [0])
+    for r in range(2):
+        ex.run(p.push(r, [(0, 0, g(1))], token=None))
+    p.hold(2)
+    ex.run(p.admit(2, 3))
+    assert p.first_missing(2) == 3

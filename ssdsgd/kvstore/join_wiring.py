@@ -15,6 +15,12 @@ itself, or ``launch/dist.py --leave RUN_DIR --rank R``) sends LEAVE ``{leaving: 
 every server holds and answers, and every server, the leaver and the asker hear
 ``{leaving, from_step}``: the leaver pushes the steps before it, and ends there as if
 its budget were spent; once it finished, barriers no longer wait for it.
+
+A dead worker (``cluster.on_worker_failure: continue``) is dropped by the servers from
+the first step they lack (``removals.py``), which no worker heard of in time; its data
+then leaves as a departure asked for does, at a step every worker hears of in time
+(membership.md rule 10). A joiner that dies while its join is decided is removed once
+it joined (the servers already hold for it).
 """
 import time
 
@@ -36,6 +42,7 @@ class Joins:
         self.departed = {}        # rank -> {rank, from_step, time} of every departure decided
         self.leave_askers = {}    # rank -> the connection that asked it to leave
         self.listen_out = None    # what the workers heard from LISTEN: a joiner hears it too
+        self.dead_joining = set() # joiners that died while their join was decided
 
     def _joining(self, role, meta, frame):
         """Is this REGISTER a joiner's: a worker after the start, or one of a spare rank
@@ -107,6 +114,9 @@ class Joins:
         self.log(f"worker {rank} joins the job at step {decision['from_step']}; the servers "
                  f"aggregate {workers} workers from then on")
         self._record()
+        if rank in self.dead_joining:
+            self.dead_joining.discard(rank)
+            self._begin_removal(rank)
 
     def _decided(self, decider, kind, ident, meta):
         """Server ``ident``'s answer to a join or departure ``decider`` (joins.Admissions)
@@ -185,10 +195,36 @@ class Joins:
         asker = self.leave_askers.pop(rank, None)
         if asker is not None and asker not in self.nodes:
             self._send(asker, P.Kind.LEAVE, decision)
-        left = len(self._members("worker")) - 1
-        self.log(f"worker {rank} leaves the job at step {decision['from_step']}; the servers "
-                 f"aggregate {left} workers from then on")
+        others = sum(1 for n in self.nodes.values() if n["role"] == "worker" and n["rank"] != rank)
+        if rank in self.left:
+            self.log(f"worker {rank}'s chunks go to the {others} others from step "
+                     f"{decision['from_step']} (it died: the servers aggregate without it "
+                     "from the first step they lacked)")
+        else:
+            self.log(f"worker {rank} leaves the job at step {decision['from_step']}; the "
+                     f"servers aggregate {others} workers from then on")
         self._record()
+
+    # ---- a dead worker (cluster.on_worker_failure: continue) ------------------------------
+    def _removed_once_joined(self, rank):
+        """A dead joiner whose join is still being decided: removed once it joined (True)."""
+        if self.admissions is None or rank not in self.admissions.pending:
+            return False
+        self.dead_joining.add(rank)
+        return True
+
+    def _dead_departs(self, rank):
+        """The servers dropped dead worker ``rank``: in a job that takes joiners its data
+        leaves at a step every worker hears of in time, decided as a departure asked for
+        (unless one is already being decided or was)."""
+        if self.departures is None or rank in self.departures.pending or rank in self.departed:
+            return
+        servers = self._members("server")
+        self.departures.begin(rank, servers)
+        for i in servers:
+            self._send(i, P.Kind.LEAVE, {"leaving": rank})
+        self.log(f"worker {rank}'s chunks leave with it at a step every worker hears of in "
+                 "time; the servers hold")
 
     def _departed_finish(self, ident, node):
         """A worker that left finished its part: barriers wait for it no more."""

@@ -344,12 +344,17 @@ class Scheduler(reregister.Rejoins, Joins):
         rank = node["rank"]
         self.stalls.leave(rank)
         self.log(f"{why}; removing it from the job (cluster.on_worker_failure: continue)")
+        if not self._removed_once_joined(rank):
+            self._begin_removal(rank)
+        for release in self.barriers.leave(ident, self._barrier_members):
+            self._release(*release)
+
+    def _begin_removal(self, rank):
+        """Ask every server for the first step it lacks from dead worker ``rank``."""
         servers = self._members("server")
         self.removals.begin(rank, servers)
         for i in servers:
             self._send(i, P.Kind.MEMBERSHIP, {"removed": rank})
-        for release in self.barriers.leave(ident, self._barrier_members):
-            self._release(*release)
 
     def _removal_answer(self, ident, meta):
         """A server's first missing step of a removed worker; once every server has
@@ -366,6 +371,7 @@ class Scheduler(reregister.Rejoins, Joins):
             self.log(f"worker {commit['removed']} left the job; the servers aggregate the "
                      f"remaining {len(self._members('worker'))} workers from step "
                      f"{commit['from_step']}")
+            self._dead_departs(commit["removed"])
 
     def _serve_one(self):
         """Read and handle one message; nothing a peer sends stops the scheduler (only a

@@ -25,6 +25,7 @@ class DenseSync(ServerPolicy):
         self.joined = {}       # rank of a worker that joined -> the step it pushes from
         self.holds = {}        # rank of a joiner being decided -> the step this server held
         self.departing = {}    # rank of a leaver being decided -> the step this server held
+        self.departed = set()  # ranks whose departure was decided (their data left)
 
     def declare(self, key):
         super().declare(key)
@@ -126,12 +127,15 @@ class DenseSync(ServerPolicy):
             while rank in self.pending[key].get(t, ()):
                 t += 1
             return t
-        return min((first(key) for key in self.version), default=0)
+        # a joiner lacks nothing before its join step (rule 10)
+        return max(min((first(key) for key in self.version), default=0),
+                   self.joined.get(rank, 0))
 
     def leave(self, rank, from_step):
         """Drop its pushes for steps >= ``from_step``, aggregate the others from then on,
-        and apply what is now complete."""
-        self.removed[rank] = from_step
+        and apply what is now complete. A dead worker's later departure (rule 10) keeps
+        the earlier step: its pushes stopped there."""
+        self.removed[rank] = min(from_step, self.removed.get(rank, from_step))
         ready = []
         for key, pending in self.pending.items():
             for t, pushes in pending.items():
@@ -157,9 +161,11 @@ class DenseSync(ServerPolicy):
                     for k in self.version), default=0)
 
     def hold_departure(self, rank):
-        """Worker ``rank`` asks to leave: as ``hold``, until ``depart``."""
-        member = (rank < self.n or rank in self.joined) and rank not in self.removed
-        if not member or rank in self.departing:
+        """Worker ``rank`` asks to leave: as ``hold``, until ``depart``. A worker the
+        servers dropped when it died (``leave``) may still depart: in a job that takes
+        joiners its data leaves at a step every worker hears of in time (rule 10)."""
+        member = rank < self.n or rank in self.joined
+        if not member or rank in self.departing or rank in self.departed:
             raise PolicyError(f"worker {rank} is not in the job, or leaving already")
         # a joiner pushes one step at least (its join step), so the replies of the steps
         # from the held one on reach it too before its last (docs/spec/membership.md)
@@ -171,6 +177,7 @@ class DenseSync(ServerPolicy):
         """Worker ``rank`` pushes the steps before ``from_step`` only: those close with
         it, the ones from it on without it (their mean counted as N workers', rule 2)."""
         self._decided(self.departing, rank, from_step, "leaves", "leave")
+        self.departed.add(rank)
         return self.leave(rank, from_step)
 
     def _decided(self, held, rank, from_step, verb, infinitive):

@@ -5,11 +5,14 @@ chunks), the joins and departures read from the servers' replies (``kv.joins_bef
 ``kv.leaves_before``); a worker that leaves stops at its step. Started as one of the first
 workers, or by ``launch/dist.py --join`` (``kv.joined_from``: its first step). The first
 workers wait before step ``--wait-at`` until the file ``--go`` exists (bounded), so a
-test can have a joiner ask while the job runs. Writes the chunks it trained, the step it
-joined at, the T_w and k it ran with, its local weights before its end and the final ones."""
+test can have a joiner ask while the job runs; worker ``--die-rank`` SIGKILLs itself
+before step ``--die-at`` once every step before it is applied (it writes nothing).
+Writes the chunks it trained, the step it joined at, the T_w and k it ran with, the
+removals it heard of, its local weights before its end and the final ones."""
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -31,6 +34,8 @@ p.add_argument("--wait-at", type=int, default=-1)
 p.add_argument("--go", default=None)
 p.add_argument("--wait-rank", type=int, default=None, help="only this first worker waits")
 p.add_argument("--compression", default=None, help="JSON: the Trainer's compression_params")
+p.add_argument("--die-at", type=int, default=-1)
+p.add_argument("--die-rank", type=int, default=None)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--lr-step", type=int, default=0, help="halve the lr every this many "
                "global batches (0: a constant lr)")
@@ -77,6 +82,10 @@ while True:
             if time.monotonic() > deadline:
                 sys.exit(f"rank {rank}: no {args.go} within 60 s")
             time.sleep(0.02)
+    if t == args.die_at and rank == args.die_rank:
+        mx.nd.waitall()        # every step before it applied (ssgd, ssd's warm-up pull it)
+        print(f"rank {rank} dies before step {t}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     for r, s in sorted(kv.joins_before(t).items()):
         if r not in members.changes:
             members.join(r, s)
@@ -95,6 +104,7 @@ while True:
     t += 1
 mx.nd.waitall()
 chosen = {name: kv.metrics().get(name) for name in ("warmup_steps", "delay_steps")}
+removed = {str(w["rank"]): w["from_step"] for w in kv.metrics().get("left", [])}
 np.savez(os.path.join(args.out, f"local-rank{rank}.npz"),
          **{f"p{i}": q.data().asnumpy() for i, q in enumerate(tiny.params(net))})
 kv.close()
@@ -104,5 +114,6 @@ with open(os.path.join(args.out, f"chunks-rank{rank}.json"), "w") as f:
     json.dump({"chunks": trained, "joined_from": start, "end": t, **chosen,
                "joins": {str(r): s for r, (s, _) in members.changes.items() if s},
                "leaves": {str(r): e for r, (_, e) in members.changes.items()
-                          if e is not None}}, f)
+                          if e is not None},
+               "removed": removed}, f)
 print(f"rank {rank} done: {len(trained)} chunks, steps {start or 0}..{t - 1}", flush=True)
