@@ -352,10 +352,12 @@ class SSD_Sync(KVStoreBase):
         self._machine.load_state_dict(arrays, meta)
 
     # ---- lifecycle and metrics ----------------------------------------------------
-    def barrier(self, value=0):
-        """MXNet's barrier; also returns the largest ``value`` any worker passed."""
+    def barrier(self, value=0, step=None):
+        """MXNet's barrier; also returns the largest ``value`` any worker passed. With
+        ``step``, in a job whose workers join and leave: the barrier of the workers in
+        the job at that step (docs/spec/membership.md rule 11)."""
         self._machine.raise_deferred()
-        return self._client.barrier(value)
+        return self._client.barrier(value, step=step)
 
     _barrier = barrier
 

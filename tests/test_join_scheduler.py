@@ -229,3 +229,41 @@ def test_with_continue_a_joiner_that_dies_while_joining_is_removed_once_it_joine
     sched._handle(b"s0", P.Message(P.Kind.JOIN, meta={"joined": 3, "next_step": 5}), None)
     assert (b"s0", {"joined": 3, "from_step": 6}) in _to(sent, P.Kind.JOIN)
     assert _to(sent, P.Kind.MEMBERSHIP) == [(b"s0", {"removed": 3})]
+
+
+def test_a_barrier_of_a_step_waits_for_the_workers_in_the_job_at_that_step(job):
+    """A checkpoint's barrier in a job that takes joiners (membership.md rule 11): at a
+    step before a joiner's, it is not waited for; at its step, it is; one that left by
+    the barrier's step is not; two barriers of different steps at once are refused."""
+    sched, sent = job
+    with socket.create_server(("127.0.0.1", 0)) as port:
+        sched._listen(b"w0", sched.nodes[b"w0"], {})
+        sched._listen(b"s0", sched.nodes[b"s0"], {"port": port.getsockname()[1]})
+    _join(sched, b"j2", 2)
+    sched._join_answer(b"s0", sched.nodes[b"s0"], {"joined": 2, "next_step": 7})
+    assert sched.joined[0]["from_step"] == 8
+
+    def barrier(ident, step):
+        sched._handle(ident, P.Message(P.Kind.BARRIER, meta={"step": step}), None)
+
+    def released():
+        out = sorted(i for i, kind, _ in sent if kind == P.Kind.BARRIER)
+        sent.clear()
+        return out
+    sent.clear()
+    barrier(b"w0", 7)
+    barrier(b"w1", 7)
+    assert released() == [b"w0", b"w1"]            # the joiner pushes from step 8
+    barrier(b"w0", 8)
+    barrier(b"w1", 8)
+    assert released() == []
+    barrier(b"j2", 8)
+    assert released() == [b"j2", b"w0", b"w1"]
+    barrier(b"w0", 9)
+    msg = _refusal(sched, b"w1", 10, lambda s, i, step: barrier(i, step))
+    assert "a barrier of step 10 while the others wait at one of step 9" in msg, msg
+    _leave(sched, b"a1", 1)
+    sched._handle(b"s0", P.Message(P.Kind.LEAVE, meta={"leaving": 1, "next_step": 8}), None)
+    assert sched.departed[1]["from_step"] == 9
+    barrier(b"j2", 9)
+    assert released() == [b"j2", b"w0"]            # worker 1 pushes steps before 9 only

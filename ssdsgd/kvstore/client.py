@@ -253,11 +253,12 @@ class WorkerClient:
                              meta={"command": "set_state", "optimizer": spec},
                              routes=self.routes.and_backups())
 
-    def barrier(self, value=0, agreement=None):
+    def barrier(self, value=0, agreement=None, step=None):
         """Wait until every worker has reached the barrier; returns the largest ``value``
         (an integer >= 0) any worker passed (so rank 0 can tell all a decision). An
         ``agreement`` name makes the scheduler keep the value: a worker that comes to
-        it later (a joiner) hears it at once (kvstore/barriers.py)."""
+        it later (a joiner) hears it at once (kvstore/barriers.py). A ``step``: only the
+        workers in the job at that step are waited for (a job whose workers join)."""
         self.pushes.flush()
         if self.requests.failure is not None:
             raise self.requests.failure
@@ -270,6 +271,8 @@ class WorkerClient:
         meta = {"group": "worker", "value": int(value)}
         if agreement is not None:
             meta["agreement"] = agreement
+        if step is not None:
+            meta["step"] = int(step)
         msg = self.io.call_scheduler(P.Kind.BARRIER, meta, P.Kind.BARRIER)
         return int((msg.meta or {}).get("value", 0))
 

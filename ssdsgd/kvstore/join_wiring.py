@@ -44,6 +44,13 @@ class Joins:
         self.listen_out = None    # what the workers heard from LISTEN: a joiner hears it too
         self.dead_joining = set() # joiners that died while their join was decided
 
+    def _in_job_at(self, rank, step):
+        """Is worker ``rank`` (registered) in the job at ``step``: joined at or before it,
+        and not left by then (docs/spec/membership.md rule 1)?"""
+        joined = next((j["from_step"] for j in self.joined if j["rank"] == rank), 0)
+        left = self.departed.get(rank, {}).get("from_step")
+        return joined <= step and (left is None or step < left)
+
     def _joining(self, role, meta, frame):
         """Is this REGISTER a joiner's: a worker after the start, or one of a spare rank
         (by its key or the rank it asks for) at any time, in a job that takes them? (A

@@ -157,7 +157,9 @@ META = {
     Kind.BARRIER: {"group": (_GROUP, False),
                    "value": ((F.int_in(0, 1 << 31), "an integer from 0 to 2^31"), False),
                    # a barrier whose value the scheduler keeps (barriers.py)
-                   "agreement": (_AGREEMENT, False)},
+                   "agreement": (_AGREEMENT, False),
+                   # the barrier of the workers in the job at this step (membership.md)
+                   "step": (F.STEP, False)},
     Kind.FINISH: {"error": (F.STR, False)},
     # a worker's: requests its training thread made, and whether it is busy with
     # something else (rank 0's validation); kvstore/liveness.py. A node that records a

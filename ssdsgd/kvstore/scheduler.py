@@ -248,15 +248,16 @@ class Scheduler(reregister.Rejoins, Joins):
                    if "sent" in meta else None)    # the node's clock offset (timeline.py)
 
     def _barrier(self, ident, node, meta):
-        group = meta.get("group", "worker")
-        members = self._barrier_members(group)
+        group, step = meta.get("group", "worker"), meta.get("step")
+        members = self._barrier_members(group, step)
         if ident not in members:
-            raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier")
+            raise P.ProtocolError(f"a {node['role']} cannot wait at the {group} barrier"
+                                  + ("" if step is None else f" of step {step}"))
         if self._released_alone(ident, group):
             return
         try:
             release = self.barriers.arrive(group, ident, meta.get("value", 0), members,
-                                           meta.get("agreement"))
+                                           meta.get("agreement"), step)
         except ValueError as e:
             raise P.ProtocolError(f"{node_name(node)}: {e}") from None
         if release:
@@ -264,12 +265,17 @@ class Scheduler(reregister.Rejoins, Joins):
         elif node["role"] == "worker":
             self._decide(self.policy.at_barrier, node["rank"])
 
-    def _barrier_members(self, group):
+    def _barrier_members(self, group, step=None):
         """Who a barrier waits for: the group's nodes, but a worker whose join is still
-        being decided (it takes no step before it hears its first one)."""
+        being decided (it takes no step before it hears its first one); at a barrier of
+        a ``step`` (that of the waiting one if None), the workers in the job at that step
+        only (``in_job_at``: one that joins later or left by then is not there)."""
         joining = self.admissions.pending if self.admissions else {}
+        step = self.barriers.steps.get(group) if step is None else step
         return [i for i in self._members(group)
-                if self.nodes[i]["role"] != "worker" or self.nodes[i]["rank"] not in joining]
+                if self.nodes[i]["role"] != "worker"
+                or (self.nodes[i]["rank"] not in joining
+                    and (step is None or self._in_job_at(self.nodes[i]["rank"], step)))]
 
     def _release(self, group, waiting, value):
         """Every member hears the largest value any sent; a join or departure that waited
