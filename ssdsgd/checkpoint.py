@@ -72,6 +72,11 @@ def checkpoint_info(run_dir) -> dict:
                for k in ("next_batch", "workers", "chunks")):
         raise DataError(f"{path}: next_batch, workers and chunks (dynamic data's cursor) "
                         "must be integers >= 0")
+    members = info.get("members")
+    if members is not None and not (isinstance(members, list) and all(
+            isinstance(r, int) and r >= 0 for r in members) and "chunks" in info):
+        raise DataError(f"{path}: members (a job that takes joiners) must be a list of "
+                        "ranks, beside chunks")
     for rank in range(info.get("workers", 0)):
         name = worker_state_name(info, rank, info["workers"])
         if not (ck / name).is_file():

@@ -174,8 +174,8 @@ def start_joiner(run: Run, joined: int) -> None:
 
 def takes_joiners(config: Config) -> bool:
     """cluster.max_workers above the workers (docs/spec/membership.md): the batches
-    follow the membership, and checkpoints are written at the end only (a join moves
-    the workers' epoch ends apart, and a checkpoint's barrier needs them together)."""
+    follow the membership, and checkpoints are taken at steps every member computes
+    alike (a join moves the workers' epoch ends apart: ``membership_checkpoint_due``)."""
     return (config.cluster.max_workers or 0) > config.cluster.workers
 
 
@@ -186,12 +186,21 @@ def open_feed(run: Run, info: dict | None) -> ChunkFeed | None:
     c = run.config
     per_epoch = run.length.steps_per_epoch * run.num_workers
     if run.kv is not None and takes_joiners(c):
-        if info is not None:
-            raise DataError(f"{run.run_dir}: a job that takes joiners is not resumed (its "
-                            "checkpoint does not record who had joined)")
+        step, start = 0, 0
+        if info is not None:       # docs/spec/membership.md rule 11
+            if "members" not in info:
+                raise DataError(f"{run.run_dir}: its checkpoint is of a job that took no "
+                                "joiners (its data followed other shards); resume it without "
+                                "cluster.max_workers")
+            step, start = info["step"], info["chunks"]
         return MembershipFeed(run.kv, run.dataset, c.train.seed, c.data.batch_size,
                               chunk_plan(per_epoch, run.length.total_steps, run.num_workers,
-                                         0), run.rank, run.num_workers, lambda: run.step)
+                                         start), run.rank, run.num_workers, lambda: run.step,
+                              start_step=step)
+    if info is not None and "members" in info:
+        raise DataError(f"{run.run_dir}: its checkpoint is of a job that took joiners (its "
+                        "data followed the membership); resume it with the same "
+                        "cluster.max_workers")
     if run.kv is None or not dynamic_data(c.data.assignment, c.sync.algorithm,
                                           c.sync.quorum, run.num_workers):
         return None
@@ -266,8 +275,11 @@ def run_epoch(run: Run, epoch: int) -> None:
             log_interval(run, epoch, batch + 1)   # an epoch shorter than log_interval: once
         if run.feed is None and run.step >= run.length.total_steps:
             break               # dynamic data: the scheduler says when the budget is spent
-        if (batch + 1 < run.length.steps_per_epoch and (batch + 1) % c.train.log_interval == 0
-                and time_for_checkpoint(run)):
+        if isinstance(run.feed, MembershipFeed):
+            if membership_checkpoint_due(run):
+                checkpoint_membership(run)
+        elif (batch + 1 < run.length.steps_per_epoch
+              and (batch + 1) % c.train.log_interval == 0 and time_for_checkpoint(run)):
             checkpoint(run, epoch, batch + 1)
     ep = whole.stats()
     log.info("Epoch[%d] Train-accuracy=%.6f loss=%.4f Speed: %.1f samples/sec", epoch,
@@ -315,39 +327,73 @@ def validate(run: Run, epoch: int) -> None:
 
 def wants_checkpoint(run: Run, epoch: int) -> bool:
     """Every train.checkpoint_every epochs and after the last one; never when it is 0;
-    in a job that takes joiners after the last one only (``takes_joiners``)."""
+    in a job that takes joiners after the last one only here (its others are where the
+    chunks pass an epoch end: ``membership_checkpoint_due``)."""
     every = run.config.train.checkpoint_every
     if takes_joiners(run.config) and epoch != run.length.last_epoch:
         return False
     return bool(every) and ((epoch + 1) % every == 0 or epoch == run.length.last_epoch)
 
 
-def time_for_checkpoint(run: Run) -> bool:
+def time_for_checkpoint(run: Run, step: int | None = None) -> bool:
     """Every train.log_interval steps with train.checkpoint_every_s set: has rank 0's
     clock passed it since the last checkpoint? Rank 0 decides and every worker hears
-    the decision at a barrier (kv.barrier(value)), so all checkpoint at the same step."""
+    the decision at a barrier (kv.barrier(value)), so all checkpoint at the same step
+    (with ``step``: the barrier of the workers in the job at that step)."""
     every = run.config.train.checkpoint_every_s
-    if not every or takes_joiners(run.config):
+    if not every:
         return False
     due = int(run.rank == 0 and time.time() - run.t_checkpoint >= every)
     if run.kv is not None:
-        due = run.kv.barrier(due)
+        due = run.kv.barrier(due) if step is None else run.kv.barrier(due, step=step)
     return bool(due)
 
 
-def checkpoint(run: Run, next_epoch: int, next_batch: int) -> None:
+def membership_checkpoint_due(run: Run) -> bool:
+    """A job that takes joiners (docs/spec/membership.md rule 11), once step t - 1 is
+    done: a checkpoint is due where the chunks before t pass the end of every
+    train.checkpoint_every-th epoch, which every worker in the job at t - 1 computes
+    alike from the membership; or, every train.log_interval steps, by rank 0's clock
+    (train.checkpoint_every_s) at a barrier of the workers in the job at t - 1."""
+    t, c = run.step, run.config.train
+    if run.feed.over or run.feed.where(t) is None:
+        return False          # this worker's last step (it leaves, or the budget is spent)
+    if run.feed.members.checkpoint_due(t, c.checkpoint_every):
+        return True
+    return t % c.log_interval == 0 and time_for_checkpoint(run, step=t - 1)
+
+
+def checkpoint_membership(run: Run) -> None:
+    """A job that takes joiners, at step t (every worker in the job at t - 1 is here):
+    the data position is the chunks before t, G(t). Worker states are kept when the
+    members at t are the job's first workers (a resumed job starts with those and is
+    exact then); otherwise a resume starts every worker from the global model."""
+    members = run.feed.members
+    chunks = members.first_chunk(run.step)
+    per_epoch = run.feed.plan["per_epoch"]
+    now = members.members(run.step)
+    checkpoint(run, chunks // per_epoch, chunks % per_epoch, cursor={
+        "chunks": chunks, "members": now, "barrier_step": run.step - 1,
+        "keep_states": now == members.first})
+
+
+def checkpoint(run: Run, next_epoch: int, next_batch: int, cursor: dict | None = None) -> None:
     """Every worker, between two steps (the same step on all): a checkpoint whose data
     position is (next_epoch, next_batch). Each worker saves its own state; rank 0 the
     global model (in the steps-delay stage and in localsgd's and diloco's local steps its
     own weights are local ones: it pulls the servers'), the servers' optimizer states, and,
     once every worker has saved (a barrier), latest.json, which names them all. Dynamic
-    data: checkpoint_chunks."""
-    if run.feed is not None:
+    data: checkpoint_chunks; a job that takes joiners: ``cursor`` (checkpoint_membership)."""
+    cursor = dict(cursor or {})
+    if run.feed is not None and not cursor:
         return checkpoint_chunks(run, next_epoch)
-    stem = (f"epoch-{next_epoch - 1:04d}" if next_batch == 0 else f"step-{run.step:08d}")
+    barrier_step = cursor.pop("barrier_step", None)
+    keep = cursor.pop("keep_states", True)
+    stem = (f"epoch-{next_epoch - 1:04d}" if next_batch == 0 and not cursor
+            else f"step-{run.step:08d}")
     ck = run.run_dir / "checkpoints"
     ck.mkdir(parents=True, exist_ok=True)
-    if run.kv is not None:
+    if run.kv is not None and keep:
         run.kv.save_worker_state(str(ck / f"{stem}.worker-{run.rank}.npz"))
         save_local_params(run.net, ck / f"{stem}.worker-{run.rank}.local.params")
     if run.rank == 0:
@@ -357,14 +403,14 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int) -> None:
         states = save_states(run.run_dir, run.trainer, stem)
         params = save_params(run.run_dir, run.net, stem, weights)
     if run.kv is not None:
-        run.kv.barrier()
+        run.kv.barrier() if barrier_step is None else run.kv.barrier(step=barrier_step)
     if run.rank == 0:
         record_checkpoint(run.run_dir, dict(
             epoch=next_epoch - 1 if next_batch == 0 else next_epoch, next_epoch=next_epoch,
             next_batch=next_batch, step=run.step, seed=run.config.train.seed,
             params=params.name, states=states,   # after a worker left: the global model
-            workers=run.num_workers if run.kv is not None and not kv_metrics(
-                run.kv).get("left") else 0), keep=run.config.train.keep_checkpoints,
+            workers=run.num_workers if run.kv is not None and keep and not kv_metrics(
+                run.kv).get("left") else 0, **cursor), keep=run.config.train.keep_checkpoints,
             accuracy=run.vals[-1]["accuracy"] if next_batch == 0 and run.vals else None)
         run.writer.write("checkpoint", epoch=next_epoch, batch=next_batch, step=run.step,
                          path=str(params))

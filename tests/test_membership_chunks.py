@@ -73,3 +73,38 @@ def test_throughput_by_membership_splits_the_samples_at_each_join():
     assert [(x["workers"], x["from_step"], x["to_step"], x["samples"]) for x in spans] == [
         (2, 0, 5, 80), (3, 5, 9, 96), (2, 9, 18, 144)]
     assert spans[2]["samples_per_sec"] == pytest.approx(144 / 3.0)
+
+
+def test_a_resumed_membership_continues_at_its_step_with_the_chunks_before_it():
+    """A job that takes joiners, resumed from a checkpoint at step t whose chunks before
+    it were G(t) (docs/spec/membership.md rule 11): its first N workers from t, the
+    cursor at G(t). With no change before t, the same chunks as the uninterrupted job's;
+    after a join, the chunks of the job whose joiner left at t."""
+    whole = Membership(2, per_epoch=10, budget=31)
+    resumed = Membership(2, per_epoch=10, budget=31, start_step=6, start_chunk=12)
+    assert resumed.end() == whole.end() == 15
+    assert [resumed.chunk(r, t) for t in range(6, 16) for r in range(2)] == [
+        whole.chunk(r, t) for t in range(6, 16) for r in range(2)]
+    assert resumed.first_chunk(9) == 18 and resumed.chunk(0, 5) is None
+    grown = Membership(2, per_epoch=10, budget=31)
+    grown.join(2, 4)
+    grown.leave(2, 7)                               # as if the joiner left at the resume
+    again = Membership(2, per_epoch=10, budget=31, start_step=7,
+                       start_chunk=grown.first_chunk(7))
+    again.join(2, 9)                                # a joiner of the resumed job
+    assert again.first_chunk(7) == 4 * 2 + 3 * 3 == 17
+    assert [again.chunk(r, t) for t in range(7, 9) for r in range(2)] == [
+        grown.chunk(r, t) for t in range(7, 9) for r in range(2)]
+    assert again.members(9) == [0, 1, 2] and again.end() == 9 + (31 - 17 - 4) // 3
+    with pytest.raises(ValueError, match="before the resumed job's first step 7"):
+        again.join(3, 6)
+
+
+def test_a_checkpoint_is_due_where_the_chunks_pass_an_epoch_end():
+    """Every member decides alike from the membership: the first step whose chunks
+    before it reach a due epoch end (every ``every`` epochs, not the budget's end)."""
+    m = Membership(3, per_epoch=10, budget=40)
+    m.join(3, 2)                                   # 6 chunks, then 4 a step
+    due = [t for t in range(1, m.end() + 1) if m.checkpoint_due(t, every=1)]
+    assert due == [3, 6, 8]                        # G = 10, 18 -> 22 (passes 20), 30
+    assert [t for t in range(1, m.end() + 1) if m.checkpoint_due(t, every=2)] == [6]

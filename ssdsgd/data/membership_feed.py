@@ -17,13 +17,16 @@ from ..sync.membership import Membership
 
 
 class MembershipFeed(ChunkFeed):
-    """``step()``: the worker's next step (the training program's ``run.step``)."""
+    """``step()``: the worker's next step (the training program's ``run.step``);
+    ``start_step``: a resumed job's first, with ``plan["start"]`` the chunks before it
+    (docs/spec/membership.md rule 11)."""
 
     def __init__(self, kv, dataset, seed: int, batch_size: int, plan: dict, rank: int,
-                 num_workers: int, step):
+                 num_workers: int, step, start_step: int = 0):
         super().__init__(kv, dataset, seed, batch_size, plan)
         self.rank, self.step = rank, step
-        self.members = Membership(num_workers, plan["per_epoch"], plan["budget"])
+        self.members = Membership(num_workers, plan["per_epoch"], plan["budget"],
+                                  start_step=start_step, start_chunk=plan["start"])
 
     def where(self, t: int):
         """(epoch, chunk) this worker trains at step t, or None: the job is over."""

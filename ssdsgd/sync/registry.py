@@ -340,15 +340,14 @@ def markdown() -> str:
 JOINERS = ("ssd", "ssgd")
 JOIN_TEST = "tests/test_join_jobs.py"
 # what a job that takes joiners may not use, and why: no test runs the two together.
-# (resume is taken: a resumed job starts again with its first workers, who may be joined
-# again; its checkpoint does not record who had joined, docs/spec/membership.md)
+# (resume and restarts are taken: the job starts again from its last checkpoint with its
+# first workers, who may be joined again, docs/spec/membership.md rule 11)
 JOIN_REFUSED = {
     "relay": "a relayed reply does not carry the join's decision to the workers down the "
              "chain",
     "quorum": "a quorum's rounds have no rule for a joiner (docs/spec/membership.md rule 9)",
     "staggered": "staggered pulls have no step every worker resets at, where a joiner "
                  "could come in",
-    "restart": "a restarted job would not know who had joined",
     "scheduler_restart": "a restarted scheduler does not rebuild the joins decided",
     "replicas": "a join's decision is not sent to a backup",
 }
