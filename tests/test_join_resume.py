@@ -60,6 +60,12 @@ def test_a_killed_ssd_job_that_takes_joiners_resumes_as_if_uninterrupted(tmp_pat
     latest = json.loads((run / "checkpoints" / "latest.json").read_text())
     assert latest["step"] % STEPS == 0 and latest["chunks"] == 2 * latest["step"], latest
     assert latest["members"] == [0, 1] and latest["workers"] == 2, latest
+    static = jobs.run([*args, *sets(output__dir=root, cluster__max_workers=2), "--resume",
+                       run], timeout=120)
+    assert static.returncode != 0
+    assert ("its checkpoint is of a job that took joiners (its data followed the "
+            "membership); resume it with the same cluster.max_workers") in static.stderr, \
+        static.stderr[-3000:]
     resumed = jobs.run([*args, *sets(output__dir=root), "--resume", run,
                         *sets(debug__slowdown="none")], timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
