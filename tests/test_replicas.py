@@ -139,6 +139,31 @@ def test_a_backup_holds_its_replies_until_promoted_then_sends_them_and_takeover(
         job.close()
 
 
+def test_a_copy_whose_step_completes_after_the_takeover_is_answered():
+    """Worker 0's copy of step 0 (a push that pulls) reached the backup, worker 1's had
+    not when the owner died: the backup took over with that reply incomplete. Worker 1's
+    push then completes the step; the reply must go to worker 0 (before, it was held for
+    an owner that was gone, and worker 0 waited forever: seen with a joiner whose first
+    pull waited for a step the others had not pushed)."""
+    from ssdsgd.kvstore import protocol as P
+    from test_server_in_process import SIZES, init, push
+    job = backup_job(SSDSGD_SERVER_REPLICAS=1)
+    try:
+        w0, w1 = job.workers
+        init(job, {k: np.ones(n, np.float32) for k, n in SIZES.items()})
+        grads = {k: np.full(n, 0.25, np.float32) for k, n in SIZES.items()}
+        push(job, 0, 0, grads, flags=P.Flag.PULL | P.Flag.BACKUP)
+        assert job.replies(w0) == []
+        job.server.on_scheduler(P.Message(P.Kind.PROMOTE, meta={"dead": 1, "owner": 0}))
+        assert [m.kind for m in job.replies(w0)] == [P.Kind.TAKEOVER]
+        push(job, 1, 0, grads)                   # sent after the takeover: to the owner
+        kinds = {rank: [m.kind for m in job.replies(w)] for rank, w in ((0, w0), (1, w1))}
+        assert kinds[0] == [P.Kind.REPLY], kinds
+        assert kinds[1] == [P.Kind.TAKEOVER, P.Kind.REPLY], kinds
+    finally:
+        job.close()
+
+
 def test_a_copy_that_overtakes_worker_0s_init_waits_for_it():
     """Worker 1's copies reach the backup in order (its INIT, then its push), but worker
     0's INIT copy travels on another connection: worker 1 may have its INIT answered by

@@ -112,13 +112,19 @@ class Backup:
                    for key, step in reply.wanted)
 
     def hold(self, reply):
-        """A held reply is complete (``Replies``' hook)."""
+        """A held reply is complete (``Replies``' hook): True if taken (held, or dropped),
+        False if it must be sent now. A copy that came while its owner lived but whose
+        step completed after the takeover is answered by the new owner (its worker waits
+        for it), and dropped by any other server (its own owner lives and answers)."""
+        if not self.map.copying:
+            return not self.owner
         self.held.append(reply)
         mine = [r for r in self.held if r.peer is reply.peer]
         if len(mine) > HELD_PER_WORKER:
             self.held.remove(mine[0])
             self.log(f"held more than {HELD_PER_WORKER} replies of worker {reply.peer.rank}; "
                      "dropped the oldest")
+        return True
 
     def promote(self, meta, rank):
         """PROMOTE: server ``dead`` died and ``owner`` takes its keys."""

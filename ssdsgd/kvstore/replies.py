@@ -226,8 +226,9 @@ class Replies:
             return
         reply.peer.open -= 1
         if reply.held:
-            self.hold(reply)
-            return
+            if self.hold(reply):
+                return
+            reply.held = False     # its owner died since the copy came: answered here
         if reply.relay:
             self._relayed.append(reply)
             return
