@@ -76,10 +76,11 @@ def _job(tmp_path, env, max_workers=3, script_args=(), wait_at=WAIT_AT, per_epoc
 
 
 def _joined_run(tmp_path, env, refused=None, script_args=(), wait_at=WAIT_AT,
-                per_epoch=PER_EPOCH, waiting=()):
+                per_epoch=PER_EPOCH, waiting=(), joined=None):
     """A 2-worker job, a third joining while the first two wait at step ``wait_at``
     (once ``waiting``, the ranks said so); ``refused`` (a list): the one-line errors of a
-    fourth joiner while the job is at cluster.max_workers, and of one once it has ended."""
+    fourth joiner while the job is at cluster.max_workers, and of one once it has ended;
+    ``joined(job)``: called once the servers decided the join, before the two go on."""
     job, run_dir, go = _job(tmp_path, env, script_args=script_args, wait_at=wait_at,
                             per_epoch=per_epoch)
     with job:
@@ -92,6 +93,9 @@ def _joined_run(tmp_path, env, refused=None, script_args=(), wait_at=WAIT_AT,
             job.wait_for("asks to join", 60)
             if refused is not None:
                 refused.append(_refused(run_dir))
+            if joined is not None:
+                job.wait_for("worker 2 joins the job at step", 60)
+                joined(job)
             go.touch()
             assert joiner.wait(TIMEOUT) == 0, joiner.tail() + "\n" + job.tail()
             assert job.wait(TIMEOUT) == 0, job.tail()
@@ -339,3 +343,26 @@ def each_epoch_once(ends, per_epoch, batch, epochs, dropped):
             assert sum(g.get("index_sum", 0) for g in got) == int(perm.sum()), e
         else:
             assert per_epoch - dropped <= batches <= per_epoch, (e, got)
+
+
+@pytest.mark.system
+def test_a_join_then_a_killed_server_with_replicas_ends_as_the_simulator(tmp_path):
+    """cluster.server_replicas: 1 (2 servers) beside cluster.max_workers: every server
+    holds and admits the joiner for the keys it owns and those it backs up (one policy
+    holds both), and the joiner copies its requests to the backups as every worker does.
+    Server 0 SIGKILLed once the join is decided, before the joiner's first step is
+    applied: its backup takes its keys, and the job ends with the simulator's weights."""
+    import os
+    import signal
+    from test_recovery import role_of
+
+    def kill_server_0(job):
+        victim, = [p for p in job.processes() if role_of(p) == ("server", 0)]
+        os.kill(victim, signal.SIGKILL)
+        job.wait_for("server 1 owns its keys from now on", 60)
+    job, joiner, records = _joined_run(tmp_path, {
+        "SSDSGD_ALGORITHM": "ssgd", "SSDSGD_SERVER_REPLICAS": 1,
+        "SSDSGD_HEARTBEAT_INTERVAL": 0.2, "SSDSGD_HEARTBEAT_TIMEOUT": 1},
+        waiting=(0, 1), joined=kill_server_0)
+    assert "server 0 (pid" in job.text and "its backup takes its keys" in job.text
+    assert _check(tmp_path, records) == WAIT_AT + 1

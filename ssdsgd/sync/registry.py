@@ -349,7 +349,6 @@ JOIN_REFUSED = {
     "staggered": "staggered pulls have no step every worker resets at, where a joiner "
                  "could come in",
     "scheduler_restart": "a restarted scheduler does not rebuild the joins decided",
-    "replicas": "a join's decision is not sent to a backup",
 }
 
 
