@@ -521,7 +521,8 @@ def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) ->
     """dynamic data gives workers different numbers of steps: only quorum rounds (rule 4:
     a worker's end) and preduce's groups take that; ssgd/ssd with every worker in every
     step would wait for the step a worker never takes, and asgd is not tested with it.
-    Its checkpoints are at epoch ends (the chunk cursor at a barrier all reach)."""
+    Its checkpoints are at epoch ends and at the dealer's pauses (the chunk cursor at a
+    barrier all reach)."""
     if values.get("assignment") != "dynamic":
         return None
     algorithm, quorum, n = (values.get("algorithm"), values.get("quorum"),
@@ -532,9 +533,6 @@ def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) ->
                 f"{n} workers or {label('algorithm')}: preduce only, got {algorithm} with "
                 f"quorum {quorum} (every step waits for every worker, and dynamic data "
                 "gives them different numbers of steps)")
-    if values.get("checkpoint_every_s"):
-        return (f"{label('assignment')}: dynamic takes checkpoints at epoch ends only; "
-                f"unset {label('checkpoint_every_s')} (docs/spec/dynamic_data.md)")
     return None
 
 

@@ -387,13 +387,15 @@ class SSD_Sync(KVStoreBase):
         self._machine.settle()
         return dict(self._client.leaves)
 
-    def ask_chunk(self, epoch, plan):
-        """Dynamic data (ssdsgd.data.dynamic): ask for the next chunk of ``epoch``; a
-        future for ``take_chunk`` (kvstore/chunks.py)."""
-        return self._client.ask_chunk(epoch, plan)
+    def ask_chunk(self, epoch, plan, pause=False):
+        """Dynamic data (ssdsgd.data.dynamic): ask for the next chunk of ``epoch`` (worker
+        0: and for a pause, a mid-epoch checkpoint); a future for ``take_chunk``
+        (kvstore/chunks.py)."""
+        return self._client.ask_chunk(epoch, plan, pause)
 
     def take_chunk(self, fut, epoch, per_epoch):
-        """(chunk, None) or (None, "epoch" | "budget"): the answer ``fut`` waits for."""
+        """(chunk, None), (None, "epoch" | "budget") or (cursor, "pause"): the answer
+        ``fut`` waits for."""
         return self._client.take_chunk(fut, epoch, per_epoch)
 
     def finish(self):

@@ -211,7 +211,9 @@ def open_feed(run: Run, info: dict | None) -> ChunkFeed | None:
         raise DataError(f"{run.run_dir}: a mid-epoch checkpoint of static data cannot be "
                         "resumed with dynamic data (data.assignment: static resumes it)")
     return ChunkFeed(run.kv, run.dataset, c.train.seed, c.data.batch_size,
-                     chunk_plan(per_epoch, run.length.total_steps, run.num_workers, start))
+                     chunk_plan(per_epoch, run.length.total_steps, run.num_workers, start),
+                     pause_due=lambda: pause_due(run),
+                     on_pause=lambda at: checkpoint_chunks(run, at=at))
 
 
 def build_trainer(config: Config, kv, dataset, length: RunLength, ctx):
@@ -349,6 +351,16 @@ def time_for_checkpoint(run: Run, step: int | None = None) -> bool:
     return bool(due)
 
 
+def pause_due(run: Run) -> bool:
+    """Dynamic data, worker 0: does its clock ask for a mid-epoch checkpoint (the
+    dealer's pause, docs/spec/dynamic_data.md rule 7)? Only past the warm-up: in ssd
+    with k auto every worker agrees at its last warm-up step (a barrier), and worker 0
+    past it means every worker is."""
+    every = run.config.train.checkpoint_every_s
+    return bool(run.rank == 0 and every and run.step > run.warmup
+                and time.time() - run.t_checkpoint >= every)
+
+
 def membership_checkpoint_due(run: Run) -> bool:
     """A job that takes joiners (docs/spec/membership.md rule 11), once step t - 1 is
     done: a checkpoint is due where the chunks before t pass the end of every
@@ -417,18 +429,25 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int, cursor: dict | None =
     run.t_checkpoint = time.time()
 
 
-def checkpoint_chunks(run: Run, next_epoch: int) -> None:
-    """Dynamic data's checkpoint, at the end of epoch ``next_epoch - 1`` on every worker
-    (docs/spec/dynamic_data.md). Once all are there (a barrier: every chunk handed out
-    is trained and its push applied; a quorum's rounds are closed, quorum.md rule 5),
-    every worker takes the servers' model into its parameters (but in ssd's steps-delay
-    stage, whose local weights are its own) and rank 0 saves it, the servers' optimizer
-    states and the cursor (the chunks handed out): what a job resumed from it starts
-    from. No worker states: the workers' step counts differ, so the record's step is
+def checkpoint_chunks(run: Run, next_epoch: int | None = None, at: int | None = None) -> None:
+    """Dynamic data's checkpoint, at the end of epoch ``next_epoch - 1`` on every worker,
+    or mid-epoch at the dealer's pause with the cursor ``at`` (docs/spec/dynamic_data.md
+    rule 7: no chunk is handed out past it until the barrier). Once all are there (a
+    barrier: every chunk handed out is trained and its push applied; a quorum's rounds
+    are closed, quorum.md rule 5), every worker takes the servers' model into its
+    parameters (but in ssd's steps-delay stage, whose local weights are its own) and
+    rank 0 saves it, the servers' optimizer states and the cursor (the chunks handed
+    out): what a job resumed from it starts from. No worker states: the workers' step counts differ, so the record's step is
     the global batches done (chunks / N), the count the servers' lr schedule resumes at."""
-    stem = f"epoch-{next_epoch - 1:04d}"
     plan = run.feed.plan
-    chunks = min(next_epoch * plan["per_epoch"], plan["budget"])
+    if at is None:
+        stem, chunks = f"epoch-{next_epoch - 1:04d}", min(next_epoch * plan["per_epoch"],
+                                                           plan["budget"])
+        epoch, next_batch = next_epoch - 1, 0
+    else:
+        stem, chunks = f"chunk-{at:08d}", at
+        epoch, next_batch = divmod(at, plan["per_epoch"])
+        next_epoch = epoch
     run.kv.barrier()
     synchronous = stage_of(run) != Stage.STEPS_DELAY
     if synchronous or run.rank == 0:
@@ -439,12 +458,12 @@ def checkpoint_chunks(run: Run, next_epoch: int) -> None:
     run.kv.barrier()        # nobody pushes again before every worker has the model
     if run.rank == 0:
         record_checkpoint(run.run_dir, dict(
-            epoch=next_epoch - 1, next_epoch=next_epoch, next_batch=0,
+            epoch=epoch, next_epoch=next_epoch, next_batch=next_batch,
             step=chunks // run.num_workers, chunks=chunks, seed=run.config.train.seed,
             params=params.name, states=states, workers=0),
             keep=run.config.train.keep_checkpoints,
-            accuracy=run.vals[-1]["accuracy"] if run.vals else None)
-        run.writer.write("checkpoint", epoch=next_epoch, batch=0, step=run.step,
+            accuracy=run.vals[-1]["accuracy"] if run.vals and not next_batch else None)
+        run.writer.write("checkpoint", epoch=next_epoch, batch=next_batch, step=run.step,
                          path=str(params))
     run.t_checkpoint = time.time()
 

@@ -51,6 +51,29 @@ def test_the_dealer_starts_at_the_cursor_and_refuses_what_no_worker_of_the_job_s
         Dealer().deal(0, dict(plan, start=21, epoch=4))
 
 
+def test_a_pause_asked_by_rank_0_stops_every_worker_at_one_cursor_until_a_release():
+    """A mid-epoch checkpoint under dynamic data (docs/spec/dynamic_data.md rule 7): rank
+    0's request asks for a pause; from then on every request of the current epoch is
+    answered with the pause and the cursor, nothing is handed out, until the checkpoint's
+    barrier is released; a request of an ended epoch still ends it. Only rank 0 asks."""
+    dealer, plan = Dealer(), chunk_plan(per_epoch=5, total_steps=10, num_workers=2, start=0)
+    assert [dealer.deal(r, dict(plan, epoch=0))["chunk"] for r in (0, 1, 1)] == [0, 1, 2]
+    with pytest.raises(ChunkError, match="only worker 0 asks for a pause"):
+        dealer.deal(1, dict(plan, epoch=0, pause=True))
+    assert dealer.deal(0, dict(plan, epoch=0, pause=True)) == {"epoch": 0, "over": "pause",
+                                                              "at": 3}
+    assert dealer.deal(1, dict(plan, epoch=0)) == {"epoch": 0, "over": "pause", "at": 3}
+    assert dealer.deal(0, dict(plan, epoch=0, pause=True)) == {"epoch": 0, "over": "pause",
+                                                              "at": 3}
+    dealer.release()
+    assert dealer.deal(1, dict(plan, epoch=0)) == {"epoch": 0, "chunk": 3}
+    assert [dealer.deal(0, dict(plan, epoch=0))["chunk"] for _ in range(1)] == [4]
+    assert dealer.deal(0, dict(plan, epoch=1, pause=True))["at"] == 5
+    assert dealer.deal(1, dict(plan, epoch=0)) == {"epoch": 0, "over": "epoch"}
+    assert dealer.deal(1, dict(plan, epoch=1))["over"] == "pause"
+    assert dealer.dealt == {0: 2, 1: 3}
+
+
 def test_an_epochs_chunks_are_the_samples_of_its_static_shards():
     n, per_step_workers = N_TRAIN, 3
     spe = n // (per_step_workers * BATCH)
@@ -75,9 +98,9 @@ def test_auto_is_dynamic_exactly_below_n_or_with_preduce_and_dynamic_is_refused_
     with pytest.raises(ConfigError, match=r"^data.assignment: dynamic works with sync.quorum "
                                           r"below the 4 workers or sync.algorithm: preduce"):
         parse_config(_raw(assignment="dynamic", algorithm="ssgd"))
-    with pytest.raises(ConfigError, match=r"^data.assignment: dynamic takes checkpoints at "
-                                          r"epoch ends only; unset train.checkpoint_every_s"):
-        parse_config(_raw(assignment="dynamic", quorum="solo", every_s=60))
+    # mid-epoch checkpoints: at a pause of the dealer (rule 6)
+    assert parse_config(_raw(assignment="dynamic", quorum="solo", every_s=60)
+                        ).train.checkpoint_every_s == 60
     with pytest.raises(ConfigError, match=r"^data.assignment: expected one of auto, static"):
         parse_config(_raw(assignment="random"))
 
@@ -209,6 +232,37 @@ def test_a_job_killed_after_an_epoch_resumes_at_the_cursor_and_trains_the_rest_o
     assert all(set(end["data"]) == {"1"} for end in ends), ends   # epoch 1 only, all of it
     check_every_sample_once(ends, (1,))
     assert [records(run, r, "start")[-1]["start_step"] for r in range(3)] == [latest["step"]] * 3
+    assert json.loads((run / "summary.json").read_text())["final_accuracy"] > 0.8
+
+
+@pytest.mark.system
+def test_a_job_killed_after_a_mid_epoch_checkpoint_resumes_at_the_pause_and_trains_the_rest_once(
+        tmp_path):
+    """train.checkpoint_every_s with dynamic data (docs/spec/dynamic_data.md rule 7):
+    worker 0's clock pauses the dealer, every worker stops after the chunks it has, and
+    the checkpoint's cursor is the pause's. Killed after one (SIGKILL, every process) and
+    resumed, the job trains the rest of that epoch's chunks and the next epoch's, once."""
+    root = tmp_path / "b"
+    run = kill_job_after_first_checkpoint(
+        [*majority_job(root), *sets(train__checkpoint_every_s=1, train__checkpoint_every=0)],
+        root, timeout=240, ready=lambda latest: latest.get("next_batch", 0) > 0)
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    per_epoch = N_TRAIN // (3 * BATCH) * 3
+    at = latest["chunks"]
+    assert latest["params"] == f"chunk-{at:08d}.params", latest
+    assert (latest["next_epoch"], latest["next_batch"]) == divmod(at, per_epoch), latest
+    assert latest["step"] == at // 3 and latest["workers"] == 0, latest
+    resumed = dist(["--resume", str(run), *sets(train__checkpoint_every_s="null")],
+                   timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ends = [records(run, r, "end")[-1] for r in range(3)]
+    epoch, first = divmod(at, per_epoch)
+    rest = [end["data"].get(str(epoch), {}) for end in ends]
+    perm = epoch_permutation(N_TRAIN, epoch, 0)[first * BATCH:per_epoch * BATCH].astype(np.int64)
+    assert sum(g.get("batches", 0) for g in rest) == per_epoch - first, rest
+    assert sum(g.get("index_sum", 0) for g in rest) == int(perm.sum())
+    assert sum(g.get("index_sq", 0) for g in rest) == int((perm ** 2).sum())
+    check_every_sample_once(ends, range(epoch + 1, 2))
     assert json.loads((run / "summary.json").read_text())["final_accuracy"] > 0.8
 
 

@@ -34,11 +34,16 @@ def chunk_plan(per_epoch: int, total_steps: int, num_workers: int, start: int) -
 
 class ChunkFeed:
     """One worker's batches under dynamic data, from the scheduler's chunks (``kv``:
-    the ssd_sync store: ``ask_chunk`` / ``take_chunk``)."""
+    the ssd_sync store: ``ask_chunk`` / ``take_chunk``). A mid-epoch checkpoint
+    (docs/spec/dynamic_data.md rule 7): ``pause_due()`` (worker 0's clock) makes a
+    request ask the dealer to pause; at a pause, ``on_pause(cursor)`` takes the
+    checkpoint between two batches, and the epoch goes on."""
 
-    def __init__(self, kv, dataset, seed: int, batch_size: int, plan: dict):
+    def __init__(self, kv, dataset, seed: int, batch_size: int, plan: dict,
+                 pause_due=None, on_pause=None):
         self.kv, self.dataset, self.seed, self.batch_size = kv, dataset, seed, batch_size
         self.plan = plan
+        self.pause_due, self.on_pause = pause_due or (lambda: False), on_pause
         self.over = None          # "budget" once the job's chunks are all handed out
         self.position = plan["start"]     # 1 + the global number of the last chunk taken
         self.trained = {}         # epoch -> {batches, samples, index_sum, index_sq}
@@ -48,20 +53,30 @@ class ChunkFeed:
         ``epoch`` it is handed, until the epoch's (or the job's) chunks are gone."""
         perm = epoch_permutation(self.dataset.n_train, epoch, self.seed)
         b = self.batch_size
-        fut = self.kv.ask_chunk(epoch, self.plan)
+        fut = self._ask(epoch)
         batch = 0
         while True:
             chunk, over = self.kv.take_chunk(fut, epoch, self.plan["per_epoch"])
+            if over == "pause":             # every worker stops here: a checkpoint
+                if self.on_pause is None:
+                    raise ValueError("the dealer paused a worker that takes no checkpoint")
+                self.on_pause(chunk)
+                fut = self._ask(epoch)
+                continue
             if chunk is None:
                 if over == "budget":        # every chunk of the job is handed out
                     self.over, self.position = over, self.plan["budget"]
                 return
-            fut = self.kv.ask_chunk(epoch, self.plan)      # the next, while this trains
+            fut = self._ask(epoch)          # the next, while this trains
             idx = perm[chunk * b:(chunk + 1) * b]
             self._count(epoch, idx)
             self.position = epoch * self.plan["per_epoch"] + chunk + 1
             yield batch, self.dataset.train_batch(idx, chunk_rng(self.seed, epoch, chunk))
             batch += 1
+
+    def _ask(self, epoch):
+        return self.kv.ask_chunk(epoch, self.plan, pause=True) if self.pause_due() else \
+            self.kv.ask_chunk(epoch, self.plan)
 
     def _count(self, epoch, idx):
         t = self.trained.setdefault(epoch, {"batches": 0, "samples": 0, "index_sum": 0,

@@ -9,6 +9,13 @@ is over for every worker. The dealer knows nothing of the data but these counts,
 every worker states in each request (the first fixes them; another value is refused:
 the workers would disagree on what an epoch is).
 
+A mid-epoch checkpoint (train.checkpoint_every_s, docs/spec/dynamic_data.md rule 7) is
+a pause: worker 0's request asks for one when its clock says so; from then on every
+request of the current epoch is answered ``over: pause`` with the cursor (``at``) and
+nothing is handed out, so every worker stops after the chunks it has and meets the
+others at the checkpoint's barrier, where the cursor is the data position. The
+barrier's release (``release``) ends the pause.
+
 A pure decider: ``deal(rank, meta)`` -> the answer's meta, or ``ChunkError`` (the
 scheduler refuses the request with it, in one line).
 """
@@ -25,12 +32,17 @@ class Dealer:
         self.plan = None          # (per_epoch, budget, start) of the first request
         self.next = 0             # the next global chunk to hand out
         self.dealt = {}           # rank -> chunks handed to it (the job's figures)
+        self.paused = False       # a mid-epoch checkpoint: nothing handed out until release
 
     def deal(self, rank, meta):
         """The next chunk of ``meta['epoch']`` for worker ``rank``, or why there is none:
-        ``over: epoch`` (that epoch's chunks are all handed out: the worker's epoch ends)
-        or ``over: budget`` (the job's are: its training ends)."""
+        ``over: epoch`` (that epoch's chunks are all handed out: the worker's epoch ends),
+        ``over: budget`` (the job's are: its training ends) or ``over: pause`` with
+        ``at``, the cursor (a checkpoint first; ``meta['pause']``: worker 0 asks for it)."""
         epoch = meta["epoch"]
+        if meta.get("pause") and rank != 0:
+            raise ChunkError(f"worker {rank} asked for a pause, but only worker 0 asks for a "
+                             "pause (a mid-epoch checkpoint, by its clock)")
         per_epoch, budget = self._agree(meta)
         current = self.next // per_epoch
         if self.next >= budget:
@@ -41,10 +53,18 @@ class Dealer:
             raise ChunkError(f"worker {rank} asked for a chunk of epoch {epoch} while "
                              f"epoch {current} still has chunks (from chunk "
                              f"{self.next - current * per_epoch} of {per_epoch})")
+        if meta.get("pause"):
+            self.paused = True
+        if self.paused:
+            return {"epoch": epoch, "over": "pause", "at": self.next}
         chunk = self.next - epoch * per_epoch
         self.next += 1
         self.dealt[rank] = self.dealt.get(rank, 0) + 1
         return {"epoch": epoch, "chunk": chunk}
+
+    def release(self):
+        """A barrier was released: a pause (whose checkpoint's barrier it was) ends."""
+        self.paused = False
 
     def _agree(self, meta):
         plan = tuple(meta.get(k) for k in ("per_epoch", "budget", "start"))

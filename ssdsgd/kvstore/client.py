@@ -301,23 +301,29 @@ class WorkerClient:
         return self.exchange(P.Kind.POLICY, entries, step=group, meta={
             "event": "average", "group": group, "members": list(members)})
 
-    def ask_chunk(self, epoch, plan):
+    def ask_chunk(self, epoch, plan, pause=False):
         """Dynamic data: ask the scheduler for the next chunk of ``epoch`` (``plan``:
         per_epoch, budget and start, kvstore/chunks.py); returns at once. ``take_chunk``
         waits for the answer: one request at a time, so a worker asks for the next chunk
-        while it trains the current one."""
+        while it trains the current one. ``pause`` (worker 0): stop the job's dealing for
+        a mid-epoch checkpoint."""
         if self.requests.failure is not None:
             raise self.requests.failure
-        return self.io.ask_scheduler(P.Kind.CHUNK, dict(plan, epoch=epoch), P.Kind.CHUNK)
+        meta = dict(plan, epoch=epoch, **({"pause": True} if pause else {}))
+        return self.io.ask_scheduler(P.Kind.CHUNK, meta, P.Kind.CHUNK)
 
     def take_chunk(self, fut, epoch, per_epoch):
-        """The answer to ``ask_chunk(epoch, ...)``: (chunk, None), or (None, "epoch" |
-        "budget") when that epoch's (the job's) chunks are all handed out."""
+        """The answer to ``ask_chunk(epoch, ...)``: (chunk, None), (None, "epoch" |
+        "budget") when that epoch's (the job's) chunks are all handed out, or (the
+        cursor, "pause"): a mid-epoch checkpoint first."""
         meta = self.requests.wait(fut).meta
         if (meta.get("epoch") != epoch or ("chunk" in meta) == ("over" in meta)
-                or not 0 <= meta.get("chunk", 0) < per_epoch):
+                or not 0 <= meta.get("chunk", 0) < per_epoch
+                or ("at" in meta) != (meta.get("over") == "pause")):
             raise JobAborted(f"the scheduler answered a chunk request of epoch {epoch} with "
                              f"{fields.short(meta)}")
+        if meta.get("over") == "pause":
+            return meta["at"], "pause"
         return meta.get("chunk"), meta.get("over")
 
     def busy(self):

@@ -177,7 +177,10 @@ META = {
     # a chunk of it, or why there is none
     Kind.CHUNK: {"epoch": (_EPOCH, True), "per_epoch": (_CHUNKS, False),
                  "budget": (_CHUNKS, False), "start": (F.STEP, False),
-                 "chunk": (F.STEP, False), "over": (F.one_of("epoch", "budget"), False)},
+                 "chunk": (F.STEP, False),
+                 "over": (F.one_of("epoch", "budget", "pause"), False),
+                 # a mid-epoch checkpoint: worker 0 asks to pause; the answer's cursor
+                 "pause": (F.BOOL, False), "at": (F.STEP, False)},
     Kind.PUSH: {"policy": (F.OBJ, False)},
     Kind.PULL: {"policy": (F.OBJ, False)},
     # ``policy``: the policy's own fields (a quorum auto leader's record on the final

@@ -282,6 +282,7 @@ class Scheduler(reregister.Rejoins, Joins):
         for an agreement may be decided now."""
         for i in waiting:
             self._send(i, P.Kind.BARRIER, {"group": group, "value": value})
+        self.dealer.release()        # a mid-epoch checkpoint's pause ends (chunks.py)
         self.policy.barrier_released()
         self._decide_waiting()
 
