@@ -267,3 +267,24 @@ def test_a_barrier_of_a_step_waits_for_the_workers_in_the_job_at_that_step(job):
     assert sched.departed[1]["from_step"] == 9
     barrier(b"j2", 9)
     assert released() == [b"j2", b"w0"]            # worker 1 pushes steps before 9 only
+
+
+def test_a_late_arrival_at_a_made_agreement_is_answered_alone(job):
+    """A joiner that comes to an agreement the others made (k auto, docs/auto.md) hears
+    its value at once, and nothing else happens: no barrier of the others is released,
+    so neither the policy's release nor the dealer's (a pause of dynamic data ends only
+    at its checkpoint's barrier)."""
+    sched, sent = job
+    with socket.create_server(("127.0.0.1", 0)) as port:
+        sched._listen(b"w0", sched.nodes[b"w0"], {})
+        sched._listen(b"s0", sched.nodes[b"s0"], {"port": port.getsockname()[1]})
+    for w, value in ((b"w0", 5), (b"w1", 0)):
+        sched._handle(w, P.Message(P.Kind.BARRIER, meta={"value": value,
+                                                         "agreement": "auto_choice"}), None)
+    _join(sched, b"j2", 2)
+    sched._join_answer(b"s0", sched.nodes[b"s0"], {"joined": 2, "next_step": 7})
+    sched.dealer.paused = True
+    sent.clear()
+    sched._handle(b"j2", P.Message(P.Kind.BARRIER, meta={"agreement": "auto_choice"}), None)
+    assert sent == [(b"j2", P.Kind.BARRIER, {"group": "worker", "value": 5})]
+    assert sched.dealer.paused

@@ -255,6 +255,12 @@ class Scheduler(reregister.Rejoins, Joins):
                                   + ("" if step is None else f" of step {step}"))
         if self._released_alone(ident, group):
             return
+        if meta.get("agreement") in self.barriers.agreed:
+            # a worker that comes to an agreement made already (a joiner) hears it alone:
+            # no barrier of the others is released (barriers.py)
+            self._send(ident, P.Kind.BARRIER, {"group": group, "value":
+                                               self.barriers.agreed[meta["agreement"]]})
+            return
         try:
             release = self.barriers.arrive(group, ident, meta.get("value", 0), members,
                                            meta.get("agreement"), step)
