@@ -4,6 +4,8 @@ worker started with ``launch/dist.py --join RUN_DIR`` while it runs, and ends wi
 weights of ``simulate_membership`` fed the join step the job recorded; a joiner the job
 cannot take is refused in one line."""
 import json
+import os
+import signal
 
 import mxnet as mx
 import pytest
@@ -352,8 +354,6 @@ def test_a_join_then_a_killed_server_with_replicas_ends_as_the_simulator(tmp_pat
     holds both), and the joiner copies its requests to the backups as every worker does.
     Server 0 SIGKILLed once the join is decided, before the joiner's first step is
     applied: its backup takes its keys, and the job ends with the simulator's weights."""
-    import os
-    import signal
     from test_recovery import role_of
 
     def kill_server_0(job):
@@ -366,3 +366,34 @@ def test_a_join_then_a_killed_server_with_replicas_ends_as_the_simulator(tmp_pat
         waiting=(0, 1), joined=kill_server_0)
     assert "server 0 (pid" in job.text and "its backup takes its keys" in job.text
     assert _check(tmp_path, records) == WAIT_AT + 1
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_a_killed_scheduler_of_a_job_a_worker_joined_is_restarted_as_the_simulator(
+        tmp_path, algorithm):
+    """cluster.scheduler_restarts beside cluster.max_workers: the scheduler SIGKILLed
+    once a join is decided (ssd: with k auto, after the workers agreed on it). The
+    restarted scheduler takes back the joiner (a rank above the first workers) with
+    the others, and the joins, departures and agreements the lost one recorded; the
+    job ends with the simulator's weights, no server or worker restarted."""
+    from test_recovery import role_of
+
+    def kill_the_scheduler(job):
+        pid, = [p for p in job.processes() if role_of(p) == ("scheduler", 0)]
+        os.kill(pid, signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 120,
+                     "the launcher's line that the restarted scheduler has every node back")
+    env = {"SSDSGD_ALGORITHM": algorithm, "SSDSGD_SCHEDULER_RESTARTS": 1,
+           "SSDSGD_HEARTBEAT_INTERVAL": 0.2, "SSDSGD_HEARTBEAT_TIMEOUT": 1}
+    sync = {}
+    if algorithm == "ssd":
+        env.update(SSDSGD_WARMUP_STEPS=3, SSDSGD_GLU_STATE="exact")
+    job, joiner, records = _joined_run(tmp_path, env, waiting=(0, 1),
+                                       joined=kill_the_scheduler)
+    assert "worker 2: rejoined the job with the restarted scheduler" in joiner.text, \
+        joiner.tail()
+    if algorithm == "ssd":
+        sync = {"warmup_steps": 3, "delay_steps": records[0]["delay_steps"],
+                "glu_state": "exact"}
+    _check(tmp_path, records, algorithm, **sync)

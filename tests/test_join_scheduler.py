@@ -288,3 +288,37 @@ def test_a_late_arrival_at_a_made_agreement_is_answered_alone(job):
     sched._handle(b"j2", P.Message(P.Kind.BARRIER, meta={"agreement": "auto_choice"}), None)
     assert sent == [(b"j2", P.Kind.BARRIER, {"group": "worker", "value": 5})]
     assert sched.dealer.paused
+
+
+def test_a_scheduler_restarted_while_a_join_was_decided_ends_the_job_naming_it(tmp_path):
+    """The lost scheduler's record says worker 2's join was being decided: every server
+    holds for a decision the restarted scheduler cannot make again (it never heard the
+    servers' answers), so once every node is back it aborts the job naming the join,
+    rather than let the servers hold forever. Joins and agreements it recorded as
+    decided are taken back."""
+    from ssdsgd.kvstore import job_status
+    from ssdsgd.kvstore.scheduler import JobAborted
+    status = tmp_path / "status.json"
+    job_status.write(str(status), started=True, workers=[0, 1], finished=[], membership={
+        "joined": [], "departed": [], "agreed": {"auto_choice": 5}, "deciding": [2],
+        "layout": {"num_workers": 2, "num_servers": 1, "workers": ["01" * 8, "02" * 8]},
+        "listen": {"servers": [["127.0.0.1", 9]]}})
+    env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
+                                "SSDSGD_NUM_WORKERS": "2", "SSDSGD_MAX_WORKERS": "3",
+                                "SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "off",
+                                "SSDSGD_SCHEDULER_RESTART": "1",
+                                "SSDSGD_STATUS_FILE": str(status)})
+    lines = []
+    sched = Scheduler(env, make_scheduler_policy, log=lines.append,
+                      join_boundary=joins_boundary(env))
+    sched._send = lambda ident, kind, meta=None, req=0: None
+    try:
+        assert sched.barriers.agreed == {"auto_choice": 5}
+        assert sched.listen_out == {"servers": [["127.0.0.1", 9]]}
+        sched._rejoin(b"s0", {"role": "server", "rank": 0, "ready": True}, None)
+        sched._rejoin(b"w0", {"role": "worker", "rank": 0, "ready": True}, None)
+        with pytest.raises(JobAborted, match=r"lost while the join or departure of "
+                                             r"worker\(s\) \[2\] was being decided"):
+            sched._rejoin(b"w1", {"role": "worker", "rank": 1, "ready": True}, None)
+    finally:
+        sched.close()

@@ -104,3 +104,19 @@ def test_a_node_that_registers_anew_had_not_received_its_rank_so_the_set_up_was_
         r.registered_again({"role": "worker", "rank": -1})
     r.done = True         # once rebuilt, a REGISTER is a stray's: no verdict on the set-up
     assert r.registered_again({"role": "worker", "rank": 1}) is None
+
+
+def test_a_worker_that_joined_is_expected_back_and_waits_with_the_others():
+    """A job that takes joiners (docs/spec/membership.md): the lost scheduler recorded
+    worker 3's join, so it is expected back with a rank above the first workers; it
+    passed only the barriers after its join, so its fewer releases do not mean it
+    missed one."""
+    r = rebuild(membership={"joined": [[3, 6]], "departed": [], "agreed": {},
+                            "deciding": [], "layout": None, "listen": None})
+    assert ("worker", 3) in r.missing()
+    with pytest.raises(RejoinError, match="names no worker rank"):
+        r.take("w4", node("worker", 4), None)
+    for rank in range(4):
+        r.take(f"w{rank}", node("worker", rank, passed={"worker": [1 if rank == 3 else 4,
+                                                                  7]}), None)
+    assert r.behind("w3", "worker") is None

@@ -14,19 +14,25 @@ import os
 # what a reader accepts: the file is the scheduler's, but a reader still checks its form
 _FIELDS = {"started": bool, "workers": list, "finished": list, "abort": (str, type(None))}
 # written by a scheduler that may be restarted (cluster.scheduler_restarts): the workers
-# that left the job, and a restarted one's rebuild {restart, seconds} once every node is back
-_OPTIONAL = {"left": list, "rebuilt": (dict, type(None))}
+# that left the job, a restarted one's rebuild {restart, seconds} once every node is back,
+# and in a job that takes joiners what a restarted one needs of them (``membership``)
+_OPTIONAL = {"left": list, "rebuilt": (dict, type(None)), "membership": (dict, type(None))}
+_MEMBERSHIP = {"joined": list, "departed": list, "agreed": dict, "deciding": list,
+               "layout": (dict, type(None)), "listen": (dict, type(None))}
 
 
 class StatusError(ValueError):
     """The status file exists but is not what a scheduler writes."""
 
 
-def write(path, *, started, workers, finished, abort=None, left=None, rebuilt=None):
+def write(path, *, started, workers, finished, abort=None, left=None, rebuilt=None,
+          membership=None):
     """Replace ``path`` atomically (a reader never sees half a file). ``workers``: the
     ranks the registered workers asked for (their launcher ranks); ``finished``: those
     whose FINISH arrived; ``left``: those removed (on_worker_failure: continue);
-    ``rebuilt``: a restarted scheduler's rebuild, once done."""
+    ``rebuilt``: a restarted scheduler's rebuild, once done; ``membership``: the joins,
+    departures and agreements decided, the joins and departures being decided, and what
+    a joiner hears (the topology, LISTEN), in a job that takes joiners."""
     if not path:
         return
     tmp = f"{path}.tmp"
@@ -36,6 +42,8 @@ def write(path, *, started, workers, finished, abort=None, left=None, rebuilt=No
         data["left"] = sorted(left)
     if rebuilt is not None:
         data["rebuilt"] = rebuilt
+    if membership is not None:
+        data["membership"] = membership
     try:
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(data, f)
@@ -62,4 +70,19 @@ def read(path):
     for k in ("workers", "finished", "left"):
         if not all(isinstance(r, int) and not isinstance(r, bool) for r in data.get(k, ())):
             raise StatusError(f"{path}: {k} must be ranks")
+    m = data.get("membership")
+    if m is not None and (any(not isinstance(m.get(k), t) for k, t in _MEMBERSHIP.items())
+                          or not all(_pair(c) for k in ("joined", "departed") for c in m[k])
+                          or not all(_rank(r) for r in m["deciding"])
+                          or not all(isinstance(k, str) and _rank(v)
+                                     for k, v in m["agreed"].items())):
+        raise StatusError(f"{path}: not a scheduler's membership record")
     return data
+
+
+def _rank(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _pair(c):
+    return isinstance(c, list) and len(c) == 2 and all(map(_rank, c))

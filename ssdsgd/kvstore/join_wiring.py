@@ -43,6 +43,8 @@ class Joins:
         self.leave_askers = {}    # rank -> the connection that asked it to leave
         self.listen_out = None    # what the workers heard from LISTEN: a joiner hears it too
         self.dead_joining = set() # joiners that died while their join was decided
+        self.departed_done = set()  # ranks that left and finished their part
+        self.lost_decisions = []  # a restarted scheduler's: joins/departures being decided
 
     def _in_job_at(self, rank, step):
         """Is worker ``rank`` (registered) in the job at ``step``: joined at or before it,
@@ -117,10 +119,10 @@ class Joins:
         rank = decision["joined"]
         self.joined.append({"rank": rank, "from_step": decision["from_step"],
                             "time": time.time()})
+        self._record()         # first: a restarted scheduler knows what was said
         workers = len(self._members("worker"))
         self.log(f"worker {rank} joins the job at step {decision['from_step']}; the servers "
                  f"aggregate {workers} workers from then on")
-        self._record()
         if rank in self.dead_joining:
             self.dead_joining.discard(rank)
             self._begin_removal(rank)
@@ -202,6 +204,7 @@ class Joins:
         asker = self.leave_askers.pop(rank, None)
         if asker is not None and asker not in self.nodes:
             self._send(asker, P.Kind.LEAVE, decision)
+        self._record()         # first: a restarted scheduler knows what was said
         others = sum(1 for n in self.nodes.values() if n["role"] == "worker" and n["rank"] != rank)
         if rank in self.left:
             self.log(f"worker {rank}'s chunks go to the {others} others from step "
@@ -210,7 +213,33 @@ class Joins:
         else:
             self.log(f"worker {rank} leaves the job at step {decision['from_step']}; the "
                      f"servers aggregate {others} workers from then on")
-        self._record()
+
+    # ---- a restarted scheduler (cluster.scheduler_restarts) -------------------------------
+    def _membership_status(self):
+        """What a restarted scheduler needs of the joins (job_status.py), or None in a job
+        that takes no joiner: the joins, departures and agreements decided, the ranks
+        whose join or departure is being decided, and what a joiner hears."""
+        if self.admissions is None:
+            return None
+        return {"joined": [[j["rank"], j["from_step"]] for j in self.joined],
+                "departed": [[r, d["from_step"]] for r, d in sorted(self.departed.items())],
+                "agreed": dict(self.barriers.agreed),
+                "deciding": sorted(set(self.admissions.pending) | set(self.departures.pending)),
+                "layout": self.layout, "listen": self.listen_out}
+
+    def _restore_joins(self, prior):
+        """A restarted scheduler takes the lost one's record of the joins; the workers
+        that joined are expected back with the others (``reregister.Rebuild``)."""
+        record = (prior or {}).get("membership")
+        if not record or self.admissions is None:
+            return
+        now = time.time()
+        self.joined = [{"rank": r, "from_step": s, "time": now} for r, s in record["joined"]]
+        self.departed = {r: {"rank": r, "from_step": s, "time": now}
+                         for r, s in record["departed"]}
+        self.barriers.agreed.update(record["agreed"])
+        self.layout, self.listen_out = record["layout"], record["listen"]
+        self.lost_decisions = list(record["deciding"])
 
     # ---- a dead worker (cluster.on_worker_failure: continue) ------------------------------
     def _removed_once_joined(self, rank):
@@ -237,6 +266,7 @@ class Joins:
         """A worker that left finished its part: barriers wait for it no more."""
         if node["role"] != "worker" or node["rank"] not in self.departed:
             return
+        self.departed_done.add(node["rank"])
         del self.nodes[ident]
         for release in self.barriers.leave(ident, self._barrier_members):
             self._release(*release)

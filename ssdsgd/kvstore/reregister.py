@@ -51,15 +51,19 @@ class Rebuild:
     how many the job has."""
 
     def __init__(self, prior, counts, restart, now, wait_s):
+        self.prior = prior
         self.restart, self.began, self.deadline = restart, now, now + wait_s
         self.finished = set(prior.get("finished", ()))
         self.left = set(prior.get("left", ()))
         self.workers = set(prior.get("workers", ()))
+        # workers that joined the job (docs/spec/membership.md): ranks above the first
+        self.joined = {r for r, _ in (prior.get("membership") or {}).get("joined", ())}
         self.expected = {("server", r) for r in range(counts["server"])} | {
-            ("worker", r) for r in range(counts["worker"])
+            ("worker", r) for r in set(range(counts["worker"])) | self.joined
             if r not in self.finished | self.left}
         self.counts = counts
         self.back = {}        # (role, rank) -> connection
+        self.rank_of = {}     # connection -> a worker's rank
         self.passed = {}      # connection -> {group: [passed, value]}
         self.asked = set()    # (connection, group): its first barrier since, answered
         self.done = False
@@ -68,7 +72,8 @@ class Rebuild:
         """A REJOIN's node record fields (the caller completes the record), or
         RejoinError naming why it cannot come back."""
         role, rank = meta.get("role"), meta.get("rank", -1)
-        if role is None or not 0 <= rank < self.counts.get(role, 0):
+        if role is None or not (0 <= rank < self.counts.get(role, 0)
+                                or role == "worker" and rank in self.joined):
             raise RejoinError(f"REJOIN names no {role or 'role'} rank of this job")
         wrong = claim_error(who, role, rank)
         if wrong:
@@ -81,6 +86,7 @@ class Rebuild:
             raise SetUpLost.of(f"{role} {rank}", "heard where the servers listen"
                                if role == "worker" else "bound its port")
         self.back[(role, rank)] = ident
+        self.rank_of[ident] = rank if role == "worker" else None
         self.passed[ident] = dict(meta.get("passed") or {})
         return role, rank, role == "worker" and rank in self.finished
 
@@ -108,6 +114,10 @@ class Rebuild:
         if (ident, group) in self.asked:
             return None
         self.asked.add((ident, group))
+        if self.rank_of.get(ident) in self.joined:
+            # a joiner passed only the barriers after its join: its count does not
+            # compare with the first workers' (it waits with the others; membership.md)
+            return None
         mine = self.passed.get(ident, {}).get(group, [0, 0])
         most = max((p.get(group, [0, 0]) for i, p in self.passed.items() if i != ident),
                    key=lambda p: p[0], default=[0, 0])
@@ -189,6 +199,11 @@ class Rejoins:
             self._send(ident, P.Kind.REJOIN, {"restart": rebuild.restart,
                                               "waited": now - rebuild.began})
         self._record()
+        if self.lost_decisions:       # the servers hold for a decision nobody will send
+            self._abort(f"restart {rebuild.restart}: the scheduler was lost while the join "
+                        f"or departure of worker(s) {self.lost_decisions} was being decided; "
+                        "a restarted scheduler does not decide it again (--max-restarts "
+                        "restarts the job from its last checkpoint)")
         self.log(f"restart {rebuild.restart}: all {len(self.nodes)} nodes re-registered "
                  f"{now - rebuild.began:.1f} s after this scheduler started; the job goes on")
 

@@ -115,6 +115,8 @@ class Scheduler(reregister.Rejoins, Joins):
         self.rebuild = reregister.begin(env, self.counts, self.log)
         self.layout = None        # the topology every node heard (a joiner hears it too)
         self._init_joins(join_boundary)
+        if self.rebuild is not None:
+            self._restore_joins(self.rebuild.prior)
         # the timeline's reference clock: its file names the host whose processes read
         # this clock (ssdsgd/timeline_merge.py)
         timeline.start_node(env, "scheduler", 0)
@@ -181,7 +183,8 @@ class Scheduler(reregister.Rejoins, Joins):
         job_status.write(self.env.status_file, started=self.started,
                          workers={n["asked_rank"] for n in workers} | set(before),
                          finished={n["asked_rank"] for n in workers if n["finished"]}
-                         | set(finished_before), abort=abort, **extra)
+                         | set(finished_before) | self.departed_done, abort=abort,
+                         membership=self._membership_status(), **extra)
 
     def _abort(self, reason):
         self._record(abort=reason)

@@ -348,7 +348,6 @@ JOIN_REFUSED = {
     "quorum": "a quorum's rounds have no rule for a joiner (docs/spec/membership.md rule 9)",
     "staggered": "staggered pulls have no step every worker resets at, where a joiner "
                  "could come in",
-    "scheduler_restart": "a restarted scheduler does not rebuild the joins decided",
 }
 
 
