@@ -290,35 +290,75 @@ def test_a_late_arrival_at_a_made_agreement_is_answered_alone(job):
     assert sched.dealer.paused
 
 
-def test_a_scheduler_restarted_while_a_join_was_decided_ends_the_job_naming_it(tmp_path):
-    """The lost scheduler's record says worker 2's join was being decided: every server
-    holds for a decision the restarted scheduler cannot make again (it never heard the
-    servers' answers), so once every node is back it aborts the job naming the join,
-    rather than let the servers hold forever. Joins and agreements it recorded as
-    decided are taken back."""
+def _restarted(tmp_path, deciding, lines):
+    """A scheduler restarted from a status whose membership record names a join of
+    worker 2 decided from step 6, the agreement on k and, as ``deciding``, the joins
+    and departures the lost one was deciding."""
     from ssdsgd.kvstore import job_status
-    from ssdsgd.kvstore.scheduler import JobAborted
     status = tmp_path / "status.json"
-    job_status.write(str(status), started=True, workers=[0, 1], finished=[], membership={
-        "joined": [], "departed": [], "agreed": {"auto_choice": 5}, "deciding": [2],
+    job_status.write(str(status), started=True, workers=[0, 1, 2], finished=[], membership={
+        "joined": [[2, 6]], "departed": [], "agreed": {"auto_choice": 5},
+        "deciding": deciding,
         "layout": {"num_workers": 2, "num_servers": 1, "workers": ["01" * 8, "02" * 8]},
         "listen": {"servers": [["127.0.0.1", 9]]}})
     env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
-                                "SSDSGD_NUM_WORKERS": "2", "SSDSGD_MAX_WORKERS": "3",
+                                "SSDSGD_NUM_WORKERS": "2", "SSDSGD_MAX_WORKERS": "4",
                                 "SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "off",
                                 "SSDSGD_SCHEDULER_RESTART": "1",
                                 "SSDSGD_STATUS_FILE": str(status)})
-    lines = []
-    sched = Scheduler(env, make_scheduler_policy, log=lines.append,
-                      join_boundary=joins_boundary(env))
+    return Scheduler(env, make_scheduler_policy, log=lines.append,
+                     join_boundary=joins_boundary(env))
+
+
+def _rejoin_all(sched):
+    sched._rejoin(b"s0", {"role": "server", "rank": 0, "ready": True}, None)
+    for r in range(3):
+        sched._rejoin(b"w%d" % r, {"role": "worker", "rank": r, "ready": True,
+                                   "routing_id": f"{r + 1:02x}" * 8}, None)
+
+
+def test_a_restarted_scheduler_takes_back_the_joins_and_takes_another_joiner(tmp_path):
+    """Worker 2 joined before the loss: it is expected back, a barrier of a step before
+    its join does not wait for it, a fourth worker may join the restarted job, hearing
+    the topology and LISTEN the others heard, and a worker may leave it."""
+    sched = _restarted(tmp_path, [], [])
+    sent = []
+    sched._send = lambda ident, kind, meta=None, req=0: sent.append((ident, kind, meta))
+    try:
+        assert ("worker", 2) in sched.rebuild.missing()
+        _rejoin_all(sched)
+        assert sched.rebuild.done and sched.barriers.agreed == {"auto_choice": 5}
+        sent.clear()
+        for w in (b"w0", b"w1"):
+            sched._handle(w, P.Message(P.Kind.BARRIER, meta={"step": 5}), None)
+        assert sorted(i for i, k, _ in sent if k == P.Kind.BARRIER) == [b"w0", b"w1"]
+        sent.clear()
+        _join(sched, b"j3", 3)
+        told = {kind: meta for ident, kind, meta in sent if ident == b"j3"}
+        assert told[P.Kind.LISTEN] == {"servers": [["127.0.0.1", 9]]}
+        assert told[P.Kind.TOPOLOGY]["rank"] == 3
+        assert [m for i, k, m in sent if k == P.Kind.JOIN] == [
+            {"joined": 3, "routing_id": "ab" * 8 + b"j3".hex()}]
+        sent.clear()                   # and a worker may leave it, asked with --leave
+        _leave(sched, b"a1", 1)
+        sched._handle(b"s0", P.Message(P.Kind.LEAVE, meta={"leaving": 1, "next_step": 9}),
+                      None)
+        assert (b"s0", P.Kind.LEAVE, {"leaving": 1, "from_step": 10}) in sent
+    finally:
+        sched.close()
+
+
+def test_a_scheduler_restarted_while_a_join_was_decided_ends_the_job_naming_it(tmp_path):
+    """The lost scheduler's record says worker 3's join was being decided: every server
+    holds for a decision the restarted scheduler cannot make again (it never heard the
+    servers' answers), so once every node is back it aborts the job naming the join,
+    rather than let the servers hold forever."""
+    from ssdsgd.kvstore.scheduler import JobAborted
+    sched = _restarted(tmp_path, [3], [])
     sched._send = lambda ident, kind, meta=None, req=0: None
     try:
-        assert sched.barriers.agreed == {"auto_choice": 5}
-        assert sched.listen_out == {"servers": [["127.0.0.1", 9]]}
-        sched._rejoin(b"s0", {"role": "server", "rank": 0, "ready": True}, None)
-        sched._rejoin(b"w0", {"role": "worker", "rank": 0, "ready": True}, None)
         with pytest.raises(JobAborted, match=r"lost while the join or departure of "
-                                             r"worker\(s\) \[2\] was being decided"):
-            sched._rejoin(b"w1", {"role": "worker", "rank": 1, "ready": True}, None)
+                                             r"worker\(s\) \[3\] was being decided"):
+            _rejoin_all(sched)
     finally:
         sched.close()

@@ -198,7 +198,11 @@ class Scheduler(reregister.Rejoins, Joins):
         the handshake, that the process holds a key of the job). With a key per process
         the node is the one its key names: another rank, or that rank twice, is refused."""
         role = meta["role"]
-        if self.rebuild is not None:
+        joining = self._joining(role, meta, frame)
+        if joining and self.rebuild is not None and not self.rebuild.done:
+            raise P.ProtocolError("REGISTER: the restarted scheduler is taking the job's "
+                                  "nodes back; join again once they are back")
+        if self.rebuild is not None and not joining:
             try:
                 self.rebuild.registered_again(meta)
             except reregister.SetUpLost as e:
@@ -208,7 +212,7 @@ class Scheduler(reregister.Rejoins, Joins):
         if ident in self.nodes:
             raise P.ProtocolError(f"this connection already registered as "
                                   f"{self.nodes[ident]['role']}")
-        if self._joining(role, meta, frame):
+        if joining:
             self._join(ident, meta, frame)
             return
         who = self.guard.sender(frame)
@@ -229,7 +233,10 @@ class Scheduler(reregister.Rejoins, Joins):
         if msg.kind == P.Kind.REJOIN:
             self._rejoin(ident, msg.meta, frame)
             return
-        if msg.kind == P.Kind.LEAVE and self.rebuild is None:    # --leave dials unregistered
+        if msg.kind == P.Kind.LEAVE:     # --leave dials unregistered; a server answers
+            if node is None and self.rebuild is not None and not self.rebuild.done:
+                raise P.ProtocolError("LEAVE: the restarted scheduler is taking the job's "
+                                      "nodes back; ask again once they are back")
             self._leave(ident, msg.meta, frame)
             return
         if node is None and self.rebuild is not None:    # sent to the lost scheduler,
