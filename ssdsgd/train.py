@@ -437,8 +437,9 @@ def checkpoint_chunks(run: Run, next_epoch: int | None = None, at: int | None = 
     are closed, quorum.md rule 5), every worker takes the servers' model into its
     parameters (but in ssd's steps-delay stage, whose local weights are its own) and
     rank 0 saves it, the servers' optimizer states and the cursor (the chunks handed
-    out): what a job resumed from it starts from. No worker states: the workers' step counts differ, so the record's step is
-    the global batches done (chunks / N), the count the servers' lr schedule resumes at."""
+    out): what a job resumed from it starts from. No worker states: the workers' step
+    counts differ, so the record's step is the global batches done (chunks / N), the
+    count the servers' lr schedule resumes at."""
     plan = run.feed.plan
     if at is None:
         stem, chunks = f"epoch-{next_epoch - 1:04d}", min(next_epoch * plan["per_epoch"],

@@ -88,10 +88,10 @@ def test_a_job_resumed_after_a_join_trains_the_rest_of_the_budget_once(tmp_path)
     """ssgd, 2 workers and a third joining, checkpoints also every second by rank 0's
     clock (train.checkpoint_every_s: decided every 4 steps at a barrier of the workers in
     the job at that step, the joiner among them once it pushes): a checkpoint after the
-    join names the three and keeps no worker state. SIGKILLed after it (the joiner's own launcher ends when
-    the scheduler is gone) and resumed, the job starts again with its two first workers
-    at the checkpoint's step and chunk: they train the rest of the budget once, and the
-    schedule of chunks is the membership's that starts there."""
+    join names the three and keeps no worker state. SIGKILLed after it (the joiner's own
+    launcher ends when the scheduler is gone) and resumed, the job starts again with its
+    two first workers at the checkpoint's step and chunk: they train the rest of the
+    budget once, and the schedule of chunks is the membership's that starts there."""
     root = tmp_path / "runs"
     args = ["configs/digits.yaml", *digits_job("ssgd"), *ELASTIC, *sets(
         train__epochs=4, train__checkpoint_every_s=1, cluster__heartbeat_interval=0.2,

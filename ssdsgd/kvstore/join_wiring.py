@@ -205,7 +205,8 @@ class Joins:
         if asker is not None and asker not in self.nodes:
             self._send(asker, P.Kind.LEAVE, decision)
         self._record()         # first: a restarted scheduler knows what was said
-        others = sum(1 for n in self.nodes.values() if n["role"] == "worker" and n["rank"] != rank)
+        others = sum(1 for n in self.nodes.values()
+                     if n["role"] == "worker" and n["rank"] != rank)
         if rank in self.left:
             self.log(f"worker {rank}'s chunks go to the {others} others from step "
                      f"{decision['from_step']} (it died: the servers aggregate without it "
