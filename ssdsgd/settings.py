@@ -523,10 +523,15 @@ def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) ->
     step would wait for the step a worker never takes, and asgd is not tested with it.
     Its checkpoints are at epoch ends and at the dealer's pauses (the chunk cursor at a
     barrier all reach)."""
-    if values.get("assignment") != "dynamic":
-        return None
     algorithm, quorum, n = (values.get("algorithm"), values.get("quorum"),
                             values.get("num_workers"))
+    if (algorithm == "preduce" and values.get("checkpoint_every_s")
+            and values.get("assignment") in ("dynamic", "auto")):
+        return (f"{label('algorithm')}: preduce takes checkpoints at epoch ends only; unset "
+                f"{label('checkpoint_every_s')} (its jobs are not resumed, and its groups do "
+                "not meet the dealer's pause: docs/spec/dynamic_data.md)")
+    if values.get("assignment") != "dynamic":
+        return None
     if algorithm != "preduce" and quorum is not None and n is not None and not _quorum(
             str(quorum)) and not quorum_rounds(str(quorum), n):
         return (f"{label('assignment')}: dynamic works with {label('quorum')} below the "

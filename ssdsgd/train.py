@@ -280,9 +280,9 @@ def run_epoch(run: Run, epoch: int) -> None:
         if isinstance(run.feed, MembershipFeed):
             if membership_checkpoint_due(run):
                 checkpoint_membership(run)
-        elif (batch + 1 < run.length.steps_per_epoch
+        elif (run.feed is None and batch + 1 < run.length.steps_per_epoch
               and (batch + 1) % c.train.log_interval == 0 and time_for_checkpoint(run)):
-            checkpoint(run, epoch, batch + 1)
+            checkpoint(run, epoch, batch + 1)     # dynamic data's: at the dealer's pause
     ep = whole.stats()
     log.info("Epoch[%d] Train-accuracy=%.6f loss=%.4f Speed: %.1f samples/sec", epoch,
              ep["accuracy"], ep["loss"], ep["samples_per_sec"])

@@ -389,11 +389,12 @@ def test_a_killed_scheduler_of_a_job_a_worker_joined_is_restarted_as_the_simulat
     sync = {}
     if algorithm == "ssd":
         env.update(SSDSGD_WARMUP_STEPS=3, SSDSGD_GLU_STATE="exact")
-    job, joiner, records = _joined_run(tmp_path, env, waiting=(0, 1),
+    per_epoch = LONG if algorithm == "ssd" else PER_EPOCH    # k auto may choose 10
+    job, joiner, records = _joined_run(tmp_path, env, waiting=(0, 1), per_epoch=per_epoch,
                                        joined=kill_the_scheduler)
     assert "worker 2: rejoined the job with the restarted scheduler" in joiner.text, \
         joiner.tail()
     if algorithm == "ssd":
         sync = {"warmup_steps": 3, "delay_steps": records[0]["delay_steps"],
                 "glu_state": "exact"}
-    _check(tmp_path, records, algorithm, **sync)
+    _check(tmp_path, records, algorithm, per_epoch=per_epoch, **sync)
