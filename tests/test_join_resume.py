@@ -6,10 +6,6 @@ every worker's own state kept); after a join the resumed job starts again with i
 first workers from the global model at the checkpoint's step and chunk, and trains the
 rest of the budget once."""
 import json
-import os
-import signal
-import time
-from pathlib import Path
 
 import pytest
 
@@ -17,22 +13,11 @@ import jobs
 from conftest import DIGITS_STEPS as STEPS, digits_job
 from ssdsgd.sync.membership import Membership
 from test_e2e_configs import records, run_dir_of, sets
-from test_recovery import (assert_same, final, kill_once_with_a_restart, kill_step, role_of,
-                           start, wait_for_step)
+from test_recovery import (assert_same, final, kill_launcher, kill_once_with_a_restart,
+                           kill_step, start, wait_for_step)
 
 pytestmark = pytest.mark.system
 ELASTIC = sets(cluster__max_workers=3)
-
-
-def _kill_launcher(job):
-    """SIGKILL the launcher; every process of the job ends (bounded)."""
-    kids = job.processes()
-    os.kill(job.pid, signal.SIGKILL)
-    job.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{k}").exists() and role_of(k) for k in kids):
-        assert time.monotonic() < deadline, "a process outlived its launcher by 30 s"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +41,7 @@ def test_a_killed_ssd_job_that_takes_joiners_resumes_as_if_uninterrupted(tmp_pat
     root = tmp_path / "runs"
     with start([*args, *sets(output__dir=root)]) as job:
         run = wait_for_step(job, root, kill_step("join-resume"))
-        _kill_launcher(job)
+        kill_launcher(job)
     latest = json.loads((run / "checkpoints" / "latest.json").read_text())
     assert latest["step"] % STEPS == 0 and latest["chunks"] == 2 * latest["step"], latest
     assert latest["members"] == [0, 1] and latest["workers"] == 2, latest
@@ -106,7 +91,7 @@ def test_a_job_resumed_after_a_join_trains_the_rest_of_the_budget_once(tmp_path)
             latest = run / "checkpoints" / "latest.json"
             job.wait_for(lambda: latest.exists() and json.loads(latest.read_text()).get(
                 "members") == [0, 1, 2], 120, "a checkpoint after the join")
-            _kill_launcher(job)
+            kill_launcher(job)
             joiner.wait(60)
     info = json.loads(latest.read_text())
     # by the clock at a multiple of log_interval, or the first step whose chunks before it

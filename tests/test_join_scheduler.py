@@ -29,20 +29,31 @@ def test_a_spare_rank_that_comes_before_the_start_takes_no_first_workers_place()
         sched.close()
 
 
-@pytest.fixture
-def job():
-    """A started job (its workers heard where the server listens) and its sends."""
+def _scheduler(workers, log=lambda text: None, **env):
+    """A Scheduler of an ssgd job of ``workers`` workers, cluster.max_workers 4, no relay,
+    the SSDSGD_* variables ``env`` beside."""
     env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
-                                "SSDSGD_NUM_WORKERS": "2", "SSDSGD_MAX_WORKERS": "4",
-                                "SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "off"})
-    sched = Scheduler(env, make_scheduler_policy, log=lambda text: None,
-                      join_boundary=joins_boundary(env))
+                                "SSDSGD_NUM_WORKERS": str(workers), "SSDSGD_MAX_WORKERS": "4",
+                                "SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "off", **env})
+    return Scheduler(env, make_scheduler_policy, log=log, join_boundary=joins_boundary(env))
+
+
+def _registered(sched, workers):
+    """Its sends, recorded, once server 0 and ``workers`` workers registered."""
     sent = []
     sched._send = lambda ident, kind, meta=None, req=0: sent.append((ident, kind, meta))
     sched._register(b"s0", {"role": "server", "host": "127.0.0.1"}, None)
-    for r in range(2):
+    for r in range(workers):
         sched._register(b"w%d" % r, {"role": "worker", "rank": r,
                                      "routing_id": f"{r + 1:02x}" * 8}, None)
+    return sent
+
+
+@pytest.fixture
+def job():
+    """A started job (its workers heard where the server listens) and its sends."""
+    sched = _scheduler(2)
+    sent = _registered(sched, 2)
     yield sched, sent
     sched.close()
 
@@ -168,19 +179,9 @@ def test_a_job_that_takes_no_joiner_lets_no_worker_leave():
 def continuing():
     """A started 3-worker ssgd job with cluster.on_worker_failure: continue and
     cluster.max_workers 4, and its sends."""
-    env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
-                                "SSDSGD_NUM_WORKERS": "3", "SSDSGD_MAX_WORKERS": "4",
-                                "SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "off",
-                                "SSDSGD_ON_WORKER_FAILURE": "continue"})
     lines = []
-    sched = Scheduler(env, make_scheduler_policy, log=lines.append,
-                      join_boundary=joins_boundary(env))
-    sent = []
-    sched._send = lambda ident, kind, meta=None, req=0: sent.append((ident, kind, meta))
-    sched._register(b"s0", {"role": "server", "host": "127.0.0.1"}, None)
-    for r in range(3):
-        sched._register(b"w%d" % r, {"role": "worker", "rank": r,
-                                     "routing_id": f"{r + 1:02x}" * 8}, None)
+    sched = _scheduler(3, lines.append, SSDSGD_ON_WORKER_FAILURE="continue")
+    sent = _registered(sched, 3)
     with socket.create_server(("127.0.0.1", 0)) as port:
         sched._listen(b"w0", sched.nodes[b"w0"], {})
         sched._listen(b"s0", sched.nodes[b"s0"], {"port": port.getsockname()[1]})
@@ -301,13 +302,8 @@ def _restarted(tmp_path, deciding, lines):
         "deciding": deciding,
         "layout": {"num_workers": 2, "num_servers": 1, "workers": ["01" * 8, "02" * 8]},
         "listen": {"servers": [["127.0.0.1", 9]]}})
-    env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
-                                "SSDSGD_NUM_WORKERS": "2", "SSDSGD_MAX_WORKERS": "4",
-                                "SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "off",
-                                "SSDSGD_SCHEDULER_RESTART": "1",
-                                "SSDSGD_STATUS_FILE": str(status)})
-    return Scheduler(env, make_scheduler_policy, log=lines.append,
-                     join_boundary=joins_boundary(env))
+    return _scheduler(2, lines.append, SSDSGD_SCHEDULER_RESTART="1",
+                      SSDSGD_STATUS_FILE=str(status))
 
 
 def _rejoin_all(sched):

@@ -13,7 +13,7 @@ from conftest import load_npz
 from jobs import dist, launch_args
 from ssdsgd.sync.membership import Membership
 from test_join_jobs import _simulated, each_epoch_once
-from test_ssd_oracle import _close
+from test_ssd_oracle import _close, _equal_to_the_simulation
 
 N, PER_EPOCH, EPOCHS, BATCH, WAIT_AT = 3, 9, 4, 8, 5
 TIMEOUT = 90
@@ -253,13 +253,10 @@ def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simu
     dead = {chunk(2, t) for t in range(die_at)}
     assert sorted(c for r in records for c in r["chunks"]) == sorted(
         set(range(members.first_chunk(end))) - lost - dead)
-    for r in range(2):
-        local, final = (load_npz(tmp_path / f"{what}-rank{r}.npz") for what in ("local", "final"))
-        for i, j in keys.items():
-            _close(local[f"p{j}"], ref.worker_weights[r][i].asnumpy(),
-                   f"worker {r} local weights of key {i} (removed at {die_at}, data left at {s})")
-            _close(final[f"p{j}"], ref.global_weights[i].asnumpy(),
-                   f"worker {r} final global weights of key {i}")
+    _equal_to_the_simulation(keys, ref,
+                             [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(2)],
+                             [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(2)],
+                             f" (removed at {die_at}, data left at {s})")
 
 
 @pytest.mark.system

@@ -85,6 +85,18 @@ def wait_for_step(job, root: Path, step: int, timeout=240) -> Path:
     return job.wait_for(reached, timeout, f"rank 0 logging step {step} (the kill)")
 
 
+def kill_launcher(job):
+    """SIGKILL the launcher; every process of the job ends (bounded: its parent-death
+    signal)."""
+    kids = job.processes()
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{k}").exists() and role_of(k) for k in kids):
+        assert time.monotonic() < deadline, "a process outlived its launcher by 30 s"
+        time.sleep(0.1)
+
+
 def kill_once_with_a_restart(args, root, step, role, rank):
     """Run ``launch/dist.py ARGS --max-restarts 1``, SIGKILL process (role, rank) once
     rank 0 has logged ``step``, wait for the job to end by itself (exit 0); returns (its
@@ -142,13 +154,7 @@ def test_a_killed_launcher_leaves_nothing_and_resume_ends_as_if_uninterrupted(
     args = ["configs/digits.yaml", *JOBS["ssd"], *sets(output__dir=root)]
     with start(args) as job:
         run = wait_for_step(job, root, kill_step("launcher"))
-        kids = job.processes()
-        os.kill(job.pid, signal.SIGKILL)
-        job.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while any(Path(f"/proc/{k}").exists() and role_of(k) for k in kids):
-            assert time.monotonic() < deadline, "a process outlived its launcher by 30 s"
-            time.sleep(0.1)
+        kill_launcher(job)
     # the resumed run unpaced: the pace only had to let the kill land before the end
     resumed = dist([*args, "--resume", run, *sets(debug__slowdown="none")], timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
