@@ -384,28 +384,29 @@ def checkpoint_membership(run: Run) -> None:
     chunks = members.first_chunk(run.step)
     per_epoch = run.feed.plan["per_epoch"]
     now = members.members(run.step)
-    checkpoint(run, chunks // per_epoch, chunks % per_epoch, cursor={
-        "chunks": chunks, "members": now, "barrier_step": run.step - 1,
-        "keep_states": now == members.first})
+    checkpoint(run, chunks // per_epoch, chunks % per_epoch, cursor={"chunks": chunks,
+                                                                      "members": now},
+               barrier_step=run.step - 1, keep_states=now == members.first)
 
 
-def checkpoint(run: Run, next_epoch: int, next_batch: int, cursor: dict | None = None) -> None:
+def checkpoint(run: Run, next_epoch: int, next_batch: int, cursor: dict | None = None, *,
+               barrier_step: int | None = None, keep_states: bool = True) -> None:
     """Every worker, between two steps (the same step on all): a checkpoint whose data
     position is (next_epoch, next_batch). Each worker saves its own state; rank 0 the
     global model (in the steps-delay stage and in localsgd's and diloco's local steps its
     own weights are local ones: it pulls the servers'), the servers' optimizer states, and,
     once every worker has saved (a barrier), latest.json, which names them all. Dynamic
-    data: checkpoint_chunks; a job that takes joiners: ``cursor`` (checkpoint_membership)."""
-    cursor = dict(cursor or {})
+    data: checkpoint_chunks; a job that takes joiners: ``cursor``, the record's data
+    position, its barrier that of ``barrier_step``, worker states only if ``keep_states``
+    (checkpoint_membership)."""
+    cursor = cursor or {}
     if run.feed is not None and not cursor:
         return checkpoint_chunks(run, next_epoch)
-    barrier_step = cursor.pop("barrier_step", None)
-    keep = cursor.pop("keep_states", True)
     stem = (f"epoch-{next_epoch - 1:04d}" if next_batch == 0 and not cursor
             else f"step-{run.step:08d}")
     ck = run.run_dir / "checkpoints"
     ck.mkdir(parents=True, exist_ok=True)
-    if run.kv is not None and keep:
+    if run.kv is not None and keep_states:
         run.kv.save_worker_state(str(ck / f"{stem}.worker-{run.rank}.npz"))
         save_local_params(run.net, ck / f"{stem}.worker-{run.rank}.local.params")
     if run.rank == 0:
@@ -421,7 +422,7 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int, cursor: dict | None =
             epoch=next_epoch - 1 if next_batch == 0 else next_epoch, next_epoch=next_epoch,
             next_batch=next_batch, step=run.step, seed=run.config.train.seed,
             params=params.name, states=states,   # after a worker left: the global model
-            workers=run.num_workers if run.kv is not None and keep and not kv_metrics(
+            workers=run.num_workers if run.kv is not None and keep_states and not kv_metrics(
                 run.kv).get("left") else 0, **cursor), keep=run.config.train.keep_checkpoints,
             accuracy=run.vals[-1]["accuracy"] if next_batch == 0 and run.vals else None)
         run.writer.write("checkpoint", epoch=next_epoch, batch=next_batch, step=run.step,

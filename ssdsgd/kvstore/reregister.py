@@ -63,7 +63,6 @@ class Rebuild:
             if r not in self.finished | self.left}
         self.counts = counts
         self.back = {}        # (role, rank) -> connection
-        self.rank_of = {}     # connection -> a worker's rank
         self.passed = {}      # connection -> {group: [passed, value]}
         self.asked = set()    # (connection, group): its first barrier since, answered
         self.done = False
@@ -86,7 +85,6 @@ class Rebuild:
             raise SetUpLost.of(f"{role} {rank}", "heard where the servers listen"
                                if role == "worker" else "bound its port")
         self.back[(role, rank)] = ident
-        self.rank_of[ident] = rank if role == "worker" else None
         self.passed[ident] = dict(meta.get("passed") or {})
         return role, rank, role == "worker" and rank in self.finished
 
@@ -114,7 +112,7 @@ class Rebuild:
         if (ident, group) in self.asked:
             return None
         self.asked.add((ident, group))
-        if self.rank_of.get(ident) in self.joined:
+        if any(self.back.get(("worker", r)) == ident for r in self.joined):
             # a joiner passed only the barriers after its join: its count does not
             # compare with the first workers' (it waits with the others; membership.md)
             return None
@@ -224,15 +222,12 @@ class Rejoins:
             self._abort(f"restart {rebuild.restart}: {who} did not re-register with the "
                         f"restarted scheduler {waited}")
         self._rebuilt()
-        servers = self._members("server")
         for rank in gone:     # cluster.on_worker_failure: continue, as for a silent one
             self.log(f"worker {rank} did not re-register with the restarted scheduler "
                      f"{waited}; removing it from the job (cluster.on_worker_failure: "
                      "continue)")
             self.stalls.leave(rank)
-            self.removals.begin(rank, servers)
-            for i in servers:
-                self._send(i, P.Kind.MEMBERSHIP, {"removed": rank})
+            self._begin_removal(rank)
         return False
 
     def _released_alone(self, ident, group):
