@@ -50,20 +50,30 @@ def digits_job(algorithm):
     return [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
 
 
+#: the ssd job's 2bit pushes and staggered pulls, whose uninterrupted run two tests compare
+#: with (tests/test_combination_jobs.py, tests/test_scheduler_restart.py)
+COMPRESSED_STAGGERED = {"sync__compression": "2bit", "sync__pull_schedule": "staggered"}
+
+
 @pytest.fixture(scope="session")
 def uninterrupted_digits(tmp_path_factory):
-    """algorithm -> the run directory of that job run once without interruption."""
+    """(algorithm, settings) -> the run directory of that job run once without
+    interruption; ``settings`` (config keys spelled as ``sets`` does: sync__compression)
+    are set on top of digits_job's."""
     from test_e2e_configs import run_dir_of
     done = {}
 
-    def get(algorithm):
-        if algorithm not in done:
+    def get(algorithm, **settings):
+        key = (algorithm, *sorted(settings.items()))
+        if key not in done:
             root = tmp_path_factory.mktemp(f"uninterrupted-{algorithm}")
-            p = jobs.run(["configs/digits.yaml", *digits_job(algorithm), "--set",
+            extra = [a for k, v in settings.items()
+                     for a in ("--set", f"{k.replace('__', '.')}={v}")]
+            p = jobs.run(["configs/digits.yaml", *digits_job(algorithm), *extra, "--set",
                           f"output.dir={root}"], timeout=150)
             assert p.returncode == 0, p.stderr[-3000:]
-            done[algorithm] = run_dir_of(root)
-        return done[algorithm]
+            done[key] = run_dir_of(root)
+        return done[key]
     return get
 
 

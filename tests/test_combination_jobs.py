@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from conftest import DIGITS_EPOCHS as EPOCHS, DIGITS_STEPS as STEPS, digits_job
+from conftest import (COMPRESSED_STAGGERED, DIGITS_EPOCHS as EPOCHS, DIGITS_STEPS as STEPS,
+                      digits_job)
 from test_e2e_configs import dist, records, run_dir_of, sets
 from test_recovery import assert_same, final, kill_once_with_a_restart, kill_step
 from test_resume import assert_same_final_weights
@@ -28,18 +29,16 @@ def restarted(args, root, rank, step):
     return run
 
 
-def test_a_compressed_staggered_continue_job_is_restarted_as_if_uninterrupted(tmp_path):
+def test_a_compressed_staggered_continue_job_is_restarted_as_if_uninterrupted(
+        tmp_path, uninterrupted_digits):
     """ssd with 2bit pushes, staggered pulls, cluster.on_worker_failure continue and
     --max-restarts 1: rank 0 (which continue never leaves behind) SIGKILLed in the
     steps-delay stage; the launcher restarts the job from its checkpoint and it ends with
     exactly the weights of the same job run without interruption (and without continue):
     each worker's residuals (what its compressed pushes have not sent yet) are saved with
     its state and restored, and each worker keeps its pull phase."""
-    job = ["configs/digits.yaml", *digits_job("ssd"),
-           *sets(sync__compression="2bit", sync__pull_schedule="staggered")]
-    p = dist([*job, *sets(output__dir=tmp_path / "a")])
-    assert p.returncode == 0, p.stderr[-3000:]
-    a = run_dir_of(tmp_path / "a")
+    a = uninterrupted_digits("ssd", **COMPRESSED_STAGGERED)
+    job = ["configs/digits.yaml", *digits_job("ssd"), *sets(**COMPRESSED_STAGGERED)]
     root = tmp_path / "b"
     b = restarted([*job, *sets(cluster__on_worker_failure="continue", output__dir=root)],
                   root, 0, kill_step("many"))

@@ -3,7 +3,7 @@ scheduler SIGKILLed at a seeded step of a digits job, ssgd and ssd; the launcher
 again at the same port with the same keys, every server and worker re-registers, and the
 job ends with exactly the weights of an uninterrupted run, no server or worker restarted
 (their pids at the end are the pids at the kill). One case with 2 servers in secure
-(CURVE) mode."""
+(CURVE) mode and relayed pulls, one with compressed pushes and staggered pulls."""
 import json
 import os
 import re
@@ -14,7 +14,8 @@ import pytest
 
 from test_e2e_configs import records, sets
 from test_resume import after_resume
-from test_recovery import assert_same, kill_step, role_of, start, wait_for_step
+from conftest import COMPRESSED_STAGGERED
+from test_recovery import assert_same, final, kill_step, role_of, start, wait_for_step
 
 pytestmark = pytest.mark.system
 
@@ -33,15 +34,18 @@ def nodes(job):
 
 # Each algorithm, number of servers and security mode once (2 jobs): ssgd-1-plain, and
 # ssd-2-curve, whose restart rebuilds ssd's state on two servers over CURVE (the
-# ssd-1-plain case it replaces checked nothing this one does not).
+# ssd-1-plain case it replaces checked nothing this one does not), its pulls relayed from
+# worker 0 to worker 1 (a relay moves the same bytes: the same weights as without it).
 @pytest.mark.parametrize("algorithm,servers,secure", [("ssgd", 1, False), ("ssd", 2, True)])
 def test_a_killed_scheduler_is_restarted_and_the_job_ends_as_if_uninterrupted(
         tmp_path, uninterrupted, algorithm, servers, secure):
     reference = uninterrupted(algorithm)
     root = tmp_path / "runs"
     step = kill_step(f"scheduler-restart-{algorithm}")
+    relay = "chain" if algorithm == "ssd" else "off"
     args = ["configs/digits.yaml", *JOBS[algorithm], *sets(
-        output__dir=root, cluster__scheduler_restarts=1, cluster__servers=servers)]
+        output__dir=root, cluster__scheduler_restarts=1, cluster__servers=servers,
+        sync__pull_relay=relay)]
     with start(args + (["--secure"] if secure else [])) as job:
         run = wait_for_step(job, root, step)
         before = nodes(job)
@@ -62,6 +66,27 @@ def test_a_killed_scheduler_is_restarted_and_the_job_ends_as_if_uninterrupted(
     assert "restarting it at 127.0.0.1:" in out and "restart 1 of 1" in out
     for who, pid in before.items():    # each node says it rejoined, none restarted
         assert f"{who[0]} {who[1]}: rejoined the job with the restarted scheduler" in out, who
+    assert_same(run, reference)
+    relayed = records(run, 1, "end")[-1]["kv"]["replies_relayed_in"]
+    assert (relayed > 0) == (relay == "chain"), relayed
+
+
+def test_a_compressed_staggered_job_survives_its_schedulers_death(
+        tmp_path, uninterrupted_digits):
+    """ssd with 2bit pushes and staggered pulls: the scheduler SIGKILLed in the
+    steps-delay stage is restarted in place, and the job ends with the weights of the
+    same job run without interruption (a worker's residuals and pull phase are its own,
+    never the scheduler's)."""
+    reference = final(uninterrupted_digits("ssd", **COMPRESSED_STAGGERED))
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssd"], *sets(
+            **COMPRESSED_STAGGERED, output__dir=root, cluster__scheduler_restarts=1)]) as job:
+        run = wait_for_step(job, root, kill_step("scheduler-restart-compressed"))
+        before = nodes(job)
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 120)
+        assert nodes(job) == before        # nobody restarted
+        assert job.wait(timeout=300) == 0, job.text[-3000:]
     assert_same(run, reference)
 
 

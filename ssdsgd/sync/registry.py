@@ -132,6 +132,7 @@ _RESTART = ("tests/test_recovery.py::"
 _CONTINUE = "tests/test_recovery.py::test_with_continue_a_killed_worker_leaves_and_the_job_finishes"
 _SCHED = "tests/test_scheduler_restart.py::"
 _SCHED_RESTART = _SCHED + "test_a_killed_scheduler_is_restarted_and_the_job_ends_as_if_uninterrupted"
+_SCHED_COMPRESSED = _SCHED + "test_a_compressed_staggered_job_survives_its_schedulers_death"
 _SCHED_RESUMED = _SCHED + "test_a_job_restarted_from_its_checkpoint_survives_its_schedulers_death"
 _SCHED_UNTESTED = "no test restarts the scheduler of such a job yet"
 _REPLICAS = ("tests/test_replicas.py::"
@@ -240,9 +241,6 @@ CONFLICTS = {
                                "rounds",
     ("scheduler_restart", "quorum"): "a quorum's rounds are relayed by the scheduler, and "
                                      "a restarted scheduler does not rebuild them",
-    ("scheduler_restart", "compression"): _SCHED_UNTESTED,
-    ("scheduler_restart", "relay"): _SCHED_UNTESTED,
-    ("scheduler_restart", "staggered"): _SCHED_UNTESTED,
     ("scheduler_restart", "replicas"): "a dead server's backup is promoted by the "
                                        "scheduler, and a restarted scheduler does not "
                                        "rebuild which servers died",
@@ -281,6 +279,9 @@ TESTED_PAIRS = {
     ("scheduler_restart", "continue"): _SCHED + "test_after_a_scheduler_restart_a_"
                                                 "killed_worker_leaves_with_continue",
     ("scheduler_restart", "restart"): _SCHED_RESUMED, ("scheduler_restart", "resume"): _SCHED_RESUMED,
+    ("scheduler_restart", "relay"): _SCHED_RESTART,
+    ("scheduler_restart", "compression"): _SCHED_COMPRESSED,
+    ("scheduler_restart", "staggered"): _SCHED_COMPRESSED,
     ("replicas", "checkpoint"): _REPLICAS,
     ("replicas", "restart"): _REPLICAS_RESTART, ("replicas", "resume"): _REPLICAS_RESTART,
 }
