@@ -165,9 +165,10 @@ def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0,
                 codec: CodecCost | None = None):
     """(k, relay, why). The link time a byte costs is the round's time over the round's
     bytes; a push then costs ``push_s``, a pull ``pull_s``. A steps-delay step takes about
-    max(compute, push) (the push-every-step bound), and a pull that does not fit in the
-    step after it adds (pull - compute) once per k steps: k keeps that within SLACK of the
-    bound. ``relay_workers``: the chain a relay would have (0: no relay possible); the
+    max(compute, push) (the push-every-step bound). A pull as of step t is answered once
+    step t is applied, so it starts when that step's push has landed: what the step after
+    it cannot hide, (push + pull - compute), is added once per k steps, and k keeps that
+    within SLACK of the bound. ``relay_workers``: the chain a relay would have (0: no relay possible); the
     relay is chosen when it makes the step estimate shorter (``relayed_pull_s``).
     ``codec``: the pushes are compressed with it (its wire bytes, its coding time counted
     as compute; pulls are not compressed)."""
@@ -179,7 +180,7 @@ def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0,
 
     def period(cost_s):
         """(k, the step estimate) for a pull of ``cost_s``."""
-        excess = cost_s - compute_s
+        excess = push_s + cost_s - compute_s
         k = K_MIN if excess <= 0 else math.ceil(excess / (SLACK * bound))
         k = min(k_max, max(K_MIN, k))
         return k, bound + max(0.0, excess) / k
