@@ -276,3 +276,31 @@ def test_a_worker_that_dies_with_the_scheduler_leaves_with_continue(tmp_path):
                      r"workers from step \d+", job.text), job.text[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert [w["rank"] for w in summary["workers_left"]] == [1]
+
+
+def test_after_a_server_was_replaced_by_its_backup_a_killed_scheduler_is_restarted(
+        tmp_path, uninterrupted):
+    """cluster.server_replicas 1 and cluster.scheduler_restarts 1, ssd: server 0
+    SIGKILLed, its backup (server 1) owns its keys; then the scheduler SIGKILLed. The
+    restarted one learns from the lost one's status file that server 0 was replaced, so
+    it waits for the 3 nodes left, not for server 0, and the job ends with the weights of
+    the uninterrupted 1-server job (a replaced server's keys are its backup's, bit for
+    bit)."""
+    from test_replicas import FIRST_APPLY, REPLICAS
+    reference = uninterrupted("ssd")
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssd"], *REPLICAS, *sets(
+            output__dir=root, cluster__scheduler_restarts=1)]) as job:
+        wait_for_step(job, root, kill_step("scheduler-restart-replicas"))
+        os.kill(job.process("server", 0), signal.SIGKILL)
+        job.wait_for(lambda: FIRST_APPLY.search(job.text), 60, "the new owner's first step")
+        before = nodes(job)
+        assert sorted(before) == [("server", 1), ("worker", 0), ("worker", 1)], before
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 60)
+        assert nodes(job) == before
+        assert job.wait(timeout=300) == 0, job.text[-3000:]
+    run, = [d for d in root.iterdir() if d.is_dir()]
+    assert "restart 1: rebuilding the job from the nodes that re-register (3 expected; " \
+           "server 0 replaced by server 1" in job.text, job.text[-3000:]
+    assert_same(run, reference)

@@ -16,7 +16,9 @@ _FIELDS = {"started": bool, "workers": list, "finished": list, "abort": (str, ty
 # written by a scheduler that may be restarted (cluster.scheduler_restarts): the workers
 # that left the job, a restarted one's rebuild {restart, seconds} once every node is back,
 # and in a job that takes joiners what a restarted one needs of them (``membership``)
-_OPTIONAL = {"left": list, "rebuilt": (dict, type(None)), "membership": (dict, type(None))}
+# and with cluster.server_replicas the servers replaced by their backups ([dead, owner])
+_OPTIONAL = {"left": list, "rebuilt": (dict, type(None)), "membership": (dict, type(None)),
+             "replaced": list}
 _MEMBERSHIP = {"joined": list, "departed": list, "agreed": dict, "deciding": list,
                "layout": (dict, type(None)), "listen": (dict, type(None))}
 
@@ -26,13 +28,14 @@ class StatusError(ValueError):
 
 
 def write(path, *, started, workers, finished, abort=None, left=None, rebuilt=None,
-          membership=None):
+          membership=None, replaced=None):
     """Replace ``path`` atomically (a reader never sees half a file). ``workers``: the
     ranks the registered workers asked for (their launcher ranks); ``finished``: those
     whose FINISH arrived; ``left``: those removed (on_worker_failure: continue);
     ``rebuilt``: a restarted scheduler's rebuild, once done; ``membership``: the joins,
     departures and agreements decided, the joins and departures being decided, and what
-    a joiner hears (the topology, LISTEN), in a job that takes joiners."""
+    a joiner hears (the topology, LISTEN), in a job that takes joiners; ``replaced``:
+    {dead server: the backup that owns its keys}, with cluster.server_replicas."""
     if not path:
         return
     tmp = f"{path}.tmp"
@@ -44,6 +47,8 @@ def write(path, *, started, workers, finished, abort=None, left=None, rebuilt=No
         data["rebuilt"] = rebuilt
     if membership is not None:
         data["membership"] = membership
+    if replaced:
+        data["replaced"] = sorted([dead, owner] for dead, owner in replaced.items())
     try:
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(data, f)
@@ -70,6 +75,8 @@ def read(path):
     for k in ("workers", "finished", "left"):
         if not all(isinstance(r, int) and not isinstance(r, bool) for r in data.get(k, ())):
             raise StatusError(f"{path}: {k} must be ranks")
+    if not all(isinstance(c, list) and _pair(c) for c in data.get("replaced", ())):
+        raise StatusError(f"{path}: replaced must be [dead server, owner] pairs")
     m = data.get("membership")
     if m is not None and (any(not isinstance(m.get(k), t) for k, t in _MEMBERSHIP.items())
                           or not all(_pair(c) for k in ("joined", "departed") for c in m[k])

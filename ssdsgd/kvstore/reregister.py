@@ -25,8 +25,10 @@ job's start, each node registers again with the new one (``SchedulerLink.registe
 after that but before every node had its rank (it registers again) or every worker
 heard where the servers listen, the rebuild fails naming the cause (``SetUpLost``), and
 ``--max-restarts`` restarts the job.
-Quorum rounds and preduce's groups live in the scheduler and are not rebuilt: the
-registry refuses them with a restarted scheduler.
+With cluster.server_replicas, the servers replaced by their backups are in the status
+file (written before any server hears of it): they are not expected, and a second
+server death ends the job as it would have. Quorum rounds and preduce's groups live in
+the scheduler and are not rebuilt: the registry refuses them with a restarted scheduler.
 """
 import time
 
@@ -58,7 +60,10 @@ class Rebuild:
         self.workers = set(prior.get("workers", ()))
         # workers that joined the job (docs/spec/membership.md): ranks above the first
         self.joined = {r for r, _ in (prior.get("membership") or {}).get("joined", ())}
-        self.expected = {("server", r) for r in range(counts["server"])} | {
+        # cluster.server_replicas: servers whose backups own their keys (dead, not expected)
+        self.replaced = {dead: owner for dead, owner in prior.get("replaced", ())}
+        self.expected = {("server", r) for r in range(counts["server"])
+                         if r not in self.replaced} | {
             ("worker", r) for r in set(range(counts["worker"])) | self.joined
             if r not in self.finished | self.left}
         self.counts = counts
@@ -81,6 +86,9 @@ class Rebuild:
             raise RejoinError(f"{role} {rank} has rejoined already")
         if role == "worker" and rank in self.left:
             raise RejoinError(f"worker {rank} left the job before the scheduler was lost")
+        if role == "server" and rank in self.replaced:
+            raise RejoinError(f"server {rank} was replaced by server {self.replaced[rank]} "
+                              "(its backup) before the scheduler was lost")
         if not meta.get("ready"):
             raise SetUpLost.of(f"{role} {rank}", "heard where the servers listen"
                                if role == "worker" else "bound its port")
@@ -144,9 +152,12 @@ def begin(env, counts, log):
         return None
     rebuild = Rebuild(prior, counts, env.scheduler_restart, time.monotonic(),
                       wait_seconds(env))
+    replaced = "".join(f"server {dead} replaced by server {owner}; "
+                       for dead, owner in sorted(rebuild.replaced.items()))
     log(f"restart {env.scheduler_restart}: rebuilding the job from the nodes that "
-        f"re-register ({len(rebuild.expected)} expected; workers finished before: "
-        f"{sorted(rebuild.finished) or 'none'}, left: {sorted(rebuild.left) or 'none'})")
+        f"re-register ({len(rebuild.expected)} expected; {replaced}workers finished "
+        f"before: {sorted(rebuild.finished) or 'none'}, left: "
+        f"{sorted(rebuild.left) or 'none'})")
     return rebuild
 
 

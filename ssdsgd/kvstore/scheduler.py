@@ -117,6 +117,7 @@ class Scheduler(reregister.Rejoins, Joins):
         self._init_joins(join_boundary)
         if self.rebuild is not None:
             self._restore_joins(self.rebuild.prior)
+            self.replicas.dead.update(self.rebuild.replaced)
         # the timeline's reference clock: its file names the host whose processes read
         # this clock (ssdsgd/timeline_merge.py)
         timeline.start_node(env, "scheduler", 0)
@@ -184,7 +185,8 @@ class Scheduler(reregister.Rejoins, Joins):
                          workers={n["asked_rank"] for n in workers} | set(before),
                          finished={n["asked_rank"] for n in workers if n["finished"]}
                          | set(finished_before) | self.departed_done, abort=abort,
-                         membership=self._membership_status(), **extra)
+                         membership=self._membership_status(), replaced=self.replicas.dead,
+                         **extra)
 
     def _abort(self, reason):
         self._record(abort=reason)
@@ -480,6 +482,7 @@ class Scheduler(reregister.Rejoins, Joins):
             self._abort(f"{why}; {e}")
         self._send(ident, P.Kind.ABORT, {"reason": f"{why}; its backup takes its keys"})
         del self.nodes[ident]
+        self._record()      # before any server hears it: a restarted scheduler knows it
         for i in self._members("server"):
             self._send(i, P.Kind.PROMOTE, {"dead": dead, "owner": owner})
         self.log(f"{why}; server {owner} owns its keys from now on, and the job goes on "

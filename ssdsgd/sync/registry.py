@@ -241,9 +241,6 @@ CONFLICTS = {
                                "rounds",
     ("scheduler_restart", "quorum"): "a quorum's rounds are relayed by the scheduler, and "
                                      "a restarted scheduler does not rebuild them",
-    ("scheduler_restart", "replicas"): "a dead server's backup is promoted by the "
-                                       "scheduler, and a restarted scheduler does not "
-                                       "rebuild which servers died",
     ("relay", "staggered"): "staggered pulls never arrive together, so after the warm-up "
                             "there is no reply to relay; the two are alternative cures for "
                             "the same pull burst (docs/spec/pull_relay.md)",
@@ -282,6 +279,8 @@ TESTED_PAIRS = {
     ("scheduler_restart", "relay"): _SCHED_RESTART,
     ("scheduler_restart", "compression"): _SCHED_COMPRESSED,
     ("scheduler_restart", "staggered"): _SCHED_COMPRESSED,
+    ("scheduler_restart", "replicas"): _SCHED + "test_after_a_server_was_replaced_by_its_"
+                                                "backup_a_killed_scheduler_is_restarted",
     ("replicas", "checkpoint"): _REPLICAS,
     ("replicas", "restart"): _REPLICAS_RESTART, ("replicas", "resume"): _REPLICAS_RESTART,
 }
