@@ -13,6 +13,8 @@ def test_written_status_reads_back(tmp_path):
     assert job_status.read(str(path)) == {"started": True, "workers": [0, 1],
                                           "finished": [1], "abort": None}
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+    job_status.write(str(path), started=True, workers=[0], finished=[], replaced={0: 1})
+    assert job_status.read(str(path))["replaced"] == [[0, 1]]     # server 0 -> its backup
 
 
 def test_no_file_is_no_record(tmp_path):
@@ -24,7 +26,11 @@ def test_no_file_is_no_record(tmp_path):
                                   {"started": False, "workers": ["0"], "finished": [],
                                    "abort": None},
                                   {"started": False, "workers": [True], "finished": [],
-                                   "abort": None}])
+                                   "abort": None},
+                                  {"started": True, "workers": [], "finished": [],
+                                   "abort": None, "replaced": [[0, "1"]]},
+                                  {"started": True, "workers": [], "finished": [],
+                                   "abort": None, "replaced": [0, 1]}])
 def test_a_file_of_another_form_is_refused(tmp_path, data):
     path = tmp_path / "status.json"
     path.write_text(json.dumps(data))
