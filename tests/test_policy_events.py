@@ -101,7 +101,7 @@ def same(a, b):
 
 def test_the_scheduler_relays_only_server_0s_rounds_and_only_with_several_servers():
     relay = make_scheduler_policy(env(quorum="1", num_servers=2))
-    payload = events.message("round", log="c0.1")
+    payload = events.message("round", log="c0.1", first=0)
     assert relay.on_event("server", 0, payload) == [("servers", 0, payload)]
     with pytest.raises(PolicyError, match="only server 0 decides quorum rounds"):
         relay.on_event("server", 1, payload)

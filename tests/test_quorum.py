@@ -2,6 +2,8 @@
 weights of the simulator fed the same arrival order, and no push is lost; quorum auto
 leaves a slow worker out as its leader says, and without one is quorum all bit for bit."""
 import json
+import os
+import signal
 
 import mxnet as mx
 import numpy as np
@@ -123,6 +125,49 @@ def test_every_push_of_every_worker_is_applied_exactly_once(tmp_path):
         final = np.load(tmp_path / f"final-rank{r}.npy")
         np.testing.assert_array_equal(final, -np.ones(n * steps, np.float32),
                                       err_msg=f"worker {r}: -(times each push was applied)")
+
+
+@pytest.mark.system
+def test_a_restarted_scheduler_loses_no_round_decision(tmp_path):
+    """2 servers: server 0 decides the rounds and the scheduler passes its decisions on to
+    server 1. The scheduler SIGKILLed mid-run (cluster.scheduler_restarts 1); server 0
+    goes on deciding while it is down (solo: the fast worker closes rounds alone), then
+    sends every decision it kept again, and server 1 applies each one once: every push
+    of every worker is applied exactly once on both servers (the key is cut over
+    both), and no process is restarted."""
+    n, steps = 3, 60
+    args = jobs.launch_args(n, 2, ["--out", tmp_path, "--steps", steps, "--progress"], env={
+        "SSDSGD_SLOWDOWN": "delay:0=0.03,1=0.06,2=0.1", "SSDSGD_ALGORITHM": "ssd",
+        "SSDSGD_WARMUP_STEPS": 1, "SSDSGD_DELAY_STEPS": 2, "SSDSGD_LOCAL_RULE": "sgd",
+        "SSDSGD_QUORUM": "solo", "SSDSGD_MAX_STALENESS": 3, "SSDSGD_BIGARRAY_BOUND": 4,
+        "SSDSGD_SCHEDULER_RESTARTS": 1}, script="quorum_count.py")
+    with jobs.dist(args, merge=True) as job:
+        job.wait_for("rank 0 step 15 done", 120)
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 60)
+        assert job.wait(timeout=120) == 0, job.text[-3000:]
+    out = job.text
+    assert "server 0: sent its kept round decisions again after the scheduler restart" in out
+    assert f"rank {n - 1} step {steps - 1} done" in out[out.index("lost the scheduler"):]
+    for r in range(n):
+        final = np.load(tmp_path / f"final-rank{r}.npy")
+        np.testing.assert_array_equal(final, -np.ones(n * steps, np.float32),
+                                      err_msg=f"worker {r}: -(times each push was applied)")
+
+
+def test_decisions_sent_again_are_applied_once_and_a_gap_is_named():
+    from ssdsgd.sync.decision_log import DecisionLog, Followed
+    from ssdsgd.sync.events import PolicyError
+    log, follower = DecisionLog(kept=4), Followed()
+    assert log.add("a b") == 0 and log.add("c") == 2
+    assert follower.take(0, "a b") == "a b"
+    assert log.add("d e") == 3                  # c lost on the way, d e held
+    assert log.kept() == [(1, "b c d e")]       # the last 4
+    assert follower.take(1, "b c d e") == "c d e" and follower.applied == 5
+    assert follower.take(3, "d e") == ""        # a copy of what it has
+    log.add("f g h i j")
+    with pytest.raises(PolicyError, match="decisions 5 to 5 never came"):
+        follower.take(*log.kept()[0])
 
 
 AUTO_STEPS = 12

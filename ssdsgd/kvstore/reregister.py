@@ -27,8 +27,10 @@ heard where the servers listen, the rebuild fails naming the cause (``SetUpLost`
 ``--max-restarts`` restarts the job.
 With cluster.server_replicas, the servers replaced by their backups are in the status
 file (written before any server hears of it): they are not expected, and a second
-server death ends the job as it would have. Quorum rounds and preduce's groups live in
-the scheduler and are not rebuilt: the registry refuses them with a restarted scheduler.
+server death ends the job as it would have. A quorum leader's decisions are numbered and
+sent again after the rebuild (``sync/decision_log.py``). Preduce's groups and dynamic
+data's cursor live in the scheduler and are not rebuilt: they are refused with a
+restarted scheduler.
 """
 import time
 

@@ -57,6 +57,7 @@ class Server:
                         "fill": self.replies.fill, "note": self.replies.note,
                         "say": lambda text: self.log(text)}
         self.scheduler = None     # the socket to the scheduler, from ``start``
+        self.scheduler_lost = lambda: False   # the node's link: waiting for a restarted one
         self.policy = None        # made by ``start``, once the rank is known
         self.pending_inits = []
         self.rank = -1
@@ -312,9 +313,24 @@ class Server:
 
     def _send_decisions(self):
         """The leader's decisions of this message go to the other servers (via the
-        scheduler); a decision lost would stall them, so a full queue stops the job."""
+        scheduler); a decision lost would stall them, so a full queue stops the job.
+        While the scheduler is lost they are only kept (the policy numbers and keeps
+        them), and all kept ones go again once a restarted scheduler took this server
+        back (``rejoined``)."""
         for payload in self.policy.to_servers():
+            if not self.scheduler_lost():
+                self._tell_scheduler(P.Kind.POLICY, payload, lost="policy messages")
+
+    def rejoined(self):
+        """A restarted scheduler has every node back (cluster.scheduler_restarts): the
+        decisions it or its predecessor may not have passed on go again; the other
+        servers skip those they have."""
+        again = self.policy.sent_again()
+        for payload in again:
             self._tell_scheduler(P.Kind.POLICY, payload, lost="policy messages")
+        if again:
+            self._print(f"sent its kept round decisions again after the scheduler restart "
+                        f"({len(again)} message(s); the other servers skip those they have)")
 
     def _follow(self, payload):
         try:

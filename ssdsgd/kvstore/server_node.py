@@ -53,6 +53,9 @@ class ServerNode:
         topo = self.link.register()
         timeline.start_node(env, "server", topo["rank"])   # if SSDSGD_TIMELINE (timeline.py)
         self.server.start(topo, self.link.sock)
+        # cluster.scheduler_restarts: a quorum leader's decisions wait while it is lost
+        self.server.scheduler_lost = lambda: self.link.rejoining is not None
+        self.link.on_rejoined = self.server.rejoined
         self.server.weights.snapshots = Snapshots.from_env(env, topo["rank"])
         try:
             limit = self._await_limit()

@@ -68,7 +68,8 @@ EVENTS = {
     # quorum (docs/spec/quorum.md)
     "pause": (_WORKER_SERVER, {}),                 # a worker enters a barrier (rule 2a)
     "round": ({("server", "scheduler"), ("scheduler", "server")},   # server 0's decisions
-              {"log": ((F.text(MAX_LOG), "a string of round decisions"), True)}),
+              {"log": ((F.text(MAX_LOG), "a string of round decisions"), True),
+               "first": (F.STEP, True)}),      # the number of its first (decision_log.py)
     # preduce (docs/spec/preduce.md)
     "ready": (_WORKER_SCHEDULER, {"final": (F.BOOL, False)}),   # my local step is done
     "group": (_SCHEDULER_WORKER, _MEMBERS),        # average with these members

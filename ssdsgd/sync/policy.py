@@ -23,6 +23,7 @@ for each application. A request the policy cannot accept raises ``PolicyError`` 
 anything changes; the transport answers it with an ERROR naming the problem.
 """
 from . import events
+from .decision_log import DecisionLog, Followed
 from .events import PolicyError
 
 
@@ -39,6 +40,8 @@ class ServerPolicy:
         self.averaging = averaging        # preduce's group averages, if the job averages
         self.version = {}                 # key -> updates applied, in declaration order
         self.removed = {}                 # rank of a worker that left -> the step it is out from
+        self.decided = DecisionLog()      # a leader's round decisions, numbered and kept
+        self.followed = Followed()        # a follower's count of the leader's it applied
 
     # ---- messages, as the transport hands them over -----------------------------------
     def request(self, kind, rank, items, token, options):
@@ -59,14 +62,25 @@ class ServerPolicy:
         return self.average(rank, fields["group"], tuple(fields["members"]), items, token)
 
     def from_servers(self, payload):
-        """Another server's POLICY message, through the scheduler."""
+        """Another server's POLICY message, through the scheduler: the leader's decisions
+        not applied yet (one sent again after a scheduler restart is skipped)."""
         _, fields = events.read(payload, ("scheduler", "server"))
-        return self.follow(fields["log"])
+        text = self.followed.take(fields["first"], fields["log"])
+        return self.follow(text) if text else []
 
     def to_servers(self):
         """POLICY messages for the other servers (the leader's round decisions)."""
         text = self.decisions()
-        return [events.message("round", log=text)] if text else []
+        if not text:
+            return []
+        return [events.message("round", log=text, first=self.decided.add(text))]
+
+    def sent_again(self):
+        """Every decision kept, for the other servers again (a restarted scheduler has
+        every node back: what the lost one had not passed on, and what was decided while
+        it was down)."""
+        return [events.message("round", log=text, first=first)
+                for first, text in self.decided.kept()]
 
     # ---- events ----------------------------------------------------------------------
     def declare(self, key):

@@ -239,8 +239,6 @@ CONFLICTS = {
     ("relay", "quorum"): "a quorum's replies go to each worker on its own",
     ("quorum", "compression"): "no test or simulator runs compressed pushes in quorum "
                                "rounds",
-    ("scheduler_restart", "quorum"): "a quorum's rounds are relayed by the scheduler, and "
-                                     "a restarted scheduler does not rebuild them",
     ("relay", "staggered"): "staggered pulls never arrive together, so after the warm-up "
                             "there is no reply to relay; the two are alternative cures for "
                             "the same pull burst (docs/spec/pull_relay.md)",
@@ -279,6 +277,8 @@ TESTED_PAIRS = {
     ("scheduler_restart", "relay"): _SCHED_RESTART,
     ("scheduler_restart", "compression"): _SCHED_COMPRESSED,
     ("scheduler_restart", "staggered"): _SCHED_COMPRESSED,
+    ("scheduler_restart", "quorum"): "tests/test_quorum.py::test_a_restarted_scheduler_"
+                                     "loses_no_round_decision",
     ("scheduler_restart", "replicas"): _SCHED + "test_after_a_server_was_replaced_by_its_"
                                                 "backup_a_killed_scheduler_is_restarted",
     ("replicas", "checkpoint"): _REPLICAS,

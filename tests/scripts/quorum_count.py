@@ -12,6 +12,7 @@ from ssdsgd.slowdown import Slowdown
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=8)
+p.add_argument("--progress", action="store_true", help="print each step's end")
 args = p.parse_args()
 
 kv = mx.kv.create("ssd_sync")
@@ -26,5 +27,7 @@ for t in range(args.steps):
     grad = np.zeros(size, np.float32)
     grad[kv.rank * args.steps + t] = 1.0
     kv.pushpull(0, mx.nd.array(grad), out=weights)
+    if args.progress:
+        print(f"quorum_count: rank {kv.rank} step {t} done", flush=True)
 kv.close()
 np.save(os.path.join(args.out, f"final-rank{kv.rank}.npy"), weights.asnumpy())
