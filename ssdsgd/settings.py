@@ -541,23 +541,6 @@ def _dynamic_needs_uneven_steps(values: Mapping, label: Callable[[str], str]) ->
     return None
 
 
-def _dealer_restarts(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
-    """Dynamic data's cursor (which chunks were handed out) lives only in the scheduler,
-    and a restarted one does not rebuild it (docs/spec/dynamic_data.md)."""
-    if not values.get("scheduler_restarts"):
-        return None
-    algorithm, quorum, n, assignment = (values.get("algorithm"), values.get("quorum"),
-                                        values.get("num_workers"), values.get("assignment"))
-    # no assignment: a script's job (the command form), which deals no data
-    if None in (algorithm, quorum, n, assignment) or not dynamic_data(
-            str(assignment), algorithm, str(quorum), n):
-        return None
-    return (f"{label('scheduler_restarts')}: {values['scheduler_restarts']} works with "
-            f"{label('assignment')}: static only, got {assignment} "
-            f"(dynamic with {label('quorum')} {quorum}; the data's cursor lives in the "
-            "scheduler, and a restarted one does not rebuild it)")
-
-
 def _heartbeats(values: Mapping, label: Callable[[str], str]) -> Optional[str]:
     """A node sends a heartbeat every interval and looks every half interval, so a live
     node can be silent for 1.5 intervals: a shorter timeout declares it dead."""
@@ -624,7 +607,7 @@ def _combinations(values: Mapping, label: Callable[[str], str]) -> Optional[str]
 
 
 CROSS_CHECKS = (_heartbeats, _group_size, _replicas, _slowdown_ranks, _combinations,
-                _dynamic_needs_uneven_steps, _dealer_restarts, _joins)
+                _dynamic_needs_uneven_steps, _joins)
 
 
 def cross_check(values: Mapping, label: Callable[[str], str]) -> None:

@@ -22,10 +22,7 @@ ON = {"compression": {"sync": {"compression": "2bit"}},
       "staggered": {"sync": {"pull_schedule": "staggered"}},
       "restart": {"cluster": {"on_worker_failure": "restart"}},
       "continue": {"cluster": {"on_worker_failure": "continue"}},
-      # static data: a restarted scheduler does not rebuild the dealer of dynamic data,
-      # which a quorum would choose (test_scheduler_restarts_refuse_dynamic_data below)
-      "scheduler_restart": {"cluster": {"scheduler_restarts": 1},
-                            "data": {"assignment": "static"}},
+      "scheduler_restart": {"cluster": {"scheduler_restarts": 1}},
       "resume": {},
       "checkpoint": {"train": {"checkpoint_every": 1}},
       "replicas": {"cluster": {"servers": 2, "server_replicas": 1}}}
@@ -162,20 +159,6 @@ def test_each_tested_pair_is_taken_and_its_test_exists(pair):
     if "resume" not in pair:
         parse_config(_config("ssd", *pair))
     assert refusal(S.read_env(_env("ssd", *pair)), lambda name: name) is None
-
-
-def test_scheduler_restarts_refuse_dynamic_data():
-    """A quorum chooses dynamic data (data.assignment auto), whose cursor lives only in the
-    scheduler: with scheduler restarts that is refused in one line naming the way out."""
-    raw = _config("ssd", "quorum", "scheduler_restart")
-    parse_config(raw)                                   # static: taken
-    for assignment in ("auto", "dynamic"):
-        raw["data"]["assignment"] = assignment
-        text = _config_error(raw)
-        assert text.startswith("cluster.scheduler_restarts: 1 works with data.assignment: "
-                               f"static only, got {assignment} (dynamic with sync.quorum "
-                               "majority; the data's cursor lives in the scheduler"), text
-        assert "\n" not in text
 
 
 def test_compression_set_by_a_script_is_refused_like_the_config():

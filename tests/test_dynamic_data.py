@@ -3,6 +3,9 @@ scheduler hands each epoch's chunks to whichever worker asks next, every chunk o
 until the job's budget is spent; the rules in process, the scheduler's answers and
 refusals on a live job, and training jobs with a controlled slow rank."""
 import json
+import os
+import re
+import signal
 
 import numpy as np
 import pytest
@@ -72,6 +75,75 @@ def test_a_pause_asked_by_rank_0_stops_every_worker_at_one_cursor_until_a_releas
     assert dealer.deal(1, dict(plan, epoch=0)) == {"epoch": 0, "over": "epoch"}
     assert dealer.deal(1, dict(plan, epoch=1))["over"] == "pause"
     assert dealer.dealt == {0: 2, 1: 3}
+
+
+def _report(got, asking=None, pause=None, plan=(5, 20, 0)):
+    return {"plan": list(plan), "got": got, "count": len(got), "asking": asking,
+            "pause": pause}
+
+
+def test_a_restarted_schedulers_dealer_starts_after_what_the_workers_got():
+    """docs/spec/dynamic_data.md rule 8: the workers' reports rebuild the cursor; a chunk
+    handed out whose answer was lost (4: worker 2 asks for epoch 0 again, nobody has it)
+    is dealt again first, to a worker asking for its epoch, even once the cursor is in the
+    next epoch; every other chunk follows the cursor."""
+    plan = chunk_plan(per_epoch=5, total_steps=10, num_workers=2, start=0)
+    dealer = Dealer()
+    said = dealer.rebuild({0: _report([0, 2, 5]), 1: _report([1, 3]),
+                           2: _report([], asking=0)})
+    assert dealer.next == 6 and dealer.holes == [4] and dealer.dealt == {0: 3, 1: 2, 2: 0}
+    assert said == ("the data's cursor rebuilt at chunk 6 from 3 worker(s)' reports; chunks "
+                    "[4] were handed out and lost with the scheduler: dealt again")
+    assert dealer.deal(1, dict(plan, epoch=1)) == {"epoch": 1, "chunk": 1}
+    assert dealer.deal(2, dict(plan, epoch=0)) == {"epoch": 0, "chunk": 4}     # dealt again
+    assert dealer.deal(2, dict(plan, epoch=0)) == {"epoch": 0, "over": "epoch"}
+    # the last chunk's answer lost: the cursor is before it, and it is dealt as usual
+    tail = Dealer()
+    tail.rebuild({0: _report([0, 1], asking=0), 1: _report([2])})
+    assert (tail.next, tail.holes) == (3, [])
+    assert Dealer().rebuild({0: None, 1: None}) is None       # nobody asked yet
+    paused = Dealer()
+    paused.rebuild({0: _report([0, 1], pause=3), 1: _report([2], pause=3)})
+    assert paused.deal(1, dict(plan, epoch=0)) == {"epoch": 0, "over": "pause", "at": 3}
+
+
+@pytest.mark.parametrize("reports,error", [
+    ({0: _report([0, 1]), 1: _report([1])}, "two workers report the same chunk"),
+    ({0: _report([0, 2]), 1: _report([4], asking=0)}, r"chunks \[1, 3\] were handed "
+                                                      r"out and no worker got them, but "
+                                                      r"only 1 worker"),
+    ({0: _report([0]), 1: _report([1], plan=(6, 20, 0))}, "different data plans"),
+    ({0: _report([0, 2], pause=3), 1: _report([], asking=0)}, "lost before a pause"),
+    ({0: _report([11]), 1: _report([], asking=0)}, "waits for a chunk of epoch 0, and "
+                                                   "another is in epoch 2")])
+def test_reports_that_cannot_be_a_jobs_are_refused(reports, error):
+    with pytest.raises(ChunkError, match=error):
+        Dealer().rebuild(reports)
+
+
+def test_chunks_a_finished_worker_may_hold_are_not_dealt_again():
+    reports = {0: _report([0, 2], asking=0)}
+    with pytest.raises(ChunkError, match=r"worker\(s\) \[1\] finished before and may have"):
+        Dealer().rebuild(reports, unknown={1})
+    assert Dealer().rebuild({0: _report([0, 1], asking=0)}, unknown={1})   # no gap: fine
+
+
+def test_a_workers_record_lists_its_last_two_epochs_and_what_it_waits_for():
+    from ssdsgd.kvstore.chunk_record import REPORT, ChunkRecord
+    record, ask = ChunkRecord(), {"per_epoch": 5, "budget": 20, "start": 0}
+    assert record.report() is None
+    for epoch, chunk in ((0, 1), (0, 3), (1, 0), (2, 2)):
+        record.asked(dict(ask, epoch=epoch))
+        record.answered({"epoch": epoch, "chunk": chunk})
+    record.asked(dict(ask, epoch=2))
+    assert record.report() == {"plan": [5, 20, 0], "got": [5, 12], "count": 4,
+                               "asking": 2, "pause": None}
+    record.answered({"epoch": 2, "over": "pause", "at": 13})
+    assert record.report()["pause"] == 13 and REPORT[0](record.report())
+    record.released()
+    assert record.report()["pause"] is None
+    assert not REPORT[0](dict(record.report(), got=[-1]))
+    assert not REPORT[0](dict(record.report(), evil=1))
 
 
 def test_an_epochs_chunks_are_the_samples_of_its_static_shards():
@@ -272,6 +344,27 @@ def test_a_job_killed_after_a_mid_epoch_checkpoint_resumes_at_the_pause_and_trai
     assert sum(g.get("index_sq", 0) for g in rest) == int((perm ** 2).sum())
     check_every_sample_once(ends, range(epoch + 1, 2))
     assert json.loads((run / "summary.json").read_text())["final_accuracy"] > 0.8
+
+
+@pytest.mark.system
+def test_a_restarted_scheduler_rebuilds_the_cursor_and_every_sample_is_trained_once(
+        tmp_path):
+    """cluster.scheduler_restarts 1 with a majority quorum (dynamic data): the scheduler
+    SIGKILLed in the first epoch. The restarted one rebuilds the dealer from what each
+    worker reports it got (rule 8), and each epoch's samples are trained exactly once;
+    no server or worker is restarted."""
+    from test_recovery import start, wait_for_step
+    with start([*majority_job(tmp_path), *sets(cluster__scheduler_restarts=1)]) as job:
+        run = wait_for_step(job, tmp_path, 12)
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 60)
+        assert job.wait(timeout=240) == 0, job.text[-3000:]
+    assert re.search(r"restart 1: the data's cursor rebuilt at chunk \d+ from 3 worker",
+                     job.text), job.text[-3000:]
+    ends = [records(run, r, "end")[-1] for r in range(3)]
+    per_epoch = check_every_sample_once(ends, (0, 1))
+    assert sum(end["steps"] for end in ends) == 2 * per_epoch     # the budget, spent once
+    assert "resuming from the checkpoint" not in job.text         # the job not restarted
 
 
 def test_quorum_auto_takes_dynamic_data_as_a_quorum_below_n_does():

@@ -33,6 +33,7 @@ class Dealer:
         self.next = 0             # the next global chunk to hand out
         self.dealt = {}           # rank -> chunks handed to it (the job's figures)
         self.paused = False       # a mid-epoch checkpoint: nothing handed out until release
+        self.holes = []           # a restarted scheduler's: dealt, lost, to deal again
 
     def deal(self, rank, meta):
         """The next chunk of ``meta['epoch']`` for worker ``rank``, or why there is none:
@@ -44,6 +45,11 @@ class Dealer:
             raise ChunkError(f"worker {rank} asked for a pause, but only worker 0 asks for a "
                              "pause (a mid-epoch checkpoint, by its clock)")
         per_epoch, budget = self._agree(meta)
+        again = [g for g in self.holes if g // per_epoch == epoch]
+        if again:      # lost with a scheduler that died: dealt again first, to an asker
+            self.holes.remove(again[0])
+            self.dealt[rank] = self.dealt.get(rank, 0) + 1
+            return {"epoch": epoch, "chunk": again[0] - epoch * per_epoch}
         current = self.next // per_epoch
         if self.next >= budget:
             return {"epoch": epoch, "over": "budget"}
@@ -61,6 +67,56 @@ class Dealer:
         self.next += 1
         self.dealt[rank] = self.dealt.get(rank, 0) + 1
         return {"epoch": epoch, "chunk": chunk}
+
+    def rebuild(self, reports, unknown=()):
+        """A restarted scheduler's dealer, from each worker's report (rank -> its REJOIN's
+        ``chunks``, ``chunk_record.py``; None: it asked for none): the cursor after the
+        last chunk any worker got (at least a pause's), the chunks of an epoch a worker
+        asks again for that no worker got (their answers were lost) to deal again first,
+        and a pause kept. ``unknown``: workers that finished before and did not come
+        back, whose chunks nobody reports. A line saying so, or None (no worker asked for
+        a chunk yet); ChunkError if the reports cannot be a job's, or if chunks look lost
+        that a finished worker may hold (the caller ends the job with it)."""
+        reports = {r: c for r, c in reports.items() if c}
+        if not reports:
+            return None
+        plans = {tuple(c["plan"]) for c in reports.values()}
+        if len(plans) != 1:
+            raise ChunkError(f"the workers report different data plans {sorted(plans)}")
+        self.plan = plans.pop()
+        per_epoch, _, start = self.plan
+        got = sorted(g for c in reports.values() for g in c["got"])
+        if len(set(got)) != len(got):
+            raise ChunkError("two workers report the same chunk")
+        pauses = {c["pause"] for c in reports.values() if c["pause"] is not None}
+        self.next = max([start, *(g + 1 for g in got[-1:]), *pauses])
+        self.paused = bool(pauses)
+        self.dealt = {r: c["count"] for r, c in reports.items()}
+        asking = [c["asking"] for c in reports.values() if c["asking"] is not None]
+        newest = max((g // per_epoch for g in got), default=start // per_epoch)
+        holes = []
+        for epoch in sorted(set(asking)):
+            if newest >= epoch + 2:      # the reports no longer list that epoch's chunks
+                raise ChunkError(f"a worker still waits for a chunk of epoch {epoch}, and "
+                                 f"another is in epoch {newest} already")
+            mine = set(got)
+            holes += [g for g in range(max(start, epoch * per_epoch),
+                                       min(self.next, (epoch + 1) * per_epoch))
+                      if g not in mine]
+        if holes and unknown:
+            raise ChunkError(f"chunks {holes} were handed out and no worker that came back "
+                             f"got them, but worker(s) {sorted(unknown)} finished before "
+                             "and may have: which were lost is not known")
+        if len(holes) > len(asking):
+            raise ChunkError(f"chunks {holes} were handed out and no worker got them, but "
+                             f"only {len(asking)} worker(s) ask again")
+        if holes and self.paused:
+            raise ChunkError(f"chunks {holes} were handed out and lost before a pause")
+        self.holes = holes
+        return (f"the data's cursor rebuilt at chunk {self.next} from "
+                f"{len(reports)} worker(s)' reports" + (f"; chunks {holes} were handed out "
+                "and lost with the scheduler: dealt again" if holes else "")
+                + ("; paused for a checkpoint" if self.paused else ""))
 
     def release(self):
         """A barrier was released: a pause (whose checkpoint's barrier it was) ends."""

@@ -20,6 +20,7 @@ from . import protocol as P, sealing
 from . import fragments as F
 from .relay import PullRelay, RelayFault
 from .joins import JoinError, joins_of
+from .chunk_record import ChunkRecord
 from .scheduler import JobAborted, bind_router
 from .scheduler_link import SchedulerLink
 from .security import Guard
@@ -68,6 +69,7 @@ class IOThread:
         # reply kind -> the scheduler request awaiting it: sent again to a restarted
         # scheduler (cluster.scheduler_restarts, reregister.py)
         self._asked = {}
+        self.chunks = ChunkRecord()   # dynamic data: told to a restarted scheduler
         self._stopping = False
         self._ready = threading.Event()
         addr = f"inproc://ssdsgd-wake-{id(self)}"
@@ -114,6 +116,8 @@ class IOThread:
             fut = self.requests.expect_control(reply_kind)
             frames = P.control(kind, meta)
             self._asked[reply_kind] = frames
+            if kind == P.Kind.CHUNK:
+                self.chunks.asked(meta)
             self._commands.put(("scheduler", frames))
             self._wake()
         return fut
@@ -238,6 +242,7 @@ class IOThread:
         futures, keep the heartbeats going."""
         poller = self._poller
         link.on_rejoined = lambda: [self._sent(link.sock, f) for f in list(self._asked.values())]
+        link.rejoin_fields = self._rejoin_fields
         for s in [self._wake_in, link.sock]:
             poller.register(s, zmq.POLLIN)
         if self.relay.sock is not None:
@@ -268,6 +273,10 @@ class IOThread:
 
     def _progress(self):
         return {"progress": self.progress, "busy": self.busy}
+
+    def _rejoin_fields(self):
+        with self.requests.lock:      # the main thread records its requests under it
+            return {"chunks": self.chunks.report()}
 
     def _send_queued(self, link, limit):
         """Send up to ``limit`` queued messages (None: all); True if some are left."""
@@ -317,11 +326,15 @@ class IOThread:
             self.left.append({"rank": msg.meta["removed"], "from_step": msg.meta["from_step"],
                               "time": time.time()})
             return False
+        if msg.kind == P.Kind.BARRIER:
+            self.chunks.released()
         fut = self.requests.take_control(msg.kind)
         if fut is None:
             return False
         with self.requests.lock:
             self._asked.pop(msg.kind, None)
+            if msg.kind == P.Kind.CHUNK:
+                self.chunks.answered(msg.meta)
         fut.set_result(msg)
         return msg.kind == P.Kind.ACK
 

@@ -29,6 +29,7 @@ import enum
 import re
 
 from .. import fields as F
+from .chunk_record import REPORT
 
 
 class Kind(enum.IntEnum):
@@ -141,6 +142,8 @@ META = {
                   "hostname": ((F.text(255), "a host name"), False),
                   "routing_id": (F.ID, False), "ready": (F.BOOL, False),
                   "passed": (_PASSED, False),
+                  # dynamic data: the chunks this worker got (chunk_record.py)
+                  "chunks": ((F.optional(REPORT[0]), REPORT[1]), False),
                   "restart": ((F.int_in(1, 100), "a restart number from 1 to 100"), False),
                   "waited": (_CLOCK, False)},
     Kind.TOPOLOGY: {"rank": (F.RANK, True), "num_workers": (F.COUNT, True),

@@ -28,13 +28,15 @@ heard where the servers listen, the rebuild fails naming the cause (``SetUpLost`
 With cluster.server_replicas, the servers replaced by their backups are in the status
 file (written before any server hears of it): they are not expected, and a second
 server death ends the job as it would have. A quorum leader's decisions are numbered and
-sent again after the rebuild (``sync/decision_log.py``). Preduce's groups and dynamic
-data's cursor live in the scheduler and are not rebuilt: they are refused with a
-restarted scheduler.
+sent again after the rebuild (``sync/decision_log.py``). Dynamic data's cursor is
+rebuilt from what each worker reports it got (``chunk_record.py``, ``Dealer.rebuild``).
+Preduce's groups live in the scheduler and are not rebuilt: refused with a restarted
+scheduler.
 """
 import time
 
 from . import job_status, protocol as P
+from .chunks import ChunkError
 from .security import claim_error
 from .topology import record
 
@@ -72,6 +74,7 @@ class Rebuild:
         self.back = {}        # (role, rank) -> connection
         self.passed = {}      # connection -> {group: [passed, value]}
         self.asked = set()    # (connection, group): its first barrier since, answered
+        self.chunks = {}      # worker rank -> the chunks it got (dynamic data), or None
         self.done = False
 
     def take(self, ident, meta, who):
@@ -96,6 +99,8 @@ class Rebuild:
                                if role == "worker" else "bound its port")
         self.back[(role, rank)] = ident
         self.passed[ident] = dict(meta.get("passed") or {})
+        if role == "worker":
+            self.chunks[rank] = meta.get("chunks")     # dynamic data (chunk_record.py)
         return role, rank, role == "worker" and rank in self.finished
 
     def registered_again(self, meta):
@@ -210,6 +215,13 @@ class Rejoins:
             self._send(ident, P.Kind.REJOIN, {"restart": rebuild.restart,
                                               "waited": now - rebuild.began})
         self._record()
+        try:
+            said = self.dealer.rebuild(rebuild.chunks,
+                                       rebuild.finished - set(rebuild.chunks))
+        except ChunkError as e:
+            self._abort(f"restart {rebuild.restart}: dynamic data cannot go on: {e}")
+        if said:
+            self.log(f"restart {rebuild.restart}: {said}")
         if self.lost_decisions:       # the servers hold for a decision nobody will send
             self._abort(f"restart {rebuild.restart}: the scheduler was lost while the join "
                         f"or departure of worker(s) {self.lost_decisions} was being decided; "

@@ -56,6 +56,7 @@ class SchedulerLink:
         self.passed = {}          # barrier group -> [releases received, the last value]
         self.rejoining = None     # (lost at, why) while waiting for a restarted scheduler
         self.on_rejoined = None   # called once a restarted scheduler took this node back
+        self.rejoin_fields = dict  # more REJOIN fields (a worker's chunk_record report)
         self.closed = False       # the connection closed while the topology was in flight
 
     def secure(self, sock, server=0):
@@ -185,7 +186,7 @@ class SchedulerLink:
         self.rejoining = (now, why)
         self._redial()
         meta = dict(self._registration, rank=self.topology["rank"], ready=self.ready,
-                    passed=self.passed, port=self.port)
+                    passed=self.passed, port=self.port, **self.rejoin_fields())
         self.send(P.Kind.REJOIN, meta)
 
     def _redial(self):
