@@ -304,3 +304,25 @@ def test_after_a_server_was_replaced_by_its_backup_a_killed_scheduler_is_restart
     assert "restart 1: rebuilding the job from the nodes that re-register (3 expected; " \
            "server 0 replaced by server 1" in job.text, job.text[-3000:]
     assert_same(run, reference)
+
+
+def test_a_server_that_dies_with_the_scheduler_is_replaced_by_its_backup(
+        tmp_path, uninterrupted):
+    """cluster.server_replicas 1: server 0 and the scheduler SIGKILLed together (a host
+    that ran both, lost). The restarted scheduler waits for server 0 as long as for any
+    node (max(30 s, 2 x the heartbeat timeout)), then hands its keys to its backup as the
+    lost one would have, and the job ends with the uninterrupted weights."""
+    from test_replicas import REPLICAS
+    reference = uninterrupted("ssd")
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssd"], *REPLICAS, *sets(
+            output__dir=root, cluster__scheduler_restarts=1)]) as job:
+        wait_for_step(job, root, kill_step("scheduler-restart-server-too"))
+        for pid in (job.process("server", 0), job.process("scheduler")):
+            os.kill(pid, signal.SIGKILL)
+        assert job.wait(timeout=150) == 0, job.text[-3000:]
+    run, = [d for d in root.iterdir() if d.is_dir()]
+    assert re.search(r"server 0 did not re-register with the restarted scheduler within "
+                     r"30 s; server 1 owns its keys from now on, and the job goes on with "
+                     r"no replica left", job.text), job.text[-3000:]
+    assert_same(run, reference)

@@ -242,11 +242,17 @@ class Rejoins:
         waited = f"within {rebuild.deadline - rebuild.began:.0f} s"
         gone = [rank for role, rank in missing if role == "worker" and rank
                 and self.env.on_worker_failure == "continue"]
-        if len(gone) < len(missing):
+        # cluster.server_replicas: a server's backup takes its keys, as for a dead one
+        replaced = [rank for role, rank in missing if role == "server"
+                    and self.env.server_replicas][:1]
+        if len(gone) + len(replaced) < len(missing):
             who = ", ".join(f"{role} {rank}" for role, rank in missing)
             self._abort(f"restart {rebuild.restart}: {who} did not re-register with the "
                         f"restarted scheduler {waited}")
         self._rebuilt()
+        for rank in replaced:
+            self._hand_over(rank, f"server {rank} did not re-register with the restarted "
+                                  f"scheduler {waited}")
         for rank in gone:     # cluster.on_worker_failure: continue, as for a silent one
             self.log(f"worker {rank} did not re-register with the restarted scheduler "
                      f"{waited}; removing it from the job (cluster.on_worker_failure: "

@@ -473,15 +473,20 @@ class Scheduler(reregister.Rejoins, Joins):
         """cluster.server_replicas: 1: a dead server's backup owns its keys from now on
         (replica_map.py); every server hears it, and the new owner tells the workers."""
         dead = self.nodes[ident]["rank"]
-        if self.startup is None or self.startup.waiting:     # the workers know no server
+        rebuilt = self.rebuild is not None and self.rebuild.done     # they all listened
+        if not rebuilt and (self.startup is None or self.startup.waiting):
             self._abort(f"{why}; it died before every server listened (no backup has "
-                        "its keys yet)")
+                        "its keys yet)")     # the workers know no server
+        self._send(ident, P.Kind.ABORT, {"reason": f"{why}; its backup takes its keys"})
+        del self.nodes[ident]
+        self._hand_over(dead, why)
+
+    def _hand_over(self, dead, why):
+        """Server ``dead``'s keys to its backup (or the job ends, saying why none can)."""
         try:
             owner = self.replicas.lose(dead)
         except ReplicaError as e:
             self._abort(f"{why}; {e}")
-        self._send(ident, P.Kind.ABORT, {"reason": f"{why}; its backup takes its keys"})
-        del self.nodes[ident]
         self._record()      # before any server hears it: a restarted scheduler knows it
         for i in self._members("server"):
             self._send(i, P.Kind.PROMOTE, {"dead": dead, "owner": owner})

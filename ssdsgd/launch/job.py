@@ -331,6 +331,10 @@ def _watch(procs, interrupted, progress, log, failures=None, continue_without_wo
                 failed = [p for p in failed if p not in behind]
         if failed and server_replicas and _server_left_behind(failed, left, log):
             failed = []
+        elif failed and server_replicas and restarts.budget:    # a server and the scheduler
+            servers = [p for p in failed if p.role == "server"]
+            if servers and _server_left_behind(servers, left, log):
+                failed = [p for p in failed if p not in servers]
         if failed and restarts.take(failed, procs, _describe_exit):
             failed = []
         restarts.poll(procs)
