@@ -326,3 +326,26 @@ def test_a_server_that_dies_with_the_scheduler_is_replaced_by_its_backup(
                      r"30 s; server 1 owns its keys from now on, and the job goes on with "
                      r"no replica left", job.text), job.text[-3000:]
     assert_same(run, reference)
+
+
+def test_after_a_scheduler_restart_a_killed_server_is_replaced_by_its_backup(
+        tmp_path, uninterrupted):
+    """cluster.server_replicas 1, ssd: the scheduler SIGKILLed and restarted, then server
+    0 SIGKILLed. The rebuilt scheduler hands its keys to its backup as a first one would
+    (it once refused, saying the server died before every server listened: a rebuilt
+    scheduler keeps no record of the start-up), and the job ends bit-identical."""
+    from test_replicas import FIRST_APPLY, REPLICAS
+    reference = uninterrupted("ssd")
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssd"], *REPLICAS, *sets(
+            output__dir=root, cluster__scheduler_restarts=1,
+            debug__slowdown="delay:0=0.1")]) as job:
+        # paced (0.1 s a step, timing only), so that server 0 dies well before the end
+        wait_for_step(job, root, kill_step("scheduler-restart-then-server"))
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 60)
+        os.kill(job.process("server", 0), signal.SIGKILL)
+        job.wait_for(lambda: FIRST_APPLY.search(job.text), 60, "the new owner's first step")
+        assert job.wait(timeout=300) == 0, job.text[-3000:]
+    run, = [d for d in root.iterdir() if d.is_dir()]
+    assert_same(run, reference)
