@@ -246,6 +246,13 @@ def _quorum(text: str) -> Optional[str]:
     return "expected all, majority, solo, auto or an integer >= 1"
 
 
+def _ranks(text):
+    """None, or why ``text`` is not comma-separated ranks."""
+    if all(part.isdigit() and int(part) < (1 << 20) for part in text.split(",")):
+        return None
+    return f"expected comma-separated ranks, got {text!r}"
+
+
 def _count(low: int, high: Optional[int] = None) -> Callable[[str], Optional[str]]:
     """The form of a count a job may choose itself: auto or an integer >= low (and <=
     high, if given)."""
@@ -333,6 +340,11 @@ SETTINGS = (
             "(0: the first start); a restarted scheduler rebuilds the job from the nodes "
             "that re-register", env="SSDSGD_SCHEDULER_RESTART", min=0, max=100,
             launcher="when it restarts the scheduler"),
+    Setting("servers_lost", str, None, "the servers (comma-separated ranks) the launcher "
+            "saw die before it restarted the scheduler: with cluster.server_replicas the "
+            "restarted scheduler does not wait for them and hands their keys to their "
+            "backups", env="SSDSGD_SERVERS_LOST", optional=True, validate=_ranks,
+            form="comma-separated ranks", launcher="when it restarts the scheduler"),
     Setting("on_worker_failure", str, "abort", "when a worker dies: abort the job, restart "
             "it from the last checkpoint (cluster.max_restarts times, 3 if that is 0) or "
             "continue without it (not rank 0; docs/reliability.md)",

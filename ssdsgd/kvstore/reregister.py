@@ -56,7 +56,7 @@ class Rebuild:
     passed. ``prior``: the last status the lost scheduler wrote; ``counts``: role ->
     how many the job has."""
 
-    def __init__(self, prior, counts, restart, now, wait_s):
+    def __init__(self, prior, counts, restart, now, wait_s, lost=()):
         self.prior = prior
         self.restart, self.began, self.deadline = restart, now, now + wait_s
         self.finished = set(prior.get("finished", ()))
@@ -66,8 +66,10 @@ class Rebuild:
         self.joined = {r for r, _ in (prior.get("membership") or {}).get("joined", ())}
         # cluster.server_replicas: servers whose backups own their keys (dead, not expected)
         self.replaced = {dead: owner for dead, owner in prior.get("replaced", ())}
+        # ... and those the launcher saw die since (their backups take their keys)
+        self.lost = sorted(set(lost) - set(self.replaced))
         self.expected = {("server", r) for r in range(counts["server"])
-                         if r not in self.replaced} | {
+                         if r not in self.replaced and r not in self.lost} | {
             ("worker", r) for r in set(range(counts["worker"])) | self.joined
             if r not in self.finished | self.left}
         self.counts = counts
@@ -91,6 +93,8 @@ class Rebuild:
             raise RejoinError(f"{role} {rank} has rejoined already")
         if role == "worker" and rank in self.left:
             raise RejoinError(f"worker {rank} left the job before the scheduler was lost")
+        if role == "server" and rank in self.lost:
+            raise RejoinError(f"server {rank} was seen dead by its launcher")
         if role == "server" and rank in self.replaced:
             raise RejoinError(f"server {rank} was replaced by server {self.replaced[rank]} "
                               "(its backup) before the scheduler was lost")
@@ -157,10 +161,13 @@ def begin(env, counts, log):
         log(f"restart {env.scheduler_restart}: the lost scheduler had not started the job; "
             "the nodes register again")
         return None
+    lost = [int(r) for r in (env.servers_lost or "").split(",") if r
+            and int(r) < counts["server"]] if env.server_replicas else []
     rebuild = Rebuild(prior, counts, env.scheduler_restart, time.monotonic(),
-                      wait_seconds(env))
+                      wait_seconds(env), lost)
     replaced = "".join(f"server {dead} replaced by server {owner}; "
                        for dead, owner in sorted(rebuild.replaced.items()))
+    replaced += "".join(f"server {r} lost (its launcher saw it die); " for r in rebuild.lost)
     log(f"restart {env.scheduler_restart}: rebuilding the job from the nodes that "
         f"re-register ({len(rebuild.expected)} expected; {replaced}workers finished "
         f"before: {sorted(rebuild.finished) or 'none'}, left: "
@@ -229,6 +236,9 @@ class Rejoins:
                         "restarts the job from its last checkpoint)")
         self.log(f"restart {rebuild.restart}: all {len(self.nodes)} nodes re-registered "
                  f"{now - rebuild.began:.1f} s after this scheduler started; the job goes on")
+        for rank in rebuild.lost:     # cluster.server_replicas: as for a server that died
+            self._hand_over(rank, f"server {rank} died while the scheduler was down (its "
+                                  "launcher saw it)")
 
     def _awaiting_rejoins(self, now):
         """True while the rebuild waits; aborts the job at its deadline, naming who did

@@ -234,8 +234,9 @@ def _scheduler_restarts(runner, env, plan, start, status, log):
         return None
     cmd = plan[0][2]
 
-    def again(n):
-        proc = start("scheduler", 0, cmd, to_env(scheduler_restart=n))
+    def again(n, servers_lost=()):
+        proc = start("scheduler", 0, cmd, to_env(
+            scheduler_restart=n, servers_lost=",".join(map(str, servers_lost)) or None))
         if proc is None:
             raise LaunchError("the scheduler could not be started again")
         return proc

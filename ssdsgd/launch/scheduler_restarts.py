@@ -18,7 +18,8 @@ from .hosts import role_label
 
 
 class SchedulerRestarts:
-    """``start(n)``: the scheduler started again as restart ``n`` (a process object);
+    """``start(n, servers_lost)``: the scheduler started again as restart ``n`` (a
+    process object), told which servers the launcher saw die;
     ``status``: the launcher's view of the scheduler's status file (job.JobStatus);
     ``where``: its address, for the log line."""
 
@@ -50,7 +51,9 @@ class SchedulerRestarts:
             return False
         self.used += 1
         died = time.monotonic()
-        procs[procs.index(dead)] = self.start(self.used)
+        # servers it saw die: with replicas, their backups take their keys at once
+        lost = sorted(p.rank for p in procs if p.role == "server" and p.poll() is not None)
+        procs[procs.index(dead)] = self.start(self.used, lost)
         self.log(f"the scheduler (pid {dead.pid}) {describe(dead.poll())}; restarting it at "
                  f"{self.where} with its keys (restart {self.used} of {self.budget}); the "
                  "servers and workers go on")
