@@ -16,6 +16,7 @@ from test_e2e_configs import records, sets
 from test_resume import after_resume
 from conftest import COMPRESSED_STAGGERED
 from test_recovery import assert_same, final, kill_step, role_of, start, wait_for_step
+from test_replicas import FIRST_APPLY, REPLICAS
 
 pytestmark = pytest.mark.system
 
@@ -286,7 +287,6 @@ def test_after_a_server_was_replaced_by_its_backup_a_killed_scheduler_is_restart
     it waits for the 3 nodes left, not for server 0, and the job ends with the weights of
     the uninterrupted 1-server job (a replaced server's keys are its backup's, bit for
     bit)."""
-    from test_replicas import FIRST_APPLY, REPLICAS
     reference = uninterrupted("ssd")
     root = tmp_path / "runs"
     with start(["configs/digits.yaml", *JOBS["ssd"], *REPLICAS, *sets(
@@ -314,7 +314,6 @@ def test_a_server_that_dies_with_the_scheduler_is_replaced_by_its_backup(
     it hands its keys to its backup, as the lost one would have, within seconds (before,
     it waited max(30 s, 2 x the heartbeat timeout) for server 0), and the job ends with
     the uninterrupted weights."""
-    from test_replicas import REPLICAS
     reference = uninterrupted("ssd")
     root = tmp_path / "runs"
     with start(["configs/digits.yaml", *JOBS["ssd"], *REPLICAS, *sets(
@@ -343,7 +342,6 @@ def test_after_a_scheduler_restart_a_killed_server_is_replaced_by_its_backup(
     0 SIGKILLed. The rebuilt scheduler hands its keys to its backup as a first one would
     (it once refused, saying the server died before every server listened: a rebuilt
     scheduler keeps no record of the start-up), and the job ends bit-identical."""
-    from test_replicas import FIRST_APPLY, REPLICAS
     reference = uninterrupted("ssd")
     root = tmp_path / "runs"
     with start(["configs/digits.yaml", *JOBS["ssd"], *REPLICAS, *sets(

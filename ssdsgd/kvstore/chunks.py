@@ -94,15 +94,14 @@ class Dealer:
         self.dealt = {r: c["count"] for r, c in reports.items()}
         asking = [c["asking"] for c in reports.values() if c["asking"] is not None]
         newest = max((g // per_epoch for g in got), default=start // per_epoch)
-        holes = []
+        received, holes = set(got), []
         for epoch in sorted(set(asking)):
             if newest >= epoch + 2:      # the reports no longer list that epoch's chunks
                 raise ChunkError(f"a worker still waits for a chunk of epoch {epoch}, and "
                                  f"another is in epoch {newest} already")
-            mine = set(got)
             holes += [g for g in range(max(start, epoch * per_epoch),
                                        min(self.next, (epoch + 1) * per_epoch))
-                      if g not in mine]
+                      if g not in received]
         if holes and unknown:
             raise ChunkError(f"chunks {holes} were handed out and no worker that came back "
                              f"got them, but worker(s) {sorted(unknown)} finished before "

@@ -75,7 +75,7 @@ def read(path):
     for k in ("workers", "finished", "left"):
         if not all(isinstance(r, int) and not isinstance(r, bool) for r in data.get(k, ())):
             raise StatusError(f"{path}: {k} must be ranks")
-    if not all(isinstance(c, list) and _pair(c) for c in data.get("replaced", ())):
+    if not all(_pair(c) for c in data.get("replaced", ())):
         raise StatusError(f"{path}: replaced must be [dead server, owner] pairs")
     m = data.get("membership")
     if m is not None and (any(not isinstance(m.get(k), t) for k, t in _MEMBERSHIP.items())

@@ -168,8 +168,9 @@ def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0,
     max(compute, push) (the push-every-step bound). A pull as of step t is answered once
     step t is applied, so it starts when that step's push has landed: what the step after
     it cannot hide, (push + pull - compute), is added once per k steps, and k keeps that
-    within SLACK of the bound. ``relay_workers``: the chain a relay would have (0: no relay possible); the
-    relay is chosen when it makes the step estimate shorter (``relayed_pull_s``).
+    within SLACK of the bound. ``relay_workers``: the chain a relay would have (0: no
+    relay possible); the relay is chosen when it makes the step estimate shorter
+    (``relayed_pull_s``).
     ``codec``: the pushes are compressed with it (its wire bytes, its coding time counted
     as compute; pulls are not compressed)."""
     push_s, pull_s = t.link_s(t.sent_bytes), t.link_s(t.pull_bytes)
