@@ -37,7 +37,8 @@ def main():
     try:
         return node.run()
     except JobAborted as e:     # the message names the cause (a dead peer, ...)
-        node.log(str(e))
+        if not e.said:
+            node.log(str(e))
         return 1
     except KeyboardInterrupt:
         return 130

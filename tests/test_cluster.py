@@ -198,3 +198,32 @@ def test_a_worker_that_raises_ends_the_job_and_every_node_names_it(tmp_path):
         assert any(line.startswith(node) and cause in line and "bad batch shape" in line
                    for line in res.stderr.splitlines()), (node, res.stderr[-2000:])
     assert time.monotonic() - started < 30
+
+
+def test_the_scheduler_names_the_cause_before_the_launcher_can_read_it(tmp_path):
+    """The launcher stops every process once the status file holds an abort reason, so
+    the scheduler's own line naming the cause must be out before that file says so (in
+    CI, a loaded machine stopped the scheduler between the two, and its line was lost)."""
+    from ssdsgd.kvstore import job_status
+    from ssdsgd.kvstore.env import NodeEnv
+    from ssdsgd.kvstore.scheduler import JobAborted, Scheduler
+    from ssdsgd.launch.job import free_port
+    from ssdsgd.sync.scheduler_policies import make_scheduler_policy
+    status = tmp_path / "status.json"
+    seen = []
+
+    def log(text):
+        known = job_status.read(status)
+        seen.append((text, known and known.get("abort")))
+    env = NodeEnv.from_environ({"SSDSGD_SCHEDULER_PORT": str(free_port()),
+                                "SSDSGD_NUM_WORKERS": "2", "SSDSGD_ALGORITHM": "ssgd",
+                                "SSDSGD_STATUS_FILE": str(status)})
+    sched = Scheduler(env, make_scheduler_policy, log=log)
+    try:
+        with pytest.raises(JobAborted, match="worker 1 failed: ValueError"):
+            sched._abort("worker 1 failed: ValueError")
+    finally:
+        sched.close()
+    assert job_status.read(status)["abort"] == "worker 1 failed: ValueError"
+    said = [abort for text, abort in seen if "worker 1 failed: ValueError" in text]
+    assert said == [None], seen

@@ -35,7 +35,9 @@ from .topology import (assign_ranks, by_rank, job_limit, node_name, reachable_or
 
 
 class JobAborted(RuntimeError):
-    """The job cannot go on (a peer died, the scheduler is gone, a bad configuration)."""
+    """The job cannot go on (a peer died, the scheduler is gone, a bad configuration).
+    ``said``: the node has printed it already."""
+    said = False
 
 
 def bind_router(ctx, host, port, what, guard=None, sndhwm=1000, rcvhwm=1000, maxmsgsize=-1):
@@ -189,11 +191,16 @@ class Scheduler(reregister.Rejoins, Joins):
                          **extra)
 
     def _abort(self, reason):
+        """Say why first: once the status file holds the reason, the launcher may stop
+        this process at any moment."""
+        aborted = JobAborted(f"aborting the job: {reason}")
+        self.log(str(aborted))
+        aborted.said = True
         self._record(abort=reason)
         for ident in self.nodes:
             self._send(ident, P.Kind.ABORT, {"reason": reason})
         time.sleep(0.2)  # let the ABORTs leave before the context is torn down
-        raise JobAborted(f"aborting the job: {reason}")
+        raise aborted
 
     def _register(self, ident, meta, frame):
         """REGISTER: the connection becomes the node (the guard has already checked, at
