@@ -136,8 +136,7 @@ def run_one(cfg: dict) -> dict:
             curve.append((t + 1, acc, loss))
 
     def make_optimizer():
-        return mx.optimizer.SGD(learning_rate=cfg['lr'], momentum=cfg['momentum'],
-                                wd=cfg['wd'], rescale_grad=1.0 / b)
+        return optimizer(cfg, cfg['lr'], wd=cfg['wd'], rescale_grad=1.0 / b)
 
     init = {0: mx.nd.array(init_weights(h, cfg['seed']))}
     t0, cpu0 = time.time(), time.process_time()
@@ -153,6 +152,14 @@ def run_one(cfg: dict) -> dict:
     return {key: cfg[key] for key in ('algorithm', 'state', 'lr', 'k', 'seed')} | {
         'curve': curve, 'seconds': time.time() - t0, 'cpu': time.process_time() - cpu0,
         'seed_error': seeds}
+
+
+def optimizer(cfg: dict, lr: float, **params):
+    """--optimizer: sgd with --momentum, or Adam with its published betas and epsilon."""
+    import mxnet as mx
+    if cfg.get('optimizer', 'sgd') == 'adam':
+        return mx.optimizer.Adam(learning_rate=lr, **params)
+    return mx.optimizer.SGD(learning_rate=lr, momentum=cfg['momentum'], **params)
 
 
 class _record_seeds:
@@ -196,7 +203,7 @@ def pull_bytes(cfg: dict, state: str) -> int:
     from ssdsgd.glu.simulate import Server
 
     def make():
-        return mx.optimizer.SGD(learning_rate=0.1, momentum=cfg['momentum'])
+        return optimizer(cfg, 0.1)
     init = {0: mx.nd.array(init_weights(cfg['hidden'], 0))}
     needs = make_local_rule('glu', make, cfg['workers'], state).needs_state
     reply = Server(init, make).pull(needs)
@@ -272,7 +279,8 @@ def summary_table(data):
         rows.append([state, ''] + per_lr + [
             f"{np.mean([x[4] for x in gp]):+.1f} / {np.mean([x[3] for x in gp]):+.1f}",
             f"{worst[3]:+.1f} (lr {worst[0]:g} k={worst[1]})",
-            f"{nbytes:,}", f"{nbytes / data['pull_bytes']['estimate']:.1f}"])
+            f"{nbytes:,}", f"{nbytes / data['pull_bytes']['estimate']:.1f}"
+            if 'estimate' in data['pull_bytes'] else '-'])
     return _table(['glu_state', ''] + [f"lr {lr:g}" for lr in s['lrs']] +
                   ['all', f"worst @{s['steps']}", 'B/pull', 'x'], rows)
 
@@ -294,7 +302,9 @@ def seed_error_table(data):
 def print_report(data):
     s = data['settings']
     print(f"digits {s['act']} MLP 64-{s['hidden']}-10, N={s['workers']}, batch "
-          f"{s['batch']}/worker, sgd momentum {s['momentum']} wd {s['wd']}, constant lr, "
+          f"{s['batch']}/worker, "
+          + (f"sgd momentum {s['momentum']}" if s.get('optimizer', 'sgd') == 'sgd' else 'adam')
+          + f" wd {s['wd']}, constant lr, "
           f"warm-up {s['warmup']}, push compression {s.get('compression', 'none')}, "
           f"{s['seeds']} seeds (mean±std); test accuracy of w_G")
     for step in (s['short'], s['steps']):
@@ -368,6 +378,8 @@ def main(argv=None) -> int:
     p.add_argument('--batch', type=int, default=16, help='per worker')
     p.add_argument('--hidden', type=int, default=64)
     p.add_argument('--act', choices=['tanh', 'relu'], default='tanh')
+    p.add_argument('--optimizer', choices=['sgd', 'adam'], default='sgd',
+                   help="sgd with --momentum, or adam (MXNet's defaults but lr and wd)")
     p.add_argument('--momentum', type=float, default=0.9)
     p.add_argument('--wd', type=float, default=1e-4)
     p.add_argument('--eval-every', type=int, default=12, help='steps between evaluations')
@@ -410,8 +422,8 @@ def measure(args) -> dict:
         raise SystemExit(f"bad settings: states {bad} not in {GLU_STATES}, or not "
                          f"warmup < short <= steps ({s['warmup']}, {s['short']}, {s['steps']})")
     s |= {key: getattr(args, key) for key in ('workers', 'batch', 'hidden', 'act',
-                                              'momentum', 'wd', 'eval_every', 'seed_error',
-                                              'compression')}
+                                              'optimizer', 'momentum', 'wd', 'eval_every',
+                                              'seed_error', 'compression')}
     from ssdsgd.kvstore.compression import CompressionError, parse_setting
     try:                                # a bad value fails here, not in every run
         parse_setting(s['compression'])
@@ -440,7 +452,7 @@ def measure(args) -> dict:
     results.sort(key=lambda r: (r['lr'], r['algorithm'], r['state'] or '', r['k'] or 0,
                                 r['seed']))
     return {'settings': s, 'results': results, 'wall': time.time() - t0,
-            'pull_bytes': {st: pull_bytes(s, st) for st in GLU_STATES}}
+            'pull_bytes': {st: pull_bytes(s, st) for st in s['states']}}
 
 
 if __name__ == '__main__':

@@ -284,6 +284,52 @@ def test_the_warmup_is_timed_from_its_second_step():
     assert s.timings() == Timings(0.5, 0.25, 1000, 1000, 3000)    # the last reply: the pull
 
 
+def _spec(name, lr):
+    return {"name": name, "params": {"learning_rate": lr, "momentum": 0.9}, "lr_scheduler": None}
+
+
+@pytest.mark.parametrize("name, lr, cap", [
+    ("sgd", 0.02, 10), ("sgd", 0.05, 10), ("sgd", 0.1, 5), ("nag", 0.1, 5), ("sgd", 0.08, 5),
+    ("adam", 0.001, 10), ("adam", 0.03, 10)])
+def test_k_is_capped_by_what_the_accuracy_data_supports_at_the_jobs_optimizer_and_lr(
+        name, lr, cap):
+    """docs/auto.md: the largest k whose runs in docs/glu.md ended within 1 point of SSGD
+    at that optimizer and lr (an lr between two measured ones takes the larger's cap)."""
+    k, why = auto.k_cap(_spec(name, lr))
+    assert k == cap and f"{name} lr {lr:g}" in why
+
+
+def test_above_every_lr_measured_within_a_point_k_is_the_least_and_the_job_is_warned():
+    k, why = auto.k_cap(_spec("sgd", 0.2))
+    assert k == K_MIN and "expect" in why and "SSGD" in why
+    assert auto.k_cap(_spec("adam", 0.1))[0] == K_MIN
+
+
+def test_an_optimizer_without_accuracy_data_gets_the_papers_k_and_no_optimizer_no_cap():
+    k, why = auto.k_cap(_spec("rmsprop", 0.01))
+    assert k == auto.K_UNTIMED and "no accuracy data for rmsprop" in why
+    assert auto.k_cap(None)[0] == K_MAX
+
+
+def test_the_timed_k_and_the_untimed_fallback_stay_within_the_cap(capsys):
+    slow_link = Timings(compute_s=0.01, round_s=1.0, sent_bytes=1e6, received_bytes=1e6,
+                        pull_bytes=1e6)
+    assert auto.delay_steps(slow_link)[0] == K_MAX           # uncapped, the link asks for 10
+    s = Schedule(_env(warmup_steps=4, delay_steps="auto"), rank=0, num_workers=1)
+    s.learn_cap(_spec("sgd", 0.1))
+    s._samples = [(0.01, 1.0, 1e6, 1e6)] * 3
+    s.decide(None)
+    assert s.delay_steps == 5 and "at most 5 at sgd lr 0.1" in s.choices["delay_steps"]["why"]
+    hot = Schedule(_env(warmup_steps=1, delay_steps="auto"), rank=0, num_workers=4)
+    hot.learn_cap(_spec("sgd", 0.2))
+    assert "expect" in capsys.readouterr().err          # said once the lr is known
+    hot.decide(None)
+    assert hot.delay_steps == K_MIN and "untimed" in hot.choices["delay_steps"]["why"]
+    pinned = Schedule(_env(warmup_steps=4, delay_steps=9), rank=0, num_workers=1)
+    pinned.learn_cap(_spec("sgd", 0.2))                    # a pinned k is the user's
+    assert pinned.delay_steps == 9
+
+
 def test_a_warmup_too_short_to_time_falls_back_to_the_papers_k():
     s = Schedule(_env(warmup_steps=1), rank=0, num_workers=4)
     s.decide(None)
@@ -359,6 +405,8 @@ def test_a_job_with_the_defaults_says_and_records_what_it_chose(tmp_path):
     assert K_MIN <= summary["delay_steps"] <= K_MAX
     assert "SSDSGD_TOTAL_STEPS" in summary["choices"]["warmup_steps"]["why"]
     assert summary["choices"]["delay_steps"]["why"].startswith("auto: compute")
+    assert summary["delay_steps"] <= 5        # the demo's sgd at lr 0.1 (auto.K_CAP_BY_LR)
+    assert "at most 5 at sgd lr 0.1" in summary["choices"]["delay_steps"]["why"]
     ends = [records(run, rank, "end")[-1] for rank in (0, 1)]
     assert [e["kv"]["delay_steps"] for e in ends] == [summary["delay_steps"]] * 2
     text = p.stdout + p.stderr

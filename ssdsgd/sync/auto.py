@@ -33,6 +33,17 @@ WARMUP_UNKNOWN_LENGTH = 100     # the run's length is not known (SSDSGD_TOTAL_ST
 SLACK = 0.1
 K_MIN, K_MAX = 2, 10
 K_UNTIMED = 5                   # fewer than TIMED_MIN timed warm-up steps: the paper's k
+
+# k's cap by the job's optimizer and (peak) lr: the largest k in {2, 5, 10} whose runs in
+# docs/glu.md (digits MLPs, tanh and ReLU, glu_state exact) ended within 1 point of SSGD
+# at that lr; an lr between two measured ones takes the larger one's cap. Above the table
+# no k ended within 1 point (sgd at lr 0.15 and 0.2: every k lost 5-30 points, k = 2 the
+# least), so K_MIN and a warning; an optimizer not measured gets the paper's k.
+K_CAP_BY_LR = {
+    "sgd": ((0.05, 10), (0.1, 5)),
+    "nag": ((0.05, 10), (0.1, 5)),
+    "adam": ((0.03, 10),),
+}
 TIMED_MIN = 2                   # timed warm-up steps the k rule needs (the first is not timed)
 TIMED_LAST = 20                 # the k rule reads the last this many warm-up steps
 
@@ -161,6 +172,25 @@ def compression(t: Timings, costs: dict):
         f"the first within {SLACK:.0%} of the best, in the order {', '.join(CODECS_BY_COST)}")
 
 
+def k_cap(optimizer_spec) -> tuple[int, str]:
+    """(the largest k the accuracy data supports for this optimizer and lr, why);
+    K_CAP_BY_LR. No optimizer (the servers only sum): K_MAX."""
+    if not optimizer_spec:
+        return K_MAX, "no optimizer on the servers"
+    name = optimizer_spec.get("name")
+    lr = (optimizer_spec.get("params") or {}).get("learning_rate")
+    table = K_CAP_BY_LR.get(name)
+    if table is None or not isinstance(lr, (int, float)):
+        return K_UNTIMED, (f"no accuracy data for {name} in docs/glu.md: at most the "
+                           f"paper's k = {K_UNTIMED}")
+    for top, k in table:
+        if lr <= top:
+            return k, f"at most {k} at {name} lr {lr:g} (docs/auto.md)"
+    return K_MIN, (f"{name} lr {lr:g} is above every lr at which a k ended within 1 point "
+                   f"of SSGD (docs/glu.md, up to {table[-1][0]:g}): at most {K_MIN}, and "
+                   "expect a loss of accuracy against sync.algorithm: ssgd")
+
+
 def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0,
                 codec: CodecCost | None = None):
     """(k, relay, why). The link time a byte costs is the round's time over the round's
@@ -251,6 +281,7 @@ class Schedule:
                 f"no worker left behind or joining, and at least {RELAY_MIN_WORKERS} "
                 "workers)")}
         self.compression, self._measure = "none", None   # compress_auto: undecided
+        self.k_max, self._cap_why = K_MAX, None          # learn_cap: by optimizer and lr
         self._samples = []        # (compute_s, round_s, sent, received) of timed steps
         self._left = None         # when the last step returned (clock)
         self._trial_from = None   # when the step before the relay's trial returned
@@ -291,6 +322,18 @@ class Schedule:
         self.choices["warmup_steps"] = {"value": self.warmup_steps, "why": why}
         self.say(f"warm-up {self.warmup_steps} steps ({why})")
 
+    def learn_cap(self, optimizer_spec):
+        """k auto: at most what the accuracy data supports for the job's optimizer and lr
+        (``k_cap``); said when it warns."""
+        if self.delay_steps is not None or not stage.delays_pulls(self.algorithm):
+            return
+        self.k_max, self._cap_why = k_cap(optimizer_spec)
+        if "expect" in self._cap_why:
+            self.say(f"k auto: {self._cap_why}")
+
+    def _capped(self, why: str) -> str:
+        return why if self._cap_why is None else f"{why}; {self._cap_why}"
+
     @property
     def undecided(self) -> bool:
         """Something is left to ``decide`` (k, the relay or the compression)."""
@@ -301,8 +344,8 @@ class Schedule:
         (T_w = 0, or resumed past it without a recorded choice) every worker takes the
         same fallback, with no agreement needed."""
         if t >= self.warmup_steps and self._choosing():
-            self.set_choice(K_UNTIMED, False, "auto, untimed: no warm-up step to time",
-                            "none")
+            self.set_choice(min(K_UNTIMED, self.k_max), False,
+                            self._capped("auto, untimed: no warm-up step to time"), "none")
         return self.stage_of(t)
 
     def stage_of(self, t: int):
@@ -389,16 +432,18 @@ class Schedule:
         timings = self.timings()
         codec, why_c = self.compression or "none", "pinned"
         if timings is None:
-            k, relay, why = K_UNTIMED, False, (f"auto, untimed: fewer than {TIMED_MIN} timed "
-                                               f"warm-up steps (T_w = {self.warmup_steps})")
-            why_c = why
+            k, relay = min(K_UNTIMED, self.k_max), False
+            why = why_c = self._capped(f"auto, untimed: fewer than {TIMED_MIN} timed warm-up "
+                                       f"steps (T_w = {self.warmup_steps})")
         else:
             costs = {}
             if self.compression is None and self.rank == 0:    # only rank 0's choice counts
                 costs = self._measure(timings.sent_bytes)
                 codec, why_c = compression(timings, costs)
-            k, relay, why = delay_steps(timings, relay_workers=self.relay_workers,
+            k, relay, why = delay_steps(timings, k_max=self.k_max,
+                                        relay_workers=self.relay_workers,
                                         codec=costs.get(codec))
+            why = self._capped(why)
         k = k if self.delay_steps is None else self.delay_steps
         relay = relay if self.relay is None else self.relay
         if agree is not None:

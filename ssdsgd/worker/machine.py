@@ -121,6 +121,7 @@ class StageMachine:
         """``updater``: MXNet's updater of the Trainer's own optimizer (preduce runs it)."""
         self.preduce.updater = updater
         self.schedule.learn_length(spec, self.t)
+        self.schedule.learn_cap(spec)
         self.rule = None
         if self.periodic is not None:
             self.periodic.set_optimizer(spec)
