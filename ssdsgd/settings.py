@@ -389,8 +389,9 @@ SETTINGS = (
     Setting("warmup_epochs", float, None, "if set, overrides warmup_steps: round(epochs x steps "
             "per epoch)", path="sync.warmup_epochs", min=0.0, optional=True),
     Setting("delay_steps", str, "auto", "k: pull period in steps; auto: rank 0 times the "
-            "warm-up's steps and picks the smallest k in [2, 10] whose pulls cost at most 10 % "
-            "of a step (5 if the warm-up is too short to time; docs/auto.md)",
+            "warm-up's steps and picks the smallest k from 2 to a cap set by the optimizer and lr "
+            "(10, 5 or 2) whose pulls cost at most 10 % of a step (5 if the warm-up is too "
+            "short to time, within the cap; docs/auto.md)",
             env="SSDSGD_DELAY_STEPS", path="sync.delay_steps", validate=_count(1),
             int_text=True, form="auto or an integer >= 1"),
     Setting("total_steps", int, None, "the run's length in steps, if known (ssdsgd's "
