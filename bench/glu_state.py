@@ -145,6 +145,7 @@ def run_one(cfg: dict) -> dict:
         simulate(init, grad_fn, make_optimizer, n, cfg['steps'], algorithm=cfg['algorithm'],
                  warmup_steps=cfg['warmup'], delay_steps=cfg['k'] or 1,
                  glu_state=cfg['state'] or 'estimate', on_step=on_step,
+                 lr_local=cfg.get('lr_local'),
                  compression=parse_setting(cfg.get('compression', 'none')))
     finally:
         if seeds is not None:
@@ -380,6 +381,8 @@ def main(argv=None) -> int:
     p.add_argument('--act', choices=['tanh', 'relu'], default='tanh')
     p.add_argument('--optimizer', choices=['sgd', 'adam'], default='sgd',
                    help="sgd with --momentum, or adam (MXNet's defaults but lr and wd)")
+    p.add_argument('--lr-local', type=float, default=None,
+                   help="sync.lr_local: the local rule's lr (unset: the servers' lr)")
     p.add_argument('--momentum', type=float, default=0.9)
     p.add_argument('--wd', type=float, default=1e-4)
     p.add_argument('--eval-every', type=int, default=12, help='steps between evaluations')
@@ -422,7 +425,8 @@ def measure(args) -> dict:
         raise SystemExit(f"bad settings: states {bad} not in {GLU_STATES}, or not "
                          f"warmup < short <= steps ({s['warmup']}, {s['short']}, {s['steps']})")
     s |= {key: getattr(args, key) for key in ('workers', 'batch', 'hidden', 'act',
-                                              'optimizer', 'momentum', 'wd', 'eval_every',
+                                              'optimizer', 'lr_local', 'momentum', 'wd',
+                                              'eval_every',
                                               'seed_error', 'compression')}
     from ssdsgd.kvstore.compression import CompressionError, parse_setting
     try:                                # a bad value fails here, not in every run

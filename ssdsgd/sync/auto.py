@@ -188,7 +188,7 @@ def k_cap(optimizer_spec) -> tuple[int, str]:
             return k, f"at most {k} at {name} lr {lr:g} (docs/auto.md)"
     return K_MIN, (f"{name} lr {lr:g} is above every lr at which a k ended within 1 point "
                    f"of SSGD (docs/glu.md, up to {table[-1][0]:g}): at most {K_MIN}, and "
-                   "expect a loss of accuracy against sync.algorithm: ssgd")
+                   "expect a loss of accuracy; sync.algorithm: ssgd keeps it")
 
 
 def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0,
