@@ -3,7 +3,8 @@ scheduler SIGKILLed at a seeded step of a digits job, ssgd and ssd; the launcher
 again at the same port with the same keys, every server and worker re-registers, and the
 job ends with exactly the weights of an uninterrupted run, no server or worker restarted
 (their pids at the end are the pids at the kill). One case with 2 servers in secure
-(CURVE) mode and relayed pulls, one with compressed pushes and staggered pulls."""
+(CURVE) mode and relayed pulls, one with compressed pushes and staggered pulls, and
+localsgd and diloco between their model syncs."""
 import json
 import os
 import re
@@ -89,6 +90,32 @@ def test_a_compressed_staggered_job_survives_its_schedulers_death(
         assert nodes(job) == before        # nobody restarted
         assert job.wait(timeout=300) == 0, job.text[-3000:]
     assert_same(run, reference)
+
+
+#: localsgd and diloco on the digits job: ssd's warm-up, then a model sync every 4 steps
+PERIODIC = {"sync__warmup_steps": 29, "sync__sync_period": 4}
+
+
+@pytest.mark.parametrize("algorithm", ["localsgd", "diloco"])
+def test_a_model_averaging_job_survives_its_schedulers_death(
+        tmp_path, uninterrupted_digits, algorithm):
+    """localsgd and diloco: the scheduler SIGKILLed after the warm-up, between model syncs
+    or in one, is restarted in place; the workers keep their own optimizer and the servers
+    their outer one, and the job ends with the weights of the same job run without
+    interruption."""
+    settings = dict(PERIODIC, sync__algorithm=algorithm)
+    reference = final(uninterrupted_digits("ssgd", **settings))
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS["ssgd"], *sets(
+            **settings, output__dir=root, cluster__scheduler_restarts=1)]) as job:
+        run = wait_for_step(job, root, kill_step(f"scheduler-restart-{algorithm}"))
+        before = nodes(job)
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 120)
+        assert nodes(job) == before        # nobody restarted
+        assert job.wait(timeout=300) == 0, job.text[-3000:]
+    assert_same(run, reference)
+    assert json.loads((run / "summary.json").read_text())["algorithm"] == algorithm
 
 
 def test_a_job_restarted_from_its_checkpoint_survives_its_schedulers_death(

@@ -135,6 +135,7 @@ _SCHED_RESTART = _SCHED + "test_a_killed_scheduler_is_restarted_and_the_job_ends
 _SCHED_COMPRESSED = _SCHED + "test_a_compressed_staggered_job_survives_its_schedulers_death"
 _SCHED_RESUMED = _SCHED + "test_a_job_restarted_from_its_checkpoint_survives_its_schedulers_death"
 _SCHED_UNTESTED = "no test restarts the scheduler of such a job yet"
+_SCHED_PERIODIC = _SCHED + "test_a_model_averaging_job_survives_its_schedulers_death"
 _REPLICAS = ("tests/test_replicas.py::"
              "test_a_killed_server_is_replaced_by_its_backup_and_the_job_ends_as_if_uninterrupted")
 _NO_REPLICAS = "no test runs it beside a server's backup; use cluster.server_replicas: 0"
@@ -152,7 +153,6 @@ _PERIODIC_REFUSED = {
     "staggered": "every worker syncs at the same step: the average needs all N deltas",
     "restart": "a worker's own optimizer state is not in a checkpoint yet",
     "continue": "no test runs a model average without a dead worker; use abort",
-    "scheduler_restart": _SCHED_UNTESTED,
     "resume": "a worker's own optimizer state and local weights are not in a checkpoint "
               "yet (docs/spec/localsgd_diloco.md)",
     "replicas": "the switch to the outer optimizer is not sent to a backup",
@@ -217,13 +217,15 @@ ALGORITHMS = {a.name: a for a in (
               "synchronous warm-up, then the workers' own optimizer steps and their models "
               "averaged on the servers every H steps (docs/spec/localsgd_diloco.md)",
               tested={"checkpoint": _PERIODIC + "test_localsgd_and_diloco_configs_train_"
-                                                "with_checkpoints"},
+                                                "with_checkpoints",
+                      "scheduler_restart": _SCHED_PERIODIC},
               refused=_PERIODIC_REFUSED),
     Algorithm("diloco", "sum", "periodic", outer="nesterov", doc="DiLoCo: SSD's synchronous "
               "warm-up, then H steps of the workers' own optimizer, and the servers' Nesterov "
               "step on the mean model delta (docs/spec/localsgd_diloco.md)",
               tested={"checkpoint": _PERIODIC + "test_localsgd_and_diloco_configs_train_"
-                                                "with_checkpoints"},
+                                                "with_checkpoints",
+                      "scheduler_restart": _SCHED_PERIODIC},
               refused=_PERIODIC_REFUSED),
 )}
 
