@@ -80,16 +80,23 @@ def test_a_compressed_staggered_job_survives_its_schedulers_death(
     same job run without interruption (a worker's residuals and pull phase are its own,
     never the scheduler's)."""
     reference = final(uninterrupted_digits("ssd", **COMPRESSED_STAGGERED))
-    root = tmp_path / "runs"
-    with start(["configs/digits.yaml", *JOBS["ssd"], *sets(
-            **COMPRESSED_STAGGERED, output__dir=root, cluster__scheduler_restarts=1)]) as job:
-        run = wait_for_step(job, root, kill_step("scheduler-restart-compressed"))
-        before = nodes(job)
-        os.kill(job.process("scheduler"), signal.SIGKILL)
-        job.wait_for("re-registered and the job goes on", 120)
-        assert nodes(job) == before        # nobody restarted
-        assert job.wait(timeout=300) == 0, job.text[-3000:]
+    run = _killed_once(tmp_path, "ssd", COMPRESSED_STAGGERED, "scheduler-restart-compressed")
     assert_same(run, reference)
+
+
+def _killed_once(tmp_path, job, settings, seed):
+    """The run of digits job ``job`` (JOBS) with ``settings``, its scheduler SIGKILLed
+    at the step ``seed`` picks and restarted in place, no server or worker restarted."""
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS[job], *sets(
+            **settings, output__dir=root, cluster__scheduler_restarts=1)]) as running:
+        run = wait_for_step(running, root, kill_step(seed))
+        before = nodes(running)
+        os.kill(running.process("scheduler"), signal.SIGKILL)
+        running.wait_for("re-registered and the job goes on", 120)
+        assert nodes(running) == before        # nobody restarted
+        assert running.wait(timeout=300) == 0, running.text[-3000:]
+    return run
 
 
 #: localsgd and diloco on the digits job: ssd's warm-up, then a model sync every 4 steps
@@ -105,15 +112,7 @@ def test_a_model_averaging_job_survives_its_schedulers_death(
     interruption."""
     settings = dict(PERIODIC, sync__algorithm=algorithm)
     reference = final(uninterrupted_digits("ssgd", **settings))
-    root = tmp_path / "runs"
-    with start(["configs/digits.yaml", *JOBS["ssgd"], *sets(
-            **settings, output__dir=root, cluster__scheduler_restarts=1)]) as job:
-        run = wait_for_step(job, root, kill_step(f"scheduler-restart-{algorithm}"))
-        before = nodes(job)
-        os.kill(job.process("scheduler"), signal.SIGKILL)
-        job.wait_for("re-registered and the job goes on", 120)
-        assert nodes(job) == before        # nobody restarted
-        assert job.wait(timeout=300) == 0, job.text[-3000:]
+    run = _killed_once(tmp_path, "ssgd", settings, f"scheduler-restart-{algorithm}")
     assert_same(run, reference)
     assert json.loads((run / "summary.json").read_text())["algorithm"] == algorithm
 
