@@ -38,7 +38,6 @@ def write(path, *, started, workers, finished, abort=None, left=None, rebuilt=No
     {dead server: the backup that owns its keys}, with cluster.server_replicas."""
     if not path:
         return
-    tmp = f"{path}.tmp"
     data = {"started": bool(started), "workers": sorted(workers),
             "finished": sorted(finished), "abort": abort}
     if left is not None:
@@ -49,12 +48,46 @@ def write(path, *, started, workers, finished, abort=None, left=None, rebuilt=No
         data["membership"] = membership
     if replaced:
         data["replaced"] = sorted([dead, owner] for dead, owner in replaced.items())
+    _replace(path, data)
+
+
+def _replace(path, data):
+    tmp = f"{path}.tmp"
     try:
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)
     except OSError:
         pass    # the launcher then judges by exit codes alone, as before
+
+
+# The other way, launcher to scheduler: the servers the launcher saw die while a restarted
+# scheduler rebuilds the job (cluster.server_replicas). Those it saw before the restart
+# are in SSDSGD_SERVERS_LOST; a later death (two processes of a lost host exit at
+# different moments, a remote host's connection drops later) would otherwise be waited
+# for until the rebuild's deadline.
+def lost_path(path):
+    return f"{path}.servers-lost"
+
+
+def write_lost(path, restart, ranks):
+    """The servers seen dead by now, for the scheduler of restart ``restart``."""
+    if path:
+        _replace(lost_path(path), {"restart": int(restart), "lost": sorted(ranks)})
+
+
+def read_lost(path, restart):
+    """The ranks written for restart ``restart`` (none: no file, another restart's, or
+    not the launcher's form)."""
+    try:
+        with open(lost_path(path)) as f:
+            data = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return []
+    if not isinstance(data, dict) or data.get("restart") != restart \
+            or not isinstance(data.get("lost"), list) or not all(_rank(r) for r in data["lost"]):
+        return []
+    return data["lost"]
 
 
 def read(path):

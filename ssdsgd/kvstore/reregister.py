@@ -120,6 +120,15 @@ class Rebuild:
     def missing(self):
         return sorted(self.expected - set(self.back))
 
+    def lose(self, ranks):
+        """Servers the launcher saw die while this rebuild waits (job_status.read_lost):
+        those not back and not replaced are lost as if named at the start; returns them."""
+        new = sorted(r for r in set(ranks) - set(self.lost) - set(self.replaced)
+                     if r < self.counts["server"] and ("server", r) not in self.back)
+        self.lost = sorted(set(self.lost) | set(new))
+        self.expected -= {("server", r) for r in new}
+        return new
+
     def complete(self):
         return not self.missing()
 
@@ -246,6 +255,14 @@ class Rejoins:
         rebuild = self.rebuild
         if rebuild is None or rebuild.done:
             return False
+        if self.env.server_replicas and self.env.status_file:
+            lost = rebuild.lose(job_status.read_lost(self.env.status_file, rebuild.restart))
+            for rank in lost:
+                self.log(f"restart {rebuild.restart}: server {rank} lost (its launcher saw "
+                         "it die while this scheduler rebuilt the job); not waited for")
+            if lost and rebuild.complete():
+                self._rebuilt()
+                return False
         if now <= rebuild.deadline:
             return True
         missing = rebuild.missing()

@@ -14,6 +14,7 @@ was over) ends nothing: the job's result is complete.
 """
 import time
 
+from ..kvstore import job_status
 from .hosts import role_label
 
 
@@ -29,6 +30,7 @@ class SchedulerRestarts:
         self.used = 0
         self.accepted = set()     # dead schedulers that ended nothing (after the shutdown)
         self.pending = None       # (restart, the time it died) until its rebuild is done
+        self.told = set()         # the servers the restarted scheduler was told are dead
 
     def take(self, failed, procs, describe):
         """True if the failures are a dead scheduler this handles: restarted (``procs``
@@ -53,6 +55,7 @@ class SchedulerRestarts:
         died = time.monotonic()
         # servers it saw die: with replicas, their backups take their keys at once
         lost = sorted(p.rank for p in procs if p.role == "server" and p.poll() is not None)
+        self.told = set(lost)
         procs[procs.index(dead)] = self.start(self.used, lost)
         self.log(f"the scheduler (pid {dead.pid}) {describe(dead.poll())}; restarting it at "
                  f"{self.where} with its keys (restart {self.used} of {self.budget}); the "
@@ -61,11 +64,16 @@ class SchedulerRestarts:
         return True
 
     def poll(self, procs):
-        """Once the restarted scheduler says every node is back: one line, what happened
-        and how long it took."""
+        """While the restarted scheduler rebuilds: the servers seen dead since it started,
+        told (job_status.write_lost). Once it says every node is back: one line, what
+        happened and how long it took."""
         if self.pending is None:
             return
         restart, died = self.pending
+        lost = {p.rank for p in procs if p.role == "server" and p.poll() is not None}
+        if lost - self.told:
+            self.told |= lost
+            job_status.write_lost(self.status.path, restart, self.told)
         rebuilt = self.status.read().get("rebuilt") or {}
         if rebuilt.get("restart") != restart:
             return
