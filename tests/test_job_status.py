@@ -38,13 +38,14 @@ def test_a_file_of_another_form_is_refused(tmp_path, data):
         job_status.read(str(path))
 
 
-def test_the_servers_a_launcher_saw_die_reach_the_scheduler_of_that_restart_only(tmp_path):
+def test_the_nodes_a_launcher_saw_die_reach_the_scheduler_of_that_restart_only(tmp_path):
     path = str(tmp_path / "status.json")
-    assert job_status.read_lost(path, 1) == []               # nothing written yet
-    job_status.write_lost(path, 1, {2, 0})
-    assert job_status.read_lost(path, 1) == [0, 2]
-    assert job_status.read_lost(path, 2) == []               # another restart's word
+    assert job_status.read_lost(path, 1) == ([], [])         # nothing written yet
+    job_status.write_lost(path, 1, {2, 0}, [3])
+    assert job_status.read_lost(path, 1) == ([0, 2], [3])
+    assert job_status.read_lost(path, 2) == ([], [])         # another restart's word
     for bad in ("[0]", '{"restart": 1, "lost": [-1]}', '{"restart": 1, "lost": [true]}',
-                '{"restart": 1, "lost": "0"}', "not json"):
+                '{"restart": 1, "lost": "0"}', '{"restart": 1, "lost": [], "workers": ["1"]}',
+                "not json"):
         (tmp_path / "status.json.servers-lost").write_text(bad)
-        assert job_status.read_lost(path, 1) == [], bad
+        assert job_status.read_lost(path, 1) == ([], []), bad

@@ -122,17 +122,19 @@ def test_a_worker_that_joined_is_expected_back_and_waits_with_the_others():
     assert r.behind("w3", "worker") is None
 
 
-def test_a_server_the_launcher_saw_die_while_it_waits_is_no_longer_waited_for():
+def test_a_node_the_launcher_saw_die_while_it_waits_is_no_longer_waited_for():
     r = Rebuild({"started": True, "workers": [0, 1, 2], "finished": []}, COUNTS, restart=1,
                 now=0.0, wait_s=30.0, lost=[1])
     assert ("server", 1) not in r.missing() and r.lost == [1]
     r.take(0, node("server", 0), "server 0")
-    assert r.lose([0, 1, 5]) == []        # back already, named before, not a server's rank
-    r2 = rebuild()
-    for ident, rank in enumerate(range(3)):
-        r2.take(ident, node("worker", rank), f"worker {rank}")
+    assert r.lose([0, 1, 5]) == ([], [])  # back already, named before, not a server's rank
+    r2 = rebuild(finished=[2])
+    r2.take(0, node("worker", 0), "worker 0")
     r2.take(3, node("server", 1), "server 1")
-    assert r2.missing() == [("server", 0)]
-    assert r2.lose([0]) == [0] and r2.complete() and r2.lost == [0]
+    assert r2.missing() == [("server", 0), ("worker", 1)]
+    # rank 0 never leaves; worker 2 finished; worker 1 is gone, server 0 lost
+    assert r2.lose([0], [0, 1, 2]) == ([0], [1]) and r2.complete()
+    assert r2.lost == [0] and r2.gone == {1}
+    assert r2.lose([0], [1]) == ([], [])  # told once
     with pytest.raises(RejoinError, match="server 0 was seen dead by its launcher"):
         r2.take(4, node("server", 0), "server 0")

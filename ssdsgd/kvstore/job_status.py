@@ -62,32 +62,36 @@ def _replace(path, data):
 
 
 # The other way, launcher to scheduler: the servers the launcher saw die while a restarted
-# scheduler rebuilds the job (cluster.server_replicas). Those it saw before the restart
-# are in SSDSGD_SERVERS_LOST; a later death (two processes of a lost host exit at
-# different moments, a remote host's connection drops later) would otherwise be waited
-# for until the rebuild's deadline.
+# scheduler rebuilds the job (cluster.server_replicas), and the workers but rank 0
+# (cluster.on_worker_failure: continue). Servers it saw before the restart are in
+# SSDSGD_SERVERS_LOST too; a later death (two processes of a lost host exit at different
+# moments, a remote host's connection drops later) would otherwise be waited for until
+# the rebuild's deadline.
 def lost_path(path):
     return f"{path}.servers-lost"
 
 
-def write_lost(path, restart, ranks):
-    """The servers seen dead by now, for the scheduler of restart ``restart``."""
+def write_lost(path, restart, servers, workers=()):
+    """The servers and workers seen dead by now, for the scheduler of restart
+    ``restart``."""
     if path:
-        _replace(lost_path(path), {"restart": int(restart), "lost": sorted(ranks)})
+        _replace(lost_path(path), {"restart": int(restart), "lost": sorted(servers),
+                                   "workers": sorted(workers)})
 
 
 def read_lost(path, restart):
-    """The ranks written for restart ``restart`` (none: no file, another restart's, or
-    not the launcher's form)."""
+    """(server ranks, worker ranks) written for restart ``restart`` (none: no file,
+    another restart's, or not the launcher's form)."""
     try:
         with open(lost_path(path)) as f:
             data = json.load(f)
     except (OSError, ValueError, TypeError):
-        return []
-    if not isinstance(data, dict) or data.get("restart") != restart \
-            or not isinstance(data.get("lost"), list) or not all(_rank(r) for r in data["lost"]):
-        return []
-    return data["lost"]
+        return [], []
+    if not isinstance(data, dict) or data.get("restart") != restart or not all(
+            isinstance(data.get(k, []), list) and all(_rank(r) for r in data.get(k, []))
+            for k in ("lost", "workers")) or not isinstance(data.get("lost"), list):
+        return [], []
+    return data["lost"], data.get("workers", [])
 
 
 def read(path):

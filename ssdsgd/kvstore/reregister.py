@@ -77,6 +77,7 @@ class Rebuild:
         self.passed = {}      # connection -> {group: [passed, value]}
         self.asked = set()    # (connection, group): its first barrier since, answered
         self.chunks = {}      # worker rank -> the chunks it got (dynamic data), or None
+        self.gone = set()     # workers the launcher saw die (on_worker_failure: continue)
         self.done = False
 
     def take(self, ident, meta, who):
@@ -120,14 +121,20 @@ class Rebuild:
     def missing(self):
         return sorted(self.expected - set(self.back))
 
-    def lose(self, ranks):
-        """Servers the launcher saw die while this rebuild waits (job_status.read_lost):
-        those not back and not replaced are lost as if named at the start; returns them."""
+    def lose(self, ranks, workers=()):
+        """Servers and workers the launcher saw die while this rebuild waits
+        (job_status.read_lost): the servers not back and not replaced are lost as if
+        named at the start; the workers expected but rank 0, not back, are ``gone``
+        (removed once the others are back). Returns (new servers, new workers)."""
         new = sorted(r for r in set(ranks) - set(self.lost) - set(self.replaced)
                      if r < self.counts["server"] and ("server", r) not in self.back)
         self.lost = sorted(set(self.lost) | set(new))
         self.expected -= {("server", r) for r in new}
-        return new
+        gone = sorted(r for r in set(workers) - self.gone
+                      if r and ("worker", r) in self.expected - set(self.back))
+        self.gone |= set(gone)
+        self.expected -= {("worker", r) for r in gone}
+        return new, gone
 
     def complete(self):
         return not self.missing()
@@ -248,6 +255,11 @@ class Rejoins:
         for rank in rebuild.lost:     # cluster.server_replicas: as for a server that died
             self._hand_over(rank, f"server {rank} died while the scheduler was down (its "
                                   "launcher saw it)")
+        for rank in sorted(rebuild.gone):    # cluster.on_worker_failure: continue
+            self.log(f"worker {rank} died while the scheduler was down (its launcher saw "
+                     "it); removing it from the job (cluster.on_worker_failure: continue)")
+            self.stalls.leave(rank)
+            self._begin_removal(rank)
 
     def _awaiting_rejoins(self, now):
         """True while the rebuild waits; aborts the job at its deadline, naming who did
@@ -255,12 +267,15 @@ class Rejoins:
         rebuild = self.rebuild
         if rebuild is None or rebuild.done:
             return False
-        if self.env.server_replicas and self.env.status_file:
-            lost = rebuild.lose(job_status.read_lost(self.env.status_file, rebuild.restart))
-            for rank in lost:
-                self.log(f"restart {rebuild.restart}: server {rank} lost (its launcher saw "
+        if self.env.status_file:
+            servers, workers = job_status.read_lost(self.env.status_file, rebuild.restart)
+            lost, gone = rebuild.lose(
+                servers if self.env.server_replicas else (),
+                workers if self.env.on_worker_failure == "continue" else ())
+            for role, rank in [("server", r) for r in lost] + [("worker", r) for r in gone]:
+                self.log(f"restart {rebuild.restart}: {role} {rank} lost (its launcher saw "
                          "it die while this scheduler rebuilt the job); not waited for")
-            if lost and rebuild.complete():
+            if (lost or gone) and rebuild.complete():
                 self._rebuilt()
                 return False
         if now <= rebuild.deadline:

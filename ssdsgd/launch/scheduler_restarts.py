@@ -30,7 +30,7 @@ class SchedulerRestarts:
         self.used = 0
         self.accepted = set()     # dead schedulers that ended nothing (after the shutdown)
         self.pending = None       # (restart, the time it died) until its rebuild is done
-        self.told = set()         # the servers the restarted scheduler was told are dead
+        self.told = set()         # (role, rank) the restarted scheduler was told are dead
 
     def take(self, failed, procs, describe):
         """True if the failures are a dead scheduler this handles: restarted (``procs``
@@ -55,13 +55,18 @@ class SchedulerRestarts:
         died = time.monotonic()
         # servers it saw die: with replicas, their backups take their keys at once
         lost = sorted(p.rank for p in procs if p.role == "server" and p.poll() is not None)
-        self.told = set(lost)
+        self.told = _dead(procs)
+        job_status.write_lost(self.status.path, self.used, *self._ranks())
         procs[procs.index(dead)] = self.start(self.used, lost)
         self.log(f"the scheduler (pid {dead.pid}) {describe(dead.poll())}; restarting it at "
                  f"{self.where} with its keys (restart {self.used} of {self.budget}); the "
                  "servers and workers go on")
         self.pending = (self.used, died)
         return True
+
+    def _ranks(self):
+        return ([r for role, r in self.told if role == "server"],
+                [r for role, r in self.told if role == "worker"])
 
     def poll(self, procs):
         """While the restarted scheduler rebuilds: the servers seen dead since it started,
@@ -70,10 +75,10 @@ class SchedulerRestarts:
         if self.pending is None:
             return
         restart, died = self.pending
-        lost = {p.rank for p in procs if p.role == "server" and p.poll() is not None}
-        if lost - self.told:
-            self.told |= lost
-            job_status.write_lost(self.status.path, restart, self.told)
+        dead = _dead(procs)
+        if dead - self.told:
+            self.told |= dead
+            job_status.write_lost(self.status.path, restart, *self._ranks())
         rebuilt = self.status.read().get("rebuilt") or {}
         if rebuilt.get("restart") != restart:
             return
@@ -83,3 +88,11 @@ class SchedulerRestarts:
                  f"re-registered and the job goes on, none restarted "
                  f"({time.monotonic() - died:.1f} s after the scheduler died; "
                  f"{', '.join(f'{role_label(p.role, p.rank)} pid {p.pid}' for p in nodes)})")
+
+
+def _dead(procs):
+    """(role, rank) of the servers that died and of the workers but rank 0 that failed
+    (a worker that exited 0 finished; rank 0 cannot leave a job)."""
+    return ({("server", p.rank) for p in procs if p.role == "server" and p.poll() is not None}
+            | {("worker", p.rank) for p in procs if p.role == "worker" and p.rank
+               and p.poll() not in (None, 0)})
