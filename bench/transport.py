@@ -27,6 +27,7 @@ exist yet, the ssd_sync part is skipped.
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -61,7 +62,15 @@ def parse_args(argv=None):
                    help='the --cipher of each secure run, comma-separated')
     p.add_argument('--timeout', type=float, default=900, help='seconds per job')
     p.add_argument('--json', help='also write the raw per-worker results here')
-    return p.parse_args(argv)
+    p.add_argument('--cipher-time', metavar='FILE',
+                   help="each process of the ssd_sync jobs appends to FILE the time it "
+                        "spent sealing and opening (aesgcm) at its exit "
+                        "(bench/cipher_time/sitecustomize.py)")
+    args = p.parse_args(argv)
+    if args.cipher_time:
+        JOB_ENV['PYTHONPATH'] = os.pathsep.join([str(REPO), str(REPO / 'bench' / 'cipher_time')])
+        JOB_ENV['BENCH_CIPHER_TIME_LOG'] = os.path.abspath(args.cipher_time)
+    return args
 
 
 def worker_cmd(kvstore, out, args):
