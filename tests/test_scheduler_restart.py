@@ -348,29 +348,40 @@ def test_a_server_that_dies_with_the_scheduler_is_replaced_by_its_backup(
     it waited max(30 s, 2 x the heartbeat timeout) for server 0), and the job ends with
     the uninterrupted weights."""
     reference = uninterrupted("ssd")
+
+    def kill(job):
+        for pid in (job.process("server", 0), job.process("scheduler")):
+            os.kill(pid, signal.SIGKILL)
+    text, run, took = _server_0_replaced(tmp_path, "scheduler-restart-server-too", kill)
+    # the launcher names server 0 when it restarts the scheduler, or, if it saw the
+    # server's exit only after that (CI: its teardown outlasted the scheduler's), while
+    # the new scheduler rebuilds
+    assert re.search(r"restart 1: rebuilding the job from the nodes that re-register \(3 "
+                     r"expected; server 0 lost \(its launcher saw it die\);", text) \
+        or re.search(r"restart 1: server 0 lost \(its launcher saw it die while this "
+                     r"scheduler rebuilt the job\)", text), text[-3000:]
+    assert re.search(r"server 0 died while the scheduler was down \(its launcher saw it\); "
+                     r"server 1 owns its keys from now on, and the job goes on with no "
+                     r"replica left", text), text[-3000:]
+    assert took < 20, took
+    assert_same(run, reference)
+
+
+def _server_0_replaced(tmp_path, seed, kill):
+    """The replicas job (ssd, 2 servers) with cluster.scheduler_restarts 1, ``kill(job)``
+    called at the step ``seed`` picks: (its output, its run, seconds from the end of the
+    kill until server 1 owned server 0's keys), once it ended with exit 0."""
     root = tmp_path / "runs"
     with start(["configs/digits.yaml", *JOBS["ssd"], *REPLICAS, *sets(
             output__dir=root, cluster__scheduler_restarts=1)]) as job:
-        wait_for_step(job, root, kill_step("scheduler-restart-server-too"))
-        for pid in (job.process("server", 0), job.process("scheduler")):
-            os.kill(pid, signal.SIGKILL)
+        wait_for_step(job, root, kill_step(seed))
+        kill(job)
         killed_at = time.monotonic()
         job.wait_for("server 1 owns its keys from now on", 60)
         took = time.monotonic() - killed_at
         assert job.wait(timeout=150) == 0, job.text[-3000:]
     run, = [d for d in root.iterdir() if d.is_dir()]
-    # the launcher names server 0 when it restarts the scheduler, or, if it saw the
-    # server's exit only after that (CI: its teardown outlasted the scheduler's), while
-    # the new scheduler rebuilds
-    assert re.search(r"restart 1: rebuilding the job from the nodes that re-register \(3 "
-                     r"expected; server 0 lost \(its launcher saw it die\);", job.text) \
-        or re.search(r"restart 1: server 0 lost \(its launcher saw it die while this "
-                     r"scheduler rebuilt the job\)", job.text), job.text[-3000:]
-    assert re.search(r"server 0 died while the scheduler was down \(its launcher saw it\); "
-                     r"server 1 owns its keys from now on, and the job goes on with no "
-                     r"replica left", job.text), job.text[-3000:]
-    assert took < 20, took
-    assert_same(run, reference)
+    return job.text, run, took
 
 
 def test_a_server_the_launcher_sees_die_after_the_scheduler_restarted_is_replaced_at_once(
@@ -383,22 +394,16 @@ def test_a_server_the_launcher_sees_die_after_the_scheduler_restarted_is_replace
     hands its keys to its backup within seconds instead of waiting max(30 s, 2 x the
     heartbeat timeout) for it, and the job ends with the uninterrupted weights."""
     reference = uninterrupted("ssd")
-    root = tmp_path / "runs"
-    with start(["configs/digits.yaml", *JOBS["ssd"], *REPLICAS, *sets(
-            output__dir=root, cluster__scheduler_restarts=1)]) as job:
-        wait_for_step(job, root, kill_step("scheduler-restart-server-later"))
+
+    def kill(job):
         server0 = job.process("server", 0)
         os.kill(server0, signal.SIGSTOP)
         os.kill(job.process("scheduler"), signal.SIGKILL)
         job.wait_for("restarting it at 127.0.0.1:", 30)
         os.kill(server0, signal.SIGKILL)
-        killed_at = time.monotonic()
-        job.wait_for("server 1 owns its keys from now on", 60)
-        took = time.monotonic() - killed_at
-        assert job.wait(timeout=150) == 0, job.text[-3000:]
-    run, = [d for d in root.iterdir() if d.is_dir()]
+    text, run, took = _server_0_replaced(tmp_path, "scheduler-restart-server-later", kill)
     assert re.search(r"restart 1: server 0 lost \(its launcher saw it die while this "
-                     r"scheduler rebuilt the job\)", job.text), job.text[-3000:]
+                     r"scheduler rebuilt the job\)", text), text[-3000:]
     assert took < 15, took
     assert_same(run, reference)
 

@@ -256,10 +256,14 @@ class Rejoins:
             self._hand_over(rank, f"server {rank} died while the scheduler was down (its "
                                   "launcher saw it)")
         for rank in sorted(rebuild.gone):    # cluster.on_worker_failure: continue
-            self.log(f"worker {rank} died while the scheduler was down (its launcher saw "
-                     "it); removing it from the job (cluster.on_worker_failure: continue)")
-            self.stalls.leave(rank)
-            self._begin_removal(rank)
+            self._remove_lost(rank, "died while the scheduler was down (its launcher saw it)")
+
+    def _remove_lost(self, rank, why):
+        """Worker ``rank`` did not come back: it leaves, as a silent worker does."""
+        self.log(f"worker {rank} {why}; removing it from the job "
+                 "(cluster.on_worker_failure: continue)")
+        self.stalls.leave(rank)
+        self._begin_removal(rank)
 
     def _awaiting_rejoins(self, now):
         """True while the rebuild waits; aborts the job at its deadline, naming who did
@@ -295,12 +299,9 @@ class Rejoins:
         for rank in replaced:
             self._hand_over(rank, f"server {rank} did not re-register with the restarted "
                                   f"scheduler {waited}")
-        for rank in gone:     # cluster.on_worker_failure: continue, as for a silent one
-            self.log(f"worker {rank} did not re-register with the restarted scheduler "
-                     f"{waited}; removing it from the job (cluster.on_worker_failure: "
-                     "continue)")
-            self.stalls.leave(rank)
-            self._begin_removal(rank)
+        for rank in gone:     # cluster.on_worker_failure: continue
+            self._remove_lost(rank, f"did not re-register with the restarted scheduler "
+                                    f"{waited}")
         return False
 
     def _released_alone(self, ident, group):

@@ -53,11 +53,11 @@ class SchedulerRestarts:
             return False
         self.used += 1
         died = time.monotonic()
-        # servers it saw die: with replicas, their backups take their keys at once
-        lost = sorted(p.rank for p in procs if p.role == "server" and p.poll() is not None)
+        # the nodes it saw die: with replicas, the servers' backups take their keys at once
         self.told = _dead(procs)
-        job_status.write_lost(self.status.path, self.used, *self._ranks())
-        procs[procs.index(dead)] = self.start(self.used, lost)
+        servers, workers = self._ranks()
+        job_status.write_lost(self.status.path, self.used, servers, workers)
+        procs[procs.index(dead)] = self.start(self.used, servers)
         self.log(f"the scheduler (pid {dead.pid}) {describe(dead.poll())}; restarting it at "
                  f"{self.where} with its keys (restart {self.used} of {self.budget}); the "
                  "servers and workers go on")
@@ -65,8 +65,9 @@ class SchedulerRestarts:
         return True
 
     def _ranks(self):
-        return ([r for role, r in self.told if role == "server"],
-                [r for role, r in self.told if role == "worker"])
+        """(servers, workers) told dead, each sorted."""
+        return tuple(sorted(r for role, r in self.told if role == kind)
+                     for kind in ("server", "worker"))
 
     def poll(self, procs):
         """While the restarted scheduler rebuilds: the servers seen dead since it started,
