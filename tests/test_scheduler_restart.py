@@ -117,6 +117,18 @@ def test_a_model_averaging_job_survives_its_schedulers_death(
     assert json.loads((run / "summary.json").read_text())["algorithm"] == algorithm
 
 
+def test_an_asynchronous_job_survives_its_schedulers_death(tmp_path, uninterrupted_digits):
+    """asgd: each push applied as it arrives, no round for the scheduler to rebuild; the
+    scheduler SIGKILLed mid-run is restarted in place. With one worker the order of
+    arrival is fixed, so the job ends with the weights of the same job run without
+    interruption: no push lost or applied twice across the restart."""
+    settings = {"sync__algorithm": "asgd", "cluster__workers": 1}
+    reference = final(uninterrupted_digits("ssgd", **settings))
+    run = _killed_once(tmp_path, "ssgd", settings, "scheduler-restart-asgd")
+    assert_same(run, reference)
+    assert json.loads((run / "summary.json").read_text())["algorithm"] == "asgd"
+
+
 def test_a_job_restarted_from_its_checkpoint_survives_its_schedulers_death(
         tmp_path, uninterrupted):
     """--max-restarts 1 and cluster.scheduler_restarts 1 together: worker 1 SIGKILLed,

@@ -134,7 +134,6 @@ _SCHED = "tests/test_scheduler_restart.py::"
 _SCHED_RESTART = _SCHED + "test_a_killed_scheduler_is_restarted_and_the_job_ends_as_if_uninterrupted"
 _SCHED_COMPRESSED = _SCHED + "test_a_compressed_staggered_job_survives_its_schedulers_death"
 _SCHED_RESUMED = _SCHED + "test_a_job_restarted_from_its_checkpoint_survives_its_schedulers_death"
-_SCHED_UNTESTED = "no test restarts the scheduler of such a job yet"
 _SCHED_PERIODIC = _SCHED + "test_a_model_averaging_job_survives_its_schedulers_death"
 _REPLICAS = ("tests/test_replicas.py::"
              "test_a_killed_server_is_replaced_by_its_backup_and_the_job_ends_as_if_uninterrupted")
@@ -184,7 +183,8 @@ ALGORITHMS = {a.name: a for a in (
         "compression": "tests/test_compression_oracle.py::"
                        "test_asgd_with_one_worker_and_compression_is_ssgd",
         "checkpoint": "tests/test_combination_jobs.py::"
-                      "test_an_asgd_job_writes_its_checkpoints_and_finishes"},
+                      "test_an_asgd_job_writes_its_checkpoints_and_finishes",
+        "scheduler_restart": _SCHED + "test_an_asynchronous_job_survives_its_schedulers_death"},
         refused={
             "restart": _ASGD_DIVERGES, "resume": _ASGD_DIVERGES,
             "relay": "each push is answered on its own: no reply is shared by workers to "
@@ -193,8 +193,7 @@ ALGORITHMS = {a.name: a for a in (
             "staggered": _NO_PERIOD,
             "continue": "no test runs it; use abort",
             "replicas": "each push is applied on arrival, and a backup's arrival order is "
-                        "not its owner's: the two would hold different weights",
-            "scheduler_restart": _SCHED_UNTESTED}),
+                        "not its owner's: the two would hold different weights"}),
     Algorithm("preduce", "average", "local", doc="Prague's partial reduce: groups of ready "
               "workers average their models (docs/spec/preduce.md)", tested={
                   "checkpoint": "tests/test_preduce_cluster.py::"
