@@ -193,3 +193,27 @@ def test_two_connections_with_one_key_each_get_their_own_session_at_a_real_port(
         router.close(0)
         guard.close()
         ctx.term()
+
+
+def test_a_gone_peers_kept_buffers_are_released_and_its_channel_still_seals():
+    """A binder's channel per connection keeps up to KEPT_BYTES of big-frame buffers; a
+    worker that leaves or was removed needs none, so the server releases its channel
+    (``release``): nothing is kept for it, then or later, and a reply to it is still
+    sealed (into a fresh buffer) and opens."""
+    channels = sealing.BinderChannels({})
+    into = sealing.Channel(B, A)
+    channels.by_id[b"w1"] = sealing.Channel(A, B)
+    with _inproc("sealing-release") as (push, pull):
+        big = np.full(sealing.REUSED_FROM // 4 + 5, 7, dtype=np.float32)
+        push.send_multipart(channels.seal(b"w1", [big]), copy=False)
+        assert len(channels.by_id[b"w1"]._buffers.kept) == 1
+        channels.release(b"w1")
+        channels.release(b"never connected")        # nothing to release: no error
+        assert channels.by_id[b"w1"]._buffers.kept == []
+        got = into.open(pull.recv_multipart(copy=False))     # the one in flight arrives
+        assert np.array_equal(np.frombuffer(got[0].buffer, dtype=np.float32), big)
+        push.send_multipart(channels.seal(b"w1", [big]), copy=False)
+        assert channels.by_id[b"w1"]._buffers.kept == []     # nor from now on
+        got = into.open(pull.recv_multipart(copy=False))
+        assert np.array_equal(np.frombuffer(got[0].buffer, dtype=np.float32), big)
+    sealing.PLAIN_BINDER.release(b"w1")              # a binder that seals nothing

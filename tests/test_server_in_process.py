@@ -223,3 +223,33 @@ def test_a_message_over_the_jobs_limit_is_refused_naming_it():
         assert made.server.weights.shards == {}
     finally:
         made.close()
+
+
+def test_a_worker_removed_or_leaving_gets_no_kept_buffers(job):
+    """A server keeps big-frame buffers per connection (aesgcm, sealing.py); once the
+    scheduler tells it a worker was removed (on_worker_failure: continue) or leaves, that
+    worker's channel keeps none, and the others' still do."""
+    from ssdsgd.kvstore import sealing
+    channels = sealing.BinderChannels({})
+    for ident in job.ids:
+        channels.by_id[ident] = sealing.Channel(b"k" * 32, b"l" * 32)
+    sealing.use(job.router, channels)
+    job.server.on_membership({"removed": 1, "from_step": 0})
+    assert [channels.by_id[i]._buffers.keeps for i in job.ids] == [True, False]
+    assert "worker 1 left the job" in " ".join(job.logged)
+
+
+def test_a_worker_that_leaves_gets_no_kept_buffers():
+    job = InProcessJob(workers=3)
+    try:
+        from ssdsgd.kvstore import sealing
+        channels = sealing.BinderChannels({})
+        for ident in job.ids:
+            channels.by_id[ident] = sealing.Channel(b"k" * 32, b"l" * 32)
+        sealing.use(job.router, channels)
+        job.server.on_leave({"leaving": 2})
+        job.server.on_leave({"leaving": 2, "from_step": 0})
+        assert [channels.by_id[i]._buffers.keeps for i in job.ids] == [True, True, False]
+        assert "worker 2 leaves" in " ".join(job.logged)
+    finally:
+        job.close()

@@ -111,6 +111,12 @@ class Replies:
                             f"{len(peer.inflight)} unsent); stopping the job")
         return tracker
 
+    def gone(self, rank):
+        """Worker ``rank`` left or leaves: its connection keeps no buffers for replies."""
+        for ident, peer in self.peers.items():
+            if peer.rank == rank:
+                sealing.of(self.sock).release(ident)
+
     @staticmethod
     def sent(reply):
         """The timeline's ``queue`` span of a request: from its handling to its reply, the

@@ -100,6 +100,7 @@ class _Buffers:
 
     def __init__(self):
         self.kept = []           # [bytearray, the tracker of the frame that last sent it]
+        self.keeps = True        # False: the peer left, every frame gets a fresh buffer
 
     def frame_for(self, nbytes, fill):
         """A tracked zmq.Frame of ``nbytes`` that ``fill(view)`` wrote."""
@@ -107,18 +108,23 @@ class _Buffers:
                      and (s[1] is None or s[1].done)), None)
         if slot is None:
             slot = [bytearray(nbytes), None]
-            free = [s for s in self.kept if s[1] is None or s[1].done]
-            smallest = min(free, key=lambda s: len(s[0])) if free else None
-            held = sum(len(s[0]) for s in self.kept)
-            if len(self.kept) < KEPT and held + nbytes <= KEPT_BYTES:
-                self.kept.append(slot)
-            elif smallest is not None and held - len(smallest[0]) + nbytes <= KEPT_BYTES:
-                self.kept[self.kept.index(smallest)] = slot
+            if self.keeps:
+                self._keep(slot, nbytes)
         view = memoryview(slot[0])[:nbytes]
         fill(view)
         frame = zmq.Frame(view, copy=False, track=True)
         slot[1] = frame.tracker     # not the frame: it holds a reference until it is freed
         return frame
+
+    def _keep(self, slot, nbytes):
+        """Keep a new buffer if the bounds allow, replacing the smallest free one."""
+        free = [s for s in self.kept if s[1] is None or s[1].done]
+        smallest = min(free, key=lambda s: len(s[0])) if free else None
+        held = sum(len(s[0]) for s in self.kept)
+        if len(self.kept) < KEPT and held + nbytes <= KEPT_BYTES:
+            self.kept.append(slot)
+        elif smallest is not None and held - len(smallest[0]) + nbytes <= KEPT_BYTES:
+            self.kept[self.kept.index(smallest)] = slot
 
 
 class Channel:
@@ -130,6 +136,12 @@ class Channel:
         self.sent = 0          # the counter of the last frame sealed
         self.opened = 0        # the largest counter opened
         self._buffers = _Buffers()
+
+    def keeps_buffers(self, keeps):
+        """False: big frames are sealed into fresh buffers only, and the kept ones go."""
+        self._buffers.keeps = keeps
+        if not keeps:
+            self._buffers.kept = []
 
     def seal(self, frames):
         """``[counter of the first frame, sealed frame, ...]``: a small frame's ciphertext
@@ -225,6 +237,15 @@ class BinderChannels:
             raise SealError("a message to a connection that never sent one (no session)")
         return channel.seal(frames)
 
+    def release(self, ident):
+        """The peer ``ident`` leaves the job: its channel keeps no buffer from now on (up
+        to KEPT_BYTES each), so a job whose workers come and go holds none for the ones
+        gone. The channel stays (a few hundred bytes): a reply up to the departure is
+        still sealed, into a fresh buffer, and frames in flight keep their own."""
+        channel = self.by_id.get(ident)
+        if channel is not None:
+            channel.keeps_buffers(False)
+
 
 class PlainBinder:
     """A bound ROUTER that seals nothing."""
@@ -236,6 +257,10 @@ class PlainBinder:
     @staticmethod
     def seal(ident, frames):
         return frames
+
+    @staticmethod
+    def release(ident):
+        pass
 
 
 PLAIN_BINDER = PlainBinder()

@@ -254,6 +254,7 @@ class Server:
         step = meta["from_step"]
         self.log(f"worker {rank} left the job; aggregating without it from step {step}")
         self._carry_out(self.policy.leave(rank, step))
+        self.replies.gone(rank)
         self.replies.forget()
 
     def on_join(self, meta):
@@ -296,6 +297,7 @@ class Server:
                 self.log(f"worker {rank} leaves; aggregating without it from step "
                          f"{meta['from_step']}")
                 self._carry_out(actions)
+                self.replies.gone(rank)
         except self.policy.Error as e:
             raise Fatal(f"server {self.rank}: {e}") from None
         finally:
