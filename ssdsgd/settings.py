@@ -326,7 +326,9 @@ SETTINGS = (
     Setting("stall_timeout", float, 300.0, "seconds a worker may go without a step while "
             "another worker is ahead of it (its heartbeats going) before it is treated as "
             "failed, so cluster.on_worker_failure applies; rank 0's validation does not "
-            "count; 0: never (docs/reliability.md)", env="SSDSGD_STALL_TIMEOUT",
+            "count; and seconds every worker may stand still while one waits for a "
+            "server's reply before that server is treated as failed; 0: never "
+            "(docs/reliability.md)", env="SSDSGD_STALL_TIMEOUT",
             path="cluster.stall_timeout", min=0.0, max=86400.0),
     Setting("max_restarts", int, 0, "times the launcher restarts a job from its last "
             "checkpoint when a process dies (launch/dist.py --max-restarts overrides it; 0: "

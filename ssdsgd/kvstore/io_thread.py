@@ -272,7 +272,11 @@ class IOThread:
                 return
 
     def _progress(self):
-        return {"progress": self.progress, "busy": self.busy}
+        meta = {"progress": self.progress, "busy": self.busy}
+        oldest = self.requests.oldest()
+        if oldest is not None:
+            meta["oldest"] = oldest
+        return meta
 
     def _rejoin_fields(self):
         with self.requests.lock:      # the main thread records its requests under it

@@ -38,7 +38,7 @@ class Kind(enum.IntEnum):
     TOPOLOGY = 2      # scheduler -> node, once all registered: {rank, num_workers,
                       # num_servers, workers, relays}; no server listens yet (LISTEN)
     BARRIER = 3       # node -> scheduler, and the release back
-    HEARTBEAT = 4     # node -> scheduler {progress, busy}, and the echo back
+    HEARTBEAT = 4     # node -> scheduler {progress, busy, oldest}, and the echo back
     FINISH = 5        # worker -> scheduler: done, stop watching me
     SHUTDOWN = 6      # scheduler -> node: the job is over, exit 0
     ABORT = 7         # scheduler -> node: {reason}; exit non-zero
@@ -118,6 +118,9 @@ _SERVER = (F.int_in(0, F.MAX_RANK), "a server rank")
 _WORKER = (F.int_in(0, F.MAX_RANK), "a worker rank")
 _BYTES = (F.int_in(1, F.MAX_STEP), "a number of bytes from 1 to 2^62")
 _CLOCK = (F.is_number, "a clock reading in seconds")
+_OLDEST = (lambda v: isinstance(v, list) and len(v) == 2 and _SERVER[0](v[0])
+           and F.is_number(v[1]) and v[1] >= 0,
+           "[a server rank, seconds >= 0] (the oldest request waiting for its reply)")
 _EPOCH = (F.int_in(0, 1 << 31), "an epoch number from 0 to 2^31")
 _CHUNKS = (F.int_in(1, F.MAX_STEP), "a number of chunks from 1 to 2^62")
 
@@ -169,7 +172,8 @@ META = {
     # timeline adds its clock's ``sent``; the echo carries it back with the scheduler's
     # ``time`` (ssdsgd/timeline.py: the offset between the two clocks)
     Kind.HEARTBEAT: {"progress": (F.STEP, False), "busy": (F.BOOL, False),
-                     "sent": (_CLOCK, False), "time": (_CLOCK, False)},
+                     "oldest": (_OLDEST, False), "sent": (_CLOCK, False),
+                     "time": (_CLOCK, False)},
     # scheduler -> server {removed}: which step does it not have from that worker?
     # server -> scheduler {removed, next_step}; scheduler -> all {removed, from_step}
     Kind.MEMBERSHIP: {"removed": (F.WORKER, True), "next_step": (F.STEP, False),

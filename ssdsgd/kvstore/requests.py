@@ -41,6 +41,7 @@ class Requests:
         self._control = {}
         self._reply_from = {}
         self._server_of = {}     # request id -> (server, copied to its backup)
+        self._sent = {}          # request id -> (server, when), oldest first (liveness.py)
         self._req = itertools.count(1)
 
     def check_open(self):
@@ -63,6 +64,7 @@ class Requests:
             self._futures[req] = fut
             if server is not None:
                 self._server_of[req] = (server, copied)
+                self._sent[req] = (server, time.monotonic())
             if relayed_from is not None:
                 self._reply_from[req] = relayed_from
         return fut
@@ -89,6 +91,7 @@ class Requests:
             fut = self._futures.pop(msg.req, None)
             self._reply_from.pop(msg.req, None)
             self._server_of.pop(msg.req, None)
+            self._sent.pop(msg.req, None)
         if fut is None:
             if msg.kind == P.Kind.ERROR:   # refused a message that wanted no reply
                 raise JobAborted(f"server {server} refused a message of this worker: "
@@ -99,6 +102,14 @@ class Requests:
         else:
             fut.set_result(msg)
 
+    def oldest(self):
+        """[server, seconds waited] of the oldest request no reply has answered, or None:
+        the heartbeat's ``oldest``, which tells the scheduler which server the worker
+        waits for when no worker moves (liveness.py)."""
+        with self.lock:
+            first = next(iter(self._sent.values()), None)
+        return None if first is None else [first[0], time.monotonic() - first[1]]
+
     def server_lost(self, server, error):
         """``server`` died and its backup took over: the requests it was sent that its
         backup got no copy of get ``error``; the backup answers the others."""
@@ -108,6 +119,7 @@ class Requests:
             futures = [self._futures.pop(req, None) for req in lost]
             for req in lost:
                 self._server_of.pop(req, None)
+                self._sent.pop(req, None)
         for fut in futures:
             if fut is not None and not fut.done():
                 fut.set_exception(error)
@@ -129,7 +141,7 @@ class Requests:
     def _fail_waiting(self, exc):
         with self.lock:
             futures = list(self._futures.values()) + list(self._control.values())
-            self._futures, self._control = {}, {}
+            self._futures, self._control, self._sent = {}, {}, {}
         for fut in futures:
             if not fut.done():
                 fut.set_exception(exc)

@@ -262,7 +262,7 @@ class Scheduler(reregister.Rejoins, Joins):
     def _heartbeat(self, ident, node, meta):
         if node["role"] == "worker" and "progress" in meta:
             self.stalls.report(node["rank"], meta["progress"], meta.get("busy", False),
-                               node["last_seen"])
+                               node["last_seen"], meta.get("oldest"))
         self._send(ident, P.Kind.HEARTBEAT, {"sent": meta["sent"], "time": time.perf_counter()}
                    if "sent" in meta else None)    # the node's clock offset (timeline.py)
 
