@@ -172,23 +172,24 @@ def compression(t: Timings, costs: dict):
         f"the first within {SLACK:.0%} of the best, in the order {', '.join(CODECS_BY_COST)}")
 
 
-def k_cap(optimizer_spec) -> tuple[int, str]:
-    """(the largest k the accuracy data supports for this optimizer and lr, why);
-    K_CAP_BY_LR. No optimizer (the servers only sum): K_MAX."""
+def k_cap(optimizer_spec) -> tuple[int, str, bool]:
+    """(the largest k the accuracy data supports for this optimizer and lr, why, whether
+    the job is warned: its lr is above every one measured); K_CAP_BY_LR. No optimizer
+    (the servers only sum): K_MAX."""
     if not optimizer_spec:
-        return K_MAX, "no optimizer on the servers"
+        return K_MAX, "no optimizer on the servers", False
     name = optimizer_spec.get("name")
     lr = (optimizer_spec.get("params") or {}).get("learning_rate")
     table = K_CAP_BY_LR.get(name)
     if table is None or not isinstance(lr, (int, float)):
         return K_UNTIMED, (f"no accuracy data for {name} in docs/glu.md: at most the "
-                           f"paper's k = {K_UNTIMED}")
+                           f"paper's k = {K_UNTIMED}"), False
     for top, k in table:
         if lr <= top:
-            return k, f"at most {k} at {name} lr {lr:g} (docs/auto.md)"
+            return k, f"at most {k} at {name} lr {lr:g} (docs/auto.md)", False
     return K_MIN, (f"{name} lr {lr:g} is above every lr at which a k ended within 1 point "
                    f"of SSGD (docs/glu.md, up to {table[-1][0]:g}): at most {K_MIN}, and "
-                   "expect a loss of accuracy; sync.algorithm: ssgd keeps it")
+                   "expect a loss of accuracy; sync.algorithm: ssgd keeps it"), True
 
 
 def delay_steps(t: Timings, k_max: int = K_MAX, relay_workers: int = 0,
@@ -327,8 +328,8 @@ class Schedule:
         (``k_cap``); said when it warns."""
         if self.delay_steps is not None or not stage.delays_pulls(self.algorithm):
             return
-        self.k_max, self._cap_why = k_cap(optimizer_spec)
-        if "expect" in self._cap_why:
+        self.k_max, self._cap_why, warns = k_cap(optimizer_spec)
+        if warns:
             self.say(f"k auto: {self._cap_why}")
 
     def _capped(self, why: str) -> str:
