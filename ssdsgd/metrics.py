@@ -167,18 +167,20 @@ def job_throughput(ends):
     return sum(samples) / max(walls)
 
 
-def throughput_by_membership(members, edges, wall: float, batch_size: int):
+def throughput_by_membership(members, edges, wall: float, batch_size: int, untrained=()):
     """Samples applied per second of wall time in each span of a job whose workers
     joined or left (``members``: its ``sync.membership.Membership``; ``edges``: sorted
     (step of a change, seconds after training started when this worker heard of it),
     the span's edge in time). A span's samples are its steps' chunks (the membership's,
-    so they are the samples the servers applied); a span with no time of its own has
-    no rate."""
+    so they are the samples the servers applied), less one a step of ``untrained``:
+    the steps [E, s) of a dead worker whose pushes left at E and its data at s
+    (docs/spec/membership.md rule 10). A span with no time of its own has no rate."""
     steps = [0] + [s for s, _ in edges] + [members.end()]
     times = [0.0] + [t for _, t in edges] + [wall]
     spans = []
     for a, b, ta, tb in zip(steps, steps[1:], times, times[1:]):
-        samples = (members.first_chunk(b) - members.first_chunk(a)) * batch_size
+        lost = sum(max(0, min(b, s) - max(a, e)) for e, s in untrained)
+        samples = (members.first_chunk(b) - members.first_chunk(a) - lost) * batch_size
         seconds = max(tb - ta, 0.0)
         spans.append({"workers": len(members.members(a)), "from_step": a, "to_step": b,
                       "seconds": seconds, "samples": samples,

@@ -147,8 +147,10 @@ def write_summary(run, wall: float) -> dict:
     members = getattr(getattr(run, "feed", None), "members", None)
     if (joined or leaves) and members is not None:
         edges = sorted((w["from_step"], w["time"] - run.t_train) for w in joined + leaves)
+        untrained = [(w["from_step"], data_left[w["rank"]]) for w in left
+                     if w["rank"] in data_left]          # rule 10: E..s-1 never trained
         base["throughput_by_membership"] = spans = throughput_by_membership(
-            members, edges, wall, c.data.batch_size)
+            members, edges, wall, c.data.batch_size, untrained)
         log.info("throughput by membership (samples the servers applied per second of "
                  "wall time): %s", "; ".join(
                      f"{s['workers']} workers, steps {s['from_step']}-{s['to_step'] - 1}: "

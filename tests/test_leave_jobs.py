@@ -298,4 +298,7 @@ def test_the_training_program_with_continue_hands_a_dead_workers_chunks_to_the_o
     assert trained == members.first_chunk(members.end()) - s    # worker 2 had one a step
     spans = summary["throughput_by_membership"]
     assert [(x["workers"], x["from_step"]) for x in spans] == [(3, 0), (2, s)], spans
+    # the samples the servers applied: every chunk but worker 2's of steps E..s-1
+    assert sum(x["samples"] for x in spans) == \
+        (members.first_chunk(members.end()) - (s - e)) * B, (spans, e, s)
     assert summary["final_accuracy"] > 0.8, summary

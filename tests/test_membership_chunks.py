@@ -75,6 +75,20 @@ def test_throughput_by_membership_splits_the_samples_at_each_join():
     assert spans[2]["samples_per_sec"] == pytest.approx(144 / 3.0)
 
 
+def test_a_dead_workers_untrained_chunks_are_not_counted_as_applied():
+    """docs/spec/membership.md rule 10: a dead worker's pushes leave at E, its data at
+    the later s; its chunks of steps E..s-1 were never trained, so the span holding them
+    counts the servers' samples without them."""
+    from ssdsgd.metrics import throughput_by_membership
+    m = Membership(3, per_epoch=12, budget=60)
+    m.leave(2, 8)                                   # its data leaves at s = 8
+    spans = throughput_by_membership(m, [(8, 4.0)], wall=10.0, batch_size=8,
+                                     untrained=[(5, 8)])     # its pushes left at E = 5
+    assert [(x["workers"], x["from_step"], x["to_step"], x["samples"]) for x in spans] == [
+        (3, 0, 8, (24 - 3) * 8), (2, 8, 26, 36 * 8)]
+    assert spans[0]["samples_per_sec"] == pytest.approx(21 * 8 / 4.0)
+
+
 def test_a_resumed_membership_continues_at_its_step_with_the_chunks_before_it():
     """A job that takes joiners, resumed from a checkpoint at step t whose chunks before
     it were G(t) (docs/spec/membership.md rule 11): its first N workers from t, the
