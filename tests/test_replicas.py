@@ -309,3 +309,30 @@ def test_a_second_server_death_has_no_replica_and_ends_the_job():
     assert not _server_left_behind([server[1]], left, lines.append)
     worker = SimpleNamespace(role="worker", rank=1, name="worker 1", pid=7, poll=lambda: 1)
     assert not _server_left_behind([worker], [], lines.append)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("settings", [
+    {"sync__compression": "2bit"}, {"sync__pull_schedule": "staggered"}],
+    ids=["2bit", "staggered"])
+def test_a_killed_server_of_a_compressed_or_staggered_job_is_replaced_as_if_uninterrupted(
+        tmp_path, uninterrupted_digits, settings):
+    """ssd with 2bit pushes (each copy to the backup is the owner's coded bytes: the same
+    residuals, the same decoded sums) or staggered pulls (each worker's pull phase is its
+    own, never a server's): a server SIGKILLed at a seeded step, its backup owns its keys,
+    and the job ends bit for bit as the uninterrupted 1-server job."""
+    reference = final(uninterrupted_digits("ssd", **settings))
+    name = "replicas-" + "-".join(str(v) for v in settings.values())
+    step, victim = kill_step(name), random.Random(name).choice([0, 1])
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *digits_job("ssd"), *REPLICAS,
+                *sets(output__dir=root, **settings)]) as job:
+        run = wait_for_step(job, root, step)
+        before = roles(job)
+        os.kill(before[("server", victim)], signal.SIGKILL)
+        job.wait_for(lambda: FIRST_APPLY.search(job.text), 60, "the new owner's first step")
+        after = roles(job)
+        assert job.wait(timeout=300) == 0, job.stdout[-3000:]
+    assert after == {r: p for r, p in before.items() if r != ("server", victim)}
+    assert "restart" not in job.stdout
+    assert_same(run, reference)

@@ -243,10 +243,8 @@ CONFLICTS = {
     ("relay", "staggered"): "staggered pulls never arrive together, so after the warm-up "
                             "there is no reply to relay; the two are alternative cures for "
                             "the same pull burst (docs/spec/pull_relay.md)",
-    ("replicas", "compression"): _NO_REPLICAS,
     ("replicas", "relay"): "a relayed reply is not sent to a backup",
     ("replicas", "quorum"): "a backup does not replay the leader's rounds",
-    ("replicas", "staggered"): _NO_REPLICAS,
     ("replicas", "continue"): _NO_REPLICAS,
 }
 # Every other pair of features is run together by a named test (tests/test_combinations.py
@@ -258,6 +256,8 @@ _RELAY_RESTART = ("tests/test_combination_jobs.py::"
 _QUORUM_RESTART = "tests/test_resume.py::test_a_killed_quorum_job_is_restarted_and_finishes"
 _REPLICAS_RESTART = ("tests/test_replicas.py::"
                      "test_a_replicas_job_is_restarted_from_its_checkpoint_as_if_uninterrupted")
+_REPLICAS_CODED = ("tests/test_replicas.py::test_a_killed_server_of_a_compressed_or_"
+                   "staggered_job_is_replaced_as_if_uninterrupted")
 TESTED_PAIRS = {
     ("compression", "staggered"): _MANY, ("compression", "restart"): _MANY,
     ("compression", "continue"): _MANY, ("compression", "resume"): _MANY,
@@ -284,6 +284,7 @@ TESTED_PAIRS = {
                                                 "backup_a_killed_scheduler_is_restarted",
     ("replicas", "checkpoint"): _REPLICAS,
     ("replicas", "restart"): _REPLICAS_RESTART, ("replicas", "resume"): _REPLICAS_RESTART,
+    ("replicas", "compression"): _REPLICAS_CODED, ("replicas", "staggered"): _REPLICAS_CODED,
 }
 
 
