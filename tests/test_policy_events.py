@@ -118,12 +118,14 @@ def test_the_scheduler_forms_preduce_groups_of_the_ready_workers():
     assert [type(p) for p in policy.parts] == [FormGroups]
     assert policy.on_event("worker", 2, events.message("ready")) == []
     (action,) = policy.on_event("worker", 0, events.message("ready", final=False))
-    assert action == ("workers", [0, 2], {"event": "group", "group": 0, "members": [0, 2]})
+    assert action == ("workers", [0, 2], {"event": "group", "group": 0, "members": [0, 2],
+                                          "repeat": False, "final": False})
     # a worker at a barrier is away: the ready one does not wait for it
     assert policy.on_event("worker", 0, events.message("ready")) == []
     assert policy.at_barrier(1) == []          # worker 2 is still active: 0 waits for it
     (action,) = policy.at_barrier(2)           # now 0 is the only active worker
-    assert action == ("workers", [0], {"event": "group", "group": 1, "members": [0]})
+    assert action == ("workers", [0], {"event": "group", "group": 1, "members": [0],
+                                       "repeat": False, "final": False})
     with pytest.raises(PolicyError, match="worker 1 reported ready while waiting at a barrier"):
         policy.on_event("worker", 1, events.message("ready"))
     policy.barrier_released()

@@ -2,6 +2,7 @@
 real servers average, four real workers train the stock gluon.Trainer; the result is the
 simulator's for the group sequence the job formed, bit for bit."""
 import json
+import re
 
 import mxnet as mx
 import numpy as np
@@ -21,6 +22,10 @@ N, STEPS, SLOW, DELAY = 4, 6, 3, 1.0
 
 
 def simulated(groups):
+    return simulated_steps(groups, STEPS)
+
+
+def simulated_steps(groups, steps):
     net = tiny.make_net()
     params = tiny.params(net)
     init = {i: p.data().copy() for i, p in enumerate(params)}
@@ -34,7 +39,7 @@ def simulated(groups):
     def make_optimizer():    # ssd_worker.py's Trainer: sgd, batch 8 (rescale_grad 1/8)
         return mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1 / 8)
 
-    return simulate_preduce(init, grad_fn, make_optimizer, N, STEPS, groups=groups)
+    return simulate_preduce(init, grad_fn, make_optimizer, N, steps, groups=groups)
 
 
 # 2 servers, not 1 and 2 (a 4-worker job fewer): the small keys are each held whole by
@@ -147,3 +152,52 @@ def test_preduce_with_per_epoch_checkpoints_finishes(tmp_path, workers, assignme
         assert not states & {p.name for p in ck.iterdir()}
     latest = json.loads((ck / "latest.json").read_text())
     assert latest["epoch"] == 1 and ("chunks" in latest) == (assignment == "auto")
+
+
+def test_a_restarted_scheduler_rebuilds_the_groups_and_the_weights_are_the_simulators(
+        tmp_path):
+    """cluster.scheduler_restarts: the scheduler, which forms the groups, SIGKILLed once
+    every worker is at step 4 of 10 (each sleeps before its steps, worker 3 longer). The
+    launcher starts it again; it rebuilds the groups formed, who met whom and the repeats
+    from what each worker was told, and owes a group to any member whose message was
+    lost. No server or worker restarts, and every worker's weights are exactly the
+    simulator's for the groups formed before and after."""
+    import os
+    import signal
+    import time
+    from jobs import dist, launch_args
+    from test_recovery import role_of
+    steps, mark = 10, 4
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    job = dist(["--run-dir", run_dir, *launch_args(
+        N, 2, ["--out", tmp_path, "--steps", steps, "--mark-at", mark, "--delays",
+               json.dumps({"0": 0.15, "1": 0.15, "2": 0.15, str(SLOW): 0.4})],
+        env={"SSDSGD_ALGORITHM": "preduce", "SSDSGD_GROUP_SIZE": 2,
+             "SSDSGD_BIGARRAY_BOUND": 50, "SSDSGD_SCHEDULER_RESTARTS": 1,
+             "SSDSGD_HEARTBEAT_INTERVAL": 0.2, "SSDSGD_HEARTBEAT_TIMEOUT": 1})], merge=True)
+    with job:
+        job.wait_for(lambda: all((tmp_path / f"at-step-{mark}-rank{r}").exists()
+                                 for r in range(N)), 120, f"every worker at step {mark}")
+        before = {role_of(p): p for p in job.processes() if role_of(p)}
+        os.kill(before[("scheduler", 0)], signal.SIGKILL)
+        killed = time.monotonic()
+        job.wait_for("re-registered and the job goes on", 120,
+                     "the launcher's line that the restarted scheduler has every node back")
+        assert job.wait(240) == 0, job.tail()
+    print(f"back {time.monotonic() - killed:.1f} s after the kill (the job's end included)")
+    infos = [json.loads((tmp_path / f"info-rank{r}.json").read_text()) for r in range(N)]
+    groups = arrival_groups([info["groups"] for info in infos])
+    rebuilt = re.search(r"restart 1: preduce: (\d+) groups formed before the loss", job.text)
+    assert rebuilt, job.tail()
+    assert 0 < int(rebuilt.group(1)) < len(groups), (rebuilt.group(0), groups)
+    assert groups[-1] == tuple(range(N))
+    for who in ("server 0", "server 1", *(f"worker {r}" for r in range(N))):
+        assert f"{who}: rejoined the job with the restarted scheduler" in job.text, who
+    ref = simulated_steps(groups, steps)
+    for r in range(N):
+        local = load_npz(tmp_path / f"local-rank{r}.npz")
+        final = load_npz(tmp_path / f"final-rank{r}.npz")
+        for i in range(len(local)):
+            np.testing.assert_array_equal(local[f"p{i}"], ref.local_weights[r][i].asnumpy())
+            np.testing.assert_array_equal(final[f"p{i}"], ref.worker_weights[r][i].asnumpy())

@@ -276,6 +276,13 @@ class WorkerClient:
         msg = self.io.call_scheduler(P.Kind.BARRIER, meta, P.Kind.BARRIER)
         return int((msg.meta or {}).get("value", 0))
 
+    def record_policy_answers(self, record):
+        """``record.received(meta)`` takes each POLICY answer of the scheduler as it
+        arrives, and ``record.report()`` goes in a REJOIN (a restarted scheduler rebuilds
+        the policy's state from the workers': preduce's groups)."""
+        with self.requests.lock:
+            self.io.policy_record = record
+
     def ready(self, final=False):
         """preduce: report this worker's local step done (``final``: its last) and wait
         for the group the scheduler forms with it: (group number, member ranks)."""

@@ -70,6 +70,9 @@ class IOThread:
         # scheduler (cluster.scheduler_restarts, reregister.py)
         self._asked = {}
         self.chunks = ChunkRecord()   # dynamic data: told to a restarted scheduler
+        # the policy's record of the scheduler's POLICY answers (preduce's groups:
+        # sync/groups.py GroupRecord), fed as each arrives and told to a restarted one
+        self.policy_record = None
         self._stopping = False
         self._ready = threading.Event()
         addr = f"inproc://ssdsgd-wake-{id(self)}"
@@ -280,7 +283,10 @@ class IOThread:
 
     def _rejoin_fields(self):
         with self.requests.lock:      # the main thread records its requests under it
-            return {"chunks": self.chunks.report()}
+            fields = {"chunks": self.chunks.report()}
+            if self.policy_record is not None:
+                fields["policy"] = self.policy_record.report()
+            return fields
 
     def _send_queued(self, link, limit):
         """Send up to ``limit`` queued messages (None: all); True if some are left."""
@@ -339,6 +345,8 @@ class IOThread:
             self._asked.pop(msg.kind, None)
             if msg.kind == P.Kind.CHUNK:
                 self.chunks.answered(msg.meta)
+            if msg.kind == P.Kind.POLICY and self.policy_record is not None:
+                self.policy_record.received(msg.meta or {})
         fut.set_result(msg)
         return msg.kind == P.Kind.ACK
 

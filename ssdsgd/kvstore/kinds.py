@@ -147,6 +147,8 @@ META = {
                   "passed": (_PASSED, False),
                   # dynamic data: the chunks this worker got (chunk_record.py)
                   "chunks": ((F.optional(REPORT[0]), REPORT[1]), False),
+                  # the policy's own record (preduce's groups); the policy checks it
+                  "policy": (F.OBJ, False),
                   "restart": ((F.int_in(1, 100), "a restart number from 1 to 100"), False),
                   "waited": (_CLOCK, False)},
     Kind.TOPOLOGY: {"rank": (F.RANK, True), "num_workers": (F.COUNT, True),

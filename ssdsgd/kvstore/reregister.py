@@ -30,8 +30,9 @@ file (written before any server hears of it): they are not expected, and a secon
 server death ends the job as it would have. A quorum leader's decisions are numbered and
 sent again after the rebuild (``sync/decision_log.py``). Dynamic data's cursor is
 rebuilt from what each worker reports it got (``chunk_record.py``, ``Dealer.rebuild``).
-Preduce's groups live in the scheduler and are not rebuilt: refused with a restarted
-scheduler.
+Preduce's groups from what each worker was told of its own (``sync/groups.py``,
+``GroupRecord``, ``GroupGenerator.rebuild``), a group whose message some members lost
+being owed to them.
 """
 import time
 
@@ -77,6 +78,7 @@ class Rebuild:
         self.passed = {}      # connection -> {group: [passed, value]}
         self.asked = set()    # (connection, group): its first barrier since, answered
         self.chunks = {}      # worker rank -> the chunks it got (dynamic data), or None
+        self.policy = {}      # worker rank -> its policy's record (preduce's groups), or None
         self.gone = set()     # workers the launcher saw die (on_worker_failure: continue)
         self.done = False
 
@@ -106,6 +108,7 @@ class Rebuild:
         self.passed[ident] = dict(meta.get("passed") or {})
         if role == "worker":
             self.chunks[rank] = meta.get("chunks")     # dynamic data (chunk_record.py)
+            self.policy[rank] = meta.get("policy")     # preduce (sync/groups.py)
         return role, rank, role == "worker" and rank in self.finished
 
     def registered_again(self, meta):
@@ -243,6 +246,12 @@ class Rejoins:
                                        rebuild.finished - set(rebuild.chunks))
         except ChunkError as e:
             self._abort(f"restart {rebuild.restart}: dynamic data cannot go on: {e}")
+        if said:
+            self.log(f"restart {rebuild.restart}: {said}")
+        try:
+            said = self.policy.rebuild(rebuild.policy)
+        except self.policy.Error as e:
+            self._abort(f"restart {rebuild.restart}: the job's policy cannot go on: {e}")
         if said:
             self.log(f"restart {rebuild.restart}: {said}")
         if self.lost_decisions:       # the servers hold for a decision nobody will send

@@ -72,7 +72,8 @@ EVENTS = {
                "first": (F.STEP, True)}),      # the number of its first (decision_log.py)
     # preduce (docs/spec/preduce.md)
     "ready": (_WORKER_SCHEDULER, {"final": (F.BOOL, False)}),   # my local step is done
-    "group": (_SCHEDULER_WORKER, _MEMBERS),        # average with these members
+    "group": (_SCHEDULER_WORKER, dict(_MEMBERS, repeat=(F.BOOL, False),    # average with
+                                      final=(F.BOOL, False))),             # these members
     "average": (_WORKER_SERVER, _MEMBERS),         # my weights, for this group's average
 }
 

@@ -197,7 +197,10 @@ ALGORITHMS = {a.name: a for a in (
     Algorithm("preduce", "average", "local", doc="Prague's partial reduce: groups of ready "
               "workers average their models (docs/spec/preduce.md)", tested={
                   "checkpoint": "tests/test_preduce_cluster.py::"
-                                "test_preduce_with_per_epoch_checkpoints_finishes"},
+                                "test_preduce_with_per_epoch_checkpoints_finishes",
+                  "scheduler_restart": "tests/test_preduce_cluster.py::test_a_restarted_"
+                                       "scheduler_rebuilds_the_groups_and_the_weights_are_"
+                                       "the_simulators"},
               refused={
                   "compression": "it averages weights and pushes no gradients",
                   "relay": "no test runs a relayed partial reduce",
@@ -207,8 +210,6 @@ ALGORITHMS = {a.name: a for a in (
                   "restart": "no test restarts a partial reduce, where each worker "
                              "keeps a model of its own",
                   "continue": "a group could wait for the dead worker; no test runs it",
-                  "scheduler_restart": "its groups are formed at the scheduler, and a "
-                                       "restarted scheduler does not rebuild them",
                   "resume": "no test resumes a partial reduce, where each worker keeps a "
                             "model of its own",
                   "replicas": "a group's average is not sent to a backup"}),

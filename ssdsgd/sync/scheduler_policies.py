@@ -20,7 +20,8 @@ passes ``make_scheduler_policy`` to the scheduler: the transport names no policy
 from ..settings import quorum_rounds
 from . import events
 from .events import PolicyError
-from .groups import GroupError, GroupGenerator
+from .. import fields as F
+from .groups import REPORT, GroupError, GroupGenerator
 
 
 class RelayRounds:
@@ -38,6 +39,10 @@ class RelayRounds:
 
     def barrier_released(self):
         pass
+
+    def rebuild(self, reports):
+        """Its decisions are server 0's, sent again by it (decision_log.py)."""
+        return None
 
 
 class FormGroups:
@@ -58,14 +63,28 @@ class FormGroups:
     def barrier_released(self):
         self.groups.barrier_released()
 
+    def rebuild(self, reports):
+        """A restarted scheduler: the generator from the workers' group reports."""
+        for rank, report in reports.items():
+            if report is not None and not REPORT[0](report):
+                raise PolicyError(f"worker {rank}'s report of its groups must be "
+                                  f"{REPORT[1]}, got {F.short(report)}")
+        try:
+            return self.groups.rebuild(reports)
+        except GroupError as e:
+            raise PolicyError(str(e)) from None
+
     def _formed(self, event, *args):
         try:
             formed = event(*args)
         except GroupError as e:
             raise PolicyError(str(e)) from None
-        return [("workers", list(group.members),
-                 events.message("group", group=group.number, members=list(group.members)))
-                for group in formed]
+        out = []
+        for group in formed:
+            payload = group.message()
+            events.read(payload)
+            out.append(("workers", list(group.to or group.members), payload))
+        return out
 
 
 class SchedulerPolicy:
@@ -90,6 +109,12 @@ class SchedulerPolicy:
     def barrier_released(self):
         for part in self.parts:
             part.barrier_released()
+
+    def rebuild(self, reports):
+        """A restarted scheduler's parts from the workers' reports (rank -> their group
+        report, or None); what each rebuilt, one line (None: nothing to say)."""
+        said = [line for part in self.parts if (line := part.rebuild(reports))]
+        return "; ".join(said) or None
 
 
 def make_scheduler_policy(env):

@@ -42,6 +42,7 @@ from .preduce import PreduceSteps
 from ..kvstore.compression import Compression, measure_codecs
 from ..sync.auto import CodecCost, Schedule
 from ..sync.events import PolicyError, reply_fields
+from ..sync.groups import GroupRecord
 from ..sync.stage import Stage, delays_pulls, steps_ahead_bound, syncs_periodically
 from ..timeline import RECORDER as TIMELINE, now
 
@@ -101,6 +102,8 @@ class StageMachine:
             client.num_workers if getattr(client, "relays", None) else 0),
             on_choice=self._take_choice)
         self.preduce = PreduceSteps(client, self.keys, self.counts)
+        if env.algorithm == "preduce":     # what it was told, for a restarted scheduler
+            client.record_policy_answers(GroupRecord(client.rank))
         self.periodic = (PeriodicSync(client, self.keys, self.counts, env)
                          if syncs_periodically(env.algorithm) else None)
         self.deferred = DeferredSteps(client, self.keys)   # steps queued on MXNet's engine

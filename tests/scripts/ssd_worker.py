@@ -28,6 +28,8 @@ p.add_argument("--load", default=None, help="directory with params/states to res
 p.add_argument("--custom-optimizer", action="store_true")
 p.add_argument("--stop-at", type=int, default=-1, help="rank 1 SIGSTOPs itself at this step")
 p.add_argument("--compression", default=None, help="JSON: the Trainer's compression_params")
+p.add_argument("--mark-at", type=int, default=-1, help="each worker writes the file "
+               "at-step-T-rank<R> into --out before its step T (a test's cue)")
 p.add_argument("--delays", default="{}", help='JSON {rank: seconds}: sleep before each step '
                "(a straggler whose lateness fixes the arrival order)")
 args = p.parse_args()
@@ -62,6 +64,8 @@ if args.delays != "{}":
     trainer._init_kvstore()
 for t in range(args.start_step, args.start_step + args.steps):
     time.sleep(delay)
+    if t == args.mark_at:
+        open(os.path.join(args.out, f"at-step-{t}-rank{rank}"), "w").close()
     if t == args.stop_at and rank == 1:
         print("rank 1 stops (SIGSTOP): alive but silent, like a hung machine", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
