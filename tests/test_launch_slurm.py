@@ -18,7 +18,7 @@ from slurm_cluster import SlurmCluster, unavailable
 from ssdsgd.testing import clean_env
 from test_e2e_configs import ROOT, run_dir_of
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.xdist_group("slurm")]   # one test Slurm at a time
 REASON = unavailable()
 if REASON:
     pytest.skip(f"test Slurm unavailable: {REASON}", allow_module_level=True)
