@@ -21,11 +21,19 @@ pytestmark = pytest.mark.system
 N, STEPS, SLOW, DELAY = 4, 6, 3, 1.0
 
 
-def simulated(groups):
-    return simulated_steps(groups, STEPS)
+def assert_the_simulators_weights(out, groups, steps):
+    """Every worker's weights before and after the final group (``out``'s files) are
+    exactly the simulator's for ``groups`` over ``steps`` steps."""
+    ref = simulated(groups, steps)
+    for r in range(N):
+        local = load_npz(out / f"local-rank{r}.npz")
+        final = load_npz(out / f"final-rank{r}.npz")
+        for i in range(len(local)):
+            np.testing.assert_array_equal(local[f"p{i}"], ref.local_weights[r][i].asnumpy())
+            np.testing.assert_array_equal(final[f"p{i}"], ref.worker_weights[r][i].asnumpy())
 
 
-def simulated_steps(groups, steps):
+def simulated(groups, steps=STEPS):
     net = tiny.make_net()
     params = tiny.params(net)
     init = {i: p.data().copy() for i, p in enumerate(params)}
@@ -61,13 +69,7 @@ def test_a_late_worker_does_not_hold_groups_up_and_the_weights_are_the_simulator
     assert SLOW not in set().union(*groups[:2]), groups
     assert groups[-1] == tuple(range(N))
     assert all(len(g) == 2 for g in groups[:STEPS]), groups
-    ref = simulated(groups)
-    for r in range(N):
-        local = load_npz(tmp_path / f"local-rank{r}.npz")
-        final = load_npz(tmp_path / f"final-rank{r}.npz")
-        for i in range(len(local)):
-            np.testing.assert_array_equal(local[f"p{i}"], ref.local_weights[r][i].asnumpy())
-            np.testing.assert_array_equal(final[f"p{i}"], ref.worker_weights[r][i].asnumpy())
+    assert_the_simulators_weights(tmp_path, groups, STEPS)
     assert any(not np.array_equal(load_npz(tmp_path / "local-rank0.npz")["p0"],
                                   load_npz(tmp_path / f"local-rank{r}.npz")["p0"])
                for r in range(1, N)), "each worker keeps its own model"
@@ -194,10 +196,4 @@ def test_a_restarted_scheduler_rebuilds_the_groups_and_the_weights_are_the_simul
     assert groups[-1] == tuple(range(N))
     for who in ("server 0", "server 1", *(f"worker {r}" for r in range(N))):
         assert f"{who}: rejoined the job with the restarted scheduler" in job.text, who
-    ref = simulated_steps(groups, steps)
-    for r in range(N):
-        local = load_npz(tmp_path / f"local-rank{r}.npz")
-        final = load_npz(tmp_path / f"final-rank{r}.npz")
-        for i in range(len(local)):
-            np.testing.assert_array_equal(local[f"p{i}"], ref.local_weights[r][i].asnumpy())
-            np.testing.assert_array_equal(final[f"p{i}"], ref.worker_weights[r][i].asnumpy())
+    assert_the_simulators_weights(tmp_path, groups, steps)
