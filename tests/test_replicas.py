@@ -3,6 +3,7 @@
 its keys within seconds, no process is restarted, and the job ends with the weights of
 the uninterrupted job. In process: what a server and the scheduler refuse of the
 replicas' messages."""
+import json
 import os
 import random
 import re
@@ -336,3 +337,54 @@ def test_a_killed_server_of_a_compressed_or_staggered_job_is_replaced_as_if_unin
     assert after == {r: p for r, p in before.items() if r != ("server", victim)}
     assert "restart" not in job.stdout
     assert_same(run, reference)
+
+
+def _continued_run(out, replicas):
+    """tests/scripts/join_worker.py on 3 workers, ssgd, on_worker_failure continue: worker
+    2 SIGKILLs itself before step 5 (every step before it applied); the two others wait
+    before step 8 until the test lets them go. With ``replicas``: 2 servers, each the
+    other's backup, and server 0 SIGKILLed while they wait. The two workers' weights."""
+    from conftest import load_npz
+    from jobs import dist, launch_args
+    go, run_dir = out / "go", out / "run"
+    run_dir.mkdir(parents=True)
+    env = {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_ON_WORKER_FAILURE": "continue",
+           "SSDSGD_PULL_RELAY": "off", "SSDSGD_BIGARRAY_BOUND": 100,
+           "SSDSGD_HEARTBEAT_INTERVAL": 0.2, "SSDSGD_HEARTBEAT_TIMEOUT": 1}
+    if replicas:
+        env["SSDSGD_SERVER_REPLICAS"] = 1
+    job = dist(["--run-dir", run_dir, *launch_args(
+        3, 2 if replicas else 1, ["--out", out, "--per-epoch", 9, "--epochs", 4,
+                                  "--wait-at", 8, "--go", go, "--die-at", 5, "--die-rank", 2],
+        env=env, script="join_worker.py")])
+    with job:
+        for r in (0, 1):
+            job.wait_for(f"rank {r} waits before step 8", 60)
+        job.wait_for("the job continues without it", 60)
+        if replicas:
+            before = roles(job)
+            os.kill(before[("server", 0)], signal.SIGKILL)
+            job.wait_for("server 1 owns its keys from now on", 60)
+            assert roles(job) == {r: p for r, p in before.items() if r != ("server", 0)}
+        go.touch()
+        assert job.wait(90) == 0, job.tail()
+    assert "restart" not in job.text
+    records = [json.loads((out / f"chunks-rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["removed"] == {"2": 5} for r in records), records
+    return [(load_npz(out / f"local-rank{r}.npz"), load_npz(out / f"final-rank{r}.npz"))
+            for r in (0, 1)]
+
+
+@pytest.mark.system
+def test_a_dead_worker_then_a_dead_server_end_as_the_worker_alone_would(tmp_path):
+    """server_replicas: 1 beside on_worker_failure: continue: worker 2 dies, and both
+    servers (each holding its own keys and the other's) aggregate without it from step
+    5; then server 0 is SIGKILLed and its backup owns its keys. The two workers end bit
+    for bit as in the job with one server and only the worker's death."""
+    reference = _continued_run(tmp_path / "one-server", replicas=False)
+    got = _continued_run(tmp_path / "replicas", replicas=True)
+    for (ref_local, ref_final), (local, final_) in zip(reference, got):
+        assert ref_local.keys() == local.keys() and len(local) > 0
+        for key in ref_local:
+            assert (ref_local[key] == local[key]).all(), key
+            assert (ref_final[key] == final_[key]).all(), key

@@ -137,7 +137,6 @@ _SCHED_RESUMED = _SCHED + "test_a_job_restarted_from_its_checkpoint_survives_its
 _SCHED_PERIODIC = _SCHED + "test_a_model_averaging_job_survives_its_schedulers_death"
 _REPLICAS = ("tests/test_replicas.py::"
              "test_a_killed_server_is_replaced_by_its_backup_and_the_job_ends_as_if_uninterrupted")
-_NO_REPLICAS = "no test runs it beside a server's backup; use cluster.server_replicas: 0"
 _ASGD_DIVERGES = ("a digits job resumed while its workers ran at different speeds "
                   "diverged; not supported until that is mended")
 _NO_PERIOD = "every step waits for its weights: there is no pull period to stagger"
@@ -246,7 +245,6 @@ CONFLICTS = {
                             "the same pull burst (docs/spec/pull_relay.md)",
     ("replicas", "relay"): "a relayed reply is not sent to a backup",
     ("replicas", "quorum"): "a backup does not replay the leader's rounds",
-    ("replicas", "continue"): _NO_REPLICAS,
 }
 # Every other pair of features is run together by a named test (tests/test_combinations.py
 # checks that each of the 45 pairs is here or in CONFLICTS, and that each test exists).
@@ -286,6 +284,8 @@ TESTED_PAIRS = {
     ("replicas", "checkpoint"): _REPLICAS,
     ("replicas", "restart"): _REPLICAS_RESTART, ("replicas", "resume"): _REPLICAS_RESTART,
     ("replicas", "compression"): _REPLICAS_CODED, ("replicas", "staggered"): _REPLICAS_CODED,
+    ("replicas", "continue"): "tests/test_replicas.py::test_a_dead_worker_then_a_dead_"
+                              "server_end_as_the_worker_alone_would",
 }
 
 
