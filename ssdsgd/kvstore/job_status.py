@@ -87,11 +87,12 @@ def read_lost(path, restart):
             data = json.load(f)
     except (OSError, ValueError, TypeError):
         return [], []
-    if not isinstance(data, dict) or data.get("restart") != restart or not all(
-            isinstance(data.get(k, []), list) and all(_rank(r) for r in data.get(k, []))
-            for k in ("lost", "workers")) or not isinstance(data.get("lost"), list):
+    if not isinstance(data, dict) or data.get("restart") != restart:
         return [], []
-    return data["lost"], data.get("workers", [])
+    servers, workers = data.get("lost"), data.get("workers", [])
+    if not all(isinstance(v, list) and all(_rank(r) for r in v) for v in (servers, workers)):
+        return [], []
+    return servers, workers
 
 
 def read(path):

@@ -112,11 +112,11 @@ class StallWatch:
             return None
         if any(now - w.since <= self.timeout for w in self.workers.values()):
             return None
-        waits = [(w.oldest[1], rank, w.oldest[0])
-                 for rank, w in self.workers.items() if w.oldest]
-        if not waits or now - min(waits)[0] <= self.timeout:
+        sent, rank, server = min(((w.oldest[1], rank, w.oldest[0])
+                                  for rank, w in self.workers.items() if w.oldest),
+                                 default=(now, None, None))
+        if now - sent <= self.timeout:
             return None
-        sent, rank, server = min(waits)
         return StuckServer(server, rank, now - sent,
                            min(w.progress for w in self.workers.values()))
 

@@ -40,8 +40,8 @@ class Requests:
         self._futures = {}
         self._control = {}
         self._reply_from = {}
-        self._server_of = {}     # request id -> (server, copied to its backup)
-        self._sent = {}          # request id -> (server, when), oldest first (liveness.py)
+        # request id -> (server, copied to its backup, when sent), oldest first
+        self._server_of = {}
         self._req = itertools.count(1)
 
     def check_open(self):
@@ -63,8 +63,7 @@ class Requests:
         with self.lock:
             self._futures[req] = fut
             if server is not None:
-                self._server_of[req] = (server, copied)
-                self._sent[req] = (server, time.monotonic())
+                self._server_of[req] = (server, copied, time.monotonic())
             if relayed_from is not None:
                 self._reply_from[req] = relayed_from
         return fut
@@ -91,7 +90,6 @@ class Requests:
             fut = self._futures.pop(msg.req, None)
             self._reply_from.pop(msg.req, None)
             self._server_of.pop(msg.req, None)
-            self._sent.pop(msg.req, None)
         if fut is None:
             if msg.kind == P.Kind.ERROR:   # refused a message that wanted no reply
                 raise JobAborted(f"server {server} refused a message of this worker: "
@@ -107,19 +105,18 @@ class Requests:
         the heartbeat's ``oldest``, which tells the scheduler which server the worker
         waits for when no worker moves (liveness.py)."""
         with self.lock:
-            first = next(iter(self._sent.values()), None)
-        return None if first is None else [first[0], time.monotonic() - first[1]]
+            first = next(iter(self._server_of.values()), None)
+        return None if first is None else [first[0], time.monotonic() - first[2]]
 
     def server_lost(self, server, error):
         """``server`` died and its backup took over: the requests it was sent that its
         backup got no copy of get ``error``; the backup answers the others."""
         with self.lock:
-            lost = [req for req, (s, copied) in self._server_of.items()
+            lost = [req for req, (s, copied, _) in self._server_of.items()
                     if s == server and not copied]
             futures = [self._futures.pop(req, None) for req in lost]
             for req in lost:
                 self._server_of.pop(req, None)
-                self._sent.pop(req, None)
         for fut in futures:
             if fut is not None and not fut.done():
                 fut.set_exception(error)
@@ -141,7 +138,7 @@ class Requests:
     def _fail_waiting(self, exc):
         with self.lock:
             futures = list(self._futures.values()) + list(self._control.values())
-            self._futures, self._control, self._sent = {}, {}, {}
+            self._futures, self._control, self._server_of = {}, {}, {}
         for fut in futures:
             if not fut.done():
                 fut.set_exception(exc)

@@ -78,7 +78,7 @@ class Rebuild:
         self.passed = {}      # connection -> {group: [passed, value]}
         self.asked = set()    # (connection, group): its first barrier since, answered
         self.chunks = {}      # worker rank -> the chunks it got (dynamic data), or None
-        self.policy = {}      # worker rank -> its policy's record (preduce's groups), or None
+        self.policy_reports = {}   # worker rank -> its policy's record (preduce's), or None
         self.gone = set()     # workers the launcher saw die (on_worker_failure: continue)
         self.done = False
 
@@ -108,7 +108,7 @@ class Rebuild:
         self.passed[ident] = dict(meta.get("passed") or {})
         if role == "worker":
             self.chunks[rank] = meta.get("chunks")     # dynamic data (chunk_record.py)
-            self.policy[rank] = meta.get("policy")     # preduce (sync/groups.py)
+            self.policy_reports[rank] = meta.get("policy")    # preduce (sync/groups.py)
         return role, rank, role == "worker" and rank in self.finished
 
     def registered_again(self, meta):
@@ -249,7 +249,7 @@ class Rejoins:
         if said:
             self.log(f"restart {rebuild.restart}: {said}")
         try:
-            said = self.policy.rebuild(rebuild.policy)
+            said = self.policy.rebuild(rebuild.policy_reports)
         except self.policy.Error as e:
             self._abort(f"restart {rebuild.restart}: the job's policy cannot go on: {e}")
         if said:

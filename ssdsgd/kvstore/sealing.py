@@ -137,11 +137,9 @@ class Channel:
         self.opened = 0        # the largest counter opened
         self._buffers = _Buffers()
 
-    def keeps_buffers(self, keeps):
-        """False: big frames are sealed into fresh buffers only, and the kept ones go."""
-        self._buffers.keeps = keeps
-        if not keeps:
-            self._buffers.kept = []
+    def stop_keeping(self):
+        """Big frames are sealed into fresh buffers from now on, and the kept ones go."""
+        self._buffers.keeps, self._buffers.kept = False, []
 
     def seal(self, frames):
         """``[counter of the first frame, sealed frame, ...]``: a small frame's ciphertext
@@ -244,7 +242,7 @@ class BinderChannels:
         still sealed, into a fresh buffer, and frames in flight keep their own."""
         channel = self.by_id.get(ident)
         if channel is not None:
-            channel.keeps_buffers(False)
+            channel.stop_keeping()
 
 
 class PlainBinder:

@@ -212,12 +212,8 @@ class GroupGenerator:
                 if rep and rep["last"] is not None and rep["last"][0] >= number:
                     continue
                 self.owed[m] = group          # formed, its message to m lost
-                self.last[m] = group.members
-                self.repeats[m] = self.repeats.get(m, 0) + 1 if group.repeat else 0
-            for a in group.members:
-                for b in group.members:
-                    if a < b:
-                        self.met[(a, b)] = max(self.met.get((a, b), -1), number)
+                self._joins(m, group)
+            self._meet(group)
         self.formed = max(known) + 1 if known else 0
         self.done = any(g.final for g in known.values())
         owed = "; ".join(f"worker {r} is owed group {g.number}"
@@ -245,19 +241,26 @@ class GroupGenerator:
         return known
 
     def _record(self, members, final):
-        repeat = self._repeat(members)
-        group = Group(self.formed, members, final, repeat)
+        group = Group(self.formed, members, final, self._repeat(members))
         self.formed += 1
         for m in members:
-            self.repeats[m] = self.repeats.get(m, 0) + 1 if repeat else 0
-            self.last[m] = members
+            self._joins(m, group)
             if m in self.ready:
                 self.ready.remove(m)
-        for a in members:
-            for b in members:
-                if a < b:
-                    self.met[(a, b)] = group.number
+        self._meet(group)
         return group
+
+    def _joins(self, rank, group):
+        """Worker ``rank`` is in ``group``: its last group, and its repeats in a row."""
+        self.repeats[rank] = self.repeats.get(rank, 0) + 1 if group.repeat else 0
+        self.last[rank] = group.members
+
+    def _meet(self, group):
+        """Every pair of ``group``'s members last met in it (or later)."""
+        for a in group.members:
+            for b in group.members:
+                if a < b:
+                    self.met[(a, b)] = max(self.met.get((a, b), -1), group.number)
 
 
 def replay(arrivals, num_workers, group_size, steps):
