@@ -358,3 +358,57 @@ def test_a_scheduler_restarted_while_a_join_was_decided_ends_the_job_naming_it(t
             _rejoin_all(sched)
     finally:
         sched.close()
+
+
+@pytest.fixture
+def replicated():
+    """A started ssgd job of 2 servers with cluster.server_replicas: 1, 3 workers,
+    on_worker_failure: continue; its sends and log lines."""
+    lines = []
+    sched = _scheduler(3, log=lines.append, SSDSGD_NUM_SERVERS="2",
+                       SSDSGD_SERVER_REPLICAS="1", SSDSGD_ON_WORKER_FAILURE="continue")
+    sent = []
+    sched._send = lambda ident, kind, meta=None, req=0: sent.append((ident, kind, meta))
+    for s in (0, 1):
+        sched._register(b"s%d" % s, {"role": "server", "host": "127.0.0.1"}, None)
+    for r in range(3):
+        sched._register(b"w%d" % r, {"role": "worker", "rank": r,
+                                     "routing_id": f"{r + 1:02x}" * 8}, None)
+    servers = sorted((n["rank"], i) for i, n in sched.nodes.items() if n["role"] == "server")
+    with socket.create_server(("127.0.0.1", 0)) as p0, \
+            socket.create_server(("127.0.0.1", 0)) as p1:
+        sched._listen(b"w0", sched.nodes[b"w0"], {})
+        for (_, ident), port in zip(servers, (p0, p1)):
+            sched._listen(ident, sched.nodes[ident], {"port": port.getsockname()[1]})
+    sent.clear()
+    yield sched, sent, lines, [ident for _, ident in servers]
+    sched.close()
+
+
+@pytest.mark.parametrize("change", ["leave", "join", "removal"])
+def test_a_server_lost_while_a_change_is_decided_leaves_the_decision_to_the_others(
+        replicated, change):
+    """cluster.server_replicas: 1: a server that dies after the scheduler asked every
+    server to hold for a join or a departure, or for a dead worker's first missing step,
+    and before it answered. Its backup saw the same pushes (the workers copy every
+    request to it) and answers for the keys it now owns, so the others' answers decide.
+    Before, the decision waited for the dead server's answer for ever (a host the
+    discovery script dropped, worker and server together: the job stood still)."""
+    sched, sent, lines, (s0, s1) = replicated
+    if change == "leave":
+        _leave(sched, b"a1", 1)
+        kind, meta, told = P.Kind.LEAVE, {"leaving": 1, "next_step": 4}, (b"s0", 5)
+    elif change == "join":
+        _join(sched, b"j3", 3)
+        kind, meta, told = P.Kind.JOIN, {"joined": 3, "next_step": 4}, (b"j3", 5)
+    else:
+        sched._failed(b"w2", "worker 2 sent no heartbeat")
+        kind, meta, told = P.Kind.MEMBERSHIP, {"removed": 2, "next_step": 4}, (b"w0", 4)
+    assert sorted(i for i, _ in _to(sent, kind)) == sorted([s0, s1])   # both asked
+    sched._handle(s0, P.Message(kind, meta=meta), None)
+    assert not [m for _, m in _to(sent, kind) if "from_step" in m]      # s1 still owes
+    sched._failed(s1, "server 1 sent no heartbeat")
+    assert (s0, P.Kind.PROMOTE, {"dead": 1, "owner": 0}) in sent
+    decided = {i: m["from_step"] for i, m in _to(sent, kind) if "from_step" in m}
+    assert decided.get(told[0]) == told[1] and decided.get(s0) == told[1], (sent, lines)
+    assert s1 not in decided

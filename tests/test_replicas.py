@@ -70,6 +70,35 @@ def test_a_killed_server_is_replaced_by_its_backup_and_the_job_ends_as_if_uninte
 
 
 @pytest.mark.system
+def test_a_server_its_launcher_saw_die_is_replaced_without_waiting_for_heartbeats(
+        tmp_path, uninterrupted_digits):
+    """With the default heartbeat timeout (30 s) the scheduler does not wait for a
+    SIGKILLed server's heartbeats to stop: the launcher saw its process exit and says so
+    (job_status.write_lost), and its backup owns its keys within seconds. Before, the
+    job stood still for the heartbeat timeout."""
+    reference = final(uninterrupted_digits("ssgd"))
+    step, victim = kill_step("replicas-launcher-saw"), 1
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *digits_job("ssgd"),
+                *sets(cluster__servers=2, cluster__server_replicas=1, output__dir=root)]) as job:
+        run = wait_for_step(job, root, step)
+        os.kill(roles(job)[("server", victim)], signal.SIGKILL)
+        killed_at = time.time()
+        line = job.wait_for(lambda: FIRST_APPLY.search(job.text), 60,
+                            "the new owner's first step")
+        assert job.wait(timeout=300) == 0, job.stdout[-3000:]
+    recovery = float(line.group(4)) - killed_at
+    print(f"server {victim} killed after step {step}; its backup applied a step as the "
+          f"owner {recovery:.2f} s later (heartbeat timeout 30 s)")
+    assert 0 < recovery <= 5.0
+    assert re.search(rf"server {victim} \(pid \d+ on [^)]*\): its process exited \(its "
+                     r"launcher saw it\); server 0 owns its keys from now on", job.stdout), \
+        job.stdout[-3000:]
+    assert "presumed dead" not in job.stdout
+    assert_same(run, reference)
+
+
+@pytest.mark.system
 def test_a_replicas_job_is_restarted_from_its_checkpoint_as_if_uninterrupted(
         tmp_path, uninterrupted_digits):
     """--max-restarts with replicas: the scheduler (which no replica replaces) SIGKILLed;

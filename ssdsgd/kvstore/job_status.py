@@ -61,12 +61,15 @@ def _replace(path, data):
         pass    # the launcher then judges by exit codes alone, as before
 
 
-# The other way, launcher to scheduler: the servers the launcher saw die while a restarted
-# scheduler rebuilds the job (cluster.server_replicas), and the workers but rank 0
-# (cluster.on_worker_failure: continue). Servers it saw before the restart are in
-# SSDSGD_SERVERS_LOST too; a later death (two processes of a lost host exit at different
-# moments, a remote host's connection drops later) would otherwise be waited for until
-# the rebuild's deadline.
+# The other way, launcher to scheduler: the servers the launcher saw die
+# (cluster.server_replicas) and the workers but rank 0 (cluster.on_worker_failure:
+# continue), for the scheduler in force. It acts on them within a turn instead of after
+# its heartbeat timeout (30 s by default): a running scheduler hands a dead server's keys
+# to its backup, and a restarted one that rebuilds the job does not wait for them until
+# the rebuild's deadline (two processes of a lost host exit at different moments, a
+# remote host's connection drops later). Servers seen dead before a restart are in
+# SSDSGD_SERVERS_LOST too: the file is on the launcher's host, the environment variable
+# reaches a scheduler on another.
 def lost_path(path):
     return f"{path}.servers-lost"
 

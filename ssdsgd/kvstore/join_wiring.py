@@ -150,9 +150,20 @@ class Joins:
 
     def _decide_waiting(self):
         """After an agreement: the joins and departures whose step waited for it."""
+        self._announce_decided(lambda decider: decider.settle())
+
+    def _decide_without(self, server):
+        """Server ``server`` died (cluster.server_replicas): the joins and departures that
+        waited for its answer are decided by the others' (its backup saw the same pushes
+        and holds for the keys it takes)."""
+        self._announce_decided(lambda decider: decider.forget(server))
+
+    def _announce_decided(self, decisions):
+        """Announce and record what ``decisions(decider)`` decides of joins, then of
+        departures."""
         for decider, kind, done in ((self.admissions, P.Kind.JOIN, self._joined),
                                     (self.departures, P.Kind.LEAVE, self._left)):
-            for decision in decider.settle() if decider else ():
+            for decision in decisions(decider) if decider else ():
                 self._announce(kind, decision[decider.field], decision)
                 done(decision)
 

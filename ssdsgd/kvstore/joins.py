@@ -111,6 +111,14 @@ class Admissions:
             raise JoinError(f"worker {rank} is {self._doing} already")
         self.pending[rank] = {"waiting": set(servers), "step": 0}
 
+    def forget(self, server):
+        """Server ``server`` died (cluster.server_replicas: its backup, which saw the same
+        pushes, answers for the keys it takes): no change waits for it any more. The
+        decisions that completes, in rank order."""
+        for change in self.pending.values():
+            change["waiting"].discard(server)
+        return self.settle()
+
     def answer(self, server, meta):
         """Server ``server``'s answer ``{joined | leaving, next_step}``; the decision
         ``{joined | leaving, from_step}`` once every server has answered, else None."""

@@ -16,6 +16,19 @@ class Removals:
         """Worker ``rank`` is dead; ``servers`` (the scheduler's connections) are asked."""
         self.pending[rank] = {"waiting": set(servers), "step": None}
 
+    def forget(self, server):
+        """Server ``server`` died (cluster.server_replicas: its backup, which saw the same
+        pushes, answers for the keys it takes): no removal waits for it any more. The
+        decisions that completes (removals some other server has answered)."""
+        out = []
+        for rank, removal in sorted(self.pending.items()):
+            if server not in removal["waiting"]:
+                continue                 # answered, or decided already
+            removal["waiting"].discard(server)
+            if not removal["waiting"] and removal["step"] is not None:
+                out.append({"removed": rank, "from_step": removal["step"]})
+        return out
+
     def answer(self, server, meta):
         """Server ``server``'s MEMBERSHIP answer ``{removed, next_step}``; the decision
         ``{removed, from_step}`` once every server has answered, else None."""

@@ -4,8 +4,9 @@ The scheduler is ps-lite's Postoffice in one process: every server and worker re
 with it, receives its rank and every server's address once all have arrived, and then sends
 a heartbeat every ``heartbeat_interval``. A node silent for ``heartbeat_timeout`` is
 presumed dead: the scheduler tells every other node to abort, naming it, and exits
-non-zero, so nothing waits forever on a dead peer. When every worker has finished it tells
-the servers to shut down and exits 0.
+non-zero, so nothing waits forever on a dead peer. A process its launcher saw exit is
+acted on within a turn instead (``job_status.write_lost``). When every worker has
+finished it tells the servers to shut down and exits 0.
 
 What a synchronization mode needs of the scheduler besides (a quorum's relayed decisions,
 preduce's groups) is its policy's (``ssdsgd/sync/scheduler_policies.py``), carried in
@@ -32,6 +33,8 @@ from .liveness import StallWatch, failed
 from .startup import Startup, StartupError
 from .topology import (assign_ranks, by_rank, job_limit, node_name, reachable_or_why,
                        record, registration, topology, unreachable)
+
+LOST_READ_S = 0.25      # how often the launcher's list of dead processes is read
 
 
 class JobAborted(RuntimeError):
@@ -114,6 +117,7 @@ class Scheduler(reregister.Rejoins, Joins):
         self.policy = make_policy(env)
         self.stalls = StallWatch(env.stall_timeout)
         self.left = set()         # workers removed (on_worker_failure: continue)
+        self._lost_read = 0.0     # when the launcher's list of dead processes was read
         self.rebuild = reregister.begin(env, self.counts, self.log)
         self.layout = None        # the topology every node heard (a joiner hears it too)
         self._init_joins(join_boundary)
@@ -396,14 +400,18 @@ class Scheduler(reregister.Rejoins, Joins):
         except RemovalError as e:
             raise P.ProtocolError(str(e)) from None
         if commit is not None:
-            self.left.add(commit["removed"])   # a restarted scheduler expects it until
-            self._record()                     # then: it fails the job, rather than hang
-            for i in self.nodes:
-                self._send(i, P.Kind.MEMBERSHIP, commit)
-            self.log(f"worker {commit['removed']} left the job; the servers aggregate the "
-                     f"remaining {len(self._members('worker'))} workers from step "
-                     f"{commit['from_step']}")
-            self._dead_departs(commit["removed"])
+            self._removed(commit)
+
+    def _removed(self, commit):
+        """Every node hears the step from which a dead worker is out."""
+        self.left.add(commit["removed"])   # a restarted scheduler expects it until
+        self._record()                     # then: it fails the job, rather than hang
+        for i in self.nodes:
+            self._send(i, P.Kind.MEMBERSHIP, commit)
+        self.log(f"worker {commit['removed']} left the job; the servers aggregate the "
+                 f"remaining {len(self._members('worker'))} workers from step "
+                 f"{commit['from_step']}")
+        self._dead_departs(commit["removed"])
 
     def _serve_one(self):
         """Read and handle one message; nothing a peer sends stops the scheduler (only a
@@ -460,9 +468,28 @@ class Scheduler(reregister.Rejoins, Joins):
                 time.sleep(0.2)
                 self.log("all workers finished; job done")
                 return 0
-            for ident, why in failed(self.nodes, self.barriers.waiting, self.stalls, env, now):
+            for ident, why in (failed(self.nodes, self.barriers.waiting, self.stalls, env, now)
+                               + self._seen_dead(now)):
                 if ident in self.nodes:       # not removed by an earlier one of this turn
                     self._failed(ident, why)
+
+    def _seen_dead(self, now):
+        """The nodes whose process the launcher saw exit (job_status.write_lost), acted on
+        as failed at once, not after the heartbeat timeout: a dead server's backup takes
+        its keys (cluster.server_replicas), a dead worker leaves (on_worker_failure:
+        continue). Read at most every LOST_READ_S; nothing without a status file (a
+        scheduler on another host than its launcher)."""
+        if not self.env.status_file or now - self._lost_read < LOST_READ_S:
+            return []
+        self._lost_read = now
+        servers, workers = job_status.read_lost(self.env.status_file,
+                                                self.env.scheduler_restart)
+        dead = ({("server", r) for r in servers if self.env.server_replicas}
+                | {("worker", r) for r in workers
+                   if r and self.env.on_worker_failure == "continue"})
+        return [(ident, f"{node_name(n)}: its process exited (its launcher saw it)")
+                for ident, n in self.nodes.items()
+                if (n["role"], n["rank"]) in dead and not n["finished"]]
 
     def _failed(self, ident, why):
         """A node is dead or stuck: it leaves (cluster.on_worker_failure: continue, a
@@ -487,6 +514,11 @@ class Scheduler(reregister.Rejoins, Joins):
         self._send(ident, P.Kind.ABORT, {"reason": f"{why}; its backup takes its keys"})
         del self.nodes[ident]
         self._hand_over(dead, why)
+        # what waited for its answer is decided by the others' (its backup saw the same
+        # pushes and answered for the keys it takes)
+        for commit in self.removals.forget(ident):
+            self._removed(commit)
+        self._decide_without(ident)
 
     def _hand_over(self, dead, why):
         """Server ``dead``'s keys to its backup (or the job ends, saying why none can)."""

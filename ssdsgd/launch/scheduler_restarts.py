@@ -70,16 +70,18 @@ class SchedulerRestarts:
                      for kind in ("server", "worker"))
 
     def poll(self, procs):
-        """While the restarted scheduler rebuilds: the servers seen dead since it started,
-        told (job_status.write_lost). Once it says every node is back: one line, what
-        happened and how long it took."""
-        if self.pending is None:
-            return
-        restart, died = self.pending
+        """Every turn: the servers and workers seen dead since the scheduler in force
+        started, told to it (job_status.write_lost, for its restart number: 0 for the
+        first), so that it acts on them at once rather than after its heartbeat timeout;
+        a restarted one reads them while it rebuilds too. Once a restarted scheduler says
+        every node is back: one line, what happened and how long it took."""
         dead = _dead(procs)
         if dead - self.told:
             self.told |= dead
-            job_status.write_lost(self.status.path, restart, *self._ranks())
+            job_status.write_lost(self.status.path, self.used, *self._ranks())
+        if self.pending is None:
+            return
+        restart, died = self.pending
         rebuilt = self.status.read().get("rebuilt") or {}
         if rebuilt.get("restart") != restart:
             return
