@@ -452,8 +452,10 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     on; a host that appears (the third, in no hostfile) gets a joining worker; when it
     disappears its worker leaves the job at a step every worker hears of in time, the
     other two train its chunks from then on. Then the job's own hosts go too: worker 1's
-    leaves (its host keeps a server, which stays), worker 0's stays (the job ends with
-    it). The job finishes, and nothing is left on any host."""
+    leaves, and its host's server stops (cluster.server_replicas: 1: the launcher tells
+    the scheduler, and the backup owns its keys at once); worker 0's stays (the job ends
+    with it), and so does its host's server (no replica is left). The job finishes, and
+    nothing is left on any host."""
     x, y, z = hosts.addresses
     two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two.txt")
     listed = tmp_path / "hosts-now.txt"
@@ -463,6 +465,7 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     script.chmod(0o755)
     args = job(hosts, dict(SSGD, cluster__max_workers=3, data__batch_size=16,
                            train__epochs=5, train__log_interval=4, output__plots="false",
+                           cluster__servers=2, cluster__server_replicas=1,
                            debug__slowdown="delay:0=0.1,1=0.1"), tmp_path, hostfile=two)
     log = tmp_path / "launcher.log"
     with start(hosts, [*args, "--host-discovery-script", script], log) as p:
@@ -478,13 +481,23 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
             r"^\[launcher\]\s+(\S+): (.*)$", log.read_text(), re.M)}
         one = next(h for h, what in placed.items() if re.search(r"worker 1\b", what))
         zero = next(h for h, what in placed.items() if re.search(r"worker 0\b", what))
+        gone = int(re.search(r"server (\d)", placed[one]).group(1))
         listed.write_text("" if one == zero else f"{zero}\n")
         wait_for(log, f"{one} is no longer listed; worker 1 leaves the job at step", p)
+        wait_for(log, f"{one} is no longer listed; server {gone} stops there and its backup "
+                      "takes its keys", p)
+        wait_for(log, f"server {gone} on {one} (pid", p)     # the launcher saw it exit
         if one != zero:
             listed.write_text("")
         wait_for(log, f"{zero} is no longer listed; worker 0 stays there", p)
         assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
     out = log.read_text()
+    assert re.search(rf"server {gone} \(pid \d+ on [^)]*\): its process exited \(its "
+                     rf"launcher saw it\); server {1 - gone} owns its keys from now on", out), \
+        out[-3000:]
+    if one != zero:
+        assert f"{zero} is no longer listed; server {1 - gone} stays there (server {gone} " \
+               "was lost before it" in out, out[-3000:]
     assert f"host discovery: {z} is new; starting a worker there" in out, out[-3000:]
     assert out.count("is not a host name") == 1 and "Traceback" not in out, out[-3000:]
     run = run_dir_of(tmp_path / "runs")

@@ -13,11 +13,16 @@ at a step every worker hears of in time, docs/spec/membership.md): a joiner's ra
 from the claim file its ``--join`` wrote (its pid), and a worker still joining is asked
 again at the next poll; a host the job started on loses its first workers once the
 script has listed it and then stops (a script that lists only new hosts keeps them),
-but worker 0, with which the job ends, and the scheduler and servers stay.
+but worker 0, with which the job ends, and the scheduler stay. Its servers go too
+where a backup can take their keys (``cluster.server_replicas: 1``, no server lost
+yet): each is stopped, the launcher sees it exit and tells the scheduler, which hands its
+keys to its backup at once (the job then has no replica left); otherwise they stay, and
+the loop says why.
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -49,10 +54,11 @@ class HostDiscovery:
     joiners' output goes (stdout, stderr), whole lines under the job's output ``lock``."""
 
     def __init__(self, script, run_dir, job_hosts, spare, log, sinks, lock,
-                 first_workers=None):
+                 first_workers=None, servers=(), replicas=0):
         self.script, self.run_dir, self.log = script, str(run_dir), log
         self.job_hosts, self.spare = set(job_hosts), spare
         self.first_workers = first_workers or {}     # host -> the job's own worker ranks
+        self.servers, self.replicas = list(servers), replicas   # the job's server processes
         self.sinks, self.lock = sinks, lock
         self.joiners = []         # (host, LocalProcess of `dist.py --join`)
         self.started = {}         # host -> joiners started there
@@ -62,6 +68,8 @@ class HostDiscovery:
         self._said = None         # the last problem reported (reported once)
         self._full = False
         self._ended = set()       # joiners whose failure was reported
+        self._server_said = set()    # servers on hosts no longer listed, acted on once
+        self._stopped = set()        # and the one of them stopped
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name="host-discovery")
@@ -129,7 +137,8 @@ class HostDiscovery:
                          f"{proc.poll()} (its lines say why); {host} gets no other try")
         self.going = (self.going | (set(self.listed) - set(hosts))) - set(hosts)
         for host in sorted(self.going):
-            if self._remove(host):
+            if self._remove(host):         # its workers' departures decided, then
+                self._stop_servers(host)   # its servers
                 self.going.discard(host)
         self.listed = hosts
         for host, slots in hosts.items():
@@ -171,6 +180,28 @@ class HostDiscovery:
             self.log(f"host discovery: {host} is no longer listed; worker {rank} leaves the "
                      f"job at step {step}")
         return not retry
+
+    def _stop_servers(self, host):
+        """The job's servers on ``host`` (no longer listed): stopped where a backup can take
+        their keys (cluster.server_replicas: 1 and no server lost yet; the launcher sees the
+        exit and tells the scheduler), else left running, said once each."""
+        for proc in [p for p in self.servers if p.host == host and p not in self._server_said]:
+            self._server_said.add(proc)
+            if proc.poll() is not None:
+                continue
+            lost = [p.rank for p in self.servers if p.poll() is not None or p in self._stopped]
+            if self.replicas and not lost:
+                self.log(f"host discovery: {host} is no longer listed; server {proc.rank} "
+                         "stops there and its backup takes its keys "
+                         "(cluster.server_replicas: 1; no replica is left after it)")
+                self._stopped.add(proc)
+                proc.signal(signal.SIGKILL)
+                continue
+            why = (f"server {lost[0]} was lost before it and the job has no replica left"
+                   if self.replicas else
+                   "no backup holds its keys (cluster.server_replicas: 0)")
+            self.log(f"host discovery: {host} is no longer listed; server {proc.rank} stays "
+                     f"there ({why})")
 
     def _ranks_on(self, host):
         """(ranks of the running joiners this loop started on ``host``, from the claim

@@ -140,7 +140,8 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
                 return 2
             # --host-discovery-script (ssh): joiners on the hosts that appear
             hosts = getattr(runner, "watch_hosts", lambda *a: None)(
-                run_dir, len(spare), log, (stdout, stderr), start.lock)
+                run_dir, len(spare), log, (stdout, stderr), start.lock,
+                [p for p in procs if p.role == "server"], server_replicas)
             code = _watch(procs, interrupted, progress, log, failures,
                           continue_without_workers, status, server_replicas,
                           restarts)

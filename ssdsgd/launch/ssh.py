@@ -230,9 +230,10 @@ class SSHLauncher(SSHCommand):
             return LocalProcess(role, rank, start_child(cmd, env), self.scheduler_host)
         return self.start_remote(role, rank, cmd, env, slot.host, slot.port)
 
-    def watch_hosts(self, run_dir, spare, log, sinks, lock):
-        """``--host-discovery-script``: the loop that starts joiners on new hosts
-        (discovery.py), started; None without the option."""
+    def watch_hosts(self, run_dir, spare, log, sinks, lock, servers=(), replicas=0):
+        """``--host-discovery-script``: the loop that starts joiners on new hosts and
+        takes the job off hosts that go (discovery.py), started; None without the option.
+        ``servers``: the job's server processes; ``replicas``: cluster.server_replicas."""
         if not self.opts.host_discovery_script:
             return None
         from .discovery import HostDiscovery
@@ -242,7 +243,7 @@ class SSHLauncher(SSHCommand):
                 workers.setdefault(slot.host, []).append(rank)
         return HostDiscovery(self.opts.host_discovery_script, run_dir,
                              {h.name for h in self.hosts}, spare, log, sinks, lock,
-                             workers).start()
+                             workers, servers, replicas).start()
 
     def _here(self, slot):
         return slot.role == "scheduler" and self.site.local
