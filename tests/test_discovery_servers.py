@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+import pytest
+
 from ssdsgd.launch.discovery import HostDiscovery
 from ssdsgd.launch.local import LocalProcess, start_child
 
@@ -58,28 +60,19 @@ def test_with_a_replica_the_first_server_of_a_gone_host_stops_and_a_second_stays
         _stop(servers)
 
 
-def test_without_replicas_every_server_stays_and_a_dead_one_is_not_named():
+@pytest.mark.parametrize("replicas, why", [
+    (0, "no backup holds its keys (cluster.server_replicas: 0)"),
+    (1, "server 0 was lost before it and the job has no replica left")])
+def test_a_server_stays_without_replicas_or_once_a_server_was_lost(replicas, why):
+    """Server 0 died before; its host's other server (rank 1) is the one on the host
+    that goes: it stays, named with the reason; the dead one is not named."""
     servers, lines = _servers("a", "a"), []
-    try:
-        servers[1].signal(9)
-        assert _ended(servers[1])
-        _loop(servers, 0, lines)._stop_servers("a")
-        assert servers[0].poll() is None
-        assert lines == ["host discovery: a is no longer listed; server 0 stays there (no "
-                         "backup holds its keys (cluster.server_replicas: 0))"]
-    finally:
-        _stop(servers)
-
-
-def test_with_a_replica_but_a_server_already_dead_none_is_stopped():
-    servers, lines = _servers("a", "b"), []
     try:
         servers[0].signal(9)
         assert _ended(servers[0])
-        _loop(servers, 1, lines)._stop_servers("b")
+        _loop(servers, replicas, lines)._stop_servers("a")
         assert servers[1].poll() is None
-        assert lines == ["host discovery: b is no longer listed; server 1 stays there "
-                         "(server 0 was lost before it and the job has no replica left)"]
+        assert lines == [f"host discovery: a is no longer listed; server 1 stays there "
+                         f"({why})"]
     finally:
         _stop(servers)
-
