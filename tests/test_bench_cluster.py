@@ -910,3 +910,14 @@ def test_a_written_page_records_its_run_in_the_history_file(tmp_path):
     pages.record_run(results, 'hetero', history)
     assert history.read_text() == (f'# History\n\n{pages.HISTORY_SECTION}\n\n- a run\n{line}\n'
                                    '\n## Later\n\ntext\n')
+
+
+def test_a_periodic_row_is_timed_over_whole_sync_periods_and_bound_by_one_sync_a_period():
+    """localsgd and diloco (sync.sync_period H) move the model once in H steps: the
+    matrix times at least 3 periods of them (it timed 5 steps of an H = 16 row, no sync
+    at all), and their link bound is one push and one pull of the model per period."""
+    h16, h4 = rows.system('localsgd-h16'), rows.system('diloco-h4-m05')
+    assert (h16.period, h4.period, rows.system('ssd-k5').period) == (16, 4, 0)
+    assert plan.choose_steps(h16, 3.0, 10) == 48 and plan.choose_steps(h4, 3.0, 10) == 12
+    assert plan.link_time(100_000_000, 1e9, 4, 1, h16) == pytest.approx(3.2 / 16)
+    assert plan.link_time(100_000_000, 1e9, 4, 1, h4) == pytest.approx(3.2 / 4)

@@ -29,6 +29,7 @@ class System:
     mode: str = ''        # native: dist_sync | dist_async; ssd: sync.algorithm
     k: int = 0            # ssd: sync.delay_steps (0 for the other algorithms; auto: K_MAX)
     p: int = 0            # preduce: sync.group_size
+    period: int = 0       # localsgd, diloco: sync.sync_period H (one model sync in H steps)
     compression: str = ''  # push compression type ('2bit', 'topk') or '' for none
     quorum: str = ''      # sync.quorum if the row sets it
     threshold: float = 0.0  # 2bit threshold of this row (0: the benchmark's --threshold)
@@ -51,7 +52,14 @@ class System:
 
     @property
     def pulls_per_step(self):
+        if self.period:
+            return 1.0 / self.period
         return 1.0 / self.k if self.kind == 'ssd' and self.mode == 'ssd' else 1.0
+
+    @property
+    def pushes_per_step(self):
+        """localsgd and diloco push a model delta once in H steps; the others every step."""
+        return 1.0 / self.period if self.period else 1.0
 
     @property
     def pull_fraction(self):
@@ -132,7 +140,7 @@ def link_time(param_bytes, rate_bits, num_workers, num_servers, system=None):
     if system is not None and system.relay:
         scale = max(fan * system.push_fraction, system.push_fraction + system.pull_fraction)
     elif system is not None:
-        scale = fan * max(system.push_fraction, system.pull_fraction)
+        scale = fan * max(system.push_fraction * system.pushes_per_step, system.pull_fraction)
     return push_time(param_bytes, rate_bits) * scale
 
 
@@ -172,8 +180,10 @@ def predict_step(system, workload, rate_bits, num_workers, num_servers):
 
 def choose_steps(system, predicted_s, target_s, min_steps=5, max_steps=300, min_periods=3):
     """Timed steps so a row takes about target_s; ssd gets at least min_periods pull
-    periods (k steps each), so its final drain is spread over several periods."""
-    lo = max(min_steps, min_periods * system.k) if system.k else min_steps
+    periods (k steps each), so its final drain is spread over several periods, and
+    localsgd and diloco as many sync periods (H steps each)."""
+    period = system.k or system.period
+    lo = max(min_steps, min_periods * period) if period else min_steps
     n = int(round(target_s / max(predicted_s, 1e-3)))
     return max(lo, min(max_steps, n))
 

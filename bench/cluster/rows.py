@@ -118,9 +118,12 @@ def _system(name, kvstore, values):
     k = (table.count_or_auto(k_setting) or K_MAX) if algorithm == 'ssd' else 0
     p = values.get('group_size', table.BY_NAME['group_size'].default) \
         if algorithm == 'preduce' else 0
+    period = values.get('sync_period', table.BY_NAME['sync_period'].default) \
+        if algorithm in ('localsgd', 'diloco') else 0
     warmup = values.get('warmup_steps', 'auto')
     return System(name, label(values, algorithm, k_setting if k else 0, p), 'ssd', algorithm,
-                  k, p, k_auto=bool(k) and k_setting == 'auto', quorum=values.get('quorum', ''),
+                  k, p, period, k_auto=bool(k) and k_setting == 'auto',
+                  quorum=values.get('quorum', ''),
                   warmup=-1 if warmup == 'auto' else int(warmup),
                   glu_state=values.get('glu_state', ''),
                   staggered=values.get('pull_schedule') == 'staggered',
