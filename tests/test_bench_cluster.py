@@ -921,3 +921,9 @@ def test_a_periodic_row_is_timed_over_whole_sync_periods_and_bound_by_one_sync_a
     assert plan.choose_steps(h16, 3.0, 10) == 48 and plan.choose_steps(h4, 3.0, 10) == 12
     assert plan.link_time(100_000_000, 1e9, 4, 1, h16) == pytest.approx(3.2 / 16)
     assert plan.link_time(100_000_000, 1e9, 4, 1, h4) == pytest.approx(3.2 / 4)
+    # the matrix's "of bound" is against that bound, not the push-every-step one
+    from bench.cluster import matrix
+    w = plan.Workload('w', 'emulated', 'resnet50', 32, compute_s=0.1, param_bytes=100_000_000)
+    g = {'workers': 4, 'servers': 1, 'rows': [{'system': 'localsgd-h16', 'samples_per_s': 320.0}]}
+    matrix.add_bounds_and_speedups(g, w, 1e9, plan.bound(w, 1e9, 4, 1)[0])
+    assert g['rows'][0]['bound_samples_per_s'] == pytest.approx(4 * 32 / 0.2)

@@ -61,7 +61,7 @@ def add_bounds_and_speedups(g, workload, rate, b):
     for r in g['rows']:
         system = rows.system(r['system']).resolved(g.get('glu_state', 'exact'))
         rb = plan.bound(workload, rate, n, s, system=system)[0] \
-            if system.compression or system.state_pulls else b
+            if system.compression or system.state_pulls or system.period else b
         if workload.kind == 'real' and r.get('compute_per_step_s'):
             # compute alone, as fast as it ran in this very row (the load from
             # other processes changes between rows)
