@@ -274,6 +274,18 @@ class Rejoins:
         self.stalls.leave(rank)
         self._begin_removal(rank)
 
+    def _launcher_lost(self):
+        """(servers, workers) the launcher saw die (job_status.write_lost, for this
+        scheduler's restart number) that the job goes on without: servers with
+        cluster.server_replicas, workers but rank 0 with on_worker_failure: continue."""
+        if not self.env.status_file:
+            return [], []
+        servers, workers = job_status.read_lost(self.env.status_file,
+                                                self.env.scheduler_restart)
+        return (servers if self.env.server_replicas else [],
+                [r for r in workers if r] if self.env.on_worker_failure == "continue"
+                else [])
+
     def _awaiting_rejoins(self, now):
         """True while the rebuild waits; aborts the job at its deadline, naming who did
         not come back."""
@@ -281,10 +293,7 @@ class Rejoins:
         if rebuild is None or rebuild.done:
             return False
         if self.env.status_file:
-            servers, workers = job_status.read_lost(self.env.status_file, rebuild.restart)
-            lost, gone = rebuild.lose(
-                servers if self.env.server_replicas else (),
-                workers if self.env.on_worker_failure == "continue" else ())
+            lost, gone = rebuild.lose(*self._launcher_lost())
             for role, rank in [("server", r) for r in lost] + [("worker", r) for r in gone]:
                 self.log(f"restart {rebuild.restart}: {role} {rank} lost (its launcher saw "
                          "it die while this scheduler rebuilt the job); not waited for")

@@ -482,11 +482,8 @@ class Scheduler(reregister.Rejoins, Joins):
         if not self.env.status_file or now - self._lost_read < LOST_READ_S:
             return []
         self._lost_read = now
-        servers, workers = job_status.read_lost(self.env.status_file,
-                                                self.env.scheduler_restart)
-        dead = ({("server", r) for r in servers if self.env.server_replicas}
-                | {("worker", r) for r in workers
-                   if r and self.env.on_worker_failure == "continue"})
+        servers, workers = self._launcher_lost()
+        dead = {("server", r) for r in servers} | {("worker", r) for r in workers}
         return [(ident, f"{node_name(n)}: its process exited (its launcher saw it)")
                 for ident, n in self.nodes.items()
                 if (n["role"], n["rank"]) in dead and not n["finished"]]
