@@ -27,3 +27,36 @@ def test_a_trainer_step_returns_before_the_slow_worker_pushed(tmp_path):
     assert w0.keys() == w1.keys() and w0
     for k in w0:                        # and every step's weights arrived all the same
         np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
+
+
+@pytest.mark.system
+def test_with_the_timeline_on_a_step_still_returns_at_once_and_its_wait_is_recorded(tmp_path):
+    """``train.timeline`` is on by default, so a user's ssgd job records one. Recording
+    must not take the step off the engine (it did: the same random-delay digits job took
+    1.76x as long to train), and the wait that then happens inside the engine must still
+    be in the timeline, put to the account of the worker whose push came last."""
+    from ssdsgd import timeline_merge as M
+    res = launch(2, 1, ["--out", tmp_path, "--steps", STEPS, "--slow", SLOW],
+                 env={"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_TIMELINE": "1",
+                      "SSDSGD_TIMELINE_DIR": tmp_path / "timeline"},
+                 script="deferred_step.py", timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    held = json.loads((tmp_path / "held-rank0.json").read_text())
+    assert max(held) < SLOW / 2, held
+    spans = M.spans_of(M.load(tmp_path))
+    parents, bad = M.nesting(spans)
+    assert bad == []
+    for rank in (0, 1):
+        mine = [(i, s) for i, s in enumerate(spans) if (s.role, s.rank) == ("worker", rank)]
+        names = [s.name for _, s in mine]
+        assert names.count("step") == names.count("push") == names.count("pull") == STEPS
+        engine = [(i, s) for i, s in mine if s.lane == "engine"]
+        assert sorted(s.name for _, s in engine) == sorted(["push", "blocked", "pull"] * STEPS)
+        for i, s in engine:
+            if s.name != "pull":                     # inside the step's wait on the engine
+                pull = spans[parents[i]]
+                assert pull.name == "pull" and pull.lane == "engine"
+                assert pull.args["waits_for"] == (s.args or {}).get("step", pull.args["waits_for"])
+    waits = M.slowest(spans, parents)
+    # rank 0's engine waited about SLOW a step for rank 1's push, which came last
+    assert waits["slowest_rank"] == 1 and waits["waited_for"][1] > SLOW, waits

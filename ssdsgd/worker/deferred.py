@@ -21,6 +21,11 @@ import mxnet as mx
 import numpy as np
 
 from ..mxglue import engineop, hostcopy
+from ..timeline import RECORDER as TIMELINE, now
+
+#: The timeline's lane of a whole step queued on the engine: its wait for the round is
+#: the engine's, not the training thread's (docs/training.md, "The timeline").
+ENGINE_LANE = "engine"
 
 
 def device_sum(nd_list):
@@ -132,19 +137,29 @@ class DeferredSteps:
 
     def queue(self, entries, t, priority, timed=False):
         """Queue step ``t`` (see ``StageMachine.step_deferred``); ``timed``: a whole
-        step, which the pipeline pieces' tuner times as it leaves."""
+        step, which the pipeline pieces' tuner times as it leaves, and which the timeline
+        records on the lane ``engine`` (``pull`` with ``waits_for`` t, from the moment the
+        engine runs the operation to the reply written; inside it ``push`` and ``blocked``,
+        the wait for the round that the next forward pass shares)."""
         self.raise_error()
         ops = [self._key_op(key, grad_list, outs) for key, grad_list, outs in entries]
         if len(ops) > 1 and len({op.key for op in ops}) < len(ops):
             raise ValueError("a key appears twice in one pushpull")
 
+        spans = timed and TIMELINE.on
+
         def run(done):
+            t0 = now() if spans else None
             try:
                 if timed:
                     self.client.mark_step()
+                times = [t0]
                 self.client.push_then(
                     [(op.key, op.grad_view()) for op in ops],
-                    lambda replies, error: self._done(t, ops, replies, error, done))
+                    lambda replies, error: self._done(t, ops, replies, error, done, times))
+                if spans:
+                    times.append(now())
+                    TIMELINE.span("push", t0, times[1], lane=ENGINE_LANE, key="step", value=t)
             except Exception as e:
                 self._done(t, ops, None, e, done)
 
@@ -166,8 +181,11 @@ class DeferredSteps:
         record.deferred = op if op.reusable else None
         return op
 
-    def _done(self, t, ops, replies, error, done):
-        """On the I/O thread: the reply into the outputs, then the engine is told."""
+    def _done(self, t, ops, replies, error, done, times=None):
+        """On the I/O thread: the reply into the outputs, then the engine is told.
+        ``times``: when the operation began and (once ``push_then`` returned) its push
+        was queued, for the timeline."""
+        arrived = now() if times and times[0] is not None else None
         try:
             if error is None:
                 for op in ops:
@@ -179,6 +197,11 @@ class DeferredSteps:
         finally:
             if error is not None and self.error is None:
                 self.error = error
+            if arrived is not None:
+                # a reply can come before push_then returned: then it waited for nothing
+                pushed = min(times[1], arrived) if len(times) > 1 else arrived
+                TIMELINE.span("blocked", pushed, arrived, lane=ENGINE_LANE)
+                TIMELINE.span("pull", times[0], lane=ENGINE_LANE, key="waits_for", value=t)
             done()
 
     def raise_error(self):

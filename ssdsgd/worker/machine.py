@@ -223,10 +223,10 @@ class StageMachine:
         with ``timed``): ``Trainer.step`` then returns at once, as it does on ps-lite, and
         what the script does before its next forward (its data, its own Python work, a
         straggler's wait) overlaps the exchange. Not with relayed pulls (the outbox sends
-        every reply from the servers), nor while the timeline records: the wait would be
-        inside MXNet's engine, where no span shows whom the worker waited for."""
+        every reply from the servers). The timeline records its wait on the engine's lane
+        (``deferred.ENGINE_LANE``)."""
         return (self.env.algorithm == "ssgd" and self.env.pull_relay != "chain"
-                and not TIMELINE.on and self.can_defer(entries))
+                and self.can_defer(entries))
 
     def step_deferred(self, entries, priority=0, timed=False):
         """A synchronous step queued on MXNet's engine, as ps-lite queues a pushpull: it
@@ -237,7 +237,11 @@ class StageMachine:
         call of the machine (``settle``); the outputs then keep their old values.
         ``timed``: the entries are a whole step (a Trainer's), timed for the pipeline
         pieces as a synchronous step is."""
+        if timed:
+            TIMELINE.begin_step(self.t)
         self.deferred.queue(entries, self.t, priority, timed)
+        if timed:
+            TIMELINE.end_step()
         self.counts[Stage(self.env.algorithm)] += 1      # ssgd or asgd: the stage's name
         self.counts["pushes"] += 1
         self.counts["pulls"] += 1
