@@ -16,6 +16,7 @@ a key's Python cost on the calling thread, and a plain numpy copy of the reply i
 one through ctypes on the I/O thread.
 """
 import math
+import threading
 
 import mxnet as mx
 import numpy as np
@@ -146,20 +147,19 @@ class DeferredSteps:
         if len(ops) > 1 and len({op.key for op in ops}) < len(ops):
             raise ValueError("a key appears twice in one pushpull")
 
-        spans = timed and TIMELINE.on
+        spans = StepSpans(t) if timed and TIMELINE.on else None
 
         def run(done):
-            t0 = now() if spans else None
+            if spans is not None:
+                spans.began()
             try:
                 if timed:
                     self.client.mark_step()
-                times = [t0]
                 self.client.push_then(
                     [(op.key, op.grad_view()) for op in ops],
-                    lambda replies, error: self._done(t, ops, replies, error, done, times))
-                if spans:
-                    times.append(now())
-                    TIMELINE.span("push", t0, times[1], lane=ENGINE_LANE, key="step", value=t)
+                    lambda replies, error: self._done(t, ops, replies, error, done, spans))
+                if spans is not None:
+                    spans.pushed()
             except Exception as e:
                 self._done(t, ops, None, e, done)
 
@@ -181,11 +181,12 @@ class DeferredSteps:
         record.deferred = op if op.reusable else None
         return op
 
-    def _done(self, t, ops, replies, error, done, times=None):
+    def _done(self, t, ops, replies, error, done, spans=None):
         """On the I/O thread: the reply into the outputs, then the engine is told.
-        ``times``: when the operation began and (once ``push_then`` returned) its push
-        was queued, for the timeline."""
-        arrived = now() if times and times[0] is not None else None
+        ``spans``: the step's timeline spans, told when its reply arrived and was
+        written."""
+        if spans is not None:
+            spans.arrived()
         try:
             if error is None:
                 for op in ops:
@@ -197,11 +198,8 @@ class DeferredSteps:
         finally:
             if error is not None and self.error is None:
                 self.error = error
-            if arrived is not None:
-                # a reply can come before push_then returned: then it waited for nothing
-                pushed = min(times[1], arrived) if len(times) > 1 else arrived
-                TIMELINE.span("blocked", pushed, arrived, lane=ENGINE_LANE)
-                TIMELINE.span("pull", times[0], lane=ENGINE_LANE, key="waits_for", value=t)
+            if spans is not None and error is None:
+                spans.written()
             done()
 
     def raise_error(self):
@@ -217,3 +215,41 @@ class DeferredSteps:
             mx.nd.waitall()
             self.queued = False
         self.raise_error()
+
+
+class StepSpans:
+    """The timeline's spans of one whole step queued on the engine, on the lane
+    ``engine``: ``pull`` (waits_for t) from the moment the engine runs the step to its
+    reply written, holding ``push`` (until ``push_then`` returned) and ``blocked`` (from
+    then to the reply). The engine's thread and the I/O thread each learn half of the
+    times, in either order (a reply can come before ``push_then`` returns): whichever
+    learns the last records all three, so they nest."""
+    __slots__ = ("t", "lock", "times")
+
+    def __init__(self, t):
+        self.t, self.lock, self.times = t, threading.Lock(), {}
+
+    def began(self):
+        self.times["began"] = now()
+
+    def pushed(self):
+        self._at("pushed")
+
+    def arrived(self):
+        self.times["arrived"] = now()
+
+    def written(self):
+        self._at("written")
+
+    def _at(self, name):
+        with self.lock:
+            self.times[name] = now()
+            if not {"pushed", "written"} <= set(self.times):
+                return
+        times = self.times
+        pushed = min(times["pushed"], times["arrived"])
+        TIMELINE.span("push", times["began"], pushed, lane=ENGINE_LANE, key="step",
+                      value=self.t)
+        TIMELINE.span("blocked", pushed, times["arrived"], lane=ENGINE_LANE)
+        TIMELINE.span("pull", times["began"], times["written"], lane=ENGINE_LANE,
+                      key="waits_for", value=self.t)
