@@ -144,6 +144,12 @@ def test_the_launcher_and_the_scheduler_start_without_mxnet():
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr[-2000:]
 
 
+# The tests of ``imports_run`` share one xdist worker: pytest-xdist runs a module's fixture
+# once per worker, and split between two the 10 interpreters ran twice (28 s and 21 s).
+IMPORTS_GROUP = pytest.mark.xdist_group("layering_imports")
+
+
+@IMPORTS_GROUP
 def test_import_ssdsgd_registers_ssd_sync_before_or_after_mxnet(imports_run):
     """``import ssdsgd`` keeps its promise whichever comes first: MXNet already imported
     (installed at once), or imported later (installed right after it, by the hook)."""
@@ -152,6 +158,7 @@ def test_import_ssdsgd_registers_ssd_sync_before_or_after_mxnet(imports_run):
         assert stdout.strip() == "ok", (first, stderr[-2000:])
 
 
+@IMPORTS_GROUP
 @pytest.mark.parametrize("module", MODULES)
 def test_any_module_imported_first_still_registers_ssd_sync(imports_run, module):
     """A module that imports MXNet itself, imported before anything else, used to run the
