@@ -249,7 +249,10 @@ def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simu
     end = members.end()
     for rank, r in enumerate(records):
         assert r["end"] == end and r["chunks"] == [chunk(rank, t) for t in range(end)], r
-    lost = {chunk(2, t) for t in range(die_at, s)}
+    # steps die_at..s-1 of worker 2 go untrained; on a loaded machine the data's leave
+    # can be decided after the budget's last step (s >= end: a 12-step job): then every
+    # step of it from die_at on (a CI run had s past the end, and this failed on None)
+    lost = {chunk(2, t) for t in range(die_at, min(s, end))}
     dead = {chunk(2, t) for t in range(die_at)}
     assert sorted(c for r in records for c in r["chunks"]) == sorted(
         set(range(members.first_chunk(end))) - lost - dead)
