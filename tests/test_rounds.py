@@ -186,3 +186,13 @@ def test_an_impossible_arrival_order_is_refused():
     with pytest.raises(ValueError, match="worker 0 cannot send now"):
         simulate_quorum(init, grad_fn, make_optimizer, 2, 3, quorum=2, max_staleness=1,
                         arrivals=[0, 0], algorithm="ssgd")
+
+
+def test_a_final_pull_that_lets_a_held_round_close_releases_its_workers():
+    # dynamic data deals a slow worker fewer steps: its final pull leaves the staleness
+    # bound, the round it held closes, and the fast workers it held go on to their end
+    init, grad_fn, make_optimizer = _problem()
+    got = simulate_quorum(init, grad_fn, make_optimizer, 3, [10, 10, 4], quorum=2,
+                          max_staleness=1, delays=[0, 0, 0.8], algorithm="ssgd")
+    assert got.applied == [10, 10, 4]
+    assert got.rounds[-1] == [0, 1] and got.arrivals[-1] in (0, 1)

@@ -194,16 +194,21 @@ class QuorumSim:
         w = self.workers[rank]
         if w.t == self.steps[rank]:       # the final pull (the last pending one awaited)
             w.done, ticket = True, Ticket()
-            self.rs.final(rank, ticket)
-            return
+            self.rs.final(rank, ticket)   # may close a round it held: the others go on
+        else:
+            self._step(w)
+        for other in self.workers:
+            self._continue(other)
+
+    def _step(self, w):
+        """Worker ``w`` pushes its step t and blocks on what that step waits for."""
+        rank = w.rank
         t, sync = w.t, w.t < self.T_w
         wants = sync or (t - self.T_w) % self.k == self.k - 1
         grads = self.grad_fn(rank, t, w.weights)
         ticket = Ticket() if wants else None
         w.blocked = (ticket if sync else w.pending, (grads, sync, ticket))
         self.rs.push(rank, grads, ticket, latest=False)   # once its round closed (rule 3)
-        for other in self.workers:
-            self._continue(other)
 
     def _continue(self, w):
         """The rest of a worker's step once the reply it waits for (if any) is there."""
