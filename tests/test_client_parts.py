@@ -97,6 +97,26 @@ def test_a_failure_reaches_every_waiting_future_and_every_later_request():
         ended.check_open()
 
 
+def test_queued_scheduler_replies_go_to_their_requests_in_order_and_all_fail_together():
+    """CHUNK: a worker keeps requests in flight (data/dynamic.py), the scheduler answers
+    them in order; any other kind waits for one reply, a new request replacing the old."""
+    requests = Requests({})
+    first = requests.expect_control(P.Kind.CHUNK, queued=True)
+    second = requests.expect_control(P.Kind.CHUNK, queued=True)
+    assert requests.take_control(P.Kind.CHUNK) is first
+    assert requests.take_control(P.Kind.CHUNK) is second
+    assert requests.take_control(P.Kind.CHUNK) is None
+    requests.expect_control(P.Kind.BARRIER)
+    barrier = requests.expect_control(P.Kind.BARRIER)
+    assert requests.take_control(P.Kind.BARRIER) is barrier
+    assert requests.take_control(P.Kind.BARRIER) is None
+    waiting = [requests.expect_control(P.Kind.CHUNK, queued=True) for _ in range(2)]
+    requests.fail(JobAborted("the job was aborted: y"))
+    for fut in waiting:
+        with pytest.raises(JobAborted, match="aborted: y"):
+            fut.result(0)
+
+
 def test_the_outbox_sends_a_key_twice_in_two_requests_and_answers_every_caller():
     requests, sent, answers = Requests({}), [], []
 

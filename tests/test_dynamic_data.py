@@ -78,6 +78,9 @@ def test_a_pause_asked_by_rank_0_stops_every_worker_at_one_cursor_until_a_releas
 
 
 def _report(got, asking=None, pause=None, plan=(5, 20, 0)):
+    """A worker's REJOIN ``chunks``; ``asking``: the epoch of its one request in flight,
+    or a list of them."""
+    asking = [] if asking is None else asking if isinstance(asking, list) else [asking]
     return {"plan": list(plan), "got": got, "count": len(got), "asking": asking,
             "pause": pause}
 
@@ -105,6 +108,109 @@ def test_a_restarted_schedulers_dealer_starts_after_what_the_workers_got():
     paused = Dealer()
     paused.rebuild({0: _report([0, 1], pause=3), 1: _report([2], pause=3)})
     assert paused.deal(1, dict(plan, epoch=0)) == {"epoch": 0, "over": "pause", "at": 3}
+
+
+def test_both_answers_a_worker_waited_for_are_dealt_again_after_a_restart():
+    """A worker keeps two requests in flight (CHUNKS_IN_FLIGHT): the scheduler died after
+    dealing 3 and 4 to them, so its report lists two waiting requests and both chunks are
+    dealt again to it, before the cursor moves on."""
+    plan = chunk_plan(per_epoch=10, total_steps=10, num_workers=2, start=0)
+    dealer = Dealer()
+    dealer.rebuild({0: _report([0, 2, 5], plan=(10, 20, 0)),
+                    1: _report([1], asking=[0, 0], plan=(10, 20, 0))})
+    assert dealer.next == 6 and dealer.holes == [3, 4]
+    assert [dealer.deal(1, dict(plan, epoch=0))["chunk"] for _ in range(3)] == [3, 4, 6]
+    with pytest.raises(ChunkError, match=r"only 1 worker\(s\) ask again"):
+        Dealer().rebuild({0: _report([0, 5], plan=(10, 20, 0)),
+                          1: _report([1], asking=[0], plan=(10, 20, 0))})
+
+
+class _ChunkLink:
+    """The scheduler's dealer behind a worker's CHUNK requests, as ``ChunkFeed`` sees it
+    through the store (``ask_chunk``, ``take_chunk``): a request reaches the real
+    ``Dealer`` only when the worker takes an answer (the network delivers in order), so
+    the test sees how many a worker keeps in flight."""
+
+    def __init__(self, dealer, rank, log):
+        self.dealer, self.rank, self.log = dealer, rank, log
+        self.in_flight, self.most = [], 0
+
+    def ask_chunk(self, epoch, plan, pause=False):
+        self.in_flight.append(dict(plan, epoch=epoch, **({"pause": True} if pause else {})))
+        self.most = max(self.most, len(self.in_flight))
+        return len(self.log) + len(self.in_flight)
+
+    def take_chunk(self, fut, epoch, per_epoch):
+        answer = self.dealer.deal(self.rank, self.in_flight.pop(0))
+        self.log.append((self.rank, answer))
+        if answer.get("over") == "pause":
+            return answer["at"], "pause"
+        return answer.get("chunk"), answer.get("over")
+
+
+def test_a_feed_keeps_two_requests_in_flight_and_trains_every_chunk_it_is_dealt_once():
+    """data/dynamic.py: two requests in flight (one was not enough: docs/benchmarks/
+    heterogeneity.md), answered in order; a chunk dealt is trained, a pause reaches
+    each worker once, and the epoch ends only once every answer is in."""
+    from ssdsgd.data.dynamic import CHUNKS_IN_FLIGHT, ChunkFeed
+
+    class Data:
+        n_train = 10 * 4
+
+        def train_batch(self, idx, rng):
+            return idx, idx
+
+    dealer, log = Dealer(), []
+    plan = chunk_plan(per_epoch=10, total_steps=6, num_workers=2, start=0)
+    pauses, due, trained, walks = {0: [], 1: []}, [False], {0: [], 1: []}, {}
+
+    def step(r, epoch):
+        """One batch of worker r, or False at the end of its epoch."""
+        try:
+            _, (x, _) = next(walks[r])
+        except StopIteration:
+            return False
+        trained[r].append((epoch, tuple(int(i) for i in x)))
+        if len(trained[0]) == 2 and not pauses[0]:
+            due[0] = True                    # rank 0's clock: a checkpoint
+        return True
+
+    def barrier(r, at, epoch):
+        """The checkpoint's barrier: the other worker trains until it pauses too, and
+        the last to arrive releases the dealer's pause."""
+        pauses[r].append(at)
+        due[0] = False
+        other = 1 - r
+        for _ in range(100):
+            if len(pauses[other]) >= len(pauses[r]):
+                break
+            assert step(other, epoch), "a worker ended its epoch at a pause"
+        if len(pauses[other]) == len(pauses[r]):
+            dealer.release()
+
+    links = [_ChunkLink(dealer, r, log) for r in (0, 1)]
+    feeds = [ChunkFeed(link, Data(), 0, 4, plan, pause_due=lambda r=r: r == 0 and due[0],
+                       on_pause=lambda at, r=r: barrier(r, at, current[0]))
+             for r, link in enumerate(links)]
+    current = [0]
+    for epoch in (0, 1):
+        current[0] = epoch
+        walks.update({r: feed.epoch(epoch) for r, feed in enumerate(feeds)})
+        live = [0, 1]
+        for turn in range(100):
+            if not live:
+                break
+            r = live[turn % len(live)]
+            if not step(r, epoch):
+                live.remove(r)
+        assert not live
+    assert all(link.most == CHUNKS_IN_FLIGHT for link in links)
+    got = sorted(c for r in trained.values() for c in r)
+    assert len(got) == len(set(got)) == 12 and feeds[0].over == feeds[1].over == "budget"
+    assert pauses[0] == pauses[1] and len(pauses[0]) == 1       # one pause, at one cursor
+    at = pauses[0][0]
+    dealt = [(r, a["chunk"]) for r, a in log if "chunk" in a]
+    assert len(dealt) == 12 and sorted(c for _, c in dealt[:at]) == list(range(at))
 
 
 @pytest.mark.parametrize("reports,error", [
@@ -136,9 +242,13 @@ def test_a_workers_record_lists_its_last_two_epochs_and_what_it_waits_for():
         record.asked(dict(ask, epoch=epoch))
         record.answered({"epoch": epoch, "chunk": chunk})
     record.asked(dict(ask, epoch=2))
+    record.asked(dict(ask, epoch=2))
     assert record.report() == {"plan": [5, 20, 0], "got": [5, 12], "count": 4,
-                               "asking": 2, "pause": None}
+                               "asking": [2, 2], "pause": None}
     record.answered({"epoch": 2, "over": "pause", "at": 13})
+    assert record.report()["asking"] == [2]
+    assert not REPORT[0](dict(record.report(), asking=2))
+    assert not REPORT[0](dict(record.report(), asking=[2] * 65))
     assert record.report()["pause"] == 13 and REPORT[0](record.report())
     record.released()
     assert record.report()["pause"] is None

@@ -16,7 +16,8 @@ from ssdsgd.glu.simulate_quorum import simulate_quorum
 from test_quorum import SLOW, _delays, _trainer_keys
 from test_ssd_oracle import _equal_to_the_simulation
 
-N, PER_EPOCH, EPOCHS, BATCH = 3, 6, 2, 8
+N, PER_EPOCH, EPOCHS, BATCH = 3, 12, 2, 8   # an epoch of 4 chunks a worker: a slow one,
+# holding 2 in flight (data/dynamic.py), trains fewer
 
 
 def _simulated(chunks, slowdown, staleness):

@@ -8,16 +8,25 @@ workers hold (the same remainder is dropped), so an epoch is one pass over the s
 samples whichever worker trains them. The job's budget is steps x N chunks: the global
 batches the lr schedule counts.
 
-A worker asks for its next chunk as soon as it has one (``ChunkFeed.epoch``), so the
-answer travels while the step trains: only the batch itself is made on the step's path.
+A worker keeps ``CHUNKS_IN_FLIGHT`` requests in flight (``ChunkFeed.epoch``), so the
+answers travel while the steps train: only the batch itself is made on the step's path.
+One in flight was not enough: with steps as short as a round trip the answer was not in
+yet for a quarter of the steps (docs/benchmarks/heterogeneity.md).
 What it trained is counted per epoch (``trained``), for its end record: the tests check
 from them that every sample of an epoch was trained exactly once.
 """
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from . import epoch_permutation
+
+#: CHUNK requests a worker keeps in flight while it trains: the dealer answers each with
+#: one chunk, in the order they arrive, so a worker holds at most this many chunks
+#: beside the one it trains.
+CHUNKS_IN_FLIGHT = 2
 
 
 def chunk_rng(seed: int, epoch: int, chunk: int) -> np.random.Generator:
@@ -50,27 +59,41 @@ class ChunkFeed:
 
     def epoch(self, epoch: int):
         """(batch number of this worker in the epoch, (data, label)) for every chunk of
-        ``epoch`` it is handed, until the epoch's (or the job's) chunks are gone."""
+        ``epoch`` it is handed, until the epoch's (or the job's) chunks are gone. The
+        answers come in the order asked: once one says there is no more, the requests
+        still in flight are answered too (the same, or a chunk dealt again after a
+        restarted scheduler, which is trained) before the epoch ends; once one says
+        pause, every later one does (they reached the dealer before this worker's
+        checkpoint barrier, which ends the pause)."""
         perm = epoch_permutation(self.dataset.n_train, epoch, self.seed)
-        b = self.batch_size
-        fut = self._ask(epoch)
-        batch = 0
+        b, per_epoch = self.batch_size, self.plan["per_epoch"]
+        asked, more, batch = collections.deque(), True, 0
         while True:
-            chunk, over = self.kv.take_chunk(fut, epoch, self.plan["per_epoch"])
+            while more and len(asked) < CHUNKS_IN_FLIGHT:
+                asked.append(self._ask(epoch))
+            if not asked:
+                return
+            chunk, over = self.kv.take_chunk(asked.popleft(), epoch, per_epoch)
             if over == "pause":             # every worker stops here: a checkpoint
                 if self.on_pause is None:
                     raise ValueError("the dealer paused a worker that takes no checkpoint")
+                while asked:
+                    later, why = self.kv.take_chunk(asked.popleft(), epoch, per_epoch)
+                    if why != "pause":
+                        raise RuntimeError(f"the scheduler answered {later, why} after a "
+                                           f"pause at chunk {chunk} of epoch {epoch}")
                 self.on_pause(chunk)
-                fut = self._ask(epoch)
                 continue
             if chunk is None:
+                more = False
                 if over == "budget":        # every chunk of the job is handed out
                     self.over, self.position = over, self.plan["budget"]
-                return
-            fut = self._ask(epoch)          # the next, while this trains
+                continue
             idx = perm[chunk * b:(chunk + 1) * b]
             self._count(epoch, idx)
             self.position = epoch * self.plan["per_epoch"] + chunk + 1
+            if more:                        # the next, while this trains
+                asked.append(self._ask(epoch))
             yield batch, self.dataset.train_batch(idx, chunk_rng(self.seed, epoch, chunk))
             batch += 1
 

@@ -8,11 +8,13 @@ a worker whose answer was lost asks again (its I/O thread re-sends what it waits
 So the new dealer needs, from every worker: the plan its requests state, the chunks it
 received of its last two epochs (a chunk dealt and never received lies in the epoch of
 a request still waiting, which no worker is two epochs past), how many it received in
-all, the epoch of its request still waiting, and the cursor of a pause it was told of.
+all, the epoch of each of its requests still waiting (a worker keeps a few in flight,
+``data.dynamic.CHUNKS_IN_FLIGHT``), and the cursor of a pause it was told of.
 """
 from .. import fields as F
 
 MAX_LISTED = 1 << 20        # chunks of two epochs a report may list
+MAX_ASKING = 64             # requests in flight a report may list
 
 
 class ChunkRecord:
@@ -23,16 +25,17 @@ class ChunkRecord:
         self.plan = None          # (per_epoch, budget, start) of its requests
         self.got = {}             # epoch -> [global chunk numbers], its last two epochs
         self.count = 0            # chunks received in all
-        self.asking = None        # the epoch of a request that waits for its answer
+        self.asking = []          # the epoch of each request waiting for its answer, in order
         self.pause = None         # the cursor of a pause it was told of, until a release
 
     def asked(self, meta):
         if meta.get("per_epoch") is not None:
             self.plan = [meta["per_epoch"], meta["budget"], meta["start"]]
-        self.asking = meta["epoch"]
+        self.asking.append(meta["epoch"])
 
     def answered(self, meta):
-        self.asking = None
+        if self.asking:               # the scheduler answers a worker's requests in order
+            self.asking.pop(0)
         if meta.get("over") == "pause":
             self.pause = meta.get("at")
         if "chunk" not in meta or self.plan is None:
@@ -52,7 +55,7 @@ class ChunkRecord:
         if self.plan is None:
             return None
         return {"plan": self.plan, "got": sorted(g for c in self.got.values() for g in c),
-                "count": self.count, "asking": self.asking, "pause": self.pause}
+                "count": self.count, "asking": list(self.asking), "pause": self.pause}
 
 
 def _report(v):
@@ -62,7 +65,8 @@ def _report(v):
             and isinstance(v["got"], list) and len(v["got"]) <= MAX_LISTED
             and all(F.int_in(0, F.MAX_STEP)(g) for g in v["got"])
             and F.int_in(0, F.MAX_STEP)(v["count"])
-            and (v["asking"] is None or F.int_in(0, 1 << 31)(v["asking"]))
+            and isinstance(v["asking"], list) and len(v["asking"]) <= MAX_ASKING
+            and all(F.int_in(0, 1 << 31)(e) for e in v["asking"])
             and (v["pause"] is None or F.int_in(0, F.MAX_STEP)(v["pause"])))
 
 

@@ -92,7 +92,7 @@ class Dealer:
         self.next = max([start, *(g + 1 for g in got[-1:]), *pauses])
         self.paused = bool(pauses)
         self.dealt = {r: c["count"] for r, c in reports.items()}
-        asking = [c["asking"] for c in reports.values() if c["asking"] is not None]
+        asking = [epoch for c in reports.values() for epoch in c["asking"]]
         newest = max((g // per_epoch for g in got), default=start // per_epoch)
         received, holes = set(got), []
         for epoch in sorted(set(asking)):

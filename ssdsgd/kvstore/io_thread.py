@@ -7,6 +7,7 @@ peer) or a silent scheduler into an exception on every waiting future.
 Each turn it sends at most SEND_PER_TURN queued messages and reads at most RECV_PER_TURN
 from each socket, then serves the others: neither a sender that queues without pause nor
 a peer that sends without pause can hold it from its heartbeats and replies."""
+import collections
 import contextlib
 import os
 import queue
@@ -66,7 +67,7 @@ class IOThread:
         self.relay = None
         self.replicas = None      # the client's ReplicaMap (cluster.server_replicas)
         self._commands = queue.SimpleQueue()
-        # reply kind -> the scheduler request awaiting it: sent again to a restarted
+        # reply kind -> the scheduler requests awaiting it, oldest first: sent again to a restarted
         # scheduler (cluster.scheduler_restarts, reregister.py)
         self._asked = {}
         self.chunks = ChunkRecord()   # dynamic data: told to a restarted scheduler
@@ -114,11 +115,17 @@ class IOThread:
 
     def ask_scheduler(self, kind, meta, reply_kind):
         """Send the scheduler ``kind``; the future of its ``reply_kind`` (one at a time of
-        each reply kind)."""
+        each reply kind, but CHUNK: dynamic data keeps ``CHUNKS_IN_FLIGHT`` requests in
+        flight, answered in order). What waits for an answer is sent again to a
+        restarted scheduler."""
+        queued = kind == P.Kind.CHUNK
         with self.requests.lock:
-            fut = self.requests.expect_control(reply_kind)
+            fut = self.requests.expect_control(reply_kind, queued=queued)
             frames = P.control(kind, meta)
-            self._asked[reply_kind] = frames
+            if queued:
+                self._asked.setdefault(reply_kind, collections.deque()).append(frames)
+            else:
+                self._asked[reply_kind] = collections.deque([frames])
             if kind == P.Kind.CHUNK:
                 self.chunks.asked(meta)
             self._commands.put(("scheduler", frames))
@@ -244,7 +251,8 @@ class IOThread:
         """Poll until ``close``: send what the main thread queued, hand replies to their
         futures, keep the heartbeats going."""
         poller = self._poller
-        link.on_rejoined = lambda: [self._sent(link.sock, f) for f in list(self._asked.values())]
+        link.on_rejoined = lambda: [self._sent(link.sock, f) for waiting in
+                                    list(self._asked.values()) for f in list(waiting)]
         link.rejoin_fields = self._rejoin_fields
         for s in [self._wake_in, link.sock]:
             poller.register(s, zmq.POLLIN)
@@ -342,7 +350,11 @@ class IOThread:
         if fut is None:
             return False
         with self.requests.lock:
-            self._asked.pop(msg.kind, None)
+            waiting = self._asked.get(msg.kind)
+            if waiting:
+                waiting.popleft()
+            if not waiting:
+                self._asked.pop(msg.kind, None)
             if msg.kind == P.Kind.CHUNK:
                 self.chunks.answered(msg.meta)
             if msg.kind == P.Kind.POLICY and self.policy_record is not None:

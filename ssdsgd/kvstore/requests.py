@@ -2,6 +2,7 @@
 replies (and the scheduler's), and ``Gather``, which puts one request's replies back
 together per key. One lock orders numbering and queuing whichever thread asks; a failure
 of the I/O thread reaches every waiting future, so nothing waits forever."""
+import collections
 import concurrent.futures
 import itertools
 import threading
@@ -29,7 +30,8 @@ class KeyReply:
 
 class Requests:
     """Request id -> the future of its reply (and, for a reply that may be relayed, the
-    server it was sent to); scheduler reply kind -> its future."""
+    server it was sent to); scheduler reply kind -> its futures, oldest first (one at a
+    time, but for ``queued`` kinds: the scheduler answers a node's requests in order)."""
 
     def __init__(self, stats):
         self.stats = stats
@@ -68,15 +70,27 @@ class Requests:
                 self._reply_from[req] = relayed_from
         return fut
 
-    def expect_control(self, reply_kind):
+    def expect_control(self, reply_kind, queued=False):
+        """The future of the scheduler's next ``reply_kind``; ``queued``: after those
+        already expected (else it replaces them)."""
         fut = concurrent.futures.Future()
         with self.lock:
-            self._control[reply_kind] = fut
+            if queued:
+                self._control.setdefault(reply_kind, collections.deque()).append(fut)
+            else:
+                self._control[reply_kind] = collections.deque([fut])
         return fut
 
     def take_control(self, kind):
+        """The oldest future expecting ``kind``, or None."""
         with self.lock:
-            return self._control.pop(kind, None)
+            waiting = self._control.get(kind)
+            if not waiting:
+                return None
+            fut = waiting.popleft()
+            if not waiting:
+                del self._control[kind]
+            return fut
 
     def sent_to(self, req):
         """(server, byte bound, keys) of request ``req``, if its reply may be relayed;
@@ -137,7 +151,8 @@ class Requests:
 
     def _fail_waiting(self, exc):
         with self.lock:
-            futures = list(self._futures.values()) + list(self._control.values())
+            futures = list(self._futures.values()) + [
+                fut for waiting in self._control.values() for fut in waiting]
             self._futures, self._control, self._server_of = {}, {}, {}
         for fut in futures:
             if not fut.done():
