@@ -6,7 +6,9 @@ Nothing runs in a process killed by SIGKILL, so the removal is a tiny child's jo
 holds the read end of a pipe whose only write end is the launcher's, and when that end
 closes (the launcher exited, however) it removes the directory. It runs in a session of
 its own, so the launcher's Ctrl-C and the job's signals do not reach it, and it imports
-only the standard library (a few ms).
+only the standard library (a few ms). It gets an empty environment: it needs none, and
+a tool that stops a job's processes by a variable of their environment (the tests'
+harness does, by its tag) would kill it before it removed the keys.
 """
 import os
 import subprocess
@@ -25,7 +27,7 @@ class Janitor:
         self.proc = subprocess.Popen([sys.executable, "-I", "-c", _CHILD, path],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True,
-                                     close_fds=True)
+                                     close_fds=True, env={})
 
     def close(self):
         """The launcher's normal end: the child removes the directory and exits."""
