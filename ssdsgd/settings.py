@@ -221,14 +221,14 @@ def parse_slowdown(text: str) -> dict:
             delay, count = float(parts[0]), int(parts[1])
             seed = int(parts[2]) if len(parts) == 3 else 0
         except (ValueError, IndexError):
-            raise SettingError(f"expected random:DELAY_S:RANKS[:SEED]") from None
+            raise SettingError("expected random:DELAY_S:RANKS[:SEED]") from None
         if len(parts) > 3 or not 0 <= delay <= 3600 or count < 1 or seed < 0:
-            raise SettingError(f"random: expected a delay in [0, 3600] s, ranks >= 1 and a "
-                               f"seed >= 0")
+            raise SettingError("random: expected a delay in [0, 3600] s, ranks >= 1 and a "
+                               "seed >= 0")
         out.update(delay=delay, count=count, seed=seed)
         return out
     raise SettingError("expected none, factor:RANK=F[,...], delay:RANK=SECONDS[,...] or "
-                       f"random:DELAY_S:RANKS[:SEED]")
+                       "random:DELAY_S:RANKS[:SEED]")
 
 
 def _slowdown(text: str) -> Optional[str]:

@@ -35,7 +35,6 @@ from .piece_tuner import PieceTuner
 from .push_queue import PushCoder, PushOutbox, PushQueue  # noqa: F401 - PushOutbox: API
 from .relay import asks_relay
 from .replica_map import ReplicaMap, Routes, backup_copies
-from .scheduler import JobAborted
 from .requests import ENDED, Gather, KeyReply, Requests, ServerError  # noqa: F401 - API
 from .scheduler import JobAborted
 from .splitting import split
