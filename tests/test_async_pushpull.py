@@ -11,7 +11,7 @@ import pytest
 
 import jobs
 from conftest import PY, SCRIPTS
-from test_hardening import Job
+from test_hardening import job_factory  # noqa: F401 - a fixture: closes each job
 
 pytestmark = pytest.mark.system
 
@@ -36,8 +36,8 @@ def finish(ps, timeout=60):
     return outs
 
 
-def test_many_keys_pushed_and_pulled_one_by_one_get_the_sums(tmp_path):
-    job = Job(tmp_path, workers=2, start_workers=False)
+def test_many_keys_pushed_and_pulled_one_by_one_get_the_sums(job_factory):
+    job = job_factory(workers=2, start_workers=False)
     results = finish(workers(job, "--keys", 300, "--rounds", 3))
     for code, out, err in results:
         assert code == 0, out + err[-3000:]
@@ -45,21 +45,21 @@ def test_many_keys_pushed_and_pulled_one_by_one_get_the_sums(tmp_path):
         assert "900 ssgd steps" in out, out      # one step per call, as before
 
 
-def test_outputs_and_gradients_may_change_between_rounds(tmp_path):
+def test_outputs_and_gradients_may_change_between_rounds(job_factory):
     """The worker keeps a key's engine operation while the script passes the same arrays:
     new arrays, and a pull into the gradient itself (no out=), must still get the sums."""
-    job = Job(tmp_path, workers=2, start_workers=False)
+    job = job_factory(workers=2, start_workers=False)
     results = finish(workers(job, "--keys", 30, "--rounds", 4, "--vary"))
     for code, out, err in results:
         assert code == 0, out + err[-3000:]
         assert out.count("30 sums ok") == 4, out
 
 
-def test_pushpull_returns_before_the_reply_exists(tmp_path):
+def test_pushpull_returns_before_the_reply_exists(job_factory, tmp_path):
     """Rank 1 pushes a round only after rank 0's pushpull calls of that round have
     returned, so no reply can exist when they return: a synchronous pushpull would wait
     for rank 1 forever (rank 1 gives up after 20 s, exit 4)."""
-    job = Job(tmp_path, workers=2, start_workers=False)
+    job = job_factory(workers=2, start_workers=False)
     hold = tmp_path / "hold"
     hold.mkdir()
     results = finish(workers(job, "--keys", 50, "--rounds", 2, "--hold", hold))
@@ -69,10 +69,10 @@ def test_pushpull_returns_before_the_reply_exists(tmp_path):
     assert sum(out.count("returned before any reply") for _, out, _ in results) == 2
 
 
-def test_a_dead_server_fails_pending_pushpulls_with_a_clear_error(tmp_path):
+def test_a_dead_server_fails_pending_pushpulls_with_a_clear_error(job_factory, tmp_path):
     """Rank 0 has 100 pushpulls pending (rank 1 never pushes) when the server is killed:
     its wait ends and its next kvstore call raises, naming the dead server."""
-    job = Job(tmp_path, workers=2, start_workers=False,
+    job = job_factory(workers=2, start_workers=False,
               SSDSGD_HEARTBEAT_INTERVAL=0.5, SSDSGD_HEARTBEAT_TIMEOUT=2)
     die = tmp_path / "die"
     die.mkdir()
