@@ -91,7 +91,7 @@ class ChunkFeed:
                 continue
             idx = perm[chunk * b:(chunk + 1) * b]
             self._count(epoch, idx)
-            self.position = epoch * self.plan["per_epoch"] + chunk + 1
+            self.position = epoch * per_epoch + chunk + 1
             if more:                        # the next, while this trains
                 asked.append(self._ask(epoch))
             yield batch, self.dataset.train_batch(idx, chunk_rng(self.seed, epoch, chunk))

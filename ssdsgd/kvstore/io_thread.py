@@ -7,7 +7,6 @@ peer) or a silent scheduler into an exception on every waiting future.
 Each turn it sends at most SEND_PER_TURN queued messages and reads at most RECV_PER_TURN
 from each socket, then serves the others: neither a sender that queues without pause nor
 a peer that sends without pause can hold it from its heartbeats and replies."""
-import collections
 import contextlib
 import os
 import queue
@@ -20,6 +19,7 @@ import zmq
 from . import protocol as P, sealing
 from . import fragments as F
 from .relay import PullRelay, RelayFault
+from .requests import await_reply, take_oldest
 from .joins import JoinError, joins_of
 from .chunk_record import ChunkRecord
 from .scheduler import JobAborted, bind_router
@@ -122,10 +122,7 @@ class IOThread:
         with self.requests.lock:
             fut = self.requests.expect_control(reply_kind, queued=queued)
             frames = P.control(kind, meta)
-            if queued:
-                self._asked.setdefault(reply_kind, collections.deque()).append(frames)
-            else:
-                self._asked[reply_kind] = collections.deque([frames])
+            await_reply(self._asked, reply_kind, frames, queued)
             if kind == P.Kind.CHUNK:
                 self.chunks.asked(meta)
             self._commands.put(("scheduler", frames))
@@ -350,11 +347,7 @@ class IOThread:
         if fut is None:
             return False
         with self.requests.lock:
-            waiting = self._asked.get(msg.kind)
-            if waiting:
-                waiting.popleft()
-            if not waiting:
-                self._asked.pop(msg.kind, None)
+            take_oldest(self._asked, msg.kind)
             if msg.kind == P.Kind.CHUNK:
                 self.chunks.answered(msg.meta)
             if msg.kind == P.Kind.POLICY and self.policy_record is not None:

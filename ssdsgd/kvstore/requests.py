@@ -28,6 +28,27 @@ class KeyReply:
         self.value, self.state, self.version, self.lr = value, state, version, lr
 
 
+def await_reply(table, kind, item, queued):
+    """``item`` waits in ``table`` for the scheduler's next ``kind``: after those already
+    waiting (``queued``: the scheduler answers a node's requests in order), else instead
+    of them. The caller holds the lock that guards ``table``."""
+    if queued:
+        table.setdefault(kind, collections.deque()).append(item)
+    else:
+        table[kind] = collections.deque([item])
+
+
+def take_oldest(table, kind):
+    """The oldest item of ``table`` waiting for ``kind`` (removed), or None."""
+    waiting = table.get(kind)
+    if not waiting:
+        return None
+    item = waiting.popleft()
+    if not waiting:
+        del table[kind]
+    return item
+
+
 class Requests:
     """Request id -> the future of its reply (and, for a reply that may be relayed, the
     server it was sent to); scheduler reply kind -> its futures, oldest first (one at a
@@ -75,22 +96,13 @@ class Requests:
         already expected (else it replaces them)."""
         fut = concurrent.futures.Future()
         with self.lock:
-            if queued:
-                self._control.setdefault(reply_kind, collections.deque()).append(fut)
-            else:
-                self._control[reply_kind] = collections.deque([fut])
+            await_reply(self._control, reply_kind, fut, queued)
         return fut
 
     def take_control(self, kind):
         """The oldest future expecting ``kind``, or None."""
         with self.lock:
-            waiting = self._control.get(kind)
-            if not waiting:
-                return None
-            fut = waiting.popleft()
-            if not waiting:
-                del self._control[kind]
-            return fut
+            return take_oldest(self._control, kind)
 
     def sent_to(self, req):
         """(server, byte bound, keys) of request ``req``, if its reply may be relayed;
