@@ -14,9 +14,10 @@ records. The samples/s shown is the job's throughput by the wall clock: the samp
 workers have trained over the longest time any of them has trained (at the end, their
 ``end`` records': the summary's figure).
 
-On a tty, other output must not be written through the bar's line: ``mon.sink(stream)``
-is a file-like object for the launcher's output prefixer that writes whole lines above
-the bar (clear, write, redraw). Without a tty it returns ``stream`` itself.
+Other output must not be written through the monitor's line: ``mon.sink(stream)`` is a
+file-like object for the launcher's output prefixer that writes whole lines, one at a time
+with the monitor's own (on a tty above the bar: clear, write, redraw). Without it, a
+worker's line could land between a progress line and its newline.
 
 A resumed run (``start_step``: the checkpoint's step) appends to the same files: what they
 hold already is the interrupted run's, which may have gone past the checkpoint, so the
@@ -208,12 +209,12 @@ class ProgressMonitor:
         if final and line == self._last_line:
             return          # the last periodic line already said it
         self._last_line = line
-        print(f"{line} | {time.monotonic() - self._t0:.0f}s", file=self.stream, flush=True)
+        self._write_lines(self.stream, f"{line} | {time.monotonic() - self._t0:.0f}s\n")
 
     def sink(self, stream):
-        """A file-like object that writes whole lines to ``stream`` above the bar (on a
-        tty); ``stream`` itself otherwise."""
-        return _LineSink(self, stream) if self.tty else stream
+        """A file-like object that writes whole lines to ``stream``, never inside one of
+        the monitor's (above the bar on a tty)."""
+        return _LineSink(self, stream)
 
     def _write_lines(self, stream, text: str) -> None:
         with self._lock:
@@ -260,4 +261,4 @@ class _LineSink:
         pass                  # partial lines wait for their newline
 
     def isatty(self) -> bool:
-        return True
+        return self.monitor.tty

@@ -5,6 +5,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import mxnet as mx
@@ -306,3 +308,48 @@ def test_progress_monitor_tty_bar(tmp_path):
     mon.poll()
     mon.close()
     assert "5/10" in out.getvalue() and "train acc 0.5000" in out.getvalue()
+
+
+class _SlowStream(io.StringIO):
+    """stderr as another thread sees it: each write call may be overtaken by another's."""
+
+    def write(self, text):
+        n = super().write(text)
+        time.sleep(0.0005)
+        return n
+
+
+def test_progress_lines_and_the_workers_lines_never_share_a_line_without_a_tty(tmp_path):
+    """The CI defect: "progress: step 0/180 ... | 3s[worker 1] error: ..." when a
+    worker's line came between the progress line and its newline (print writes them
+    apart). Both go through the monitor: whole lines, one at a time."""
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/worker-0.jsonl").write_text(
+        json.dumps({"event": "start", "num_workers": 1, "total_steps": 10}) + "\n")
+    out = _SlowStream()
+    mon = ProgressMonitor(tmp_path, 10, tty=False, interval=0, stream=out)
+    sink = mon.sink(out)
+    stop = threading.Event()
+
+    def worker_lines():
+        deadline = time.monotonic() + 10
+        while not stop.is_set() and time.monotonic() < deadline:
+            print("[worker 1] error: a line of its own", file=sink, flush=True)
+
+    t = threading.Thread(target=worker_lines)
+    t.start()
+    try:
+        for _ in range(200):
+            mon.poll()
+    finally:
+        stop.set()
+        t.join(15)
+    mon.close()
+    lines = out.getvalue().splitlines()
+    assert sum(ln.startswith("progress: ") for ln in lines) >= 200
+    assert sum(ln.startswith("[worker 1] ") for ln in lines) > 0
+    torn = [ln for ln in lines
+            if ln not in ("[worker 1] error: a line of its own", "")
+            and not (ln.startswith("progress: ") and ln.count("progress") == 1
+                     and "[worker" not in ln)]
+    assert not torn, torn[:3]
