@@ -165,6 +165,23 @@ def test_distributed_run_equals_the_simulation(tmp_path, rule, k, n, s, opt, com
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("rule", ["glu-estimate", "glu-corrected"])
+def test_steps_queued_on_the_engine_equal_the_simulation(tmp_path, rule):
+    """SGD with momentum on small CPU keys, uncompressed, no quorum: every steps-delay
+    step after the first is one operation on MXNet's engine (worker/delay_on_engine.py),
+    its reset and local update done on the I/O thread; the weights are the simulator's.
+    3 workers, 2 servers (a key split over both), k = 2."""
+    n, k = 3, 2
+    locals_, finals = _run(tmp_path, rule, k, n, 2, "sgd")
+    keys, ref = _reference(rule, k, n, "sgd")
+    _equal_to_the_simulation(keys, ref, locals_, finals)
+    for r in range(n):
+        metrics = json.loads((tmp_path / f"info-rank{r}.json").read_text())["metrics"]
+        # the first steps-delay step seeds the local rule on this thread; the rest queue
+        assert metrics["steps_on_engine"] == STEPS - WARMUP - 1, metrics
+
+
+@pytest.mark.system
 def test_warmup_covering_the_whole_run_equals_ssgd_exactly(tmp_path):
     _, ssd = _run(tmp_path / "ssd", "glu-estimate", 2, 2, 1, "sgd", warmup=STEPS)
     _, ssgd = _run(tmp_path / "ssgd", "glu-estimate", 2, 2, 1, "sgd", algorithm="ssgd")
