@@ -103,7 +103,7 @@ class DelayStepsOnEngine:
         mine = PendingPull(self) if pull else None
 
         def run(done):
-            t0 = now()
+            times = {"began": now()}
             try:
                 flats = [np.array(v) for v in hostcopy.held(
                     grads, views=m.views, slots=[("g", key) for key in keys])]
@@ -113,20 +113,20 @@ class DelayStepsOnEngine:
             except Exception as e:
                 self._fail(e, done)
                 return
-            TIMELINE.span("push", t0, lane=ENGINE_LANE, key="step", value=t)
+            times["pushed"] = now()
             if previous is None:
-                self._update(keys, weights, grads, done)
+                self._update(t, times, keys, weights, grads, done)
                 return
-            waited = now()
             previous.then(lambda replies, error: self._reset(
-                replies, error, t, waited, keys, weights, grads, done))
+                replies, error, t, times, keys, weights, grads, done))
 
         engineop.push(run, grads, [self.token, *weights, *states])
         self.queued = True
         return mine
 
-    def _reset(self, replies, error, t, waited, keys, weights, grads, done):
+    def _reset(self, replies, error, t, times, keys, weights, grads, done):
         """On the I/O thread (or wherever the reply completed): spec step 3, then 4."""
+        times["arrived"] = now()
         if error is not None:
             self._fail(error, done)
             return
@@ -135,20 +135,21 @@ class DelayStepsOnEngine:
             for key, reply in replies.items():
                 m.keys[key].remember(reply, m._dated(reply, t - 1))   # noqa: SLF001
             m._reset(list(replies), write_weights=True, held=True)   # noqa: SLF001
-            TIMELINE.span("reset", waited, lane=ENGINE_LANE, key="waits_for", value=t - 1)
         except Exception as e:
             self._fail(e, done)
             return
-        self._update(keys, weights, grads, done)
+        times["reset"] = now()
+        self._update(t, times, keys, weights, grads, done)
 
-    def _update(self, keys, weights, grads, done):
-        t0 = now()
+    def _update(self, t, times, keys, weights, grads, done):
+        """Spec step 4, then the engine is told; the step's spans on the lane ``engine``."""
         try:
             self.machine.rule.update_held(keys, weights, grads)
-            TIMELINE.span("local_update", t0, lane=ENGINE_LANE)
         except Exception as e:
             self._fail(e, done)
             return
+        if TIMELINE.on:
+            _record(t, times, now())
         done()
 
     def _fail(self, error, done):
@@ -171,3 +172,19 @@ class DelayStepsOnEngine:
             mx.nd.waitall()
             self.queued = False
         self.raise_error()
+
+
+def _record(t, times, end):
+    """A queued step's spans, recorded once all their times are known so they nest:
+    ``step`` (t) holding ``push``, ``reset`` (waits_for t - 1, holding ``blocked``: the
+    wait for the reply) and ``local_update``."""
+    began, pushed = times["began"], times["pushed"]
+    TIMELINE.span("step", began, end, lane=ENGINE_LANE, key="step", value=t)
+    TIMELINE.span("push", began, pushed, lane=ENGINE_LANE, key="step", value=t)
+    update_from = pushed
+    if "reset" in times:
+        TIMELINE.span("reset", pushed, times["reset"], lane=ENGINE_LANE, key="waits_for",
+                      value=t - 1)
+        TIMELINE.span("blocked", pushed, times["arrived"], lane=ENGINE_LANE)
+        update_from = times["reset"]
+    TIMELINE.span("local_update", update_from, end, lane=ENGINE_LANE)
