@@ -15,8 +15,8 @@ for the weights this step writes. The operation runs when the gradients are comp
 So the worker waits for each pull one step after requesting it, as the synchronous path
 does, but inside the engine. Every operation also writes one token array, so they run in
 the order they were queued. Only steps whose whole update runs in numpy qualify (SGD
-with momentum, small dense float32 keys on the CPU, one device, no compression, no
-quorum: ``DelayStepsOnEngine.can_queue``): an MXNet operator cannot be called inside an
+with momentum, small dense float32 keys on the CPU, one device, no compression:
+``DelayStepsOnEngine.can_queue``; with or without a quorum): an MXNet operator cannot be called inside an
 operation that holds its arrays, and its lr is the reply's, known only inside. Other
 steps run on the caller's thread (``StageMachine._steps_delay_step``) after the queued
 ones are settled. A failure keeps the arrays' old values and is raised by the machine's
@@ -72,7 +72,7 @@ class DelayStepsOnEngine:
     def can_queue(self, entries, pending):
         """Can this steps-delay step be one engine operation? See the module's doc."""
         m = self.machine
-        if not self.usable or m.quorum or m.rule is None or self.client.codes_pushes:
+        if not self.usable or m.rule is None or self.client.codes_pushes:
             return False
         if pending is not None and not callable(getattr(pending, "then", None)):
             return False
