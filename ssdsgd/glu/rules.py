@@ -170,6 +170,11 @@ class LocalRule:
         an engine operation that holds their arrays (``update_held``)."""
         return False
 
+    def update_state(self, key):
+        """The NDArrays the local update of ``key`` writes besides its weights (an
+        engine operation that runs it must hold them)."""
+        return []
+
     def update_held(self, keys, weights, grads):
         """``update_many`` inside an engine operation that holds the keys' weights,
         gradients and state (``updates_on_host`` was True for them): it must not wait
@@ -255,6 +260,10 @@ class _UpdaterRule(LocalRule):
         return HostSGD.applies(self.opt) and all(
             self._host.take(self.updater, key, weight, grad)
             for key, weight, grad in zip(keys, weights, grads))
+
+    def update_state(self, key):
+        state = self.updater.states.get(key)
+        return [] if state is None else list(flatten_state(state))
 
     def update_held(self, keys, weights, grads):
         """``update_many``'s numpy path on views taken without waiting: the same lr

@@ -99,7 +99,10 @@ class DelayStepsOnEngine:
         weights = [outs[0] for _, _, outs in entries]
         for key, weight in zip(keys, weights):
             m.keys[key].outs = [weight]
-        states = [s for key, w in zip(keys, weights) for s in m.rule.state_arrays(key, w)]
+        states = {}     # what the reset re-seeds and the update writes, each array once
+        for key, w in zip(keys, weights):
+            for nd in m.rule.state_arrays(key, w) + m.rule.update_state(key):
+                states.setdefault(nd.handle.value, nd)
         mine = PendingPull(self) if pull else None
 
         def run(done):
@@ -120,7 +123,7 @@ class DelayStepsOnEngine:
             previous.then(lambda replies, error: self._reset(
                 replies, error, t, times, keys, weights, grads, done))
 
-        engineop.push(run, grads, [self.token, *weights, *states])
+        engineop.push(run, grads, [self.token, *weights, *states.values()])
         self.queued = True
         return mine
 
