@@ -1,10 +1,11 @@
 """ssd's steps-delay steps queued on MXNet's engine, as ssgd's steps are (deferred.py).
 
 A steps-delay step (spec steps 2-5) is one asynchronous engine operation that reads the
-key's gradient and writes its weights and local state. ``Trainer.step`` then returns at
-once, as on ps-lite, and what the script does before its next forward (its data, its
-metrics, a straggler's wait) overlaps the step; the next forward waits inside the engine
-for the weights this step writes. The operation runs when the gradients are computed:
+key's gradient and writes its weights and local state. ``Trainer.step`` waits for this
+worker's gradients (as the synchronous path does; see ``queue``) and then returns, while
+the pull's wait, the reset and the local update happen in the engine: what the script
+does before its next forward (its data, its metrics, a straggler's wait) overlaps them,
+and the next forward waits inside the engine for the weights this step writes:
 
 1. it pushes a copy of g_i(t) (with the pull request of step 5 when the schedule says);
 2. if step t - 1 requested w_G(t - 1), it hands the rest to the I/O thread, which resets
@@ -123,6 +124,13 @@ class DelayStepsOnEngine:
             previous.then(lambda replies, error: self._reset(
                 replies, error, t, times, keys, weights, grads, done))
 
+        # The operation declares the gradients as read, so the engine should run it after
+        # the backward pass that writes them; measured, it did not always: the ResNet-20
+        # job of tests/test_resume.py ended with other weights on most runs, and bit for
+        # bit the same once the gradients were waited for here (the mechanism inside
+        # MXNet is not found). The synchronous path waits for them too.
+        for g in grads:
+            g.wait_to_read()
         engineop.push(run, grads, [self.token, *weights, *states.values()])
         self.queued = True
         return mine
