@@ -18,8 +18,6 @@ Updater's). Other cases keep MXNet's operator, which is multi-threaded and one p
 memory: keys above HOST_MAX elements, other devices and dtypes, other optimizers, SGD
 without momentum (another kernel) and multi-precision.
 """
-import contextlib
-
 import mxnet as mx
 import numpy as np
 
@@ -52,10 +50,9 @@ class HostSGD:
                 return False
         return True
 
-    def update(self, opt, updater, keys, weights, grads, held=False):
+    def update(self, opt, updater, keys, weights, grads):
         """The Updater's step for ``keys`` (all taken): the same bookkeeping
-        (``_update_count``, ``_get_lrs``, ``_get_wds``) and the kernel's arithmetic.
-        ``held``: inside an engine operation that holds the arrays (no wait)."""
+        (``_update_count``, ``_get_lrs``, ``_get_wds``) and the kernel's arithmetic."""
         opt._update_count(keys)                   # noqa: SLF001 - as the Updater does
         lrs, wds = opt._get_lrs(keys), opt._get_wds(keys)   # noqa: SLF001
         momentum, rescale = np.float32(opt.momentum), np.float32(opt.rescale_grad)
@@ -66,9 +63,7 @@ class HostSGD:
         for key, weight, grad in zip(keys, weights, grads):
             arrays += [weight, grad, updater.states[key]]
             slots += [("w", key), ("g", key), ("m", key)]
-        edit = (contextlib.nullcontext(hostcopy.held(arrays, views=self.views, slots=slots))
-                if held else hostcopy.edit(arrays, views=self.views, slots=slots))
-        with edit as flat:
+        with hostcopy.edit(arrays, views=self.views, slots=slots) as flat:
             for i, key in enumerate(keys):
                 w, g, m = flat[3 * i:3 * i + 3]
                 lr, wd = np.float32(lrs[i]), np.float32(wds[i])
