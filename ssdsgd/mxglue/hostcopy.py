@@ -16,6 +16,8 @@ from mxnet.base import _LIB, check_call
 from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP, _int64_enabled
 from mxnet.ndarray.sparse import BaseSparseNDArray
 
+from . import layout
+
 # The same library, called without releasing the GIL: these calls only read an array's
 # metadata, and where a worker's main thread and I/O thread both run Python (kv.pushpull
 # key by key), each release would hand the GIL over and wait for it back.
@@ -83,7 +85,9 @@ class Views:
     are not kept."""
 
     def __init__(self):
-        self._memo = {}         # slot -> [array, (dtype, size) or None, view or None]
+        # slot -> [array, (dtype, size) or None, view or None, layout.inferences() when
+        # the view was made]
+        self._memo = {}
 
     def info(self, slot, nd):
         """(numpy dtype, size) of a dense CPU array, None for another device or storage."""
@@ -92,7 +96,7 @@ class Views:
     def _entry(self, slot, nd):
         entry = self._memo.get(slot) if slot is not None else None
         if entry is None or entry[0] is not nd:
-            entry = [nd, _dense_cpu(nd), None]
+            entry = [nd, _dense_cpu(nd), None, 0]
             if slot is not None and entry[1] is not None:   # other devices: not kept
                 self._memo[slot] = entry
         return entry
@@ -101,14 +105,17 @@ class Views:
 def _entries(nds, views, slots):
     """[array, info, view] per array: from ``views`` by slot, or worked out afresh."""
     if views is None:
-        return [[nd, _dense_cpu(nd), None] for nd in nds]
+        return [[nd, _dense_cpu(nd), None, 0] for nd in nds]
     return [views._entry(slot, nd) for slot, nd in zip(slots, nds)]   # noqa: SLF001
 
 
 def _view(entry):
-    """The host view of a dense CPU entry's buffer (after an engine synchronisation)."""
-    if entry[2] is None:
-        entry[2] = raw_view(entry[0], *entry[1])
+    """The host view of a dense CPU entry's buffer (after an engine synchronisation).
+    Made again after an inference pass, which may have left the array in a oneDNN layout:
+    making it puts the array back into the default one (mxglue/layout.py)."""
+    seen = layout.inferences()
+    if entry[2] is None or entry[3] != seen:
+        entry[2], entry[3] = raw_view(entry[0], *entry[1]), seen
     return entry[2]
 
 

@@ -21,7 +21,7 @@ import threading
 import mxnet as mx
 import numpy as np
 
-from ..mxglue import engineop, hostcopy
+from ..mxglue import engineop, hostcopy, layout
 from ..timeline import RECORDER as TIMELINE, now
 
 #: The timeline's lane of a whole step queued on the engine: its wait for the round is
@@ -45,7 +45,8 @@ class KeyOp:
     CPU buffers are taken inside the operation (``grad_view``, ``write``), where the
     engine guarantees nothing else touches those arrays."""
     __slots__ = ("key", "grad_list", "outs", "grad", "dtype", "size", "dests", "staged",
-                 "reusable", "arrays", "_grad_view", "_dest_views")
+                 "reusable", "arrays", "callers_cpu", "layout_seen", "_grad_view",
+                 "_dest_views")
 
     def __init__(self, key, shape, grad_list, outs):
         self.key, self.grad_list, self.outs = key, tuple(grad_list), \
@@ -75,6 +76,11 @@ class KeyOp:
             and not self.staged
         self.arrays = engineop.Arrays(*_reads_writes([self])) if self.reusable else None
         self._grad_view = self._dest_views = None
+        # The caller's CPU arrays, whose layout an inference pass may change (layout.py);
+        # the arrays made here never go through an operator that does.
+        self.callers_cpu = [nd for nd in (*self.grad_list, *(self.outs or ()))
+                            if nd.context.device_type == "cpu"]
+        self.layout_seen = 0 if self.callers_cpu else layout.inferences()
 
     def matches(self, grad_list, outs):
         """Does a call with these arrays queue what this op does?"""
@@ -148,6 +154,15 @@ class DeferredSteps:
             raise ValueError("a key appears twice in one pushpull")
 
         spans = StepSpans(t) if timed and TIMELINE.on else None
+        # The operation reads and writes the arrays' buffers; one in a oneDNN layout since
+        # an inference pass must be put back first, here: inside the operation MXNet cannot
+        # (mxglue/layout.py).
+        seen = layout.inferences()
+        stale = [op for op in ops if op.layout_seen != seen]
+        if stale:
+            layout.restore([nd for op in stale for nd in op.callers_cpu])
+            for op in stale:
+                op.layout_seen = seen
 
         def run(done):
             if spans is not None:
