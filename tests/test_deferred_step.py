@@ -60,3 +60,24 @@ def test_with_the_timeline_on_a_step_still_returns_at_once_and_its_wait_is_recor
     waits = M.slowest(spans, parents)
     # rank 0's engine waited about SLOW a step for rank 1's push, which came last
     assert waits["slowest_rank"] == 1 and waits["waited_for"][1] > SLOW, waits
+
+
+@pytest.mark.system
+def test_an_ssd_step_returns_before_the_pull_it_resets_from_is_answered(tmp_path):
+    """ssd's steps-delay steps are queued on the engine too (worker/delay_on_engine.py):
+    warm-up 1, k = 2, so step 2 requests w_G(2) and step 3 resets from it. Rank 1 pushes
+    its step 2 about 3 SLOW after the start, rank 0 makes its step 3 about 2 SLOW sooner:
+    a reset on rank 0's thread would hold it for that long."""
+    steps = 5
+    res = launch(2, 1, ["--out", tmp_path, "--steps", steps, "--slow", SLOW],
+                 env={"SSDSGD_ALGORITHM": "ssd", "SSDSGD_WARMUP_STEPS": 1,
+                      "SSDSGD_DELAY_STEPS": 2},
+                 script="deferred_step.py", timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    held = json.loads((tmp_path / "held-rank0.json").read_text())
+    assert held[0] > SLOW / 2, held           # the warm-up step waits for rank 1's push
+    assert max(held[1:]) < SLOW / 2, held     # the steps-delay steps, the reset's too
+    w0, w1 = load_npz(tmp_path / "final-rank0.npz"), load_npz(tmp_path / "final-rank1.npz")
+    assert w0.keys() == w1.keys() and w0
+    for k in w0:                        # both end on the global weights
+        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)

@@ -2,6 +2,7 @@
 (ssdsgd/mxglue/layout.py): real MXNet, a real CIFAR-10 job."""
 import mxnet as mx
 import numpy as np
+import pytest
 from mxnet import autograd
 from mxnet.gluon import nn
 
@@ -44,24 +45,28 @@ def test_a_kept_view_of_a_weight_reads_and_writes_it_after_an_inference_pass():
     assert (w.asnumpy().reshape(-1) == value).all()
 
 
-def test_an_ssgd_job_whose_rank_0_validates_ends_with_the_synchronous_engines_weights(
-        tmp_path):
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_a_job_whose_rank_0_validates_ends_with_the_synchronous_engines_weights(
+        tmp_path, algorithm):
     """Rank 0 validates after each epoch; its next step, queued on MXNet's engine, wrote
-    the reply into weights left in a oneDNN layout, and the job ended with other weights
-    on every run. NaiveEngine runs every operation at once, so no step is queued there."""
+    the reply (ssgd) or the local update (ssd) into weights left in a oneDNN layout, and
+    the job ended with other weights on every run. NaiveEngine runs every operation at
+    once, so no step is queued there."""
     from test_data import make_cifar
     data = tmp_path / "cifar"
     make_cifar(data / "cifar-10-batches-bin", per_file=8, test=6)   # 40 train: 5 steps/epoch
+    # no checkpoint before the last epoch's end: its copies would restore the layouts
     job = ["configs/cifar10_resnet20_ssd.yaml", *sets(
-        cluster__workers=2, data__path=data, data__batch_size=4, train__epochs=2,
-        train__checkpoint_every=1, data__loader_threads=0, output__plots="false",
-        sync__algorithm="ssgd")]
+        cluster__workers=2, data__path=data, data__batch_size=4, train__epochs=3,
+        train__checkpoint_every=3, data__loader_threads=0, output__plots="false",
+        **({"sync__algorithm": "ssgd"} if algorithm == "ssgd" else
+           {"sync__warmup_steps": 3, "sync__delay_steps": 2}))]
     got = {}
     for name, env in (("queued", {}), ("naive", {"MXNET_ENGINE_TYPE": "NaiveEngine"})):
         run = jobs.run([*job, *sets(output__dir=tmp_path / name)], timeout=300, env=env)
         assert run.returncode == 0, run.stderr[-3000:]
         assert "Validation" in run.stderr + run.stdout
         run_dir, = (tmp_path / name).iterdir()
-        got[name] = params(run_dir / "checkpoints" / "epoch-0001.params")
+        got[name] = params(run_dir / "checkpoints" / "epoch-0002.params")
     differ = [k for k in got["queued"] if not (got["queued"][k] == got["naive"][k]).all()]
     assert differ == [], f"{len(differ)} of {len(got['queued'])} arrays differ, e.g. {differ[:3]}"

@@ -3,6 +3,7 @@ weights of the simulator fed the same arrival order, and no push is lost; quorum
 leaves a slow worker out as its leader says, and without one is quorum all bit for bit."""
 import json
 import os
+import re
 import signal
 
 import mxnet as mx
@@ -102,8 +103,12 @@ CASES = [("ssgd", 3, 1, "majority", 1, 0),
 def test_stragglers_end_with_the_simulators_weights(tmp_path, algorithm, n, s, quorum,
                                                     staleness, cosine):
     slowdown = f"delay:{n - 1}={SLOW}"
-    locals_, finals, _ = _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm, cosine)
+    locals_, finals, out = _run(tmp_path, n, s, quorum, staleness, slowdown, algorithm,
+                                cosine)
     keys, ref = _reference(n, quorum, staleness, _delays(slowdown, n), algorithm, cosine)
+    if algorithm == "ssd":      # its steps-delay steps after the first queued on the engine
+        done = [json.loads(m) for m in re.findall(r"rank \d+ done: (\{.*?\})", out)]
+        assert [d["steps_on_engine"] for d in done] == [STEPS - WARMUP - 1] * n, done
     # the straggler's pushes joined later rounds than the fast workers' of the same step
     assert any(len(r) < n for r in ref.rounds[:STEPS]), ref.rounds
     assert ref.applied == [STEPS] * n

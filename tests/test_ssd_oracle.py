@@ -165,6 +165,26 @@ def test_distributed_run_equals_the_simulation(tmp_path, rule, k, n, s, opt, com
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("rule", ["glu-estimate", "glu-corrected", "sgd"])
+def test_steps_queued_on_the_engine_equal_the_simulation(tmp_path, rule):
+    """SGD with momentum on small CPU keys, uncompressed: every steps-delay step after
+    the first is one operation on MXNet's engine (worker/delay_on_engine.py), its reset
+    and local update done on the I/O thread; the weights are the simulator's. The local
+    rule sgd updates without momentum (another MXNet kernel, not host_sgd's): none of its
+    steps queue, and its weights are the simulator's as before. 3 workers, 2 servers (a
+    key split over both), k = 2."""
+    n, k = 3, 2
+    locals_, finals = _run(tmp_path, rule, k, n, 2, "sgd")
+    keys, ref = _reference(rule, k, n, "sgd")
+    _equal_to_the_simulation(keys, ref, locals_, finals)
+    for r in range(n):
+        metrics = json.loads((tmp_path / f"info-rank{r}.json").read_text())["metrics"]
+        # the first steps-delay step seeds the local rule on this thread; the rest queue
+        queued = 0 if rule == "sgd" else STEPS - WARMUP - 1
+        assert metrics["steps_on_engine"] == queued, metrics
+
+
+@pytest.mark.system
 def test_warmup_covering_the_whole_run_equals_ssgd_exactly(tmp_path):
     _, ssd = _run(tmp_path / "ssd", "glu-estimate", 2, 2, 1, "sgd", warmup=STEPS)
     _, ssgd = _run(tmp_path / "ssgd", "glu-estimate", 2, 2, 1, "sgd", algorithm="ssgd")

@@ -18,6 +18,8 @@ Updater's). Other cases keep MXNet's operator, which is multi-threaded and one p
 memory: keys above HOST_MAX elements, other devices and dtypes, other optimizers, SGD
 without momentum (another kernel) and multi-precision.
 """
+import contextlib
+
 import mxnet as mx
 import numpy as np
 
@@ -50,9 +52,10 @@ class HostSGD:
                 return False
         return True
 
-    def update(self, opt, updater, keys, weights, grads):
+    def update(self, opt, updater, keys, weights, grads, held=False):
         """The Updater's step for ``keys`` (all taken): the same bookkeeping
-        (``_update_count``, ``_get_lrs``, ``_get_wds``) and the kernel's arithmetic."""
+        (``_update_count``, ``_get_lrs``, ``_get_wds``) and the kernel's arithmetic.
+        ``held``: inside an engine operation that holds the arrays (no wait)."""
         opt._update_count(keys)                   # noqa: SLF001 - as the Updater does
         lrs, wds = opt._get_lrs(keys), opt._get_wds(keys)   # noqa: SLF001
         momentum, rescale = np.float32(opt.momentum), np.float32(opt.rescale_grad)
@@ -63,7 +66,9 @@ class HostSGD:
         for key, weight, grad in zip(keys, weights, grads):
             arrays += [weight, grad, updater.states[key]]
             slots += [("w", key), ("g", key), ("m", key)]
-        with hostcopy.edit(arrays, views=self.views, slots=slots) as flat:
+        edit = (contextlib.nullcontext(hostcopy.held(arrays, views=self.views, slots=slots))
+                if held else hostcopy.edit(arrays, views=self.views, slots=slots))
+        with edit as flat:
             for i, key in enumerate(keys):
                 w, g, m = flat[3 * i:3 * i + 3]
                 lr, wd = np.float32(lrs[i]), np.float32(wds[i])

@@ -165,6 +165,22 @@ class LocalRule:
         for key, weight, grad in zip(keys, weights, grads):
             self.update(key, weight, grad)
 
+    def updates_on_host(self, keys, weights, grads):
+        """Would ``update_many`` for these keys run in numpy alone? Then it can run inside
+        an engine operation that holds their arrays (``update_held``)."""
+        return False
+
+    def update_state(self, key):
+        """The NDArrays the local update of ``key`` writes besides its weights (an
+        engine operation that runs it must hold them)."""
+        return []
+
+    def update_held(self, keys, weights, grads):
+        """``update_many`` inside an engine operation that holds the keys' weights,
+        gradients and state (``updates_on_host`` was True for them): it must not wait
+        on the engine."""
+        raise NotImplementedError(type(self).__name__)
+
     def state_dict(self, arrays):
         """The rule's own state for a worker checkpoint: arrays go into ``arrays``
         (names prefixed ``r``), the rest is returned (JSON-able)."""
@@ -237,6 +253,28 @@ class _UpdaterRule(LocalRule):
                 keys_, grads_, weights_ = map(list, zip(*(items[i] for i in group)))
                 if not sgd_call(self.opt, self.updater, keys_, grads_, weights_, self._plain):
                     self.updater(keys_, grads_, weights_)
+
+    def updates_on_host(self, keys, weights, grads):
+        """SGD with momentum on small dense float32 CPU keys whose state exists
+        (``host_sgd``): every key must be one."""
+        return HostSGD.applies(self.opt) and all(
+            self._host.take(self.updater, key, weight, grad)
+            for key, weight, grad in zip(keys, weights, grads))
+
+    def update_state(self, key):
+        state = self.updater.states.get(key)
+        return [] if state is None else list(flatten_state(state))
+
+    def update_held(self, keys, weights, grads):
+        """``update_many``'s numpy path on views taken without waiting: the same lr
+        groups, the same arithmetic, so the same weights bit for bit."""
+        by_lr = {}
+        for key, weight, grad in zip(keys, weights, grads):
+            by_lr.setdefault(self._key_lr(key), []).append((key, weight, grad))
+        for lr, items in by_lr.items():
+            self.opt.lr = lr
+            keys_, weights_, grads_ = map(list, zip(*items))
+            self._host.update(self.opt, self.updater, keys_, weights_, grads_, held=True)
 
     def _size(self, key, weight):
         """The key's element count, remembered per weight array (the parameter's own,

@@ -52,6 +52,10 @@ class WorkerClient:
     docs/reliability.md). ``relay``: open a pull relay (default: if pull_relay is
     chain; with auto, the stage machine sets ``relay_on`` once the job chose)."""
 
+    # A reply (``Gather.then``) can complete a callback on the I/O thread, and ``push``
+    # may be called from an engine thread: steps can be queued on MXNet's engine.
+    gathers_then = True
+
     def __init__(self, env, model=None, relay=None):
         self.env = env
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,

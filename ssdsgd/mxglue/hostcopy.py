@@ -161,6 +161,16 @@ def edit(nds, views=None, slots=None):
             e[0][:] = view.reshape(e[0].shape)
 
 
+def held(nds, views=None, slots=None):
+    """Flat views of dense CPU arrays' own buffers without waiting on the engine: only
+    inside an engine operation that holds every one of them (it reads or writes them),
+    where waiting would wait for the operation itself."""
+    entries = _entries(nds, views, slots)
+    if any(e[1] is None for e in entries):
+        raise ValueError("held views need dense CPU arrays")
+    return [_view(e) for e in entries]
+
+
 def fill(nd, value, dtype=None, size=None):
     """Copy ``value`` into a dense CPU NDArray's buffer now, without waiting on the engine:
     only after ``mx.nd.waitall()`` or inside an engine operation that writes ``nd``.

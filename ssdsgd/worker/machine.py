@@ -26,6 +26,7 @@ synchronous steps a key-by-key script queues on MXNet's engine (``step_deferred`
 The machine speaks to the servers only through the client's API (``init``, ``push``,
 ``pull``): it builds no message and never sees how keys are split over servers.
 """
+import contextlib
 import dataclasses
 import functools
 
@@ -37,6 +38,7 @@ from ..mxglue import hostcopy
 from ..mxglue.optimizer_spec import build
 from . import checkpoint_state
 from .deferred import DeferredSteps, device_sum
+from .delay_on_engine import DelayStepsOnEngine
 from .periodic import PeriodicSync
 from .preduce import PreduceSteps
 from ..kvstore.compression import Compression, measure_codecs
@@ -87,8 +89,9 @@ class StageMachine:
         self.joined_from = None      # a joiner's first step (docs/spec/membership.md)
         self.rule = None
         self.keys = {}               # key -> KeyRecord
-        self.pending = None          # Gather of the pull requested at t - 1
-        self.counts = {**{stage: 0 for stage in Stage}, "pushes": 0, "pulls": 0}
+        self.pending = None          # the pull requested at t - 1 (a Gather or PendingPull)
+        self.counts = {**{stage: 0 for stage in Stage}, "pushes": 0, "pulls": 0,
+                       "steps_on_engine": 0}    # steps-delay steps queued on the engine
         self.last_step_blocked = 0.0
         # A quorum (docs/spec/quorum.md): a pull is answered once the round holding its
         # push closed (Q workers, not all), global weights are dated by the servers'
@@ -107,6 +110,7 @@ class StageMachine:
         self.periodic = (PeriodicSync(client, self.keys, self.counts, env)
                          if syncs_periodically(env.algorithm) else None)
         self.deferred = DeferredSteps(client, self.keys)   # steps queued on MXNet's engine
+        self.on_engine = DelayStepsOnEngine(self)           # ssd's steps-delay steps too
         self.final_done = False      # quorum: the final pull is answered
         self.quorum_auto = None      # quorum auto: server 0's record, from the final reply
         # What hostcopy learnt of each key's gradient, weights and local state arrays, kept
@@ -172,7 +176,9 @@ class StageMachine:
     # ---- one training step ---------------------------------------------------------
     def step(self, entries):
         """entries: (key, grads, outs); outs None means write the result into grads."""
-        self.settle()
+        self.deferred.settle()
+        self.on_engine.raise_error()     # queued steps-delay steps stay queued unless
+        # this step runs on this thread (_stage_step settles them then)
         self.schedule.before_step(self.t, self.client.barrier)   # a joiner takes the job's k
         TIMELINE.begin_step(self.t)
         trial = self.schedule.trial_relays(self.t)     # the relay's trial (sync/auto.py)
@@ -182,6 +188,7 @@ class StageMachine:
         blocked0 = self.client.stats["time_blocked"]
         with self.schedule.timed(self.t, self.client.stats):
             if self.env.algorithm == "preduce":
+                self.on_engine.settle()
                 self.preduce.step(entries)
             else:
                 self._stage_step(entries)
@@ -194,6 +201,17 @@ class StageMachine:
         """ssgd, asgd, ssd, and localsgd's and diloco's warm-up: the stage of step t
         (sync/stage.py)."""
         p = self.schedule.plan(self.t)
+        if not p.synchronous and p.stage is not Stage.LOCAL_STEPS and \
+                self.on_engine.can_queue(entries, self.pending):
+            self._check_steps_delay(entries)
+            self.pending = self.on_engine.queue(entries, self.t, p.request_pull,
+                                                self._wants_state(p), self.pending)
+            self.counts[p.stage] += 1
+            self.counts["pushes"] += 1
+            self.counts["pulls"] += int(p.request_pull)
+            self.counts["steps_on_engine"] += 1
+            return
+        self.on_engine.settle()         # this step runs here, after the queued ones
         if p.stage is Stage.LOCAL_STEPS:
             return self.periodic.step(entries, self.t, p.request_pull)
         if not p.synchronous:
@@ -254,6 +272,7 @@ class StageMachine:
     def settle(self):
         """Wait for the steps queued on the engine and raise a failure among them."""
         self.deferred.settle()
+        self.on_engine.settle()
 
     def _check_steps_delay(self, entries):
         if self.rule is None:
@@ -346,12 +365,14 @@ class StageMachine:
         self._reset(list(replies), write_weights=True)
         TIMELINE.span("reset", t0, key="waits_for", value=self.t - 1)
 
-    def _reset(self, keys, write_weights=False):
+    def _reset(self, keys, write_weights=False, held=False):
         """Spec step 3 for ``keys``: re-seed the local rule from the global model and (with
         ``write_weights``) w_i <- w_G. Both happen in place in host memory, through views
         of the rule's state arrays and of the parameters taken after one engine
         synchronisation (``hostcopy.edit``): no array is made and the pulled bytes are
-        copied once. The rule reads w_i ('corrected') before w_G overwrites it."""
+        copied once. The rule reads w_i ('corrected') before w_G overwrites it.
+        ``held``: inside an engine operation that holds these arrays (delay_on_engine.py),
+        which must not wait on the engine."""
         records = [self.keys[key] for key in keys]
         slots = [self.rule.state_arrays(key, r.outs[0]) for key, r in zip(keys, records)]
         edited = [s for key_slots in slots for s in key_slots]
@@ -360,7 +381,9 @@ class StageMachine:
         if write_weights:
             edited += [r.outs[0] for r in records]
             names += [("w", key, 0) for key in keys]
-        with hostcopy.edit(edited, views=self.views, slots=names) as views:
+        edit = (contextlib.nullcontext(hostcopy.held(edited, views=self.views, slots=names))
+                if held else hostcopy.edit(edited, views=self.views, slots=names))
+        with edit as views:
             views = iter(views)
             slot_views = [[next(views) for _ in key_slots] for key_slots in slots]
             for key, r, key_slots in zip(keys, records, slot_views):

@@ -53,5 +53,6 @@ record = kv.metrics().get("quorum_auto")      # sync.quorum: auto: server 0's re
 if record is not None:
     with open(os.path.join(args.out, f"auto-rank{rank}.json"), "w") as f:
         json.dump(record, f)
-print(f"rank {rank} done: {json.dumps({k: metrics[k] for k in ('pushes', 'pulls')})}",
+print(f"rank {rank} done: "
+      f"{json.dumps({k: metrics[k] for k in ('pushes', 'pulls', 'steps_on_engine')})}",
       flush=True)
