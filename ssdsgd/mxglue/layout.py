@@ -38,10 +38,15 @@ _REORDERING_OPS = ("Convolution", "Deconvolution", "FullyConnected",
 # the count of its last ``restore`` (0 at first) restores once.
 _inferences = 1
 _installed = False
+_blind = False      # the calls could not be counted (see ``inferences``)
 
 
 def inferences():
-    """How many calls so far may have rewritten a weight's layout (with the one assumed)."""
+    """How many calls so far may have rewritten a weight's layout (with the one assumed).
+    Where the calls cannot be counted (``install`` failed) every call may have: the
+    number moves on each time, so every check restores (correct, and slower)."""
+    if _blind:
+        _note()
     return _inferences
 
 
@@ -65,7 +70,7 @@ def _op_handles(names):
 
 def install():
     """Count the calls that can rewrite a weight's layout (once per process)."""
-    global _installed
+    global _installed, _blind
     if _installed:
         return
     _installed = True
@@ -91,7 +96,10 @@ def install():
             _note()
         return cached_call(self, *args, **kwargs)
 
-    _internal.CachedOp.__call__ = counted_call
+    try:
+        _internal.CachedOp.__call__ = counted_call
+    except (TypeError, AttributeError):     # a compiled CachedOp (MXNet's cython build)
+        _blind = True
 
     forward = Executor.forward
 
