@@ -14,8 +14,8 @@ epoch ended with other weights on every run (tests/test_layouts.py).
 So every call that can run such an operator outside training mode is counted (the
 operator functions, ``CachedOp``, ``Executor.forward``: ``install``), and before ssdsgd
 touches a buffer through a view it kept, it compares the count with the one of the
-view's last check; if it changed, it waits for the engine and has MXNet put the array
-back into the default layout (``restore``: ``MXNDArrayGetData`` does that for an array in
+view's last check; if it changed, it waits for what is pending on the array and has
+MXNet put it back into the default layout (``restore``: ``MXNDArrayGetData`` does that for an array in
 a oneDNN layout). With no inference between steps it costs one comparison. A view made
 afresh is safe already: making one calls ``MXNDArrayGetData``. MXNet offers no call
 that asks an array's layout, and none that reorders it inside an engine operation
@@ -114,12 +114,18 @@ def install():
 
 def restore(nds):
     """Put the dense CPU NDArrays ``nds`` back into MXNet's default layout if an inference
-    left them in a oneDNN one, after waiting for the engine. On a thread that may wait:
-    never inside an engine operation that holds one of them."""
-    mx.nd.waitall()
+    left them in a oneDNN one. It waits for what is pending on these arrays only (not
+    for the whole engine: a step queued on another key may wait for a reply that only
+    comes once this call returns). On a thread that may wait: never inside an engine
+    operation that holds one of them."""
+    # Twice: an inference operator still pending in the first round pushes its reorder
+    # while it runs, after the first round's wait; the second round waits for that too.
+    for _ in range(2):
+        for nd in nds:
+            check_call(_LIB.MXNDArrayWaitToWrite(nd.handle))
     ptr = ctypes.c_void_p()
     for nd in nds:
-        # reorders an array in a oneDNN layout to the default one, and waits for it
+        # reorders an array in a oneDNN layout to the default one (and waits for it)
         check_call(_LIB.MXNDArrayGetData(nd.handle, ctypes.byref(ptr)))
 
 

@@ -45,8 +45,7 @@ class KeyOp:
     CPU buffers are taken inside the operation (``grad_view``, ``write``), where the
     engine guarantees nothing else touches those arrays."""
     __slots__ = ("key", "grad_list", "outs", "grad", "dtype", "size", "dests", "staged",
-                 "reusable", "arrays", "callers_cpu", "layout_seen", "_grad_view",
-                 "_dest_views")
+                 "reusable", "arrays", "callers_cpu", "_grad_view", "_dest_views")
 
     def __init__(self, key, shape, grad_list, outs):
         self.key, self.grad_list, self.outs = key, tuple(grad_list), \
@@ -78,9 +77,8 @@ class KeyOp:
         self._grad_view = self._dest_views = None
         # The caller's CPU arrays, whose layout an inference pass may change (layout.py);
         # the arrays made here never go through an operator that does.
-        self.callers_cpu = [nd for nd in (*self.grad_list, *(self.outs or ()))
-                            if nd.context.device_type == "cpu"]
-        self.layout_seen = 0 if self.callers_cpu else layout.inferences()
+        self.callers_cpu = tuple(nd for nd in (*self.grad_list, *(self.outs or ()))
+                                 if nd.context.device_type == "cpu")
 
     def matches(self, grad_list, outs):
         """Does a call with these arrays queue what this op does?"""
@@ -134,6 +132,7 @@ class DeferredSteps:
         self.client, self.keys = client, keys
         self.queued = False          # steps queued on MXNet's engine since the last settle
         self.error = None            # the first failure of one of them, raised next call
+        self.layouts = {}            # key -> (layout.inferences(), arrays) at its restore
 
     @staticmethod
     def can_queue(entries):
@@ -158,11 +157,11 @@ class DeferredSteps:
         # an inference pass must be put back first, here: inside the operation MXNet cannot
         # (mxglue/layout.py).
         seen = layout.inferences()
-        stale = [op for op in ops if op.layout_seen != seen]
+        stale = [op for op in ops if not self._restored(op, seen)]
         if stale:
             layout.restore([nd for op in stale for nd in op.callers_cpu])
             for op in stale:
-                op.layout_seen = seen
+                self.layouts[op.key] = (seen, op.callers_cpu)
 
         def run(done):
             if spans is not None:
@@ -183,6 +182,14 @@ class DeferredSteps:
             for src, out in op.staged:
                 src.copyto(out)
         self.queued = True
+
+    def _restored(self, op, seen):
+        """Were the caller's arrays of ``op`` restored since the last inference call?
+        (Per key and array, so an op made afresh each call, e.g. over several devices,
+        does not wait each time.)"""
+        last = self.layouts.get(op.key)
+        return last is not None and last[0] == seen and len(last[1]) == len(
+            op.callers_cpu) and all(a is b for a, b in zip(last[1], op.callers_cpu))
 
     def _key_op(self, key, grad_list, outs):
         """The key's ``KeyOp`` for these arrays: the last one if they are the same."""
