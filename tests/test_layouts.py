@@ -9,7 +9,7 @@ from mxnet.gluon import nn
 import jobs
 from ssdsgd.mxglue import hostcopy, layout
 from test_e2e_configs import sets
-from test_resume import params
+from test_resume import params, resnet20_job
 
 
 def conv_net():
@@ -58,15 +58,8 @@ def test_a_job_whose_rank_0_validates_ends_with_the_synchronous_engines_weights(
     the reply (ssgd) or the local update (ssd) into weights left in a oneDNN layout, and
     the job ended with other weights on every run. NaiveEngine runs every operation at
     once, so no step is queued there."""
-    from test_data import make_cifar
-    data = tmp_path / "cifar"
-    make_cifar(data / "cifar-10-batches-bin", per_file=8, test=6)   # 40 train: 5 steps/epoch
     # no checkpoint before the last epoch's end: its copies would restore the layouts
-    job = ["configs/cifar10_resnet20_ssd.yaml", *sets(
-        cluster__workers=2, data__path=data, data__batch_size=4, train__epochs=3,
-        train__checkpoint_every=3, data__loader_threads=0, output__plots="false",
-        **({"sync__algorithm": "ssgd"} if algorithm == "ssgd" else
-           {"sync__warmup_steps": 3, "sync__delay_steps": 2}))]
+    job = resnet20_job(tmp_path, algorithm, checkpoint_every=3)
     got = {}
     for name, env in (("queued", {}), ("naive", {"MXNET_ENGINE_TYPE": "NaiveEngine"})):
         run = jobs.run([*job, *sets(output__dir=tmp_path / name)], timeout=300, env=env)

@@ -236,20 +236,27 @@ def test_a_pickled_optimizer_state_file_is_refused_and_never_run(tmp_path, kille
 # updates every step of an ssd job too (warm-up 3, k = 2), so a fresh optimizer there
 # changes the weights as it does in ssgd; ssd adds the workers' own state on top. ssgd's
 # resume to the same weights is test_killed_ssgd_job_resumes_to_the_same_weights's.
+def resnet20_job(tmp_path, algorithm, checkpoint_every):
+    """The CIFAR-10 ResNet-20 config's arguments for a 2-worker job of 3 epochs of 5 steps
+    on 40 CIFAR-10 images made under ``tmp_path``; ssd with warm-up 3 and k = 2."""
+    from test_data import make_cifar
+    data = tmp_path / "cifar"
+    make_cifar(data / "cifar-10-batches-bin", per_file=8, test=6)   # 40 train: 5 steps/epoch
+    return ["configs/cifar10_resnet20_ssd.yaml", *sets(
+        cluster__workers=2, data__path=data, data__batch_size=4, train__epochs=3,
+        train__checkpoint_every=checkpoint_every, data__loader_threads=0,
+        output__plots="false",
+        **({"sync__algorithm": "ssgd"} if algorithm == "ssgd" else
+           {"sync__warmup_steps": 3, "sync__delay_steps": 2}))]
+
+
 @pytest.mark.parametrize("algorithm", ["ssd"])
 def test_a_killed_resnet20_job_resumes_bit_identically(tmp_path, algorithm):
     """Issue 24: the CIFAR-10 ResNet-20 config, killed after its first checkpoint and
     resumed, ends with exactly the uninterrupted run's weights (BatchNorm statistics,
     which no kvstore updates, included). It did not: restoring the running statistics
     reset the Trainer's kvstore, which sent the servers a fresh optimizer."""
-    from test_data import make_cifar
-    data = tmp_path / "cifar"
-    make_cifar(data / "cifar-10-batches-bin", per_file=8, test=6)   # 40 train: 5 steps/epoch
-    job = ["configs/cifar10_resnet20_ssd.yaml", *sets(
-        cluster__workers=2, data__path=data, data__batch_size=4, train__epochs=3,
-        train__checkpoint_every=1, data__loader_threads=0, output__plots="false",
-        **({"sync__algorithm": "ssgd"} if algorithm == "ssgd" else
-           {"sync__warmup_steps": 3, "sync__delay_steps": 2}))]
+    job = resnet20_job(tmp_path, algorithm, checkpoint_every=1)
     a = dist([*job, *sets(output__dir=tmp_path / "a")], timeout=300)
     assert a.returncode == 0, a.stderr[-3000:]
     run_a = next((tmp_path / "a").iterdir())
