@@ -103,7 +103,8 @@ class Views:
 
 
 def _entries(nds, views, slots):
-    """[array, info, view] per array: from ``views`` by slot, or worked out afresh."""
+    """[array, info, view, count] per array (``Views._memo``): from ``views`` by slot, or
+    worked out afresh."""
     if views is None:
         return [[nd, _dense_cpu(nd), None, 0] for nd in nds]
     return [views._entry(slot, nd) for slot, nd in zip(slots, nds)]   # noqa: SLF001

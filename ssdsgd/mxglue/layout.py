@@ -15,8 +15,10 @@ So every call that can run such an operator outside training mode is counted (th
 operator functions, ``CachedOp``, ``Executor.forward``: ``install``), and before ssdsgd
 touches a buffer through a view it kept, it compares the count with the one of the
 view's last check; if it changed, it waits for what is pending on the array and has
-MXNet put it back into the default layout (``restore``: ``MXNDArrayGetData`` does that for an array in
-a oneDNN layout). With no inference between steps it costs one comparison. A view made
+MXNet put it back into the default layout (``restore``: ``MXNDArrayGetData`` does that
+for an array in a oneDNN layout); steps queued on the engine do the same before they are
+queued (``QueuedArrays``). With no inference between steps it costs one comparison. A
+view made
 afresh is safe already: making one calls ``MXNDArrayGetData``. MXNet offers no call
 that asks an array's layout, and none that reorders it inside an engine operation
 (``MXNDArrayGetData`` waits for the array, so it deadlocks there), hence the count.
@@ -127,6 +129,30 @@ def restore(nds):
     for nd in nds:
         # reorders an array in a oneDNN layout to the default one (and waits for it)
         check_call(_LIB.MXNDArrayGetData(nd.handle, ctypes.byref(ptr)))
+
+
+class QueuedArrays:
+    """What the steps queued on the engine by one worker restored last, per key: before a
+    step is queued, the caller's arrays of each key are restored if an inference call
+    came since, or if the key comes with other arrays than at its last restore."""
+
+    def __init__(self):
+        self._last = {}     # key -> (inferences() at its restore, its arrays)
+
+    def before_queue(self, keyed):
+        """``keyed``: (key, tuple of the caller's CPU arrays) per key of the step."""
+        seen = inferences()
+        stale = [(key, arrays) for key, arrays in keyed
+                 if not self._restored(key, arrays, seen)]
+        if stale:
+            restore([nd for _, arrays in stale for nd in arrays])
+            for key, arrays in stale:
+                self._last[key] = (seen, arrays)
+
+    def _restored(self, key, arrays, seen):
+        last = self._last.get(key)
+        return (last is not None and last[0] == seen and len(last[1]) == len(arrays)
+                and all(a is b for a, b in zip(last[1], arrays)))
 
 
 install()

@@ -132,7 +132,7 @@ class DeferredSteps:
         self.client, self.keys = client, keys
         self.queued = False          # steps queued on MXNet's engine since the last settle
         self.error = None            # the first failure of one of them, raised next call
-        self.layouts = {}            # key -> (layout.inferences(), arrays) at its restore
+        self.layouts = layout.QueuedArrays()   # what was restored last, per key
 
     @staticmethod
     def can_queue(entries):
@@ -156,12 +156,7 @@ class DeferredSteps:
         # The operation reads and writes the arrays' buffers; one in a oneDNN layout since
         # an inference pass must be put back first, here: inside the operation MXNet cannot
         # (mxglue/layout.py).
-        seen = layout.inferences()
-        stale = [op for op in ops if not self._restored(op, seen)]
-        if stale:
-            layout.restore([nd for op in stale for nd in op.callers_cpu])
-            for op in stale:
-                self.layouts[op.key] = (seen, op.callers_cpu)
+        self.layouts.before_queue((op.key, op.callers_cpu) for op in ops)
 
         def run(done):
             if spans is not None:
@@ -182,14 +177,6 @@ class DeferredSteps:
             for src, out in op.staged:
                 src.copyto(out)
         self.queued = True
-
-    def _restored(self, op, seen):
-        """Were the caller's arrays of ``op`` restored since the last inference call?
-        (Per key and array, so an op made afresh each call, e.g. over several devices,
-        does not wait each time.)"""
-        last = self.layouts.get(op.key)
-        return last is not None and last[0] == seen and len(last[1]) == len(
-            op.callers_cpu) and all(a is b for a, b in zip(last[1], op.callers_cpu))
 
     def _key_op(self, key, grad_list, outs):
         """The key's ``KeyOp`` for these arrays: the last one if they are the same."""

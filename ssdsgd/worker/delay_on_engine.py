@@ -67,7 +67,7 @@ class DelayStepsOnEngine:
         self.token = mx.nd.zeros((1,), ctx=mx.cpu()) if self.usable else None
         self.queued = False
         self.error = None
-        self.layout_seen = {}    # key -> layout.inferences() when its arrays were restored
+        self.layouts = layout.QueuedArrays()   # what was restored last, per key
         self._lock = threading.Lock()
 
     def can_queue(self, entries, pending):
@@ -127,11 +127,8 @@ class DelayStepsOnEngine:
         # The operation reads and writes the arrays' buffers: one that an inference pass
         # left in a oneDNN layout is put back first, here (mxglue/layout.py; inside the
         # operation MXNet cannot, and the next forward would reorder it only after).
-        seen = layout.inferences()
-        stale = [i for i, key in enumerate(keys) if self.layout_seen.get(key) != seen]
-        if stale:
-            layout.restore([nd for i in stale for nd in (weights[i], grads[i])])
-            self.layout_seen.update((keys[i], seen) for i in stale)
+        self.layouts.before_queue(
+            (key, (w, g)) for key, w, g in zip(keys, weights, grads))
         engineop.push(run, grads, [self.token, *weights, *states.values()])
         self.queued = True
         return mine
