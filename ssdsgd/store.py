@@ -356,6 +356,10 @@ class SSD_Sync(KVStoreBase):
         """MXNet's barrier; also returns the largest ``value`` any worker passed. With
         ``step``, in a job whose workers join and leave: the barrier of the workers in
         the job at that step (docs/spec/membership.md rule 11)."""
+        if self._machine.quorum:
+            # the barrier tells the servers not to wait for this worker's pushes (quorum.md
+            # rule 2a): its queued steps must have pushed first
+            self._machine.settle()
         self._machine.raise_deferred()
         return self._client.barrier(value, step=step)
 

@@ -30,6 +30,28 @@ def test_a_trainer_step_returns_before_the_slow_worker_pushed(tmp_path):
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("servers", [1, 2])
+def test_an_ssgd_step_under_a_quorum_returns_before_its_round_closes(tmp_path, servers):
+    """A quorum's ssgd step is queued on the engine as well (eager-SGD's own setting:
+    a quorum's step held the thread for its round, and ran at 0.80x native dist_sync
+    under random delays). ``auto`` keeps both workers in the first round (it excuses
+    nobody before it has measured lags), so rank 0's step 0 is answered only once rank
+    1 pushed, SLOW later: on the thread, it would be held that long. Every push goes to
+    every server, in one message (docs/spec/quorum.md), and both ranks end on the final
+    pull's model."""
+    res = launch(2, servers, ["--out", tmp_path, "--steps", STEPS, "--slow", SLOW],
+                 env={"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_QUORUM": "auto"},
+                 script="deferred_step.py", timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    held = json.loads((tmp_path / "held-rank0.json").read_text())
+    assert max(held) < SLOW / 2, held
+    w0, w1 = load_npz(tmp_path / "final-rank0.npz"), load_npz(tmp_path / "final-rank1.npz")
+    assert w0.keys() == w1.keys() and w0
+    for k in w0:
+        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
+
+
+@pytest.mark.system
 def test_with_the_timeline_on_a_step_still_returns_at_once_and_its_wait_is_recorded(tmp_path):
     """``train.timeline`` is on by default, so a user's ssgd job records one. Recording
     must not take the step off the engine (it did: the same random-delay digits job took

@@ -130,6 +130,10 @@ class DeferredSteps:
 
     def __init__(self, client, keys):
         self.client, self.keys = client, keys
+        # A quorum's step is one contribution to a round, sent to every server in one
+        # message and not cut (docs/spec/quorum.md): ``client.push``'s path, not the
+        # outbox's, which groups key-by-key calls; its reply is as of the rounds closed.
+        self.quorum = bool(getattr(client, "quorum", False))
         self.queued = False          # steps queued on MXNet's engine since the last settle
         self.error = None            # the first failure of one of them, raised next call
         self.layouts = layout.QueuedArrays()   # what was restored last, per key
@@ -158,15 +162,23 @@ class DeferredSteps:
         # (mxglue/layout.py).
         self.layouts.before_queue((op.key, op.callers_cpu) for op in ops)
 
+        if self.quorum:         # the final pull writes the final model into the outputs
+            for op in ops:
+                if op.outs is not None:
+                    self.keys[op.key].outs = list(op.outs)
+
         def run(done):
             if spans is not None:
                 spans.began()
             try:
-                if timed:
-                    self.client.mark_step()
-                self.client.push_then(
-                    [(op.key, op.grad_view()) for op in ops],
-                    lambda replies, error: self._done(t, ops, replies, error, done, spans))
+                then = lambda replies, error: self._done(t, ops, replies, error, done, spans)
+                grads = [(op.key, op.grad_view()) for op in ops]
+                if self.quorum:
+                    self.client.push(t, grads, pull=True).then(then)
+                else:
+                    if timed:
+                        self.client.mark_step()
+                    self.client.push_then(grads, then)
                 if spans is not None:
                     spans.pushed()
             except Exception as e:
@@ -200,7 +212,7 @@ class DeferredSteps:
             if error is None:
                 for op in ops:
                     reply = replies[op.key]
-                    self.keys[op.key].remember(reply, t)
+                    self.keys[op.key].remember(reply, reply.version if self.quorum else t)
                     op.write(reply.value)
         except Exception as e:
             error = e

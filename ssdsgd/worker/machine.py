@@ -232,7 +232,9 @@ class StageMachine:
     # ---- a synchronous step queued on MXNet's engine ----------------------------------
     def can_defer(self, entries):
         """ssgd and asgd steps of dense arrays can be engine operations (``step_deferred``);
-        ssd's steps-delay step and a quorum's rounds keep state on this thread."""
+        ssd's steps-delay step keeps state on this thread, and under a quorum a step is
+        one contribution to a round: a whole step only (``can_defer_step``), never one
+        key's call."""
         return (self.env.algorithm in ("ssgd", "asgd") and not self.quorum
                 and self.deferred.can_queue(entries))
 
@@ -241,10 +243,13 @@ class StageMachine:
         with ``timed``): ``Trainer.step`` then returns at once, as it does on ps-lite, and
         what the script does before its next forward (its data, its own Python work, a
         straggler's wait) overlaps the exchange. Not with relayed pulls (the outbox sends
-        every reply from the servers). The timeline records its wait on the engine's lane
+        every reply from the servers). Under a quorum too: the step is sent to every
+        server as the synchronous one is, and its reply is the same round's; the script
+        only waits for it later. The timeline records its wait on the engine's lane
         (``deferred.ENGINE_LANE``)."""
         return (self.env.algorithm == "ssgd" and self.env.pull_relay != "chain"
-                and self.can_defer(entries))
+                and (self.can_defer(entries)
+                     or (self.quorum and self.deferred.can_queue(entries))))
 
     def step_deferred(self, entries, priority=0, timed=False):
         """A synchronous step queued on MXNet's engine, as ps-lite queues a pushpull: it
