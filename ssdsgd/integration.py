@@ -23,7 +23,7 @@ of a fact of MXNet 1.9.1 or of the job:
 3. The stock Trainer calls ``pushpull`` once per parameter. ``Trainer._allreduce_grads``
    is wrapped so that the calls of one ``step`` are collected (``store.step_batch``) and
    run as one step of the stage machine: one message per server. An ssgd step (dense,
-   no quorum, no relay, no timeline being recorded) is queued on MXNet's engine as
+   no relayed pulls; with or without a quorum) is queued on MXNet's engine as
    ps-lite's pushpull is, so ``step`` returns at once and the weights are pending until
    the reply is written; every other step has the weights in place when it returns.
 4. ``sys.excepthook``: a worker that dies of an uncaught exception must tell the job it

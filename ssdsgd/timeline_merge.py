@@ -372,11 +372,15 @@ def _headline(out) -> str:
             f"{out['waited_for_slowest_s']:.2f} s for it")
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def lines(out) -> list[str]:
     """What the report and the launcher print of a merge."""
     roles = collections.Counter(role for role, _ in out["nodes"])
-    text = [f"timeline: {out['trace']} ({out['spans']} spans of {roles['worker']} workers "
-            f"and {roles['server']} servers; open it in https://ui.perfetto.dev)"]
+    text = [f"timeline: {out['trace']} ({out['spans']} spans of {_count(roles['worker'], 'worker')} "
+            f"and {_count(roles['server'], 'server')}; open it in https://ui.perfetto.dev)"]
     if out["png"]:
         text.append(f"timeline: {out['png']}")
     text.append(f"timeline: {_headline(out)} (each worker's blocked and barrier time: "

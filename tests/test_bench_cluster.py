@@ -365,7 +365,7 @@ def test_tta_comm_checks_judge_the_aggregates_of_several_seeds():
 def test_hetero_rows_with_a_quorum_or_partial_reduce_are_the_tolerant_ones():
     hetero_rows = rows.catalog().names('hetero')
     assert {r.key for r in hetero_rows if r.straggler_tolerant} == {
-        'ssd-k5-majority', 'ssd-k5-auto', 'preduce-p2'}
+        'ssgd-majority', 'ssd-k5-majority', 'ssd-k5-auto', 'preduce-p2'}
     assert {'native-sync', 'ssgd', 'ssd-k5', 'defaults'} <= {r.key for r in hetero_rows}
     maj = rows.system('ssd-k5-majority')
     assert (maj.mode, maj.k, maj.quorum) == ('ssd', 5, 'majority')

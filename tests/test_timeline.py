@@ -216,7 +216,7 @@ def test_a_merge_writes_the_trace_the_png_and_the_summary(tmp_path, capsys):
     (run / "summary.json").write_text(json.dumps({"steps": 1}))
     assert report.main([str(run), "--timeline"]) == 0
     out = capsys.readouterr().out
-    assert f"timeline: {run / 'timeline.json'} (8 spans of 2 workers and 1 servers" in out
+    assert f"timeline: {run / 'timeline.json'} (8 spans of 2 workers and 1 server" in out
     assert "slowest rank: worker 1; the others waited 1.00 s for it" in out
     assert (run / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     assert len(json.loads((run / "timeline.json").read_text())["traceEvents"]) > 7
