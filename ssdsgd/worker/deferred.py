@@ -126,13 +126,15 @@ def engine_arrays(ops):
 class DeferredSteps:
     """The steps queued on the engine since the last ``settle`` and their first failure.
     ``keys``: the machine's key -> ``KeyRecord`` (each record keeps its key's last
-    ``KeyOp``, and takes the reply as the newest global weights)."""
+    ``KeyOp``, and takes the reply as the newest global weights, as of the step
+    ``dated(reply, t)`` says: the machine's rule, t or a quorum's rounds closed)."""
 
-    def __init__(self, client, keys):
+    def __init__(self, client, keys, dated):
         self.client, self.keys = client, keys
+        self.dated = dated           # (reply, step) -> the step its weights are as of
         # A quorum's step is one contribution to a round, sent to every server in one
         # message and not cut (docs/spec/quorum.md): ``client.push``'s path, not the
-        # outbox's, which groups key-by-key calls; its reply is as of the rounds closed.
+        # outbox's, which groups key-by-key calls.
         self.quorum = bool(getattr(client, "quorum", False))
         self.queued = False          # steps queued on MXNet's engine since the last settle
         self.error = None            # the first failure of one of them, raised next call
@@ -212,7 +214,7 @@ class DeferredSteps:
             if error is None:
                 for op in ops:
                     reply = replies[op.key]
-                    self.keys[op.key].remember(reply, reply.version if self.quorum else t)
+                    self.keys[op.key].remember(reply, self.dated(reply, t))
                     op.write(reply.value)
         except Exception as e:
             error = e

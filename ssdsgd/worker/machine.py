@@ -109,7 +109,7 @@ class StageMachine:
             client.record_policy_answers(GroupRecord(client.rank))
         self.periodic = (PeriodicSync(client, self.keys, self.counts, env)
                          if syncs_periodically(env.algorithm) else None)
-        self.deferred = DeferredSteps(client, self.keys)   # steps queued on MXNet's engine
+        self.deferred = DeferredSteps(client, self.keys, self._dated)   # queued on the engine
         self.on_engine = DelayStepsOnEngine(self)           # ssd's steps-delay steps too
         self.final_done = False      # quorum: the final pull is answered
         self.quorum_auto = None      # quorum auto: server 0's record, from the final reply
@@ -248,8 +248,7 @@ class StageMachine:
         only waits for it later. The timeline records its wait on the engine's lane
         (``deferred.ENGINE_LANE``)."""
         return (self.env.algorithm == "ssgd" and self.env.pull_relay != "chain"
-                and (self.can_defer(entries)
-                     or (self.quorum and self.deferred.can_queue(entries))))
+                and self.deferred.can_queue(entries))
 
     def step_deferred(self, entries, priority=0, timed=False):
         """A synchronous step queued on MXNet's engine, as ps-lite queues a pushpull: it
