@@ -154,7 +154,8 @@ def _load_local_states(trainer, path: Path) -> None:
     optimizer = build(spec)
     for updater in _updaters(trainer):
         updater.optimizer = optimizer
-        updater.states = states_from_arrays(optimizer, arrays)
+        updater.states = states_from_arrays(optimizer, arrays, {
+            key: p.shape for key, p in enumerate(trainer._params)})  # noqa: SLF001
         updater.states_synced = {key: False for key in updater.states}   # to the device
     trainer._optimizer = optimizer  # noqa: SLF001
     optimizer.param_dict = dict(enumerate(trainer._params))  # noqa: SLF001

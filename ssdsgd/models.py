@@ -26,7 +26,16 @@ def digits_cnn(classes: int = 10) -> gluon.HybridBlock:
 
 
 def build_model(name: str, classes: int) -> gluon.HybridBlock:
-    """The network called ``name`` with ``classes`` outputs, uninitialized."""
+    """The network called ``name`` with ``classes`` outputs, uninitialized, its blocks
+    named as in a fresh process (``dense0``...) whatever the process built before: MXNet's
+    Trainer orders the parameters, i.e. numbers the kvstore keys and optimizer states, by
+    those names, so a checkpoint's states meet their own parameters on resume."""
+    import mxnet as mx
+    with mx.name.NameManager():
+        return _build(name, classes)
+
+
+def _build(name: str, classes: int) -> gluon.HybridBlock:
     if name == "digits_mlp":
         return digits_mlp(classes)
     if name == "digits_cnn":

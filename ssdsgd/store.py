@@ -312,7 +312,8 @@ class SSD_Sync(KVStoreBase):
         optimizer = build(spec)                       # MXNet's classes, checked
         optimizer.param_dict = self._updater.optimizer.param_dict
         updater = mx.optimizer.get_updater(optimizer)
-        updater.states = states_from_arrays(optimizer, arrays)
+        updater.states = states_from_arrays(optimizer, arrays, {
+            key: self._machine.shape(key) for key in arrays if key in self._machine.keys})
         updater.states_synced = {key: True for key in updater.states}
         self._updater = updater
         if self._env.algorithm == "preduce":

@@ -126,6 +126,70 @@ def test_checkpoint_and_resume_continue_exactly(tmp_path, no_role):
     assert (start["start_epoch"], start["start_step"]) == (1, 44)
 
 
+def _dense_number():
+    """The number MXNet gives the Dense block built now (it builds one)."""
+    from mxnet.gluon import nn
+    return int(nn.Dense(1).prefix[len("dense"):-1])
+
+
+def test_resume_in_a_process_that_built_other_models_restores_each_states_own_key(
+        tmp_path, no_role):
+    """MXNet's Trainer orders parameters by their names, which count every block the
+    process built: a job run after others (dense8..dense10, sorted 10, 8, 9) and its
+    resume (dense11..dense13) numbered the same parameters differently, and the resumed
+    job loaded the momentum of one into another (CI: 'expected [10], got [128]')."""
+    number, boundary = _dense_number(), 10
+    while boundary - 3 < number:
+        boundary *= 10
+    while number < boundary - 3:    # the full run's three Dense layers: 8, 9, 10 (or 98..)
+        number = _dense_number()
+    cfg = digits_job(tmp_path, train={"epochs": 2, "checkpoint_every": 1})
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert T.main([str(cfg), "--run-dir", str(full)]) == 0
+    ck = full / "checkpoints"
+    (part / "checkpoints").mkdir(parents=True)
+    for f in ("epoch-0000.params", "epoch-0000.states"):
+        (part / "checkpoints" / f).write_bytes((ck / f).read_bytes())
+    (part / "checkpoints/latest.json").write_text(json.dumps(
+        {"epoch": 0, "next_epoch": 1, "step": 44, "seed": 1, "params": "epoch-0000.params",
+         "states": "epoch-0000.states"}))
+    (part / "config.yaml").write_text((full / "config.yaml").read_text())
+    assert T.main(["--resume", str(part)]) == 0
+    a = mx.nd.load(str(ck / "epoch-0001.params"))
+    b = mx.nd.load(str(part / "checkpoints/epoch-0001.params"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.allclose(a[k].asnumpy(), b[k].asnumpy(), atol=1e-6), k
+
+
+def test_a_states_file_whose_states_do_not_fit_the_parameters_is_refused_by_key(
+        tmp_path, no_role):
+    """States of other shapes than their keys' weights (another model, another order of
+    parameters) are refused at --resume with the key, not at the first update with an
+    MXNet traceback."""
+    from ssdsgd.mxglue import state_file
+    cfg = digits_job(tmp_path, train={"epochs": 2, "checkpoint_every": 1})
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert T.main([str(cfg), "--run-dir", str(full)]) == 0
+    ck = full / "checkpoints"
+    (part / "checkpoints").mkdir(parents=True)
+    (part / "checkpoints/epoch-0000.params").write_bytes((ck / "epoch-0000.params").read_bytes())
+    spec, states = state_file.load(str(ck / "epoch-0000.states"))
+    keys = sorted(states)
+    first = keys[0]
+    other = next(k for k in keys if states[k][0].shape != states[first][0].shape)
+    states[first], states[other] = states[other], states[first]
+    state_file.save(str(part / "checkpoints/epoch-0000.states"), spec, states)
+    (part / "checkpoints/latest.json").write_text(json.dumps(
+        {"epoch": 0, "next_epoch": 1, "step": 44, "seed": 1, "params": "epoch-0000.params",
+         "states": "epoch-0000.states"}))
+    (part / "config.yaml").write_text((full / "config.yaml").read_text())
+    with pytest.raises(T.DataError) as e:
+        T.train(parse_config(yaml.safe_load((part / "config.yaml").read_text())), part,
+                resume=True)
+    assert f"key {first}" in str(e.value) and "\n" not in str(e.value), e.value
+
+
 def test_cifar_pipeline_smoke(tmp_path, no_role):
     from test_data import make_cifar
     make_cifar(tmp_path / "cifar", per_file=4, test=3)

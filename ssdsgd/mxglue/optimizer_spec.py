@@ -287,13 +287,23 @@ def state_arrays(states):
     return {key: [a.asnumpy() for a in flatten_state(state)] for key, state in states.items()}
 
 
-def states_from_arrays(optimizer, arrays):
+def states_from_arrays(optimizer, arrays, shapes):
     """The inverse of ``state_arrays`` for ``optimizer``: each key's state rebuilt in the
-    structure the optimizer creates for a weight of that shape."""
+    structure the optimizer creates for a weight of that shape. ``shapes`` (key -> its
+    weight's shape): every MXNet optimizer keeps states of its weight's shape, so a file of
+    another model, or of another order of parameters, is refused here by key (ValueError,
+    one line), not by the first update's shape check."""
     states = {}
     for key, parts in arrays.items():
+        if key not in shapes:
+            raise ValueError(f"key {key}: no such parameter in this model")
+        shape = tuple(shapes[key])
+        wrong = [tuple(a.shape) for a in parts if tuple(a.shape) != shape]
+        if wrong:
+            raise ValueError(f"key {key}: a state of shape {wrong[0]} for a weight of shape "
+                             f"{shape} (a file of another model or parameter order)")
         template = optimizer.create_state_multi_precision(
-            key, mx.nd.zeros(parts[0].shape if parts else (1,)))
+            key, mx.nd.zeros(shape, dtype=parts[0].dtype if parts else "float32"))
         states[key] = unflatten_state(template, [mx.nd.array(a, dtype=a.dtype)
                                                  for a in parts])
     return states
