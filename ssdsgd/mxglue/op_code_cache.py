@@ -29,7 +29,8 @@ import sys
 
 #: The modules of MXNet 1.x whose ``exec`` compiles generated operator functions.
 MODULES = ("mxnet.ndarray.register", "mxnet.symbol.register")
-#: Beyond this many entries (several MXNet builds on one machine) the file starts afresh.
+#: Beyond this many entries (several MXNet builds on one machine) a process that compiled
+#: something keeps only its own texts in the file.
 MAX_ENTRIES = 20000
 _FORMAT = "ssdsgd-op-code-1"
 
@@ -43,6 +44,7 @@ class OpCodeCache:
         self.code = self._read(path) if path else {}
         self.hits = self.misses = 0
         self.loaded = len(self.code)
+        self.used = set()       # this process's texts: what a full file keeps
 
     @staticmethod
     def _read(path):
@@ -76,6 +78,7 @@ class OpCodeCache:
         handle = int(source[start:end])
         text = f"{source[:start]}{_SLOT}{source[end:]}"
         key = hashlib.sha256(text.encode()).hexdigest()
+        self.used.add(key)
         code = self.code.get(key)
         if code is None:
             self.misses += 1
@@ -89,7 +92,8 @@ class OpCodeCache:
         start together each write a whole file, the last one stays)."""
         if not self.path or not self.misses:
             return
-        code = self.code if len(self.code) <= MAX_ENTRIES else {}
+        code = self.code if len(self.code) <= MAX_ENTRIES else \
+            {key: self.code[key] for key in self.used}
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
             os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
