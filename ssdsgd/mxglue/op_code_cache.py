@@ -2,10 +2,12 @@
 
 ``import mxnet`` writes a Python function for each of its operators (about 1,200, for
 ``mx.nd`` and again for ``mx.sym``, plus the numpy ones) as source text and compiles
-every one with ``exec``: about 0.35 of the 1.2 CPU seconds the import takes. Every
-process of a job pays it, so on the emulated cluster (six processes on two cores) it is
-about a third of a job's start-up (docs/design.md, "Start-up"). The text is the same in
-every process of one MXNet build, so it need be compiled once: the two modules that
+every one with ``exec``: about 0.35 of the 1.4 CPU seconds the import takes. Every
+process of a job pays it: on the emulated cluster (six processes on two cores) about a
+second of a job's start-up (docs/design.md, "Start-up"). The text is the same in
+every process of one MXNet build but for the operator's handle (an address; filed as a
+placeholder and put back into the function's constants), so it need be compiled once:
+the two modules that
 generate it (``MODULES``) get an ``exec`` of their own (a module global shadows the
 builtin) that looks each text up by its SHA-256 in a file of code objects and compiles
 only what it lacks; the file is written once MXNet's import is done.
