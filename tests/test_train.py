@@ -99,6 +99,28 @@ def test_max_steps_and_new_run_dir(tmp_path, no_role):
     assert len(events(run / "metrics/worker-0.jsonl", "val")) == 1
 
 
+def stopped_after_epoch_0(full, part, states=None):
+    """RUN_DIR ``part``: the run ``full`` as if it had stopped after epoch 0, only its
+    first checkpoint left (``states``: a replacement for its states file's bytes)."""
+    ck = full / "checkpoints"
+    (part / "checkpoints").mkdir(parents=True)
+    for f in ("epoch-0000.params", "epoch-0000.states"):
+        (part / "checkpoints" / f).write_bytes((ck / f).read_bytes())
+    if states is not None:
+        (part / "checkpoints/epoch-0000.states").write_bytes(states)
+    (part / "checkpoints/latest.json").write_text(json.dumps(
+        {"epoch": 0, "next_epoch": 1, "step": 44, "seed": 1, "params": "epoch-0000.params",
+         "states": "epoch-0000.states"}))
+    (part / "config.yaml").write_text((full / "config.yaml").read_text())
+
+
+def assert_same_params(a_path, b_path):
+    a, b = mx.nd.load(str(a_path)), mx.nd.load(str(b_path))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.allclose(a[k].asnumpy(), b[k].asnumpy(), atol=1e-6), k
+
+
 def test_checkpoint_and_resume_continue_exactly(tmp_path, no_role):
     cfg = digits_job(tmp_path, train={"epochs": 3, "checkpoint_every": 1})
     full, part = tmp_path / "full", tmp_path / "part"
@@ -108,20 +130,9 @@ def test_checkpoint_and_resume_continue_exactly(tmp_path, no_role):
                                               "epoch-0002.params", "latest.json"}
     latest = json.loads((ck / "latest.json").read_text())
     assert (latest["next_epoch"], latest["step"]) == (3, 132)
-    # a run that stopped after epoch 0: only its first checkpoint survives
-    (part / "checkpoints").mkdir(parents=True)
-    for f in ("epoch-0000.params", "epoch-0000.states"):
-        (part / "checkpoints" / f).write_bytes((ck / f).read_bytes())
-    (part / "checkpoints/latest.json").write_text(json.dumps(
-        {"epoch": 0, "next_epoch": 1, "step": 44, "seed": 1, "params": "epoch-0000.params",
-         "states": "epoch-0000.states"}))
-    (part / "config.yaml").write_text((full / "config.yaml").read_text())
+    stopped_after_epoch_0(full, part)
     assert T.main(["--resume", str(part)]) == 0
-    a = mx.nd.load(str(ck / "epoch-0002.params"))
-    b = mx.nd.load(str(part / "checkpoints/epoch-0002.params"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert np.allclose(a[k].asnumpy(), b[k].asnumpy(), atol=1e-6), k
+    assert_same_params(ck / "epoch-0002.params", part / "checkpoints/epoch-0002.params")
     start, = events(part / "metrics/worker-0.jsonl", "start")
     assert (start["start_epoch"], start["start_step"]) == (1, 44)
 
@@ -146,20 +157,10 @@ def test_resume_in_a_process_that_built_other_models_restores_each_states_own_ke
     cfg = digits_job(tmp_path, train={"epochs": 2, "checkpoint_every": 1})
     full, part = tmp_path / "full", tmp_path / "part"
     assert T.main([str(cfg), "--run-dir", str(full)]) == 0
-    ck = full / "checkpoints"
-    (part / "checkpoints").mkdir(parents=True)
-    for f in ("epoch-0000.params", "epoch-0000.states"):
-        (part / "checkpoints" / f).write_bytes((ck / f).read_bytes())
-    (part / "checkpoints/latest.json").write_text(json.dumps(
-        {"epoch": 0, "next_epoch": 1, "step": 44, "seed": 1, "params": "epoch-0000.params",
-         "states": "epoch-0000.states"}))
-    (part / "config.yaml").write_text((full / "config.yaml").read_text())
+    stopped_after_epoch_0(full, part)
     assert T.main(["--resume", str(part)]) == 0
-    a = mx.nd.load(str(ck / "epoch-0001.params"))
-    b = mx.nd.load(str(part / "checkpoints/epoch-0001.params"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert np.allclose(a[k].asnumpy(), b[k].asnumpy(), atol=1e-6), k
+    assert_same_params(full / "checkpoints/epoch-0001.params",
+                       part / "checkpoints/epoch-0001.params")
 
 
 def test_a_states_file_whose_states_do_not_fit_the_parameters_is_refused_by_key(
@@ -171,19 +172,13 @@ def test_a_states_file_whose_states_do_not_fit_the_parameters_is_refused_by_key(
     cfg = digits_job(tmp_path, train={"epochs": 2, "checkpoint_every": 1})
     full, part = tmp_path / "full", tmp_path / "part"
     assert T.main([str(cfg), "--run-dir", str(full)]) == 0
-    ck = full / "checkpoints"
-    (part / "checkpoints").mkdir(parents=True)
-    (part / "checkpoints/epoch-0000.params").write_bytes((ck / "epoch-0000.params").read_bytes())
-    spec, states = state_file.load(str(ck / "epoch-0000.states"))
+    spec, states = state_file.load(str(full / "checkpoints/epoch-0000.states"))
     keys = sorted(states)
     first = keys[0]
     other = next(k for k in keys if states[k][0].shape != states[first][0].shape)
     states[first], states[other] = states[other], states[first]
-    state_file.save(str(part / "checkpoints/epoch-0000.states"), spec, states)
-    (part / "checkpoints/latest.json").write_text(json.dumps(
-        {"epoch": 0, "next_epoch": 1, "step": 44, "seed": 1, "params": "epoch-0000.params",
-         "states": "epoch-0000.states"}))
-    (part / "config.yaml").write_text((full / "config.yaml").read_text())
+    state_file.save(str(tmp_path / "swapped.states"), spec, states)
+    stopped_after_epoch_0(full, part, states=(tmp_path / "swapped.states").read_bytes())
     with pytest.raises(T.DataError) as e:
         T.train(parse_config(yaml.safe_load((part / "config.yaml").read_text())), part,
                 resume=True)
