@@ -127,15 +127,15 @@ class DeferredSteps:
     """The steps queued on the engine since the last ``settle`` and their first failure.
     ``keys``: the machine's key -> ``KeyRecord`` (each record keeps its key's last
     ``KeyOp``, and takes the reply as the newest global weights, as of the step
-    ``dated(reply, t)`` says: the machine's rule, t or a quorum's rounds closed)."""
+    ``dated(reply, t)`` says: the machine's rule, t or a quorum's rounds closed).
+    ``quorum``: the machine's; a quorum's step is one contribution to a round, sent to
+    every server in one message and not cut (docs/spec/quorum.md): ``client.push``'s
+    path, not the outbox's, which groups key-by-key calls."""
 
-    def __init__(self, client, keys, dated):
+    def __init__(self, client, keys, dated, quorum):
         self.client, self.keys = client, keys
         self.dated = dated           # (reply, step) -> the step its weights are as of
-        # A quorum's step is one contribution to a round, sent to every server in one
-        # message and not cut (docs/spec/quorum.md): ``client.push``'s path, not the
-        # outbox's, which groups key-by-key calls.
-        self.quorum = bool(getattr(client, "quorum", False))
+        self.quorum = quorum
         self.queued = False          # steps queued on MXNet's engine since the last settle
         self.error = None            # the first failure of one of them, raised next call
         self.layouts = layout.QueuedArrays()   # what was restored last, per key

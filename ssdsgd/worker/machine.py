@@ -109,7 +109,8 @@ class StageMachine:
             client.record_policy_answers(GroupRecord(client.rank))
         self.periodic = (PeriodicSync(client, self.keys, self.counts, env)
                          if syncs_periodically(env.algorithm) else None)
-        self.deferred = DeferredSteps(client, self.keys, self._dated)   # queued on the engine
+        # steps queued on MXNet's engine
+        self.deferred = DeferredSteps(client, self.keys, self._dated, self.quorum)
         self.on_engine = DelayStepsOnEngine(self)           # ssd's steps-delay steps too
         self.final_done = False      # quorum: the final pull is answered
         self.quorum_auto = None      # quorum auto: server 0's record, from the final reply
