@@ -468,6 +468,11 @@ SETTINGS = (
             "to accuracy); 0: never", env="SSDSGD_SNAPSHOT_EVERY", min=0, max=1 << 30),
     Setting("snapshot_dir", str, None, "where the servers write SSDSGD_SNAPSHOT_EVERY's "
             "snapshots (unset: nowhere)", env="SSDSGD_SNAPSHOT_DIR", optional=True),
+    # --- the machine's, not the job's (ssdsgd/mxglue/op_code_cache.py)
+    Setting("cache_dir", str, None, "where a process keeps MXNet's compiled operator code "
+            "between imports (docs/design.md, \"Start-up\"); unset: "
+            "$XDG_CACHE_HOME/ssdsgd, else ~/.cache/ssdsgd; off: compiled in every process",
+            env="SSDSGD_CACHE_DIR", optional=True),
     # --- the transport
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),

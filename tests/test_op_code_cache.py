@@ -106,3 +106,20 @@ def test_a_cache_file_that_cannot_be_trusted_is_ignored_and_written_again(
     again = fingerprint("ssdsgd", tmp_path)       # the file was written anew, trusted
     assert again["stats"]["loaded"] > 2000
     assert oct(cache_file(tmp_path).stat().st_mode & 0o777) == oct(0o600)
+
+
+def test_the_cache_dir_is_read_through_its_settings_row(tmp_path, monkeypatch):
+    """SSDSGD_CACHE_DIR is a row of ssdsgd/settings.py: empty is unset (the default under
+    XDG_CACHE_HOME), ``off`` keeps no file."""
+    from ssdsgd.mxglue import op_code_cache
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for unset in ("", None):
+        if unset is None:
+            monkeypatch.delenv("SSDSGD_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("SSDSGD_CACHE_DIR", unset)
+        assert os.path.dirname(op_code_cache.cache_path()) == str(tmp_path / "xdg/ssdsgd")
+    monkeypatch.setenv("SSDSGD_CACHE_DIR", str(tmp_path / "mine"))
+    assert os.path.dirname(op_code_cache.cache_path()) == str(tmp_path / "mine")
+    monkeypatch.setenv("SSDSGD_CACHE_DIR", "off")
+    assert op_code_cache.cache_path() is None

@@ -13,7 +13,7 @@ builtin) that looks each text up by its SHA-256 in a file of code objects and co
 only what it lacks; the file is written once MXNet's import is done.
 
 The file is ``marshal`` (the format of Python's own ``.pyc`` files), named by the
-interpreter's bytecode magic number, in ``$SSDSGD_CACHE_DIR`` (empty: no cache), else
+interpreter's bytecode magic number, in ``$SSDSGD_CACHE_DIR`` (``off``: no cache), else
 ``$XDG_CACHE_HOME/ssdsgd``, else ``~/.cache/ssdsgd``. It is read only if it belongs to
 this user and nobody else may write it or its directory, as one trusts one's own pyc
 files; anything else wrong with it (unreadable, damaged, another Python) and it is
@@ -148,13 +148,17 @@ def _trusted(info):
 
 
 def cache_path():
-    """Where this interpreter's cache file is, or None if ``SSDSGD_CACHE_DIR`` is empty."""
-    base = os.environ.get("SSDSGD_CACHE_DIR")
+    """Where this interpreter's cache file is, or None if ``SSDSGD_CACHE_DIR`` is off
+    (its row of ssdsgd/settings.py; an invalid value is the table's one-line error)."""
+    from ..settings import BY_ENV
+    row = BY_ENV["SSDSGD_CACHE_DIR"]
+    raw = os.environ.get(row.env)
+    base = row.parse(raw) if raw else None      # empty: unset, as for every variable
+    if base == "off":
+        return None
     if base is None:
         base = os.path.join(os.environ.get("XDG_CACHE_HOME") or
                             os.path.join(os.path.expanduser("~"), ".cache"), "ssdsgd")
-    if not base:
-        return None
     tag = importlib.util.MAGIC_NUMBER.hex()
     return os.path.join(base, f"mxnet-op-code-{sys.implementation.cache_tag}-{tag}.marshal")
 
