@@ -1,0 +1,121 @@
+"""MXNet's import without the packages it loads for APIs a training process never uses.
+
+``import mxnet`` 1.9.1 also loads, at import time:
+- scikit-learn's base (``mxnet/model.py``: the deprecated ``FeedForward`` derives from
+  ``BaseEstimator`` when scikit-learn is installed), and with it scipy.stats;
+- scipy.stats (``mxnet/test_utils.py``, for MXNet's own tests of its random numbers) and
+  scipy.sparse (``mxnet/ndarray/sparse.py``, for ``asscipy`` and ``array`` of scipy
+  matrices);
+- ``distutils.version`` (numpy version checks in ``numpy_dispatch_protocol.py`` and
+  ``numpy_op_fallback.py``), which setuptools' ``distutils`` shim serves by importing
+  all of setuptools and pkg_resources.
+Measured here, ``import ssdsgd, mxnet`` takes 1.66 CPU seconds with them and 0.99
+without, in every process of a job: on the emulated cluster (five MXNet processes on two
+cores) more than a second of every job's start-up (docs/design.md, "Start-up").
+
+So while ``mxnet`` executes, and only for what is not imported yet:
+- ``sklearn`` is not found, and MXNet takes its own fallback for that case
+  (``FeedForward`` derives from ``object``; MXNet sets ``SKLEARN_INSTALLED = False``);
+- ``scipy.stats`` and ``scipy.sparse`` load lazily (``importlib.util.LazyLoader``): each
+  executes at its first use, so what changes is when, not what;
+- ``distutils`` is the standard library's (Python 3.11 still has it; without it nothing
+  changes), not setuptools' copy, and it leaves ``sys.modules`` again once MXNet is
+  imported: MXNet keeps the two version classes it took, and a later ``import
+  distutils`` gets what it would have got.
+``SSDSGD_MXNET_IMPORT=full`` (a row of ssdsgd/settings.py) is MXNet's own import.
+"""
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import sysconfig
+import warnings
+
+#: Packages MXNet imports only for its scikit-learn estimator, never used in training.
+ABSENT = ("sklearn",)
+#: Packages MXNet imports only for calls training does not make: loaded at first use.
+LAZY = ("scipy.stats", "scipy.sparse")
+
+
+def wanted():
+    """Whether this process trims MXNet's import (``SSDSGD_MXNET_IMPORT``, its row of
+    ssdsgd/settings.py; an invalid value is an error naming the variable)."""
+    from ..settings import BY_ENV, SettingError
+    row = BY_ENV["SSDSGD_MXNET_IMPORT"]
+    raw = os.environ.get(row.env)
+    try:
+        return (row.parse(raw) if raw else row.default) == "trimmed"
+    except SettingError as e:
+        raise SettingError(f"{row.env}={raw!r}: {e}") from None
+
+
+class _LazyModule(importlib.util._LazyModule):
+    """The standard library's lazy module, but for ``__spec__``: Python 3.11's import
+    statement reads it from a module already in ``sys.modules`` (to see whether it is
+    still being initialised), so a second ``import scipy.sparse`` would load it."""
+
+    def __getattribute__(self, attr):
+        if attr == "__spec__":
+            return object.__getattribute__(self, "__dict__")["__spec__"]
+        return super().__getattribute__(attr)
+
+
+class _LazyLoader(importlib.util.LazyLoader):
+    def exec_module(self, module):
+        super().exec_module(module)
+        module.__class__ = _LazyModule
+
+
+class _Trim(importlib.abc.MetaPathFinder):
+    """The finder in front of the others while ``mxnet`` executes."""
+
+    def __init__(self):
+        self.stdlib_distutils = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name in ABSENT:
+            raise ModuleNotFoundError(f"No module named {name!r} (left out of MXNet's "
+                                      "import: SSDSGD_MXNET_IMPORT)", name=name)
+        if name in LAZY:
+            spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+            if spec is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _LazyLoader(spec.loader)
+            return spec
+        if name == "distutils":
+            return self._stdlib_distutils()
+        return None
+
+    def _stdlib_distutils(self):
+        spec = importlib.machinery.PathFinder.find_spec(
+            "distutils", [sysconfig.get_paths()["stdlib"]])
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            with warnings.catch_warnings():    # its own "deprecated" notice, meant for users
+                warnings.simplefilter("ignore", DeprecationWarning)
+                execute(module)
+        spec.loader.exec_module = exec_module
+        self.stdlib_distutils = True
+        return spec
+
+
+@contextlib.contextmanager
+def trimmed():
+    """Around the execution of ``mxnet``: its import, trimmed (unless set to full)."""
+    if not wanted():
+        yield
+        return
+    trim = _Trim()
+    sys.meta_path.insert(0, trim)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(trim)
+        if trim.stdlib_distutils:
+            for name in [m for m in sys.modules if m == "distutils" or
+                         m.startswith("distutils.")]:
+                del sys.modules[name]

@@ -1,0 +1,86 @@
+"""mxglue/import_trim.py in real processes: ``import ssdsgd`` before ``import mxnet``
+leaves out of MXNet's import what training never uses (scikit-learn, scipy.stats and
+scipy.sparse run only at their first use, setuptools' distutils), changes nothing a
+program sees afterwards, and ``SSDSGD_MXNET_IMPORT=full`` is MXNet's own import."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = r"""
+import json, sys
+import ssdsgd, mxnet as mx
+imported = {m: m in sys.modules for m in
+            ("sklearn", "setuptools", "pkg_resources", "distutils", "distutils.version",
+             "scipy.stats._continuous_distns", "scipy.sparse._csr")}
+estimator = [c.__module__ + "." + c.__name__ for c in mx.model.FeedForward.__mro__]
+# what the program sees after the import: every package there, and working
+norm = mx.test_utils.ss.norm.cdf(0.0)          # the lazy scipy.stats runs here
+sparse = mx.nd.sparse.csr_matrix(([1.0, 2.0], [0, 2], [0, 1, 2]), shape=(2, 3))
+as_scipy = sparse.asscipy().toarray().tolist()
+from distutils.version import LooseVersion
+import sklearn.base
+after = {"norm": norm, "as_scipy": as_scipy, "loose": LooseVersion("1.23") > LooseVersion("1.9"),
+         "sklearn_base": sklearn.base.BaseEstimator.__name__,
+         "stats_loaded": "scipy.stats._continuous_distns" in sys.modules}
+print(json.dumps({"imported": imported, "estimator": estimator, "after": after}))
+"""
+
+
+def probe(mode):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
+    env.pop("SSDSGD_MXNET_IMPORT", None)
+    if mode is not None:
+        env["SSDSGD_MXNET_IMPORT"] = mode
+    done = subprocess.run([sys.executable, "-W", "default::DeprecationWarning", "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_the_trimmed_import_leaves_out_what_training_does_not_use():
+    seen, stderr = probe(None)
+    assert not any(seen["imported"].values()), seen["imported"]
+    # MXNet's own fallback without scikit-learn: FeedForward derives from object
+    assert seen["estimator"][-1] == "builtins.object"
+    assert not any(c.startswith("sklearn.") for c in seen["estimator"]), seen["estimator"]
+    # and afterwards everything is there, and works: nothing but the time of loading moved
+    assert seen["after"] == {"norm": 0.5, "as_scipy": [[1.0, 0.0, 0.0], [0.0, 0.0, 2.0]],
+                             "loose": True, "sklearn_base": "BaseEstimator",
+                             "stats_loaded": True}
+    # the standard library's distutils says it is deprecated when imported: not to users
+    assert "distutils package is deprecated" not in stderr, stderr[-2000:]
+
+
+def test_full_is_mxnets_own_import():
+    seen, _ = probe("full")
+    assert seen["imported"]["sklearn"] and seen["imported"]["scipy.stats._continuous_distns"]
+    assert "sklearn.base.BaseEstimator" in seen["estimator"]
+    assert seen["after"]["norm"] == 0.5
+
+
+def test_a_wrong_value_names_the_setting():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
+    env["SSDSGD_MXNET_IMPORT"] = "slim"
+    done = subprocess.run([sys.executable, "-c", "import ssdsgd, mxnet"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "SSDSGD_MXNET_IMPORT" in last and "slim" in last, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("first", ["sklearn", "scipy.stats"])
+def test_a_package_imported_before_mxnet_is_left_as_it_is(first):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
+    env.pop("SSDSGD_MXNET_IMPORT", None)
+    code = (f"import sys, {first}, ssdsgd, mxnet as mx\n"
+            "print([c.__module__ for c in mx.model.FeedForward.__mro__][1], "
+            "type(sys.modules['scipy.stats']).__name__)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    base, stats_type = done.stdout.split()
+    assert stats_type == "module"             # already there: never made lazy
+    if first == "sklearn":
+        assert base == "sklearn.base"
