@@ -474,9 +474,9 @@ SETTINGS = (
             "$XDG_CACHE_HOME/ssdsgd, else ~/.cache/ssdsgd; off: compiled in every process",
             env="SSDSGD_CACHE_DIR", optional=True),
     Setting("mxnet_import", str, "trimmed", "trimmed: while MXNet is imported, scikit-learn "
-            "is left out (MXNet's deprecated FeedForward then derives from object), scipy.stats "
-            "and scipy.sparse load at their first use and distutils is the standard "
-            "library's, about 0.65 CPU s less in every process (docs/design.md, \"Start-up\"); "
+            "is left out (MXNet's deprecated FeedForward then derives from object), scipy.stats, "
+            "scipy.sparse, OpenCV and requests load at their first use and distutils is the "
+            "standard library's, about 0.9 CPU s less in every process (docs/design.md, \"Start-up\"); "
             "full: MXNet's own import", env="SSDSGD_MXNET_IMPORT",
             choices=("trimmed", "full")),
     # --- the transport

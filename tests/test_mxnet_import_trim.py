@@ -1,6 +1,6 @@
 """mxglue/import_trim.py in real processes: ``import ssdsgd`` before ``import mxnet``
-leaves out of MXNet's import what training never uses (scikit-learn, scipy.stats and
-scipy.sparse run only at their first use, setuptools' distutils), changes nothing a
+leaves out of MXNet's import what training never uses (scikit-learn; scipy.stats,
+scipy.sparse, OpenCV and requests run only at their first use; setuptools' distutils), changes nothing a
 program sees afterwards, and ``SSDSGD_MXNET_IMPORT=full`` is MXNet's own import."""
 import json
 import os
@@ -14,18 +14,26 @@ import json, sys
 import ssdsgd, mxnet as mx
 imported = {m: m in sys.modules for m in
             ("sklearn", "setuptools", "pkg_resources", "distutils", "distutils.version",
-             "scipy.stats._continuous_distns", "scipy.sparse._csr")}
+             "scipy.stats._continuous_distns", "scipy.sparse._csr", "urllib3")}
+lazy = {m: type(sys.modules[m]).__name__ for m in ("scipy.stats", "scipy.sparse", "cv2",
+                                                   "requests")}
 estimator = [c.__module__ + "." + c.__name__ for c in mx.model.FeedForward.__mro__]
 # what the program sees after the import: every package there, and working
 norm = mx.test_utils.ss.norm.cdf(0.0)          # the lazy scipy.stats runs here
 sparse = mx.nd.sparse.csr_matrix(([1.0, 2.0], [0, 2], [0, 1, 2]), shape=(2, 3))
 as_scipy = sparse.asscipy().toarray().tolist()
 from distutils.version import LooseVersion
+packed = mx.recordio.pack_img(mx.recordio.IRHeader(0, 1.0, 7, 0),
+                              __import__("numpy").zeros((4, 4, 3), "uint8"), img_fmt=".png")
+_, image = mx.recordio.unpack_img(packed)      # cv2's encoder and decoder
 import sklearn.base
 after = {"norm": norm, "as_scipy": as_scipy, "loose": LooseVersion("1.23") > LooseVersion("1.9"),
          "sklearn_base": sklearn.base.BaseEstimator.__name__,
-         "stats_loaded": "scipy.stats._continuous_distns" in sys.modules}
-print(json.dumps({"imported": imported, "estimator": estimator, "after": after}))
+         "stats_loaded": "scipy.stats._continuous_distns" in sys.modules,
+         "image": list(image.shape), "download": callable(mx.gluon.utils.requests.get),
+         "types": sorted({type(sys.modules[m]).__name__ for m in lazy})}
+print(json.dumps({"imported": imported, "lazy": lazy, "estimator": estimator,
+                  "after": after}))
 """
 
 
@@ -42,13 +50,15 @@ def probe(mode):
 def test_the_trimmed_import_leaves_out_what_training_does_not_use():
     seen, stderr = probe(None)
     assert not any(seen["imported"].values()), seen["imported"]
+    assert set(seen["lazy"].values()) == {"_LazyModule"}, seen["lazy"]
     # MXNet's own fallback without scikit-learn: FeedForward derives from object
     assert seen["estimator"][-1] == "builtins.object"
     assert not any(c.startswith("sklearn.") for c in seen["estimator"]), seen["estimator"]
     # and afterwards everything is there, and works: nothing but the time of loading moved
     assert seen["after"] == {"norm": 0.5, "as_scipy": [[1.0, 0.0, 0.0], [0.0, 0.0, 2.0]],
                              "loose": True, "sklearn_base": "BaseEstimator",
-                             "stats_loaded": True}
+                             "stats_loaded": True, "image": [4, 4, 3], "download": True,
+                             "types": ["module"]}
     # the standard library's distutils says it is deprecated when imported: not to users
     assert "distutils package is deprecated" not in stderr, stderr[-2000:]
 

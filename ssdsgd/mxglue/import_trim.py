@@ -6,18 +6,22 @@
 - scipy.stats (``mxnet/test_utils.py``, for MXNet's own tests of its random numbers) and
   scipy.sparse (``mxnet/ndarray/sparse.py``, for ``asscipy`` and ``array`` of scipy
   matrices);
+- OpenCV (``mxnet/image``, ``mxnet/recordio.py``: images decoded and encoded in Python;
+  MXNet's own image iterators decode in C++) and requests (``gluon.utils.download``);
 - ``distutils.version`` (numpy version checks in ``numpy_dispatch_protocol.py`` and
   ``numpy_op_fallback.py``), which setuptools' ``distutils`` shim serves by importing
   all of setuptools and pkg_resources.
-Measured here, ``import ssdsgd, mxnet`` takes 1.66 CPU seconds with them and 0.99
+Measured here, ``import ssdsgd, mxnet`` takes 1.8 CPU seconds with them and 0.95
 without, in every process of a job: on the emulated cluster (five MXNet processes on two
 cores) more than a second of every job's start-up (docs/design.md, "Start-up").
 
 So while ``mxnet`` executes, and only for what is not imported yet:
 - ``sklearn`` is not found, and MXNet takes its own fallback for that case
   (``FeedForward`` derives from ``object``; MXNet sets ``SKLEARN_INSTALLED = False``);
-- ``scipy.stats`` and ``scipy.sparse`` load lazily (``importlib.util.LazyLoader``): each
-  executes at its first use, so what changes is when, not what;
+- ``scipy.stats``, ``scipy.sparse``, ``cv2`` and ``requests`` load lazily
+  (``importlib.util.LazyLoader``): each executes at its first use, so what changes is
+  when, not what (``cv2`` is one that would refuse it if it put another module in its
+  place as it loads; the pinned 4.10 does not, and the tests use it);
 - ``distutils`` is the standard library's (Python 3.11 still has it; without it nothing
   changes), not setuptools' copy, and it leaves ``sys.modules`` again once MXNet is
   imported: MXNet keeps the two version classes it took, and a later ``import
@@ -35,8 +39,8 @@ import warnings
 
 #: Packages MXNet imports only for its scikit-learn estimator, never used in training.
 ABSENT = ("sklearn",)
-#: Packages MXNet imports only for calls training does not make: loaded at first use.
-LAZY = ("scipy.stats", "scipy.sparse")
+#: Packages MXNet imports for calls a training step does not make: loaded at first use.
+LAZY = ("scipy.stats", "scipy.sparse", "cv2", "requests")
 
 
 def wanted():
