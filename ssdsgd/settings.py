@@ -474,11 +474,11 @@ SETTINGS = (
             "$XDG_CACHE_HOME/ssdsgd, else ~/.cache/ssdsgd; off: compiled in every process",
             env="SSDSGD_CACHE_DIR", optional=True),
     Setting("mxnet_import", str, "trimmed", "trimmed: while MXNet is imported, scikit-learn "
-            "is left out (MXNet's deprecated FeedForward then derives from object), scipy.stats, "
-            "scipy.sparse, OpenCV and requests load at their first use and distutils is the "
-            "standard library's, about 0.9 CPU s less in every process (docs/design.md, \"Start-up\"); "
-            "full: MXNet's own import", env="SSDSGD_MXNET_IMPORT",
-            choices=("trimmed", "full")),
+            "is left out (MXNet's deprecated FeedForward then derives from object), "
+            "scipy.stats, scipy.sparse, OpenCV and requests load at their first use and "
+            "distutils is the standard library's, about 0.9 CPU s less in every process "
+            "(docs/design.md, \"Start-up\"); full: MXNet's own import",
+            env="SSDSGD_MXNET_IMPORT", choices=("trimmed", "full")),
     # --- the transport
     Setting("bigarray_bound", int, 1_000_000, "arrays with more elements are split over all "
             "servers", env="SSDSGD_BIGARRAY_BOUND", min=1),
@@ -643,24 +643,29 @@ def cross_check(values: Mapping, label: Callable[[str], str]) -> None:
             raise SettingError(error)
 
 
+def env_value(row: Setting, env: Mapping[str, str]):
+    """One variable's value: its row's default when it is unset or empty, else parsed
+    against the row (an error names the variable and what it holds)."""
+    raw = env.get(row.env)
+    if raw is None or raw == "":
+        return row.default
+    try:
+        return row.parse(raw)
+    except SettingError as e:
+        raise SettingError(f"{row.env}={raw!r}: {e}") from None
+
+
 def read_env(env: Mapping[str, str], *, partial: bool = False) -> dict:
     """Every variable's value by setting name (defaults for unset or empty ones), checked
     against its row and the cross-field rules. ``partial``: a missing required variable is
     left out instead of an error (a launcher checking before it has chosen a port)."""
     values = {}
     for s in BY_ENV.values():
-        raw = env.get(s.env)
-        if raw is None or raw == "":
-            if s.default is REQUIRED:
-                if partial:
-                    continue
-                raise SettingError(f"{s.env} is not set; it is required ({s.doc})")
-            values[s.name] = s.default
-            continue
-        try:
-            values[s.name] = s.parse(raw)
-        except SettingError as e:
-            raise SettingError(f"{s.env}={raw!r}: {e}") from None
+        if s.default is REQUIRED and not env.get(s.env):
+            if partial:
+                continue
+            raise SettingError(f"{s.env} is not set; it is required ({s.doc})")
+        values[s.name] = env_value(s, env)
     cross_check(values, lambda name: BY_NAME[name].env)
     return values
 

@@ -1,13 +1,15 @@
 """mxglue/import_trim.py in real processes: ``import ssdsgd`` before ``import mxnet``
 leaves out of MXNet's import what training never uses (scikit-learn; scipy.stats,
-scipy.sparse, OpenCV and requests run only at their first use; setuptools' distutils), changes nothing a
-program sees afterwards, and ``SSDSGD_MXNET_IMPORT=full`` is MXNet's own import."""
+scipy.sparse, OpenCV and requests run only at their first use; setuptools' distutils),
+changes nothing a program sees afterwards, and ``SSDSGD_MXNET_IMPORT=full`` is MXNet's
+own import."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+
+from ssdsgd.testing import clean_env
 
 PROBE = r"""
 import json, sys
@@ -38,11 +40,9 @@ print(json.dumps({"imported": imported, "lazy": lazy, "estimator": estimator,
 
 
 def probe(mode):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
-    env.pop("SSDSGD_MXNET_IMPORT", None)
-    if mode is not None:
-        env["SSDSGD_MXNET_IMPORT"] = mode
-    done = subprocess.run([sys.executable, "-W", "default::DeprecationWarning", "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    env = clean_env(**({} if mode is None else {"SSDSGD_MXNET_IMPORT": mode}))
+    done = subprocess.run([sys.executable, "-W", "default::DeprecationWarning", "-c", PROBE],
+                          env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
@@ -71,9 +71,8 @@ def test_full_is_mxnets_own_import():
 
 
 def test_a_wrong_value_names_the_setting():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
-    env["SSDSGD_MXNET_IMPORT"] = "slim"
-    done = subprocess.run([sys.executable, "-c", "import ssdsgd, mxnet"], env=env,
+    done = subprocess.run([sys.executable, "-c", "import ssdsgd, mxnet"],
+                          env=clean_env(SSDSGD_MXNET_IMPORT="slim"),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
@@ -82,12 +81,10 @@ def test_a_wrong_value_names_the_setting():
 
 @pytest.mark.parametrize("first", ["sklearn", "scipy.stats"])
 def test_a_package_imported_before_mxnet_is_left_as_it_is(first):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
-    env.pop("SSDSGD_MXNET_IMPORT", None)
     code = (f"import sys, {first}, ssdsgd, mxnet as mx\n"
             "print([c.__module__ for c in mx.model.FeedForward.__mro__][1], "
             "type(sys.modules['scipy.stats']).__name__)")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     base, stats_type = done.stdout.split()

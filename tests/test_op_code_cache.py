@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from ssdsgd.testing import clean_env
+
 FINGERPRINT = r"""
 import json, sys
 if sys.argv[1] == "ssdsgd":
@@ -55,9 +57,8 @@ print(json.dumps({"functions": seen, "out": out, "sym": sym, "stats": stats}))
 
 
 def fingerprint(mode, cache_dir):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
-    env["SSDSGD_CACHE_DIR"] = str(cache_dir)
-    done = subprocess.run([sys.executable, "-c", FINGERPRINT, mode], env=env,
+    done = subprocess.run([sys.executable, "-c", FINGERPRINT, mode],
+                          env=clean_env(SSDSGD_CACHE_DIR=cache_dir),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)

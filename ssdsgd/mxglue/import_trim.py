@@ -46,13 +46,8 @@ LAZY = ("scipy.stats", "scipy.sparse", "cv2", "requests")
 def wanted():
     """Whether this process trims MXNet's import (``SSDSGD_MXNET_IMPORT``, its row of
     ssdsgd/settings.py; an invalid value is an error naming the variable)."""
-    from ..settings import BY_ENV, SettingError
-    row = BY_ENV["SSDSGD_MXNET_IMPORT"]
-    raw = os.environ.get(row.env)
-    try:
-        return (row.parse(raw) if raw else row.default) == "trimmed"
-    except SettingError as e:
-        raise SettingError(f"{row.env}={raw!r}: {e}") from None
+    from ..settings import BY_ENV, env_value
+    return env_value(BY_ENV["SSDSGD_MXNET_IMPORT"], os.environ) == "trimmed"
 
 
 class _LazyModule(importlib.util._LazyModule):

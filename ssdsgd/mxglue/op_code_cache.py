@@ -149,11 +149,10 @@ def _trusted(info):
 
 def cache_path():
     """Where this interpreter's cache file is, or None if ``SSDSGD_CACHE_DIR`` is off
-    (its row of ssdsgd/settings.py; an invalid value is the table's one-line error)."""
-    from ..settings import BY_ENV
-    row = BY_ENV["SSDSGD_CACHE_DIR"]
-    raw = os.environ.get(row.env)
-    base = row.parse(raw) if raw else None      # empty: unset, as for every variable
+    (its row of ssdsgd/settings.py; empty is unset, as for every variable; an invalid
+    value is an error naming it)."""
+    from ..settings import BY_ENV, env_value
+    base = env_value(BY_ENV["SSDSGD_CACHE_DIR"], os.environ)
     if base == "off":
         return None
     if base is None:
