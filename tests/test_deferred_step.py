@@ -103,3 +103,43 @@ def test_an_ssd_step_returns_before_the_pull_it_resets_from_is_answered(tmp_path
     assert w0.keys() == w1.keys() and w0
     for k in w0:                        # both end on the global weights
         np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm,period", [("ssd", "SSDSGD_DELAY_STEPS"),
+                                              ("localsgd", "SSDSGD_SYNC_PERIOD")])
+def test_warmup_steps_nothing_times_return_before_their_round_closes(tmp_path, algorithm,
+                                                                    period):
+    """ssd's warm-up steps are synchronous SGD, queued on the engine as ssgd's are, but
+    for the last (it carries the state the first reset takes) and the ones the k rule
+    times (none here: k is pinned, and 2 workers cannot relay). Warm-up 3, k = 2: steps
+    0 and 1 return at once; step 2 waits for rank 1's push, SLOW later; the steps after
+    the warm-up are queued as before. Both ranks end on the same global weights."""
+    steps = 5
+    res = launch(2, 1, ["--out", tmp_path, "--steps", steps, "--slow", SLOW],
+                 env={"SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": 3, period: 2},
+                 script="deferred_step.py", timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    held = json.loads((tmp_path / "held-rank0.json").read_text())
+    assert max(held[:2]) < SLOW / 2, held     # queued: the script's wait is the forward's
+    assert held[2] > SLOW / 2, held           # the last warm-up step, on the thread
+    metrics = json.loads((tmp_path / "metrics-rank0.json").read_text())
+    assert metrics["warmup_on_engine"] == 2 and metrics["warmup"] == 3, metrics
+    w0, w1 = load_npz(tmp_path / "final-rank0.npz"), load_npz(tmp_path / "final-rank1.npz")
+    assert w0.keys() == w1.keys() and w0
+    for k in w0:
+        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
+
+
+@pytest.mark.system
+def test_warmup_steps_the_k_rule_times_stay_on_the_thread(tmp_path):
+    """k auto: every warm-up step after the first may be one the k rule reads (its last
+    20), so a short warm-up queues none of them, and the job still chooses k from them."""
+    steps = 6
+    res = launch(2, 1, ["--out", tmp_path, "--steps", steps, "--slow", 0.2],
+                 env={"SSDSGD_ALGORITHM": "ssd", "SSDSGD_WARMUP_STEPS": 4},
+                 script="deferred_step.py", timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics-rank0.json").read_text())
+    assert metrics["warmup_on_engine"] == 0 and metrics["warmup"] == 4, metrics
+    assert "from the warm-up" in res.stdout + res.stderr, res.stdout[-2000:]

@@ -381,6 +381,23 @@ class Schedule:
             return range(0)
         return range(last - RELAY_TRIAL, last)
 
+    def queues_warmup_step(self, t: int) -> bool:
+        """May warm-up step ``t`` be queued on MXNet's engine as an ssgd step is
+        (worker/deferred.py)? Not the last: its reply seeds the local rule, with the
+        state. Nor one that what is left to choose is timed on: while k, the relay or the
+        compression is auto and undecided, the last TIMED_LAST steps before the relay's
+        trial, the trial, and the step before them, whose end starts the first sample.
+        A queued step returns before its round is done, so it times nothing."""
+        last = self.warmup_steps - 1
+        if not 0 <= t < last:
+            return False
+        return not self._choosing() or t < last - RELAY_TRIAL - TIMED_LAST - 1
+
+    def skip_timing(self):
+        """A step was queued (``queues_warmup_step``): the next one's compute is not
+        timed from its return."""
+        self._left = None
+
     def trial_relays(self, t: int) -> bool | None:
         """Is step ``t``'s reply relayed for the trial? None outside it and the step after
         it: the choice in force decides (every worker asks at the same steps)."""

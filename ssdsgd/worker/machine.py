@@ -91,7 +91,8 @@ class StageMachine:
         self.keys = {}               # key -> KeyRecord
         self.pending = None          # the pull requested at t - 1 (a Gather or PendingPull)
         self.counts = {**{stage: 0 for stage in Stage}, "pushes": 0, "pulls": 0,
-                       "steps_on_engine": 0}    # steps-delay steps queued on the engine
+                       "steps_on_engine": 0,    # steps-delay steps queued on the engine
+                       "warmup_on_engine": 0}   # and warm-up steps
         self.last_step_blocked = 0.0
         # A quorum (docs/spec/quorum.md): a pull is answered once the round holding its
         # push closed (Q workers, not all), global weights are dated by the servers'
@@ -247,9 +248,17 @@ class StageMachine:
         every reply from the servers). Under a quorum too: the step is sent to every
         server as the synchronous one is, and its reply is the same round's; the script
         only waits for it later. The timeline records its wait on the engine's lane
-        (``deferred.ENGINE_LANE``)."""
-        return (self.env.algorithm == "ssgd" and self.env.pull_relay != "chain"
-                and self.deferred.can_queue(entries))
+        (``deferred.ENGINE_LANE``). ssd's, localsgd's and diloco's warm-up steps are
+        ssgd's, and queue alike, but for the ones the schedule must see on this thread
+        (``Schedule.queues_warmup_step``: the last, and the ones an auto choice is timed
+        on)."""
+        if self.env.pull_relay == "chain" or self.client.relay_on or \
+                not self.deferred.can_queue(entries):
+            return False
+        if self.env.algorithm == "ssgd":
+            return True
+        warms_up = delays_pulls(self.env.algorithm) or syncs_periodically(self.env.algorithm)
+        return warms_up and self.schedule.queues_warmup_step(self.t)
 
     def step_deferred(self, entries, priority=0, timed=False):
         """A synchronous step queued on MXNet's engine, as ps-lite queues a pushpull: it
@@ -265,7 +274,11 @@ class StageMachine:
         self.deferred.queue(entries, self.t, priority, timed)
         if timed:
             TIMELINE.end_step()
-        self.counts[Stage(self.env.algorithm)] += 1      # ssgd or asgd: the stage's name
+        stage = self.schedule.stage_of(self.t).stage     # ssgd, asgd, or a warm-up's
+        if stage is Stage.WARMUP:
+            self.counts["warmup_on_engine"] += 1
+            self.schedule.skip_timing()
+        self.counts[stage] += 1
         self.counts["pushes"] += 1
         self.counts["pulls"] += 1
         self.t += 1

@@ -1,7 +1,8 @@
 """A worker for test_deferred_step: tiny.py's network, a stock gluon.Trainer on ssd_sync
 (the algorithm the environment names), rank 1 sleeping SLOW s before each step; records
 how long each Trainer.step held this worker's thread, the weights once every step is
-done, and after the close (which ends ssd on the global weights) the weights again."""
+done, the store's metrics, and after the close (which ends ssd on the global weights)
+the weights again."""
 import argparse
 import json
 import os
@@ -44,6 +45,8 @@ np.savez(os.path.join(args.out, f"weights-rank{rank}.npz"),
          **{f"p{i}": q.data().asnumpy() for i, q in enumerate(tiny.params(net))})
 with open(os.path.join(args.out, f"held-rank{rank}.json"), "w") as f:
     json.dump(held, f)
+with open(os.path.join(args.out, f"metrics-rank{rank}.json"), "w") as f:
+    json.dump(kv.metrics(), f)
 kv.close()
 np.savez(os.path.join(args.out, f"final-rank{rank}.npz"),
          **{f"p{i}": q.data().asnumpy() for i, q in enumerate(tiny.params(net))})
