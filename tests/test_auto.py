@@ -270,6 +270,47 @@ def test_a_pinned_relay_or_one_the_job_cannot_have_is_not_decided():
     assert s.undecided and s.delay_steps == 5      # k pinned, the relay still the job's
 
 
+def _queued(schedule, steps):
+    return [t for t in range(steps) if schedule.queues_warmup_step(t)]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_which_warmup_steps_queue_on_the_engine(rank):
+    """A warm-up step queued on MXNet's engine returns before its round is done and times
+    nothing (docs/design.md). Only rank 0's timings choose k and the relay (the others
+    pass 0 to the agreement), so only its timed steps stay on the training thread: the
+    last TIMED_LAST before the relay's trial and the step before them. Every worker keeps
+    the trial (its replies come down the chain) and the last step (it seeds the rule)."""
+    warmup, last = 30, 29
+    pinned = Schedule(_env(algorithm="ssd", warmup_steps=warmup, delay_steps=5,
+                           pull_relay="off"), rank=rank, num_workers=4)
+    assert _queued(pinned, 40) == list(range(last))
+    s = Schedule(_env(algorithm="ssd", warmup_steps=warmup, pull_relay="auto"), rank=rank,
+                 num_workers=4, relay_workers=4)
+    assert s.trial_steps() == range(last - auto.RELAY_TRIAL, last)
+    if rank:
+        assert _queued(s, 40) == list(range(last - auto.RELAY_TRIAL))
+    else:
+        assert _queued(s, 40) == list(range(last - auto.RELAY_TRIAL - auto.TIMED_LAST - 1))
+    # what rank 0 then reads: TIMED_LAST whole samples, none timed from a queued step
+    now, stats = [0.0], {"time_blocked": 0.0, "bytes_sent": 0, "bytes_received": 0}
+    for t in range(warmup):
+        now[0] += 0.5
+        if s.queues_warmup_step(t):
+            s.skip_timing()
+            continue
+        with s.timed(t, stats, clock=lambda: now[0]):
+            stats["time_blocked"] += 1.0
+            stats["bytes_sent"] += 1000
+            stats["bytes_received"] += 1000
+            now[0] += 1.0
+    if rank == 0:
+        assert len(s._samples) == auto.TIMED_LAST
+        assert s.timings().compute_s == 0.5 and s.timings().round_s == 1.0
+    ssgd = Schedule(_env(algorithm="ssgd"), rank=rank, num_workers=4)
+    assert _queued(ssgd, 40) == []            # no warm-up: its steps queue as ssgd's
+
+
 def test_the_warmup_is_timed_from_its_second_step():
     s = Schedule(_env(warmup_steps=4, delay_steps="auto"), rank=0, num_workers=1)
     now = [0.0]

@@ -132,14 +132,20 @@ def test_warmup_steps_nothing_times_return_before_their_round_closes(tmp_path, a
 
 
 @pytest.mark.system
-def test_warmup_steps_the_k_rule_times_stay_on_the_thread(tmp_path):
-    """k auto: every warm-up step after the first may be one the k rule reads (its last
-    20), so a short warm-up queues none of them, and the job still chooses k from them."""
+def test_warmup_steps_the_k_rule_times_stay_on_rank_0s_thread(tmp_path):
+    """k auto: every warm-up step of rank 0 after the first may be one the k rule reads
+    (its last 20), so a short warm-up queues none of them there, and the job still
+    chooses k from them. Rank 1's timings choose nothing: its steps queue (but the last),
+    and it takes rank 0's k."""
     steps = 6
     res = launch(2, 1, ["--out", tmp_path, "--steps", steps, "--slow", 0.2],
                  env={"SSDSGD_ALGORITHM": "ssd", "SSDSGD_WARMUP_STEPS": 4},
                  script="deferred_step.py", timeout=180)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    metrics = json.loads((tmp_path / "metrics-rank0.json").read_text())
-    assert metrics["warmup_on_engine"] == 0 and metrics["warmup"] == 4, metrics
+    m0, m1 = (json.loads((tmp_path / f"metrics-rank{r}.json").read_text()) for r in (0, 1))
+    assert m0["warmup_on_engine"] == 0 and m0["warmup"] == 4, m0
+    assert m1["warmup_on_engine"] == 3 and m1["warmup"] == 4, m1
     assert "from the warm-up" in res.stdout + res.stderr, res.stdout[-2000:]
+    assert m0["choices"]["delay_steps"]["why"].startswith("auto: compute"), m0["choices"]
+    assert m1["choices"]["delay_steps"] == {"value": m0["delay_steps"],
+                                            "why": "auto: rank 0's choice"}, m1["choices"]

@@ -383,15 +383,20 @@ class Schedule:
 
     def queues_warmup_step(self, t: int) -> bool:
         """May warm-up step ``t`` be queued on MXNet's engine as an ssgd step is
-        (worker/deferred.py)? Not the last: its reply seeds the local rule, with the
-        state. Nor one that what is left to choose is timed on: while k, the relay or the
-        compression is auto and undecided, the last TIMED_LAST steps before the relay's
-        trial, the trial, and the step before them, whose end starts the first sample.
-        A queued step returns before its round is done, so it times nothing."""
+        (worker/deferred.py)? A queued step returns before its round is done, so it times
+        nothing. Not the last: its reply seeds the local rule, with the state. Not the
+        relay's trial, on any worker: its replies come down the chain. And while k, the
+        relay or the compression is auto and undecided, on rank 0, whose timings alone
+        choose (``decide``: the others pass 0 to the agreement), not the last TIMED_LAST
+        steps before the trial nor the step before them, whose end starts the first
+        sample."""
         last = self.warmup_steps - 1
-        if not 0 <= t < last:
+        warms_up = stage.delays_pulls(self.algorithm) or \
+            stage.syncs_periodically(self.algorithm)
+        if not warms_up or not 0 <= t < last or t in self.trial_steps():
             return False
-        return not self._choosing() or t < last - RELAY_TRIAL - TIMED_LAST - 1
+        return not self._choosing() or self.rank != 0 or \
+            t < last - RELAY_TRIAL - TIMED_LAST - 1
 
     def skip_timing(self):
         """A step was queued (``queues_warmup_step``): the next one's compute is not
@@ -467,7 +472,9 @@ class Schedule:
         if agree is not None:
             mine = encode_choice(k, relay, codec)
             agreed = agree(mine if self.rank == 0 else 0, agreement=AGREEMENT)
-            if agreed != mine:
+            if self.rank != 0:      # its own steps may have been queued, untimed
+                why = why_c = "auto: rank 0's choice"
+            elif agreed != mine:
                 why = why_c = f"auto: rank 0's choice (this worker's timings gave k = {k})"
             k, relay, codec = decode_choice(agreed)
             self._to_agree = False
