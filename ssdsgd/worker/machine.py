@@ -250,8 +250,8 @@ class StageMachine:
         only waits for it later. The timeline records its wait on the engine's lane
         (``deferred.ENGINE_LANE``). ssd's, localsgd's and diloco's warm-up steps are
         ssgd's, and queue alike, but for the ones the schedule must see on this thread
-        (``Schedule.queues_warmup_step``: the last, and the ones an auto choice is timed
-        on)."""
+        (``Schedule.queues_warmup_step``: the last, the relay's trial, and rank 0's that
+        an auto choice is timed on)."""
         if self.env.pull_relay == "chain" or self.client.relay_on or \
                 not self.deferred.can_queue(entries):
             return False
