@@ -255,10 +255,7 @@ class StageMachine:
         if self.env.pull_relay == "chain" or self.client.relay_on or \
                 not self.deferred.can_queue(entries):
             return False
-        if self.env.algorithm == "ssgd":
-            return True
-        warms_up = delays_pulls(self.env.algorithm) or syncs_periodically(self.env.algorithm)
-        return warms_up and self.schedule.queues_warmup_step(self.t)
+        return self.env.algorithm == "ssgd" or self.schedule.queues_warmup_step(self.t)
 
     def step_deferred(self, entries, priority=0, timed=False):
         """A synchronous step queued on MXNet's engine, as ps-lite queues a pushpull: it
