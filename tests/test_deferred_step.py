@@ -14,19 +14,34 @@ from jobs import launch
 SLOW, STEPS = 1.0, 3
 
 
+def _job(tmp_path, env, steps=STEPS, slow=SLOW, servers=1):
+    """deferred_step.py on 2 workers, run to its end."""
+    res = launch(2, servers, ["--out", tmp_path, "--steps", steps, "--slow", slow],
+                 env=env, script="deferred_step.py", timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def _read(tmp_path, name, rank=0):
+    return json.loads((tmp_path / f"{name}-rank{rank}.json").read_text())
+
+
+def _ranks_end_equal(tmp_path, name):
+    """Both ranks' weights in ``name``-rank{0,1}.npz are the same, and there are some."""
+    w0, w1 = load_npz(tmp_path / f"{name}-rank0.npz"), load_npz(tmp_path / f"{name}-rank1.npz")
+    assert w0.keys() == w1.keys() and w0
+    for k in w0:
+        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
+
+
 @pytest.mark.system
 def test_a_trainer_step_returns_before_the_slow_worker_pushed(tmp_path):
-    res = launch(2, 1, ["--out", tmp_path, "--steps", STEPS, "--slow", SLOW],
-                 env={"SSDSGD_ALGORITHM": "ssgd"}, script="deferred_step.py", timeout=180)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    held = json.loads((tmp_path / "held-rank0.json").read_text())
+    _job(tmp_path, {"SSDSGD_ALGORITHM": "ssgd"})
+    held = _read(tmp_path, "held")
     # rank 0 steps first and its step is not answered before rank 1 pushed, 1 s later;
     # held for the round, its later steps would take about SLOW each
     assert max(held) < SLOW / 2, held
-    w0, w1 = load_npz(tmp_path / "weights-rank0.npz"), load_npz(tmp_path / "weights-rank1.npz")
-    assert w0.keys() == w1.keys() and w0
-    for k in w0:                        # and every step's weights arrived all the same
-        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
+    _ranks_end_equal(tmp_path, "weights")  # and every step's weights arrived all the same
 
 
 @pytest.mark.system
@@ -39,16 +54,10 @@ def test_an_ssgd_step_under_a_quorum_returns_before_its_round_closes(tmp_path, s
     1 pushed, SLOW later: on the thread, it would be held that long. Every push goes to
     every server, in one message (docs/spec/quorum.md), and both ranks end on the final
     pull's model."""
-    res = launch(2, servers, ["--out", tmp_path, "--steps", STEPS, "--slow", SLOW],
-                 env={"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_QUORUM": "auto"},
-                 script="deferred_step.py", timeout=180)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    held = json.loads((tmp_path / "held-rank0.json").read_text())
+    _job(tmp_path, {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_QUORUM": "auto"}, servers=servers)
+    held = _read(tmp_path, "held")
     assert max(held) < SLOW / 2, held
-    w0, w1 = load_npz(tmp_path / "final-rank0.npz"), load_npz(tmp_path / "final-rank1.npz")
-    assert w0.keys() == w1.keys() and w0
-    for k in w0:
-        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
+    _ranks_end_equal(tmp_path, "final")
 
 
 @pytest.mark.system
@@ -58,12 +67,9 @@ def test_with_the_timeline_on_a_step_still_returns_at_once_and_its_wait_is_recor
     1.76x as long to train), and the wait that then happens inside the engine must still
     be in the timeline, put to the account of the worker whose push came last."""
     from ssdsgd import timeline_merge as M
-    res = launch(2, 1, ["--out", tmp_path, "--steps", STEPS, "--slow", SLOW],
-                 env={"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_TIMELINE": "1",
-                      "SSDSGD_TIMELINE_DIR": tmp_path / "timeline"},
-                 script="deferred_step.py", timeout=180)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    held = json.loads((tmp_path / "held-rank0.json").read_text())
+    _job(tmp_path, {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_TIMELINE": "1",
+                    "SSDSGD_TIMELINE_DIR": tmp_path / "timeline"})
+    held = _read(tmp_path, "held")
     assert max(held) < SLOW / 2, held
     spans = M.spans_of(M.load(tmp_path))
     parents, bad = M.nesting(spans)
@@ -91,18 +97,12 @@ def test_an_ssd_step_returns_before_the_pull_it_resets_from_is_answered(tmp_path
     its step 2 about 3 SLOW after the start, rank 0 makes its step 3 about 2 SLOW sooner:
     a reset on rank 0's thread would hold it for that long."""
     steps = 5
-    res = launch(2, 1, ["--out", tmp_path, "--steps", steps, "--slow", SLOW],
-                 env={"SSDSGD_ALGORITHM": "ssd", "SSDSGD_WARMUP_STEPS": 1,
-                      "SSDSGD_DELAY_STEPS": 2},
-                 script="deferred_step.py", timeout=180)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    held = json.loads((tmp_path / "held-rank0.json").read_text())
+    _job(tmp_path, {"SSDSGD_ALGORITHM": "ssd", "SSDSGD_WARMUP_STEPS": 1,
+                    "SSDSGD_DELAY_STEPS": 2}, steps=steps)
+    held = _read(tmp_path, "held")
     assert held[0] > SLOW / 2, held           # the warm-up step waits for rank 1's push
     assert max(held[1:]) < SLOW / 2, held     # the steps-delay steps, the reset's too
-    w0, w1 = load_npz(tmp_path / "final-rank0.npz"), load_npz(tmp_path / "final-rank1.npz")
-    assert w0.keys() == w1.keys() and w0
-    for k in w0:                        # both end on the global weights
-        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
+    _ranks_end_equal(tmp_path, "final")  # both end on the global weights
 
 
 @pytest.mark.system
@@ -116,19 +116,14 @@ def test_warmup_steps_nothing_times_return_before_their_round_closes(tmp_path, a
     0 and 1 return at once; step 2 waits for rank 1's push, SLOW later; the steps after
     the warm-up are queued as before. Both ranks end on the same global weights."""
     steps = 5
-    res = launch(2, 1, ["--out", tmp_path, "--steps", steps, "--slow", SLOW],
-                 env={"SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": 3, period: 2},
-                 script="deferred_step.py", timeout=180)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    held = json.loads((tmp_path / "held-rank0.json").read_text())
+    _job(tmp_path, {"SSDSGD_ALGORITHM": algorithm, "SSDSGD_WARMUP_STEPS": 3, period: 2},
+         steps=steps)
+    held = _read(tmp_path, "held")
     assert max(held[:2]) < SLOW / 2, held     # queued: the script's wait is the forward's
     assert held[2] > SLOW / 2, held           # the last warm-up step, on the thread
-    metrics = json.loads((tmp_path / "metrics-rank0.json").read_text())
+    metrics = _read(tmp_path, "metrics")
     assert metrics["warmup_on_engine"] == 2 and metrics["warmup"] == 3, metrics
-    w0, w1 = load_npz(tmp_path / "final-rank0.npz"), load_npz(tmp_path / "final-rank1.npz")
-    assert w0.keys() == w1.keys() and w0
-    for k in w0:
-        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
+    _ranks_end_equal(tmp_path, "final")
 
 
 @pytest.mark.system
@@ -138,11 +133,9 @@ def test_warmup_steps_the_k_rule_times_stay_on_rank_0s_thread(tmp_path):
     chooses k from them. Rank 1's timings choose nothing: its steps queue (but the last),
     and it takes rank 0's k."""
     steps = 6
-    res = launch(2, 1, ["--out", tmp_path, "--steps", steps, "--slow", 0.2],
-                 env={"SSDSGD_ALGORITHM": "ssd", "SSDSGD_WARMUP_STEPS": 4},
-                 script="deferred_step.py", timeout=180)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    m0, m1 = (json.loads((tmp_path / f"metrics-rank{r}.json").read_text()) for r in (0, 1))
+    res = _job(tmp_path, {"SSDSGD_ALGORITHM": "ssd", "SSDSGD_WARMUP_STEPS": 4}, steps=steps,
+               slow=0.2)
+    m0, m1 = (_read(tmp_path, "metrics", r) for r in (0, 1))
     assert m0["warmup_on_engine"] == 0 and m0["warmup"] == 4, m0
     assert m1["warmup_on_engine"] == 3 and m1["warmup"] == 4, m1
     assert "from the warm-up" in res.stdout + res.stderr, res.stdout[-2000:]
