@@ -91,3 +91,42 @@ def test_a_package_imported_before_mxnet_is_left_as_it_is(first):
     assert stats_type == "module"             # already there: never made lazy
     if first == "sklearn":
         assert base == "sklearn.base"
+
+
+THREADS = r"""
+import json, sys, threading
+import ssdsgd, mxnet as mx
+name, attr = sys.argv[1], sys.argv[2]
+module = sys.modules[name]
+assert type(module).__name__ == "_LazyModule", type(module)
+gate, seen = threading.Barrier(8), []
+
+def first_use():
+    gate.wait()
+    try:
+        seen.append(getattr(module, attr) is not None)
+    except Exception as e:           # what a thread saw of a module another one loads
+        seen.append(f"{type(e).__name__}: {e}")
+
+threads = [threading.Thread(target=first_use) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(60)
+print(json.dumps({"seen": seen, "alive": sum(t.is_alive() for t in threads),
+                  "type": type(module).__name__}))
+"""
+
+
+@pytest.mark.parametrize("name,attr", [("scipy.stats", "norm"), ("scipy.sparse", "csr_matrix"),
+                                       ("cv2", "imdecode")])
+def test_threads_that_use_a_lazy_package_first_at_once_all_get_it_loaded(name, attr):
+    """Python 3.11's LazyLoader makes the module a plain one before it executes it, so a
+    second thread in that window read a half-made module (AttributeError: 8 threads at
+    once on scipy.stats failed 7 of 8). A DataLoader's threads decoding with cv2 do just
+    that on their first batch."""
+    done = subprocess.run([sys.executable, "-c", THREADS, name, attr], env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {"seen": [True] * 8, "alive": 0, "type": "module"}, out

@@ -19,7 +19,8 @@ So while ``mxnet`` executes, and only for what is not imported yet:
 - ``sklearn`` is not found, and MXNet takes its own fallback for that case
   (``FeedForward`` derives from ``object``; MXNet sets ``SKLEARN_INSTALLED = False``);
 - ``scipy.stats``, ``scipy.sparse``, ``cv2`` and ``requests`` load lazily
-  (``importlib.util.LazyLoader``): each executes at its first use, so what changes is
+  (``importlib.util.LazyLoader``, with Python 3.12's lock: threads that race to the
+  first use all get it loaded): each executes at its first use, so what changes is
   when, not what (``cv2`` is one that would refuse it if it put another module in its
   place as it loads; the pinned 4.10 does not, and the tests use it);
 - ``distutils`` is the standard library's (Python 3.11 still has it; without it nothing
@@ -35,6 +36,8 @@ import importlib.util
 import os
 import sys
 import sysconfig
+import threading
+import types
 import warnings
 
 #: Packages MXNet imports only for its scikit-learn estimator, never used in training.
@@ -50,20 +53,56 @@ def wanted():
     return env_value(BY_ENV["SSDSGD_MXNET_IMPORT"], os.environ) == "trimmed"
 
 
-class _LazyModule(importlib.util._LazyModule):
-    """The standard library's lazy module, but for ``__spec__``: Python 3.11's import
-    statement reads it from a module already in ``sys.modules`` (to see whether it is
-    still being initialised), so a second ``import scipy.sparse`` would load it."""
+class _LazyModule(types.ModuleType):
+    """A module that executes at its first use, safely when threads race to that use.
+
+    Python 3.11's ``importlib.util._LazyModule`` makes itself a plain module before it
+    executes, so a second thread arriving meanwhile reads a half-made module (8 threads at
+    once on scipy.stats: 7 AttributeErrors; a DataLoader's threads decoding with cv2 on
+    their first batch). This is Python 3.12's own fix (CPython gh-114763, in
+    ``importlib/util.py``), as it stands there: a lock per module, taken by the first use;
+    the others wait for it and the loading thread's own re-entries pass. And one change
+    of ours: ``__spec__`` is read without loading, because Python 3.11's import statement
+    reads it from a module already in ``sys.modules`` (to see whether it is still being
+    initialised), so a second ``import scipy.sparse`` would load it."""
 
     def __getattribute__(self, attr):
+        spec = object.__getattribute__(self, "__dict__")["__spec__"]
         if attr == "__spec__":
-            return object.__getattribute__(self, "__dict__")["__spec__"]
-        return super().__getattribute__(attr)
+            return spec
+        state = spec.loader_state
+        with state["lock"]:
+            if object.__getattribute__(self, "__class__") is _LazyModule:
+                plain = state["__class__"]
+                if state["is_loading"]:       # the module's own execution, on this thread
+                    return plain.__getattribute__(self, attr)
+                state["is_loading"] = True
+                now = plain.__getattribute__(self, "__dict__")
+                then = state["__dict__"]
+                updated = {k: v for k, v in now.items() if k not in then or then[k] is not v}
+                spec.loader.exec_module(self)
+                if spec.name in sys.modules and sys.modules[spec.name] is not self:
+                    raise ValueError(f"module object for {spec.name!r} substituted in "
+                                     "sys.modules during a lazy load")
+                now.update(updated)
+                if isinstance(self, _LazyModule):
+                    object.__setattr__(self, "__class__", plain)
+        return getattr(self, attr)
+
+    def __delattr__(self, attr):
+        self.__getattribute__(attr)
+        delattr(self, attr)
 
 
 class _LazyLoader(importlib.util.LazyLoader):
+    """The standard library's lazy loader with Python 3.12's state: a lock per module."""
+
     def exec_module(self, module):
-        super().exec_module(module)
+        module.__spec__.loader = self.loader
+        module.__loader__ = self.loader
+        module.__spec__.loader_state = {"__dict__": module.__dict__.copy(),
+                                        "__class__": module.__class__,
+                                        "lock": threading.RLock(), "is_loading": False}
         module.__class__ = _LazyModule
 
 
