@@ -433,6 +433,12 @@ class Digits:
                 self.mx.nd.waitall()
             slow.after_compute(step, time.perf_counter() - a)
         self.trainer.step(self.grad_batch)
+        # The step's loss is read, as ssdsgd's training program reads it for its metrics:
+        # this thread is then at most a step ahead of MXNet's engine. Unread, it queued
+        # steps as fast as Python runs, and under dynamic data took chunks as fast too,
+        # not as fast as it trained them (4 equal workers: 161 to 257 batches each, and
+        # the ones with the most trained the last of them while the others had finished).
+        return float(loss.sum().asscalar())
 
 
 def wide_mlp(hidden):
