@@ -39,12 +39,18 @@ print(json.dumps({"imported": imported, "lazy": lazy, "estimator": estimator,
 """
 
 
-def probe(mode):
-    env = clean_env(**({} if mode is None else {"SSDSGD_MXNET_IMPORT": mode}))
-    done = subprocess.run([sys.executable, "-W", "default::DeprecationWarning", "-c", PROBE],
-                          env=env, capture_output=True, text=True, timeout=120)
+def run_script(script, *args, env=None):
+    """``python -c script args`` in a fresh process: (its last line as JSON, stderr)."""
+    done = subprocess.run([sys.executable, "-W", "default::DeprecationWarning", "-c", script,
+                           *args], env=env or clean_env(), capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def probe(mode):
+    return run_script(PROBE, env=clean_env(**({} if mode is None else
+                                             {"SSDSGD_MXNET_IMPORT": mode})))
 
 
 def test_the_trimmed_import_leaves_out_what_training_does_not_use():
@@ -125,8 +131,5 @@ def test_threads_that_use_a_lazy_package_first_at_once_all_get_it_loaded(name, a
     second thread in that window read a half-made module (AttributeError: 8 threads at
     once on scipy.stats failed 7 of 8). A DataLoader's threads decoding with cv2 do just
     that on their first batch."""
-    done = subprocess.run([sys.executable, "-c", THREADS, name, attr], env=clean_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out, _ = run_script(THREADS, name, attr)
     assert out == {"seen": [True] * 8, "alive": 0, "type": "module"}, out
