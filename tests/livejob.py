@@ -1,5 +1,7 @@
 """A launched job the test can watch while it runs (its output read line by line) and
 attack: where its scheduler and server listen, and hostile peers to send them messages."""
+from pathlib import Path
+
 import numpy as np
 import zmq
 
@@ -21,9 +23,9 @@ class LiveJob(jobs.Job):
             args += ["--env", f"{k}={v}"]
         args += ["--", PY, SCRIPTS / "ssd_worker.py", "--out", out, "--steps", steps,
                  *script_args]
-        self.out = out
         super().__init__([PY, str(jobs.ROOT / "launch" / "dist.py"), *map(str, args)],
                          merge=True)
+        self.run_dir = Path(out)    # the script's --out (self.out: its output lines)
 
     def address(self, node="server 0", timeout=120):
         """tcp://host:port where ``node`` ('scheduler', 'server 0', 'worker 1': its pull

@@ -104,6 +104,8 @@ class ServerNode:
                     except zmq.Again:
                         break
                     self.server.handle(frames)
+                    del frames   # a refused message's memory goes back now, not when the
+                    # next message arrives (an idle server held a refused 192 MiB message)
             self.server.tick()
             self.link.tick()
 

@@ -30,6 +30,9 @@ p.add_argument("--stop-at", type=int, default=-1, help="rank 1 SIGSTOPs itself a
 p.add_argument("--compression", default=None, help="JSON: the Trainer's compression_params")
 p.add_argument("--mark-at", type=int, default=-1, help="each worker writes the file "
                "at-step-T-rank<R> into --out before its step T (a test's cue)")
+p.add_argument("--hold-at", type=int, default=-1, help="every worker waits before its step "
+               "T until the file 'release' is in --out (at most 300 s): the job is still "
+               "running while a test probes it")
 p.add_argument("--delays", default="{}", help='JSON {rank: seconds}: sleep before each step '
                "(a straggler whose lateness fixes the arrival order)")
 args = p.parse_args()
@@ -66,6 +69,12 @@ for t in range(args.start_step, args.start_step + args.steps):
     time.sleep(delay)
     if t == args.mark_at:
         open(os.path.join(args.out, f"at-step-{t}-rank{rank}"), "w").close()
+    if t == args.hold_at:
+        held_until = time.monotonic() + 300
+        while not os.path.exists(os.path.join(args.out, "release")):
+            if time.monotonic() > held_until:
+                sys.exit(f"rank {rank}: nobody released the hold at step {t} within 300 s")
+            time.sleep(0.02)
     if t == args.stop_at and rank == 1:
         print("rank 1 stops (SIGSTOP): alive but silent, like a hung machine", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
