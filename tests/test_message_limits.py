@@ -26,17 +26,10 @@ STEPS = 300
 JOB_ENV = {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "chain"}
 BIG = 256 << 20
 SERVER_BIG = 200 << 20
-# every worker waits before step 5 until the test releases it (the weights do not
-# change), so the job is still running while its node is probed and its RSS read: with
-# a fixed 30 ms a step instead, a loaded CI machine's job ended under the probe (server
-# 0 exited before its RSS after the refusal was read; worker 1's relay was gone before
-# the handshake)
-HELD = ["--hold-at", "5"]
-
-
-def release(job):
-    """Let a HELD job's workers go on."""
-    (job.run_dir / "release").touch()
+# every worker waits before step 5 until the test releases it, so the job is still
+# running while its node is probed and its RSS read (with a fixed 30 ms a step instead, a
+# loaded CI machine's job ended under the probe)
+HOLD = 5
 
 
 def rss_kb_if_running(pid):
@@ -144,13 +137,13 @@ def undisturbed(tmp_path_factory):
 
 @pytest.mark.system
 def test_an_oversized_frame_to_a_workers_relay_is_refused_unbuffered(tmp_path, undisturbed):
-    job = LiveJob(tmp_path, steps=STEPS, env=JOB_ENV, script_args=HELD)
+    job = LiveJob(tmp_path, steps=STEPS, env=JOB_ENV, hold_at=HOLD)
     try:
         head = P.encode(P.Message(P.Kind.FRAGMENT, sender=0, req=1, meta={"of": 1}))
         base, peak, _ = send_oversized(job, "worker 1", head, BIG)
         grown = peak - base
         assert grown < (BIG >> 10) // 4, f"worker 1 buffered the frame: RSS +{grown} KiB"
-        release(job)
+        job.release()
         assert job.wait(timeout=300) == 0, job.text[-3000:]
     finally:
         job.kill()
@@ -192,8 +185,8 @@ def test_a_servers_limit_follows_the_model_not_the_setting(tmp_path, undisturbed
     ``Trainer(kvstore=kv)``, as MXNet's fit.py passes its store): before, that job's limit
     stayed the setting."""
     job = LiveJob(tmp_path, steps=STEPS, env={"SSDSGD_ALGORITHM": "ssgd"},
-                  script_args=HELD + (["--kv-instance"] if store == "made_before_the_model"
-                                       else []))
+                  script_args=["--kv-instance"] if store == "made_before_the_model" else [],
+                  hold_at=HOLD)
     try:
         head = P.encode(P.Message(P.Kind.PUSH, sender=0, req=1))
         base, peak, after = send_oversized(job, "server 0", head, SERVER_BIG)
@@ -201,7 +194,7 @@ def test_a_servers_limit_follows_the_model_not_the_setting(tmp_path, undisturbed
         grown, kept = peak - base, after - base
         assert grown < (SERVER_BIG >> 10) // 4, f"server 0 buffered the frame: RSS +{grown} KiB"
         assert kept < (SERVER_BIG >> 10) // 4, f"server 0 kept {kept} KiB after the drop"
-        release(job)
+        job.release()
         assert job.wait(timeout=300) == 0, job.text[-3000:]
     finally:
         job.kill()
@@ -218,7 +211,7 @@ def test_a_message_of_many_frames_each_under_the_limit_is_held_whole_then_freed(
     server holds all 192 MiB before it can look at the first. Then it refuses the message
     (its header announces no data frame), the memory goes back, and the job trains as if
     nobody had sent it."""
-    job = LiveJob(tmp_path, steps=STEPS, env={"SSDSGD_ALGORITHM": "ssgd"}, script_args=HELD)
+    job = LiveJob(tmp_path, steps=STEPS, env={"SSDSGD_ALGORITHM": "ssgd"}, hold_at=HOLD)
     frame, count = 3 << 20, 64
     assert frame <= P.frame_limit(0)       # under the limit of any server's port
     try:
@@ -243,7 +236,7 @@ def test_a_message_of_many_frames_each_under_the_limit_is_held_whole_then_freed(
         sock.close(0)
         assert held > total * 3 // 4, f"server 0 held {held} KiB of a {total} KiB message"
         assert after < total // 4, f"server 0 kept {after} KiB after refusing the message"
-        release(job)
+        job.release()
         assert job.wait(timeout=300) == 0, job.text[-3000:]
     finally:
         job.kill()

@@ -118,7 +118,7 @@ def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secur
     # with the pulls relayed (docs/spec/pull_relay.md) a worker listens too; the relayed
     # job must still end on the undisturbed (unrelayed) job's weights
     job = LiveJob(tmp_path, steps=STEPS, env=dict(JOB_ENV, SSDSGD_PULL_RELAY="chain"),
-                  secure=secure)
+                  secure=secure, hold_at=5)
     try:
         scheduler, server = job.address("scheduler"), job.address("server 0")
         relay = job.address("worker 1")
@@ -158,6 +158,7 @@ def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secur
             t.join(30)
         assert all(controls.get(w) is not None for w in ("scheduler", "server 0")), controls
         assert len(results) == len(threads) and all(r is None for r in results.values()), results
+        job.release()
         assert job.wait() == 0, job.text[-3000:]
     finally:
         job.kill()
@@ -416,7 +417,7 @@ def test_a_stray_connection_to_a_workers_relay_is_refused(tmp_path, tmp_path_fac
     the job gets through (the control); the job ends with the weights of the same job
     undisturbed."""
     undisturbed = undisturbed_weights(tmp_path_factory, STEPS, RELAYED, n=3)
-    job = LiveJob(tmp_path, n=3, steps=STEPS, env=RELAYED, secure=secure)
+    job = LiveJob(tmp_path, n=3, steps=STEPS, env=RELAYED, secure=secure, hold_at=5)
     try:
         forged = P.encode(P.Message(P.Kind.REPLY, sender=0, req=5,
                                     records=P.make_records([(0, 50, 0, 4, F32, 1)]),
@@ -436,6 +437,7 @@ def test_a_stray_connection_to_a_workers_relay_is_refused(tmp_path, tmp_path_fac
         assert _connects(job.address("worker 2"),
                          lambda s: Guard(insider, print).client(s, "worker 2"))
         assert not any(admitted.values()), admitted
+        job.release()
         assert job.wait() == 0, job.text[-3000:]
     finally:
         job.kill()
