@@ -178,6 +178,10 @@ def _cross_check(cfg: Config) -> None:
     if cfg.data.dataset in ("cifar10", "imagenet") and not cfg.data.path:
         raise ConfigError(f"data.path: required for dataset '{cfg.data.dataset}' (a directory "
                           f"with the {'CIFAR-10 .bin files' if cfg.data.dataset == 'cifar10' else 'train.rec/.idx and val.rec/.idx'})")
+    if cfg.data.dataset == "digits" and cfg.data.path:
+        raise ConfigError(f"data.path: dataset 'digits' reads no files (scikit-learn ships "
+                          f"it), so {cfg.data.path} would be ignored; for the data there set "
+                          "data.dataset (cifar10, imagenet) and its model, or remove data.path")
     model_data = {"digits_mlp": "digits", "digits_cnn": "digits"}
     if model_data.get(cfg.model.name, cfg.data.dataset) != cfg.data.dataset or (
             cfg.data.dataset == "digits" and cfg.model.name not in model_data):

@@ -120,6 +120,11 @@ BAD = [
     (dict(data={"dataset": "imagenet"}, model={"name": "resnet50_v1"}), [],
      ["data.path: required for dataset 'imagenet'"]),
     (dict(model={"name": "resnet50_v1"}), [], ["model.name", "does not fit dataset"]),
+    # a path the digits dataset would ignore: the user meant other data (before: digits
+    # trained silently)
+    (dict(data={"path": "/data/cifar-10-batches-bin"}), [],
+     ["data.path: dataset 'digits' reads no files", "/data/cifar-10-batches-bin",
+      "data.dataset"]),
     (dict(data={"batch_size": 0}), [], ["data.batch_size: expected an integer >= 1"]),
     (dict(optimizer={"lr": 0}), [], ["optimizer.lr: expected a number > 0.0"]),
     (dict(optimizer={"lr": "fast"}), [], ["optimizer.lr: expected a number"]),

@@ -24,6 +24,7 @@ from conftest import DIGITS_EPOCHS, digits_job
 from emulated_hosts import EmulatedHosts, copy_repo, unavailable
 from ssdsgd.metrics import read_records
 from ssdsgd.testing import clean_env
+from test_data import make_cifar
 from test_e2e_configs import PY, ROOT, run_dir_of, sets
 from test_resume import params
 
@@ -46,9 +47,9 @@ LEFT_S = 30           # no process of the job may be left on any host after this
 def hosts(tmp_path_factory):
     d = tmp_path_factory.mktemp("hosts")
     data = d / "data"
-    (data / "digits").mkdir(parents=True)
-    h = EmulatedHosts(3, d / "ssh", hide={2: [data]})   # host 2 lacks data/digits
-    h.data = data / "digits"
+    make_cifar(data / "cifar10")          # the real .bin format, 20 training images
+    h = EmulatedHosts(3, d / "ssh", hide={2: [data]})   # host 2 lacks data/cifar10
+    h.data = data / "cifar10"
     h.file = h.hostfile([f"{a} slots=1" for a in h.addresses])
     try:
         yield h
@@ -317,8 +318,9 @@ def test_a_server_address_the_others_cannot_reach_ends_the_job(hosts, tmp_path):
 
 
 def test_a_data_path_missing_on_one_host_is_one_line_naming_it(hosts, tmp_path):
-    code, out = run(hosts, job(hosts, SSGD, tmp_path, "--set", f"data.path={hosts.data}"),
-                    tmp_path, timeout=120)
+    cifar = ["--set", "data.dataset=cifar10", "--set", "model.name=cifar_resnet20_v1",
+             "--set", f"data.path={hosts.data}", "--set", "data.batch_size=2"]
+    code, out = run(hosts, job(hosts, SSGD, tmp_path, *cifar), tmp_path, timeout=120)
     assert code == 1, out[-3000:]
     z = hosts.addresses[2]
     errors = [ln for ln in out.splitlines() if "does not exist" in ln]
