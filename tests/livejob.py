@@ -15,10 +15,14 @@ class LiveJob(jobs.Job):
     """``launch/dist.py -n N -s S [--secure] -- python tests/scripts/ssd_worker.py ...``,
     started (tests/jobs.py), stdout and stderr merged."""
 
+    #: the step a ``held`` job's workers wait before: after the first, where the Trainer
+    #: made its store (every node listens, worker relays too)
+    HOLD_STEP = 5
+
     def __init__(self, out, n=2, s=1, steps=300, env=None, secure=False, script_args=(),
-                 hold_at=None):
+                 held=False):
         """``secure``: False, True (CURVE) or a cipher (``aesgcm``, ``curve``).
-        ``hold_at``: every worker waits before that step until :meth:`release` (at most
+        ``held``: every worker waits before HOLD_STEP until :meth:`release` (at most
         300 s; the weights do not change), so the job is surely still running while the
         test probes it: a job paced or left to run by itself ended under a probe on a
         loaded CI machine."""
@@ -27,13 +31,13 @@ class LiveJob(jobs.Job):
         for k, v in (env or {}).items():
             args += ["--env", f"{k}={v}"]
         args += ["--", PY, SCRIPTS / "ssd_worker.py", "--out", out, "--steps", steps,
-                 *script_args] + ([] if hold_at is None else ["--hold-at", hold_at])
+                 *script_args] + (["--hold-at", self.HOLD_STEP] if held else [])
         super().__init__([PY, str(jobs.ROOT / "launch" / "dist.py"), *map(str, args)],
                          merge=True)
         self.run_dir = Path(out)    # the script's --out (self.out: its output lines)
 
     def release(self):
-        """Let a job started with ``hold_at`` go on."""
+        """Let a ``held`` job go on."""
         (self.run_dir / "release").touch()
 
     def address(self, node="server 0", timeout=120):

@@ -26,10 +26,6 @@ STEPS = 300
 JOB_ENV = {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "chain"}
 BIG = 256 << 20
 SERVER_BIG = 200 << 20
-# every worker waits before step 5 until the test releases it, so the job is still
-# running while its node is probed and its RSS read (with a fixed 30 ms a step instead, a
-# loaded CI machine's job ended under the probe)
-HOLD = 5
 
 
 def rss_kb_if_running(pid):
@@ -137,7 +133,7 @@ def undisturbed(tmp_path_factory):
 
 @pytest.mark.system
 def test_an_oversized_frame_to_a_workers_relay_is_refused_unbuffered(tmp_path, undisturbed):
-    job = LiveJob(tmp_path, steps=STEPS, env=JOB_ENV, hold_at=HOLD)
+    job = LiveJob(tmp_path, steps=STEPS, env=JOB_ENV, held=True)
     try:
         head = P.encode(P.Message(P.Kind.FRAGMENT, sender=0, req=1, meta={"of": 1}))
         base, peak, _ = send_oversized(job, "worker 1", head, BIG)
@@ -186,7 +182,7 @@ def test_a_servers_limit_follows_the_model_not_the_setting(tmp_path, undisturbed
     stayed the setting."""
     job = LiveJob(tmp_path, steps=STEPS, env={"SSDSGD_ALGORITHM": "ssgd"},
                   script_args=["--kv-instance"] if store == "made_before_the_model" else [],
-                  hold_at=HOLD)
+                  held=True)
     try:
         head = P.encode(P.Message(P.Kind.PUSH, sender=0, req=1))
         base, peak, after = send_oversized(job, "server 0", head, SERVER_BIG)
@@ -211,7 +207,7 @@ def test_a_message_of_many_frames_each_under_the_limit_is_held_whole_then_freed(
     server holds all 192 MiB before it can look at the first. Then it refuses the message
     (its header announces no data frame), the memory goes back, and the job trains as if
     nobody had sent it."""
-    job = LiveJob(tmp_path, steps=STEPS, env={"SSDSGD_ALGORITHM": "ssgd"}, hold_at=HOLD)
+    job = LiveJob(tmp_path, steps=STEPS, env={"SSDSGD_ALGORITHM": "ssgd"}, held=True)
     frame, count = 3 << 20, 64
     assert frame <= P.frame_limit(0)       # under the limit of any server's port
     try:

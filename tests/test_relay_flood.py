@@ -42,7 +42,7 @@ def _flood(address, keys, stop, counts):
 def test_a_flood_on_a_workers_relay_port_does_not_stop_the_job(tmp_path, undisturbed):
     job = LiveJob(tmp_path, steps=STEPS, env=dict(JOB_ENV, SSDSGD_PULL_RELAY="chain",
                                                   SSDSGD_HEARTBEAT_TIMEOUT="10"),
-                  hold_at=5)
+                  held=True)
     stop, counts = threading.Event(), {"sent": 0, "held": 0}
     flooders = []
     try:
@@ -51,7 +51,7 @@ def test_a_flood_on_a_workers_relay_port_does_not_stop_the_job(tmp_path, undistu
                                      daemon=True) for _ in range(2)]
         for t in flooders:
             t.start()
-        deadline = time.monotonic() + 60      # the flood is on while the job is held at step 5
+        deadline = time.monotonic() + 60      # the flood is on while the job is held
         while counts["sent"] < 10_000:
             assert time.monotonic() < deadline and job.proc.poll() is None, \
                 f"the flood never started: {counts}\n{job.text[-3000:]}"

@@ -118,7 +118,7 @@ def test_processes_without_the_job_keys_are_refused(tmp_path, undisturbed, secur
     # with the pulls relayed (docs/spec/pull_relay.md) a worker listens too; the relayed
     # job must still end on the undisturbed (unrelayed) job's weights
     job = LiveJob(tmp_path, steps=STEPS, env=dict(JOB_ENV, SSDSGD_PULL_RELAY="chain"),
-                  secure=secure, hold_at=5)
+                  secure=secure, held=True)
     try:
         scheduler, server = job.address("scheduler"), job.address("server 0")
         relay = job.address("worker 1")
@@ -417,7 +417,7 @@ def test_a_stray_connection_to_a_workers_relay_is_refused(tmp_path, tmp_path_fac
     the job gets through (the control); the job ends with the weights of the same job
     undisturbed."""
     undisturbed = undisturbed_weights(tmp_path_factory, STEPS, RELAYED, n=3)
-    job = LiveJob(tmp_path, n=3, steps=STEPS, env=RELAYED, secure=secure, hold_at=5)
+    job = LiveJob(tmp_path, n=3, steps=STEPS, env=RELAYED, secure=secure, held=True)
     try:
         forged = P.encode(P.Message(P.Kind.REPLY, sender=0, req=5,
                                     records=P.make_records([(0, 50, 0, 4, F32, 1)]),

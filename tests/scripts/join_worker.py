@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import mxnet as mx
 import numpy as np
@@ -23,6 +22,7 @@ from mxnet import gluon
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ssdsgd  # noqa: E402,F401  (registers ssd_sync)
 import tiny  # noqa: E402
+from cues import wait_for_file  # noqa: E402
 from ssdsgd.data import epoch_permutation  # noqa: E402
 from ssdsgd.sync.membership import Membership  # noqa: E402
 
@@ -77,11 +77,8 @@ while True:
     if t == args.wait_at and start is None and args.go and args.wait_rank in (None, rank):
         mx.nd.waitall()        # every step before it pushed
         print(f"rank {rank} waits before step {t}", flush=True)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(args.go):
-            if time.monotonic() > deadline:
-                sys.exit(f"rank {rank}: no {args.go} within 60 s")
-            time.sleep(0.02)
+        if not wait_for_file(args.go, 60):
+            sys.exit(f"rank {rank}: no {args.go} within 60 s")
     if t == args.die_at and rank == args.die_rank:
         mx.nd.waitall()        # every step before it applied (ssgd, ssd's warm-up pull it)
         print(f"rank {rank} dies before step {t}", flush=True)

@@ -21,6 +21,7 @@ import time
 import mxnet as mx
 import numpy as np
 import ssdsgd  # noqa: F401
+from cues import wait_for_file
 
 p = argparse.ArgumentParser()
 p.add_argument("--keys", type=int, default=200)
@@ -33,12 +34,9 @@ args = p.parse_args()
 
 
 def wait_for(path, what, timeout=20):
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            print(f"rank 1: {what} never came", flush=True)
-            sys.exit(4)
-        time.sleep(0.01)
+    if not wait_for_file(path, timeout):
+        print(f"rank 1: {what} never came", flush=True)
+        sys.exit(4)
 
 
 kv = mx.kv.create("ssd_sync")

@@ -14,6 +14,7 @@ from mxnet import gluon
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ssdsgd  # noqa: E402,F401  (registers ssd_sync)
 import tiny  # noqa: E402
+from cues import wait_for_file  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -69,12 +70,8 @@ for t in range(args.start_step, args.start_step + args.steps):
     time.sleep(delay)
     if t == args.mark_at:
         open(os.path.join(args.out, f"at-step-{t}-rank{rank}"), "w").close()
-    if t == args.hold_at:
-        held_until = time.monotonic() + 300
-        while not os.path.exists(os.path.join(args.out, "release")):
-            if time.monotonic() > held_until:
-                sys.exit(f"rank {rank}: nobody released the hold at step {t} within 300 s")
-            time.sleep(0.02)
+    if t == args.hold_at and not wait_for_file(os.path.join(args.out, "release"), 300):
+        sys.exit(f"rank {rank}: nobody released the hold at step {t} within 300 s")
     if t == args.stop_at and rank == 1:
         print("rank 1 stops (SIGSTOP): alive but silent, like a hung machine", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
