@@ -50,6 +50,9 @@ __all__ = [
 MODEL_NAMES = ("cifar_resnet20_v1", "cifar_resnet56_v1", "resnet50_v1", "alexnet", "vgg16",
                "digits_mlp", "digits_cnn")
 DATASETS = ("digits", "cifar10", "imagenet")
+#: the files data.path must hold, for the datasets that read any
+FILES_OF_DATASET = {"cifar10": "CIFAR-10 .bin files",
+                    "imagenet": "train.rec/.idx and val.rec/.idx"}
 
 
 def _section(name: str):
@@ -175,13 +178,15 @@ def _optimizer_registry():
 
 def _cross_check(cfg: Config) -> None:
     """Checks that involve more than one key."""
-    if cfg.data.dataset in ("cifar10", "imagenet") and not cfg.data.path:
+    files = FILES_OF_DATASET.get(cfg.data.dataset)
+    if files and not cfg.data.path:
         raise ConfigError(f"data.path: required for dataset '{cfg.data.dataset}' (a directory "
-                          f"with the {'CIFAR-10 .bin files' if cfg.data.dataset == 'cifar10' else 'train.rec/.idx and val.rec/.idx'})")
-    if cfg.data.dataset == "digits" and cfg.data.path:
-        raise ConfigError(f"data.path: dataset 'digits' reads no files (scikit-learn ships "
-                          f"it), so {cfg.data.path} would be ignored; for the data there set "
-                          "data.dataset (cifar10, imagenet) and its model, or remove data.path")
+                          f"with the {files})")
+    if not files and cfg.data.path:
+        raise ConfigError(f"data.path: dataset '{cfg.data.dataset}' reads no files "
+                          f"(scikit-learn ships it), so {cfg.data.path} would be ignored; for "
+                          f"the data there set data.dataset ({', '.join(FILES_OF_DATASET)}) "
+                          "and its model, or remove data.path")
     model_data = {"digits_mlp": "digits", "digits_cnn": "digits"}
     if model_data.get(cfg.model.name, cfg.data.dataset) != cfg.data.dataset or (
             cfg.data.dataset == "digits" and cfg.model.name not in model_data):
