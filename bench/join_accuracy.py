@@ -17,8 +17,8 @@ run once per seed:
 
 A third row, ``defaults``, is the demo with 3 workers exactly as a user starts it (k,
 warm-up and relay at auto, no pacing), beside the two. The other two rows keep the
-demo's settings too (k and the relay at auto: a job that takes joiners never relays;
-``--k`` pins k in both), and every worker sleeps ``--step-delay`` s a step
+demo's settings too (k and the relay at auto: the auto relay needs a chain of 3
+workers, which a 2-worker start has not; ``--k`` pins k in both), and every worker sleeps ``--step-delay`` s a step
 (``debug.slowdown``, both rows alike; it changes no arithmetic) so that the 2-worker job
 lasts long enough for a joiner's start-up (MXNet's import, about 2-3 s here) to land
 inside it.

@@ -169,6 +169,27 @@ def test_a_worker_joins_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(tm
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_a_worker_joins_a_job_whose_pulls_are_relayed_as_the_simulator(tmp_path, algorithm):
+    """sync.pull_relay chain: the first two workers pass on the replies they wait for
+    together (0 -> 1), and the join's step reaches both through them (a relayed reply
+    carries the membership changes a direct one does). The joiner opens no relay (no
+    chain was told its address) and is answered directly. ssd: T_w = 3, k = 2."""
+    ssd = algorithm == "ssd"
+    sync = ({"SSDSGD_WARMUP_STEPS": 3, "SSDSGD_DELAY_STEPS": 2, "SSDSGD_GLU_STATE": "exact"}
+            if ssd else {})
+    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": algorithm,
+                                                  "SSDSGD_PULL_RELAY": "chain", **sync})
+    _check(tmp_path, records, algorithm,
+           **({"warmup_steps": 3, "delay_steps": 2, "glu_state": "exact"} if ssd else {}))
+    relayed_in = [r["replies_relayed_in"] for r in records]
+    relayed_out = [r["replies_relayed_out"] for r in records]
+    assert relayed_out[0] == relayed_in[1] > 0, (relayed_in, relayed_out)
+    assert relayed_in[0] == relayed_out[1] == relayed_in[2] == relayed_out[2] == 0, \
+        (relayed_in, relayed_out)
+
+
+@pytest.mark.system
 @pytest.mark.parametrize("wait_at, when", [(2, "in the warm-up"), (3, "at its end"),
                                            (5, "after it"), (3, "while they agree")])
 def test_a_worker_joins_an_ssd_job_with_the_defaults_as_the_simulator(tmp_path, wait_at,

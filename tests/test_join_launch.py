@@ -48,7 +48,6 @@ def test_max_workers_unset_is_the_workers_and_writes_no_variable():
     ({"sync": {"algorithm": "localsgd"}}, ["sync.algorithm", "'localsgd'"]),
     ({"sync": {"algorithm": "ssd", "delay_steps": 3, "pull_schedule": "staggered"}},
      ["sync.pull_schedule: aligned only"]),
-    ({"sync": {"pull_relay": "chain"}}, ["sync.pull_relay: off only", "'chain'"]),
     ({"sync": {"quorum": "1"}}, ["sync.quorum"]),
     ({"cluster": {"max_workers": 1}}, ["at least cluster.workers (2)"]),
 ])
@@ -61,15 +60,18 @@ def test_a_job_that_cannot_take_joiners_is_refused_in_one_line(sections, words):
 
 def test_ssd_with_its_defaults_or_a_fixed_k_and_ssgd_take_joiners():
     """sync.delay_steps and sync.pull_relay at auto (the defaults) take joiners: k is
-    agreed where the scheduler keeps it, and auto never relays in such a job."""
+    agreed where the scheduler keeps it, and the first workers may relay (a relayed reply
+    carries the join's decision); a joiner never opens a relay (no chain knows it)."""
     defaults = parse_config({"model": {"name": "digits_mlp"}, "data": {"dataset": "digits"},
                              "cluster": {"workers": 3, "max_workers": 4}})
     assert defaults.sync.algorithm == "ssd" and defaults.sync.delay_steps == "auto"
     assert defaults.sync.pull_relay == "auto"
     env = NodeEnv.from_environ(cluster_env(defaults) | {"SSDSGD_SCHEDULER_PORT": "9000",
                                                          "SSDSGD_ROLE": "worker"})
-    assert not relay_listens(env)
-    assert relay_listens(dataclasses.replace(env, max_workers=None))
+    assert relay_listens(env) and relay_listens(dataclasses.replace(env, max_workers=None))
+    assert not relay_listens(dataclasses.replace(env, joining=True))
+    assert not relay_listens(dataclasses.replace(env, joining=True, pull_relay="chain"))
+    assert _config(sync={"algorithm": "ssd", "pull_relay": "chain"}).cluster.max_workers == 3
     assert _config(sync={"algorithm": "ssd", "delay_steps": 3}).cluster.max_workers == 3
     # a dead worker's data leaves at a boundary (docs/spec/membership.md rule 10)
     assert _config(cluster={"on_worker_failure": "continue"}).cluster.max_workers == 3

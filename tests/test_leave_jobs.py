@@ -42,8 +42,8 @@ def _keys_swapped(path, holder, rank):
         path.write_text(original)
 
 
-def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=()):
-    """A 3-worker job; worker 2 asked to leave while all three wait before step
+def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=(), leaving=2):
+    """A 3-worker job; worker ``leaving`` asked to leave while all three wait before step
     WAIT_AT. ``refused``: the one-line errors of --leave for rank 0, for a rank the job
     never had, for worker 2 again, with worker 1's key for worker 2, and once the job
     has ended."""
@@ -61,7 +61,7 @@ def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=()):
         job.wait_for("job started", 60)
         for r in range(N):      # all three have pushed every step before WAIT_AT
             job.wait_for(f"rank {r} waits before step {WAIT_AT}", 60)
-        leaver = dist(["--leave", run_dir, "--rank", 2])
+        leaver = dist(["--leave", run_dir, "--rank", leaving])
         with leaver:
             assert leaver.wait(TIMEOUT) == 0, leaver.tail()
         if refused is not None:
@@ -76,12 +76,13 @@ def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=()):
     return job, leaver, records
 
 
-def _check(tmp_path, records, algorithm="ssgd", per_epoch=PER_EPOCH, **sync):
-    s = records[0]["leaves"]["2"]
+def _check(tmp_path, records, algorithm="ssgd", per_epoch=PER_EPOCH, leaving=2, **sync):
+    s = records[0]["leaves"][str(leaving)]
     assert s >= WAIT_AT, records[0]
-    assert all(r["leaves"] == {"2": s} for r in records), records
-    assert records[2]["end"] == s, records[2]          # it pushed the steps before s only
-    keys, members, ref = _simulated({}, algorithm, leaves={2: s}, n=N, per_epoch=per_epoch,
+    assert all(r["leaves"] == {str(leaving): s} for r in records), records
+    assert records[leaving]["end"] == s, records[leaving]   # it pushed the steps before s only
+    keys, members, ref = _simulated({}, algorithm, leaves={leaving: s}, n=N,
+                                    per_epoch=per_epoch,
                                     epochs=EPOCHS, **sync)
     for rank, r in enumerate(records):
         assert r["chunks"] == [members.chunk(rank, t)[0] * per_epoch + members.chunk(rank, t)[1]
@@ -94,7 +95,7 @@ def _check(tmp_path, records, algorithm="ssgd", per_epoch=PER_EPOCH, **sync):
         for i, j in keys.items():
             _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
                    f"worker {r} local weights of key {i} (left at {s})")
-            if r != 2:      # the leaver ends with the weights of its own last step
+            if r != leaving:    # the leaver ends with the weights of its own last step
                 _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
                        f"worker {r} final global weights of key {i} (left at {s})")
     return s
@@ -129,6 +130,31 @@ def test_a_worker_leaves_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(t
                                                 "SSDSGD_GLU_STATE": "exact"})
     assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2,
                   glu_state="exact") in (7, 9)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("leaving", [1, 2])
+def test_a_worker_leaves_a_job_whose_pulls_are_relayed_as_the_simulator(tmp_path, leaving):
+    """sync.pull_relay chain (3 workers, ssd, T_w = 3, k = 2): the replies the workers wait
+    for together go 0 -> 1 -> 2, and the departure's step reaches every worker through
+    them (a relayed reply carries the membership changes a direct one does). Worker 1
+    leaves the middle of the chain, or worker 2 its end: from the departure on, the chain
+    is the workers still pulling."""
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                "SSDSGD_WARMUP_STEPS": 3,
+                                                "SSDSGD_DELAY_STEPS": 2,
+                                                "SSDSGD_GLU_STATE": "exact",
+                                                "SSDSGD_PULL_RELAY": "chain"},
+                                     leaving=leaving)
+    assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2, glu_state="exact",
+                  leaving=leaving) in (7, 9)
+    relayed_in = [r["replies_relayed_in"] for r in records]
+    relayed_out = [r["replies_relayed_out"] for r in records]
+    # (each worker's counts as of its last step: the final pull in ``close`` is not in them)
+    assert relayed_in[0] == 0 and relayed_out[2] == 0, (relayed_in, relayed_out)
+    assert min(relayed_in[1:]) > 0 and relayed_out[0] > 0, (relayed_in, relayed_out)
+    if leaving == 1:    # once it left, worker 0 passed the pieces on to worker 2 itself
+        assert relayed_out[0] > relayed_in[1], (relayed_in, relayed_out)
 
 
 @pytest.mark.system

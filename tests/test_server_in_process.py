@@ -174,6 +174,10 @@ def test_malformed_or_unauthorized_requests_get_an_error_and_the_server_keeps_se
          "key 0: slice [0, +5) does not match this server's [0, +6)"),
         (w0, P.encode(P.Message(P.Kind.REGISTER, sender=0, req=47, meta={"role": "worker"})),
          "a server does not handle REGISTER"),
+        # a chain through a worker that registered no relay would break at it (a joiner's)
+        (w0, P.encode(P.Message(P.Kind.PULL, sender=0, req=48, flags=P.Flag.RELAY,
+                                records=records([0], ntensors=0), tensors=[[]])),
+         "worker 0 asked for a relayed reply, but it has no pull relay"),
     ]
     for sock, frames, reason in cases:
         sock.send_multipart(frames)

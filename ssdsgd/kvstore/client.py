@@ -89,7 +89,11 @@ class WorkerClient:
         # message per server, to every server, so every server counts the same pushes.
         # (The settings refuse a quorum with asgd and with relayed pulls.)
         self.quorum = quorum_rounds(env.quorum, self.num_workers)
-        self.relays = self.topology.get("relays")
+        # a worker asks for relayed replies only if it relays itself: the table of relays
+        # comes with the start's topology, so a joiner is in no chain (membership.md)
+        self.relays = self.topology.get("relays")     # the job's, or None: it relays none
+        self.relaying = bool(self.relays) and self.rank < len(self.relays) \
+            and self.relays[self.rank] is not None
         self.relay_on = env.pull_relay == "chain"   # auto: the stage machine's choice
         self.relay_trial = False     # this step is the relay's trial's (the stage machine)
         self.coder = PushCoder()  # the job's compression and this worker's residuals
@@ -382,7 +386,7 @@ class WorkerClient:
         ``Coded`` gradient, dtype); every key must be placed already. ``every``: exactly
         one message to every server, keys for it or not (a quorum's contributions and
         final pulls)."""
-        if self.relays and self.relay_on and reply and not every and asks_relay(kind, flags):
+        if self.relaying and self.relay_on and reply and not every and asks_relay(kind, flags):
             flags |= P.Flag.RELAY
         return self._request(kind, entries, step=step, flags=flags, meta=meta, reply=reply,
                              every=every, chunk_bytes=None if every else self.env.chunk_bytes)

@@ -216,7 +216,7 @@ class IOThread:
             print(f"ssdsgd worker: pull relay listening on {host}:{port}; "
                   f"{guard.describe()}", file=sys.stderr, flush=True)
         self.relay = PullRelay(self.ctx, self.env, self.requests, self.stats, self._sent,
-                               relay_in, guard)
+                               relay_in, guard, deliver=self._reply)
         link = SchedulerLink(self.ctx, self.env, "worker", host, port, guard)
         try:
             self.topology = link.register()
@@ -381,9 +381,15 @@ class IOThread:
                 self._takeover(msg.meta, server)
                 return
             else:
-                if msg.kind == P.Kind.REPLY and msg.meta and msg.meta.get("policy"):
-                    self._joins(msg.meta["policy"], server)
-                self.requests.deliver(msg, server)
+                self._reply(msg, server)
+
+    def _reply(self, msg, server):
+        """A server's message for a request, whether it came from the server or through a
+        pull relay: the membership changes a REPLY names are heard before its future
+        resolves."""
+        if msg.kind == P.Kind.REPLY and msg.meta and msg.meta.get("policy"):
+            self._joins(msg.meta["policy"], server)
+        self.requests.deliver(msg, server)
 
     def _joins(self, policy, server):
         """The joins and departures a REPLY's ``policy`` field names (before its future

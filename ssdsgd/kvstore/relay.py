@@ -34,8 +34,9 @@ class PullRelay:
     ``sock``: the ROUTER other workers relay to (None without the relay); ``send``:
     the I/O thread's sending function (it counts the bytes)."""
 
-    def __init__(self, ctx, env, requests, stats, send, sock=None, guard=None):
+    def __init__(self, ctx, env, requests, stats, send, sock=None, guard=None, deliver=None):
         self.ctx, self.env, self.requests, self.stats = ctx, env, requests, stats
+        self.deliver = deliver or requests.deliver    # a whole reply, as the server's are
         self.send, self.sock, self.guard = send, sock, guard
         self.rank, self.num_workers, self.relays, self.link_id = None, 0, None, None
         self._ranks = {}       # connection id of a worker of the job -> its rank
@@ -177,7 +178,7 @@ class PullRelay:
             raise RelayFault(f"{source} relayed a {reply.kind.name} of server {reply.sender} "
                              f"as server {msg.sender}'s reply")
         reply.req = msg.req        # the pieces' request id is this worker's
-        self.requests.deliver(reply, server)
+        self.deliver(reply, server)
 
     def _forward(self, frames, msg, relay):
         """Pass a piece of a relayed reply on to the next worker of its chain ``relay``,

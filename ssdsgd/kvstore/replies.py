@@ -8,7 +8,10 @@ never waits on a peer. What one worker can make the server hold is bounded: its 
 requests (``reply_bound``) and its messages ZeroMQ has not sent (``unsent_bound``); a
 worker that stops reading fails the job, saying so.
 """
+import json
+
 import numpy as np
+
 import zmq
 
 from . import protocol as P, sealing
@@ -270,11 +273,15 @@ class Replies:
         0): a hop passes each piece on as it arrives, so the chain pipelines."""
         groups = {}
         for reply in self._relayed:
-            groups.setdefault((tuple(reply.records), reply.lr), []).append(reply)
+            policy = self._policy(reply)    # the membership changes decided, as a direct
+            sig = (tuple(reply.records), reply.lr, json.dumps(policy, sort_keys=True))
+            groups.setdefault(sig, (policy, []))[1].append(reply)    # reply carries them
         self._relayed = []
-        for (records, lr), replies in groups.items():
+        for (records, lr, _), (policy, replies) in groups.items():
             replies.sort(key=lambda r: r.peer.rank)
             meta = {"lr": lr} if lr is not None else {}
+            if policy is not None:
+                meta["policy"] = policy
             chain = [[r.peer.rank, r.req] for r in replies[1:]] or None
             head = replies[0]
             body = P.encode(P.Message(

@@ -63,6 +63,7 @@ class Server:
         self.rank = -1
         self.max_message_bytes = env.max_message_bytes   # the job's, from ``listen``
         self.rejected = Rejections(lambda text: self.log(text))
+        self.relays = []          # each worker's pull relay or None, from ``start``
 
     # ---- carrying out the policy's decisions ------------------------------------------
     def _decide(self, reply, event, *args, **kwargs):
@@ -85,10 +86,17 @@ class Server:
             self.actions[kind](*what)
 
     def _new_reply(self, ident, msg, shards, with_state):
-        reply = self.replies.new(ident, msg.req, shards, with_state,
-                                 relay=bool(msg.flags & P.Flag.RELAY))
+        relay = bool(msg.flags & P.Flag.RELAY)
+        if relay and not self._relays(msg.sender):   # a chain through it would break
+            raise RequestError(f"worker {msg.sender} asked for a relayed reply, but it has "
+                               "no pull relay (the table of relays is the job's start's)")
+        reply = self.replies.new(ident, msg.req, shards, with_state, relay=relay)
         self.backup.copied(msg, reply)    # a copy's reply is held (backup.py)
         return reply
+
+    def _relays(self, rank):
+        """Did worker ``rank`` register a pull relay (in the start's topology)?"""
+        return rank < len(self.relays) and self.relays[rank] is not None
 
     def _reject(self, ident, req, text):
         peer = self.replies.peers.get(ident)
@@ -419,6 +427,7 @@ class Server:
         self.scheduler = scheduler
         self.replies.peers = {bytes.fromhex(h): Peer(r)
                               for r, h in enumerate(topo.get("workers", []))}
+        self.relays = topo.get("relays") or []
         self.policy = self.make_policy(self.env, self.rank)
         self.replies.steps_ahead = self.policy.steps_ahead
 

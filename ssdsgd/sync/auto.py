@@ -90,14 +90,15 @@ def is_auto(value) -> bool:
 
 
 def relay_listens(env) -> bool:
-    """Does this worker open a pull relay (docs/spec/pull_relay.md)? With ``chain``,
-    always; with ``auto``, where a relay may be chosen: SSD-SGD's pulls, a chain of
+    """Does this worker open a pull relay (docs/spec/pull_relay.md)? A joiner never (the
+    table of relays is handed out at the start); else with ``chain`` always; with ``auto``, where a relay may be chosen: SSD-SGD's pulls, a chain of
     RELAY_MIN_WORKERS or more, and a job the registry would run with ``chain`` (it
     refuses a relay beside a quorum, staggered pulls or a worker left behind)."""
+    if env.joining:     # no chain knows its address: the relays are the start's
+        return False
     if env.pull_relay != "auto":
         return env.pull_relay == "chain"
     return (stage.delays_pulls(env.algorithm) and env.num_workers >= RELAY_MIN_WORKERS
-            and not stage.takes_joiners(env)     # a relayed reply would not carry a join
             and refusal({**dataclasses.asdict(env), "pull_relay": "chain"}, str) is None)
 
 
@@ -279,7 +280,7 @@ class Schedule:
             self.choices["pull_relay"] = {"value": _relay_name(self.relay), "why": (
                 "pinned" if not is_auto(env.pull_relay) else
                 "auto: off, this job cannot relay (it needs ssd's aligned pulls, no quorum, "
-                f"no worker left behind or joining, and at least {RELAY_MIN_WORKERS} "
+                f"no worker left behind, and at least {RELAY_MIN_WORKERS} "
                 "workers)")}
         self.compression, self._measure = "none", None   # compress_auto: undecided
         self.k_max, self._cap_why = K_MAX, None          # learn_cap: by optimizer and lr

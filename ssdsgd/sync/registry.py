@@ -346,8 +346,6 @@ JOIN_TEST = "tests/test_join_jobs.py"
 # (resume and restarts are taken: the job starts again from its last checkpoint with its
 # first workers, who may be joined again, docs/spec/membership.md rule 11)
 JOIN_REFUSED = {
-    "relay": "a relayed reply does not carry the join's decision to the workers down the "
-             "chain",
     "quorum": "a quorum's rounds have no rule for a joiner (docs/spec/membership.md rule 9)",
     "staggered": "staggered pulls have no step every worker resets at, where a joiner "
                  "could come in",

@@ -100,7 +100,8 @@ while True:
     trainer.step(8)
     t += 1
 mx.nd.waitall()
-chosen = {name: kv.metrics().get(name) for name in ("warmup_steps", "delay_steps")}
+chosen = {name: kv.metrics().get(name) for name in ("warmup_steps", "delay_steps",
+                                                  "replies_relayed_in", "replies_relayed_out")}
 removed = {str(w["rank"]): w["from_step"] for w in kv.metrics().get("left", [])}
 np.savez(os.path.join(args.out, f"local-rank{rank}.npz"),
          **{f"p{i}": q.data().asnumpy() for i, q in enumerate(tiny.params(net))})
