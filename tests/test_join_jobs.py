@@ -190,6 +190,22 @@ def test_a_worker_joins_a_job_whose_pulls_are_relayed_as_the_simulator(tmp_path,
 
 
 @pytest.mark.system
+def test_a_worker_joins_an_ssd_job_with_staggered_pulls_as_the_simulator(tmp_path):
+    """Staggered pulls (T_w = 3, k = 3, offsets 0 and 1) have no step every worker resets
+    at: the join comes k + 1 steps after the step the servers hold from (5, or 4: ssd
+    does not wait for step 4 to be applied), when every worker has waited for a pull of
+    a later step; the joiner (offset floor(2 k / 2) mod k = 0) starts from w_G(s - 1)."""
+    job, joiner, records = _joined_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                  "SSDSGD_WARMUP_STEPS": 3,
+                                                  "SSDSGD_DELAY_STEPS": 3,
+                                                  "SSDSGD_PULL_SCHEDULE": "staggered",
+                                                  "SSDSGD_GLU_STATE": "exact"})
+    s = _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=3, glu_state="exact",
+               pull_schedule="staggered")
+    assert s in (join_boundary("ssd", 3, 3, "staggered")(held) for held in (4, 5)), s
+
+
+@pytest.mark.system
 @pytest.mark.parametrize("wait_at, when", [(2, "in the warm-up"), (3, "at its end"),
                                            (5, "after it"), (3, "while they agree")])
 def test_a_worker_joins_an_ssd_job_with_the_defaults_as_the_simulator(tmp_path, wait_at,

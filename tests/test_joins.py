@@ -11,7 +11,7 @@ from ssdsgd.kvstore.joins import Admissions, JoinError, refusal
 from ssdsgd.sync.dense import Async, DenseSync
 from ssdsgd.sync.policy import PolicyError
 from ssdsgd.sync import auto
-from ssdsgd.sync.stage import join_boundary
+from ssdsgd.sync.stage import join_boundary, pull_offset
 from test_server_policies import Executor, g, kinds
 
 
@@ -34,6 +34,28 @@ def test_ssd_joins_in_the_warm_up_or_at_a_pull_boundary_the_workers_hear_of_in_t
     s = join_boundary("ssd", 4, 3)(held)
     assert s == expected
     assert s <= 4 or ((s - 4) % 3 == 0 and s - 1 - 3 >= held)
+
+
+@pytest.mark.parametrize("held, expected", [(0, 1), (3, 4), (4, 8), (5, 9), (7, 11)])
+def test_ssd_staggered_joins_once_every_worker_pulled_after_the_held_step(held, expected):
+    """T_w 4, k 3, staggered pulls: no step is a boundary every worker shares, but each
+    worker requests a pull once in any k steps of the steps-delay stage, and waits for it
+    the step after: every worker has a reply of a step >= held before it makes the batch
+    of held + k + 1 (before that in the warm-up, where every step pulls)."""
+    assert join_boundary("ssd", 4, 3, "staggered")(held) == expected
+    for rank in range(4):      # the first pull at or after ``held``, waited for before s
+        o = pull_offset(rank, 4, 3, "staggered")
+        if held >= 4:
+            p = next(t for t in range(held, held + 3) if (t - 4 + o) % 3 == 2)
+            assert p + 1 <= expected - 1
+
+
+def test_a_joiners_pull_offset_continues_the_first_workers_rule():
+    """floor(r k / N) mod k: a joiner's offset follows from its rank as the first
+    workers' do; aligned pulls have none."""
+    assert [pull_offset(r, 2, 3, "staggered") for r in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert [pull_offset(r, 4, 3, "staggered") for r in range(4, 8)] == [0, 0, 1, 2]
+    assert pull_offset(5, 2, 3) == 0
 
 
 def test_with_k_auto_a_join_after_the_warm_up_waits_for_the_workers_agreement():

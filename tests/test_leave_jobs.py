@@ -133,6 +133,20 @@ def test_a_worker_leaves_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(t
 
 
 @pytest.mark.system
+def test_a_worker_leaves_an_ssd_job_with_staggered_pulls_as_the_simulator(tmp_path):
+    """Staggered pulls (3 workers, T_w = 3, k = 3: offsets 0, 1, 2): the departure
+    comes k + 1 steps after the step the servers hold from (5, or 4), when every worker
+    has waited for a pull of a later step."""
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                "SSDSGD_WARMUP_STEPS": 3,
+                                                "SSDSGD_DELAY_STEPS": 3,
+                                                "SSDSGD_PULL_SCHEDULE": "staggered",
+                                                "SSDSGD_GLU_STATE": "exact"})
+    assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=3, glu_state="exact",
+                  pull_schedule="staggered") in (8, 9)
+
+
+@pytest.mark.system
 @pytest.mark.parametrize("leaving", [1, 2])
 def test_a_worker_leaves_a_job_whose_pulls_are_relayed_as_the_simulator(tmp_path, leaving):
     """sync.pull_relay chain (3 workers, ssd, T_w = 3, k = 2): the replies the workers wait

@@ -23,7 +23,8 @@ def same(a, b):
 
 @pytest.mark.parametrize('kw', [dict(algorithm='ssgd'),
                                 dict(warmup_steps=4, delay_steps=3),
-                                dict(warmup_steps=2, delay_steps=2, glu_state='exact')])
+                                dict(warmup_steps=2, delay_steps=2, glu_state='exact'),
+                                dict(warmup_steps=2, delay_steps=3, pull_schedule='staggered')])
 def test_no_change_is_the_fixed_simulator_bit_for_bit(kw):
     fixed = simulate(init_weights(), grad_fn, make_scheduled, 2, 13, **kw)
     moved = simulate_membership(init_weights(), grad_fn, make_scheduled, 2, 13, [], **kw)
@@ -109,10 +110,31 @@ def test_ssd_join_at_a_boundary_takes_the_global_weights_and_keeps_up():
             np.abs(w[0].asnumpy() - init_weights()[0].asnumpy()).max()
 
 
+@pytest.mark.parametrize('glu_state', ['estimate', 'exact'])
+def test_ssd_staggered_join_at_any_step_starts_from_the_global_weights_before_it(glu_state):
+    """Staggered pulls (T_w = 2, k = 3, N = 2: offsets 0 and 1) have no step every worker
+    resets at, so a joiner may come in at any steps-delay step s (docs/spec/membership.md
+    rule 5): its gradient of step s is taken at w_G(s - 1), and from then on it pulls
+    with its offset (tests/test_joins.py; the real job against this, test_join_jobs.py)."""
+    seen, taken = {}, {}
+
+    def recording(rank, step, weights):
+        taken[rank, step] = {k: v.copy() for k, v in weights.items()}
+        return grad_fn(rank, step, weights)
+
+    res = simulate_membership(init_weights(), recording, make_sgd, 2, 12,
+                              [Change(6, 'join', 2)], warmup_steps=2, delay_steps=3,
+                              pull_schedule='staggered', glu_state=glu_state,
+                              on_step=lambda t, w: seen.__setitem__(
+                                  t, {k: v.copy() for k, v in w.items()}))
+    assert (2, 5) not in taken and (2, 6) in taken
+    same(taken[2, 6], seen[5])
+    assert not np.array_equal(taken[0, 6][0].asnumpy(), seen[5][0].asnumpy())   # local
+    assert len(res.worker_weights) == 3
+
+
 @pytest.mark.parametrize('changes, kw, says', [
     ([Change(4, 'join', 2)], dict(warmup_steps=2, delay_steps=3), "not a pull boundary"),
-    ([Change(5, 'join', 2)], dict(warmup_steps=2, delay_steps=3,
-                                  pull_schedule='staggered'), "staggered"),
     ([Change(3, 'join', 3)], dict(algorithm='ssgd'), "next unused rank, 2"),
     ([Change(3, 'leave', 0)], dict(algorithm='ssgd'), "rank 0"),
     ([Change(30, 'join', 2)], dict(algorithm='ssgd'), "outside the run's steps"),

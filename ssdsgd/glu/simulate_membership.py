@@ -110,10 +110,7 @@ def _check_schedule(schedule, algorithm, T_w, k, pull_schedule, steps):
     for t, members in enumerate(schedule):
         before = schedule[t - 1] if t else tuple(range(n0))
         joined = set(members) - set(before)
-        if joined and algorithm == 'ssd' and t > T_w:
-            if pull_schedule != 'aligned':
-                raise MembershipError("a worker joins at a pull boundary every worker "
-                                      "shares: staggered pulls have none")
+        if joined and algorithm == 'ssd' and t > T_w and pull_schedule == 'aligned':
             if (t - T_w) % k:
                 raise MembershipError(f"worker {min(joined)} joins at step {t}, not a pull "
                                       f"boundary (steps T_w + m k = {T_w} + m x {k})")
@@ -146,24 +143,24 @@ def simulate_membership(init_weights, grad_fn, make_optimizer, num_workers, step
     with_state = workers[0].rule is not None and workers[0].rule.needs_state
     initial = server.pull(with_state)
     replies = {-2: replace(initial, step=-2), -1: initial}
-    last = initial        # the newest reply: what a joiner pulls (as of s - 1)
 
     for t, members in enumerate(schedule):
         for rank in members:
             if rank not in workers:          # joins at t: the weights as of t - 1
-                make_worker(rank, last.weights)
+                first = server.pull(with_state)
+                make_worker(rank, first.weights)
                 if t > T_w:                  # its first reset: that pull, no history
-                    workers[rank].pending = last
-                    workers[rank].previous_pull = replace(last, step=last.step - 1)
+                    workers[rank].pending = first
+                    workers[rank].previous_pull = replace(first, step=first.step - 1)
         grads = {r: grad_fn(r, t, workers[r].weights) for r in members}
         server.apply_members([pushers[r](grads[r]) for r in members])
         if on_step is not None:
             on_step(t, server.weights)
         if t < T_w:
-            last = replies[t] = server.pull(with_state)
+            replies[t] = server.pull(with_state)
             replies.pop(t - 2, None)
             for r in members:
-                workers[r].weights = {key: w.copy() for key, w in last.weights.items()}
+                workers[r].weights = {key: w.copy() for key, w in replies[t].weights.items()}
             continue
         if t == T_w:
             for r in members:
@@ -175,7 +172,7 @@ def simulate_membership(init_weights, grad_fn, make_optimizer, num_workers, step
             worker.local_update(grads[r])
             if worker.requests_pull(t, T_w, k):
                 if reply_t is None:
-                    reply_t = last = server.pull(with_state)
+                    reply_t = server.pull(with_state)
                 worker.pending = reply_t
 
     return SimResult(global_weights=server.weights,

@@ -347,8 +347,6 @@ JOIN_TEST = "tests/test_join_jobs.py"
 # first workers, who may be joined again, docs/spec/membership.md rule 11)
 JOIN_REFUSED = {
     "quorum": "a quorum's rounds have no rule for a joiner (docs/spec/membership.md rule 9)",
-    "staggered": "staggered pulls have no step every worker resets at, where a joiner "
-                 "could come in",
 }
 
 

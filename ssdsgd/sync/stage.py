@@ -47,14 +47,16 @@ PULL_SCHEDULES = ("aligned", "staggered")
 
 
 def pull_offset(rank, num_workers, delay_steps, schedule="aligned"):
-    """o_i: how many steps earlier in each period worker ``rank`` requests its pull."""
+    """o_i: how many steps earlier in each period worker ``rank`` requests its pull:
+    floor(i k / N) mod k, so a joiner's (rank N or above, docs/spec/membership.md)
+    follows from its rank as the first workers' do."""
     if schedule not in PULL_SCHEDULES:
         raise ValueError(f"pull_schedule must be one of {PULL_SCHEDULES}; got {schedule!r}")
     if schedule == "aligned":
         return 0
-    if not 0 <= rank < num_workers:
-        raise ValueError(f"rank {rank} is not in [0, {num_workers})")
-    return rank * delay_steps // num_workers
+    if rank < 0:
+        raise ValueError(f"rank {rank} is negative")
+    return rank * delay_steps // num_workers % delay_steps
 
 
 # The stage rules of the registry's algorithms: (t, algorithm, T_w, k, offset) -> StepPlan.
@@ -107,7 +109,7 @@ def steps_ahead_bound(algorithm, delay_steps):
     return (delay_steps if delays_pulls(algorithm) else 1) + 2
 
 
-def join_boundary(algorithm, warmup_steps, delay_steps):
+def join_boundary(algorithm, warmup_steps, delay_steps, pull_schedule="aligned"):
     """``boundary(held, agreed)``: the step a joiner comes in at, given ``held``, the
     largest step the servers hold from (docs/spec/membership.md, "The step"), or None
     while it cannot be known yet. Every worker must learn of the join from a reply a
@@ -117,7 +119,10 @@ def join_boundary(algorithm, warmup_steps, delay_steps):
     resets to the same global weights there) and batch s is made after the pull as of
     s - 1 - k, so s - 1 - k >= held. ``delay_steps`` None: k is ``auto``, known once the
     workers agreed on it at the end of the warm-up (``agreed``, the scheduler's kept
-    barrier values: ``auto.agreed_k``); a step in the warm-up needs no k."""
+    barrier values: ``auto.agreed_k``); a step in the warm-up needs no k.
+    Staggered pulls have no step every worker resets at: s = held + k + 1, since every
+    worker requests a pull in any k steps from ``held`` on and waits for it, at the step
+    after, before it makes the batch of s; the joiner's own first reset is at s (rule 5)."""
     if algorithm != "ssd":
         return lambda held, agreed=None: held + 1
 
@@ -130,6 +135,8 @@ def join_boundary(algorithm, warmup_steps, delay_steps):
             k = agreed_k(agreed or {})
             if k is None:
                 return None
+        if pull_schedule == "staggered":
+            return held + k + 1
         m = max(0, -(-(held + 1 + k - warmup_steps) // k))
         return warmup_steps + m * k
     return boundary
@@ -155,4 +162,4 @@ def joins_boundary(env):
     warmup = (warmup_steps(env.warmup_steps, env.total_steps)[0]
               if env.algorithm == "ssd" else 0)
     delay = None if is_auto(env.delay_steps) else int(env.delay_steps)
-    return join_boundary(env.algorithm, warmup, delay)
+    return join_boundary(env.algorithm, warmup, delay, env.pull_schedule)
