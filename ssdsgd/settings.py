@@ -452,7 +452,7 @@ SETTINGS = (
             path="train.checkpoint_every_s", min=1.0, max=604800.0, optional=True),
     # --- the timeline (docs/training.md#the-timeline)
     Setting("timeline", bool, True, "every worker and server records its spans (worker: "
-            "compute, step, push, pull, reset, local update, blocked, barrier; server: each "
+            "compute, step, push, pull, reset, local update, blocked, barrier, data; server: each "
             "message, apply, send, queue) into RUN_DIR/timeline/; the launcher merges them "
             "into timeline.json (Chrome trace) and timeline.png at the end and names the "
             "slowest rank (python -m ssdsgd.report RUN_DIR --timeline does it again); on: "

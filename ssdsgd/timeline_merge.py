@@ -25,6 +25,10 @@ itself (it pushed last, and waited for the network and the servers) is on nobody
 account. The slowest rank is the worker with the most time on its account;
 ``waited_for_slowest_s`` is that time, summed over the other workers. With a quorum,
 asgd or preduce a step does not wait for the last push, and the account means less.
+
+**Waiting for data.** Under dynamic data a worker's ``data`` spans are its waits for the
+scheduler's chunks (ssdsgd/data/dynamic.py): ``data_wait`` sums them per worker, the
+epochs' first chunks (``first`` 1: asked with nothing in flight) apart from the others.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ ASYNC_LANES = "queue"          # lanes whose spans may overlap (a server's queue
 COLORS = {"compute": "#c7c7c7", "step": "#e8e8e8", "push": "#1f77b4", "blocked": "#d62728",
           "pull": "#ff7f0e", "reset": "#9467bd", "local_update": "#2ca02c",
           "send": "#17becf", "barrier": "#000000", "apply": "#bcbd22",
-          "finish": "#8c564b"}
+          "finish": "#8c564b", "data": "#e377c2"}
 MANY_TO_DRAW = 50_000          # the PNG draws the last this many spans (all the run's, or
                                # a window at its end: single steps are not seen in more)
 Span = collections.namedtuple("Span", "role rank lane name start end args")
@@ -213,6 +217,17 @@ def slowest(spans, parents) -> dict:
             "waiting": {r: round(v, 6) for r, v in waiting.items()}}
 
 
+def data_waits(spans) -> dict:
+    """{worker rank: {"first": s, "other": s}}: its ``data`` spans summed, an epoch's
+    first chunk apart from the others (the module's doc); only workers that have any."""
+    out = {}
+    for s in spans:
+        if s.role == "worker" and s.name == "data":
+            mine = out.setdefault(s.rank, {"first": 0.0, "other": 0.0})
+            mine["first" if (s.args or {}).get("first") else "other"] += s.end - s.start
+    return {r: {k: round(v, 6) for k, v in w.items()} for r, w in sorted(out.items())}
+
+
 def _pid(role, rank):
     return rank if role == "worker" else 100_000 + rank
 
@@ -346,6 +361,7 @@ def merge(run_dir, draw=True) -> dict:
     who = slowest(spans, parents)
     trace = write_trace(run_dir / "timeline.json", spans, segments)
     out = dict(who, trace=trace, png=None, spans=len(spans), not_nested=len(bad),
+               data_wait=data_waits(spans),
                dropped=sum(s["dropped"] for s in segments),
                nodes=sorted({(s["role"], s["rank"]) for s in segments if s["role"] in ROLES}))
     if draw and spans:
@@ -385,6 +401,10 @@ def lines(out) -> list[str]:
         text.append(f"timeline: {out['png']}")
     text.append(f"timeline: {_headline(out)} (each worker's blocked and barrier time: "
                 + ", ".join(f"{r}: {v:.2f} s" for r, v in out["waiting"].items()) + ")")
+    if out.get("data_wait"):
+        text.append("timeline: each worker's wait for its data chunks, the epochs' first / "
+                    "the others: " + ", ".join(f"{r}: {w['first']:.2f} / {w['other']:.2f} s"
+                                               for r, w in out["data_wait"].items()))
     if out["dropped"]:
         text.append(f"timeline: {out['dropped']} spans were not recorded (the cap of a "
                     "process's spans, ssdsgd/timeline.py MAX_SPANS)")

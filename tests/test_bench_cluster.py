@@ -13,6 +13,7 @@
     run are not; a failed build removes what it made.
 """
 import argparse
+import collections
 import contextlib
 import functools
 import json
@@ -514,31 +515,43 @@ def test_tiny_benchmark_runs_across_namespaces(tmp_path):
 def test_hetero_runs_by_the_wall_clock_on_the_global_model(tmp_path):
     """--only hetero: a tolerant row deals its batches dynamically (the slow worker
     trains fewer, the budget is spent once), its curve is the servers' snapshots on the
-    job's clock, and throughput is the pushes applied over the job's wall time."""
+    job's clock, and throughput is the pushes applied over the job's wall time. With
+    --timeline the ssd_sync row records its timeline, whose wait for each data chunk the
+    log and the row report per worker (the native row has none)."""
     text, out, _ = run_bench(
-        ['--only', 'hetero', '--hetero-workers', '2', '--hetero-epochs', '1',
+        ['--only', 'hetero', '--hetero-workers', '2', '--hetero-epochs', '2',
          '--hetero-cases', 'slow', '--hetero-slow', 'delay:1=0.1', '--hetero-rate', '1gbit',
-         '--hetero-systems', 'native-sync,ssgd-solo', '--hetero-target', '0.3'],
-        tmp_path, timeout=300)
+         '--hetero-systems', 'native-sync,ssgd-solo', '--hetero-target', '0.3',
+         '--timeline'], tmp_path, timeout=300)
     results = json.loads((out / 'hetero.json').read_text())
     [case] = results['hetero']['cases']
     native, solo = case['rows']
     assert native['status'] == solo['status'] == 'ok', text[-3000:]
+    assert 'data_wait' not in native
+    from ssdsgd import timeline_merge as M
+    job, = (tmp_path / 'raw').glob('*-ssgd-solo-*/timeline')
+    spans = M.spans_of(M.load(job.parent))
+    assert M.nesting(spans)[1] == []
+    firsts = collections.Counter(s.rank for s in spans if s.name == 'data' and s.args['first'])
+    assert firsts == {0: 2, 1: 2}                     # 2 epochs, each worker
+    assert solo['data_wait'] == {str(r): w for r, w in M.data_waits(spans).items()}
+    assert ("ssd_sync ssgd + solo: timeline: each worker's wait for its data "
+            "chunks, the epochs' first / the others: 0: ") in text, text[-3000:]
     per_epoch = 1437 // (2 * 32) * 2
-    assert sum(native['worker_steps']) == sum(solo['worker_steps']) == per_epoch
-    assert native['worker_steps'] == [per_epoch // 2] * 2
+    assert sum(native['worker_steps']) == sum(solo['worker_steps']) == 2 * per_epoch
+    assert native['worker_steps'] == [per_epoch] * 2
     assert solo['worker_steps'][0] > solo['worker_steps'][1], solo['worker_steps']
     for row in (native, solo):
-        assert row['samples_applied'] == per_epoch * 32
+        assert row['samples_applied'] == 2 * per_epoch * 32
         assert row['samples_per_s'] == pytest.approx(row['samples_applied'] / row['wall_s'])
         assert 0 < row['startup_s'] < row['wall_s'] and row['train_s'] < row['wall_s']
         assert all(0 < t <= row['wall_s'] for _, t, _ in row['curve'])
         assert row['time_to_target_s'] is None or row['time_to_target_s'] > row['startup_s']
     # the solo row's curve is the servers': a point every 2 updates (of 1 or 2 pushes
     # each), then the final
-    assert len(solo['curve']) >= per_epoch // 4 and solo['snapshots_dropped'] == 0
+    assert len(solo['curve']) >= per_epoch // 2 and solo['snapshots_dropped'] == 0
     assert [p[0] for p in solo['curve']] == sorted(p[0] for p in solo['curve'])
-    assert solo['curve'][-1][0] == per_epoch / 2          # global batches: pushes / N
+    assert solo['curve'][-1][0] == per_epoch              # global batches: pushes / N
     assert (out / 'hetero.md').read_text().count('samples/s applied') == 1
 
 

@@ -187,6 +187,23 @@ def test_without_waiting_the_slowest_rank_is_the_one_that_computed_longest():
     assert M.slowest([], [])["slowest_rank"] is None
 
 
+def test_the_waits_for_data_are_summed_per_worker_an_epochs_first_chunk_apart():
+    w = "worker"
+    spans = _spans((w, 0, "m", "data", 0.0, 0.5, {"first": 1}),
+                   (w, 0, "m", "data", 1.0, 1.25, {"first": 0}),
+                   (w, 0, "m", "data", 2.0, 2.5, {"first": 0}),
+                   (w, 0, "m", "data", 9.0, 9.125, {"first": 1}),
+                   (w, 1, "m", "data", 0.0, 2.0, {"first": 1}),
+                   (w, 2, "m", "compute", 0.0, 2.0, None),           # no data: not listed
+                   ("server", 0, "m", "data", 0.0, 5.0, {"first": 1}))   # not a worker's
+    waits = M.data_waits(spans)
+    assert waits == {0: {"first": 0.625, "other": 0.75}, 1: {"first": 2.0, "other": 0.0}}
+    out = dict(M.slowest(spans, M.nesting(spans)[0]), trace="t.json", png=None, spans=7,
+               not_nested=0, dropped=0, data_wait=waits, nodes=[(w, 0), (w, 1), (w, 2)])
+    assert ("timeline: each worker's wait for its data chunks, the epochs' first / the "
+            "others: 0: 0.62 / 0.75 s, 1: 2.00 / 0.00 s") in M.lines(out)
+
+
 def test_the_chrome_trace_names_every_node_and_lane():
     segments = [_segment("worker", 0, [("step", "MainThread", 10.0, 10.5, {"step": 0}),
                                        ("send", "ssdsgd-io", 10.1, 10.2, None)]),
@@ -218,6 +235,7 @@ def test_a_merge_writes_the_trace_the_png_and_the_summary(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"timeline: {run / 'timeline.json'} (8 spans of 2 workers and 1 server" in out
     assert "slowest rank: worker 1; the others waited 1.00 s for it" in out
+    assert "data chunks" not in out          # no dynamic data: no data spans, no line
     assert (run / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     assert len(json.loads((run / "timeline.json").read_text())["traceEvents"]) > 7
     assert json.loads((run / "summary.json").read_text()) == {

@@ -2,13 +2,16 @@
 on the scheduler's clock, and they nest (a step's push, pull, reset and local update
 inside that step, on the training thread or, queued, on the engine's lane; the waits
 inside those; a server's apply and send inside the message
-that caused them); the launcher merged them and named the slowest rank."""
+that caused them); the launcher merged them and named the slowest rank. And a 2-worker
+job with dynamic data (quorum auto): each wait for a chunk is a ``data`` span between two
+steps, and the report sums them per worker."""
 import json
+import re
 
 import pytest
 
-from ssdsgd import timeline_merge as M
-from test_e2e_configs import dist, run_dir_of, sets
+from ssdsgd import report, timeline_merge as M
+from test_e2e_configs import dist, records, run_dir_of, sets
 
 STEPS = 44      # 2 epochs of 22 steps (1797 digits / (2 workers x 32))
 WARMUP = 4
@@ -114,3 +117,74 @@ def test_the_launcher_merged_the_timeline(run):
              if e["ph"] == "M" and e["name"] == "process_name"}
     assert named == {"worker 0", "worker 1", "server 0"}
     assert all(e["ts"] >= 0 for e in trace["traceEvents"] if "ts" in e)
+
+
+# ---- dynamic data: the waits for the scheduler's chunks ---------------------------------
+EPOCHS = 3
+
+
+@pytest.fixture(scope="module")
+def dynamic_run(tmp_path_factory):
+    """ssgd with quorum auto: data.assignment auto deals the batches (dynamic data);
+    a checkpoint every epoch puts barriers between the epochs' chunks too."""
+    root = tmp_path_factory.mktemp("timeline_dynamic")
+    p = dist(["configs/digits.yaml", *sets(
+        train__epochs=EPOCHS, train__timeline="true", sync__algorithm="ssgd",
+        sync__quorum="auto", train__checkpoint_every=1, output__plots="false",
+        output__dir=root / "runs")])
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return p, run_dir_of(root / "runs")
+
+
+@pytest.mark.system
+def test_each_wait_for_a_chunk_is_a_data_span_between_two_steps(dynamic_run):
+    _, run_dir = dynamic_run
+    assert json.loads((run_dir / "summary.json").read_text())["data_assignment"] == "dynamic"
+    spans = M.spans_of(M.load(run_dir))
+    parents, bad = M.nesting(spans)
+    assert bad == []
+    for rank in (0, 1):
+        data = [(i, s) for i, s in enumerate(spans)
+                if (s.role, s.rank, s.name) == ("worker", rank, "data")]
+        first = [s for _, s in data if s.args == {"first": 1}]
+        assert len(first) == EPOCHS                   # one epoch start each
+        assert all(s.args in ({"first": 0}, {"first": 1}) for _, s in data)
+        assert first[0] == data[0][1]                 # the job's first wait is one
+        # a wait for every chunk trained, and for the 1 or 2 answers saying an epoch (or
+        # the budget) is over: 2 requests are in flight (data/dynamic.py)
+        steps = records(run_dir, rank, "end")[-1]["steps"]
+        assert EPOCHS <= len(data) - steps <= 2 * EPOCHS, (len(data), steps)
+        assert len({s.lane for _, s in data}) == 1    # the training thread's
+        # between two steps: inside the next step's compute span, or (before the first
+        # step, after the last) at the top of the lane; never inside a step
+        outside = [s for i, s in data if parents[i] is None]
+        assert all(spans[parents[i]].name == "compute" for i, _ in data
+                   if parents[i] is not None)
+        assert 1 <= len(outside) <= 3, outside
+        assert outside[0] == data[0][1]
+        inner = {i for i, _ in data}
+        assert not any(p in inner for p in parents), "a span inside a wait for data"
+
+
+def _printed_waits(text):
+    line, = [l for l in text.splitlines() if "wait for its data chunks" in l]
+    return {int(r): (float(a), float(b))
+            for r, a, b in re.findall(r"(\d+): ([\d.]+) / ([\d.]+) s", line.split("others:")[1])}
+
+
+@pytest.mark.system
+def test_the_report_prints_each_workers_wait_for_data_as_its_spans_sum(dynamic_run, capsys):
+    p, run_dir = dynamic_run
+    spans = M.spans_of(M.load(run_dir))
+    want = {}
+    for s in spans:
+        if s.name == "data" and s.role == "worker":
+            w = want.setdefault(s.rank, [0.0, 0.0])
+            w[0 if s.args["first"] else 1] += s.end - s.start
+    assert sorted(want) == [0, 1] and all(first > 0 for first, _ in want.values())
+    assert report.main([str(run_dir), "--timeline"]) == 0
+    for printed in (_printed_waits(capsys.readouterr().out), _printed_waits(p.stdout)):
+        assert sorted(printed) == [0, 1]
+        for rank, (first, other) in printed.items():
+            assert first == pytest.approx(want[rank][0], abs=0.0051), (rank, printed, want)
+            assert other == pytest.approx(want[rank][1], abs=0.0051), (rank, printed, want)

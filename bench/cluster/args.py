@@ -144,6 +144,12 @@ def parse_args(argv=None):
                    'instead of aesgcm, the multi-host launchers\' default; a row\'s own '
                    '`security` wins. The native rows are never secured')
     p.add_argument('--no-write', action='store_true', help='print only; write nothing to --out')
+    p.add_argument('--timeline', action='store_true',
+                   help='the ssd_sync rows record the per-process timeline (train.timeline) '
+                   'into RAW/<job>/timeline, merged after the job into timeline.json there, '
+                   'and the log gets the report\'s timeline lines: under dynamic data each '
+                   'worker\'s wait for its data chunks (docs/training.md, "The timeline"); '
+                   'the row gets it as data_wait')
     args = p.parse_args(argv)
     q = args.quick
     if args.workloads is None:

@@ -68,6 +68,9 @@ class Bench:
         if snapshot_every and system.kind == 'ssd':
             job_values.update(snapshot_every=snapshot_every,
                               snapshot_dir=str(out / 'snapshots'))
+        timeline = getattr(self.args, 'timeline', False) and system.kind == 'ssd'
+        if timeline:            # --timeline: a measurement too, not a setting of the row
+            job_values.update(timeline=True, timeline_dir=str(out / 'timeline'))
         t0, launched = time.monotonic(), time.time()
         try:
             job_notes = []
@@ -79,17 +82,36 @@ class Bench:
             raise KeyboardInterrupt(str(e)) from None
         except RuntimeError as e:
             return self.failed(base, e, system, workload, rate, out)
+        ended, job_s = time.time(), time.monotonic() - t0     # before a merge
+        if timeline:
+            base['data_wait'] = self.merge_timeline(system, out)
         if workload.kind == 'digits':      # the job's clock: launched .. ended (time.time())
-            return dict(base, status='ok', results=results, job_s=time.monotonic() - t0,
-                        launched=launched, ended=time.time(), out=str(out),
+            return dict(base, status='ok', results=results, job_s=job_s,
+                        launched=launched, ended=ended, out=str(out),
                         loadavg=os.getloadavg()[0])
         row = runner.summarize(results, system, workload, rate, n, s, bound_s)
-        row.update(status='ok', job_s=time.monotonic() - t0, loadavg=os.getloadavg()[0],
+        row.update(status='ok', job_s=job_s, loadavg=os.getloadavg()[0],
                    settings=base['settings'], label=base['label'], security=security)
+        if timeline:
+            row['data_wait'] = base['data_wait']
         if row.get('leftover_pids'):
             self.notes.append(f'{tag}: {row["leftover_pids"]} processes were left in the '
                               'namespaces after the job and were killed')
         return row
+
+    def merge_timeline(self, system, out):
+        """--timeline: merge the job's timeline into OUT/timeline.json (no PNG), log the
+        report's lines (python -m ssdsgd.report OUT --timeline prints them again) and
+        return each worker's wait for its data chunks ({rank: {first, other}} in s)."""
+        from ssdsgd.timeline_merge import TimelineError, lines, merge
+        try:
+            merged = merge(out, draw=False)
+        except (TimelineError, OSError) as e:
+            self.log(f'{system.label}: no timeline: {e}')
+            return None
+        for line in lines(merged):
+            self.log(f'{system.label}: {line}')
+        return merged['data_wait']
 
     def memory_skip(self, system, workload, n, s):
         """The reason to skip a row whose worst case does not fit in memory, else None."""

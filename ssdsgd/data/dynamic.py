@@ -14,6 +14,11 @@ One in flight was not enough: with steps as short as a round trip the answer was
 yet for a quarter of the steps (docs/benchmarks/heterogeneity.md).
 What it trained is counted per epoch (``trained``), for its end record: the tests check
 from them that every sample of an epoch was trained exactly once.
+
+Each wait for an answer is the timeline's span ``data`` (ssdsgd/timeline.py), on the
+training thread between two steps (inside the ``compute`` span of the next step, if any),
+with ``first`` 1 for an epoch's first answer (asked with nothing in flight) and 0 for
+the others: the report sums them per worker (ssdsgd/timeline_merge.py).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import collections
 import numpy as np
 
 from . import epoch_permutation
+from ..timeline import RECORDER as TIMELINE, now
 
 #: CHUNK requests a worker keeps in flight while it trains: the dealer answers each with
 #: one chunk, in the order they arrive, so a worker holds at most this many chunks
@@ -67,18 +73,19 @@ class ChunkFeed:
         checkpoint barrier, which ends the pause)."""
         perm = epoch_permutation(self.dataset.n_train, epoch, self.seed)
         b, per_epoch = self.batch_size, self.plan["per_epoch"]
-        asked, more, batch = collections.deque(), True, 0
+        asked, more, batch, first = collections.deque(), True, 0, True
         while True:
             while more and len(asked) < CHUNKS_IN_FLIGHT:
                 asked.append(self._ask(epoch))
             if not asked:
                 return
-            chunk, over = self.kv.take_chunk(asked.popleft(), epoch, per_epoch)
+            chunk, over = self._take(asked.popleft(), epoch, per_epoch, first)
+            first = False
             if over == "pause":             # every worker stops here: a checkpoint
                 if self.on_pause is None:
                     raise ValueError("the dealer paused a worker that takes no checkpoint")
                 while asked:
-                    later, why = self.kv.take_chunk(asked.popleft(), epoch, per_epoch)
+                    later, why = self._take(asked.popleft(), epoch, per_epoch, False)
                     if why != "pause":
                         raise RuntimeError(f"the scheduler answered {later, why} after a "
                                            f"pause at chunk {chunk} of epoch {epoch}")
@@ -100,6 +107,17 @@ class ChunkFeed:
     def _ask(self, epoch):
         return self.kv.ask_chunk(epoch, self.plan, pause=True) if self.pause_due() else \
             self.kv.ask_chunk(epoch, self.plan)
+
+    def _take(self, asked, epoch, per_epoch, first):
+        """``take_chunk``, timed as the span ``data`` while the timeline records (the
+        module's doc); an attribute check while it does not."""
+        if not TIMELINE.on:
+            return self.kv.take_chunk(asked, epoch, per_epoch)
+        t0 = now()
+        try:
+            return self.kv.take_chunk(asked, epoch, per_epoch)
+        finally:
+            TIMELINE.span("data", t0, key="first", value=int(first))
 
     def _count(self, epoch, idx):
         t = self.trained.setdefault(epoch, {"batches": 0, "samples": 0, "index_sum": 0,
