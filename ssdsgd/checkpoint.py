@@ -6,7 +6,8 @@
 kvstore, the servers' when they update; arrays + JSON, mxglue/state_file.py, no pickle), ``STEM.worker-R.npz`` (each
 worker's own state, ``kv.save_worker_state``) and ``latest.json``, the record of the
 newest one: epoch, next_epoch and next_batch (the data position), step, seed, params,
-states, workers (how many worker states; 0: none). Rank 0 writes all but the worker
+states, state_keys (whose state each key of the states file is, ``state_keys``), workers
+(how many worker states; 0: none). Rank 0 writes all but the worker
 states, and latest.json last, after every worker has saved its own; every worker of a
 resumed run loads them. Only the newest mid-epoch checkpoint is kept.
 
@@ -65,6 +66,10 @@ def checkpoint_info(run_dir) -> dict:
                                          for k, t in need.items()):
         raise DataError(f"{path}: expected next_epoch, step and params in the checkpoint "
                         "record")
+    keys = info.get("state_keys")
+    if keys is not None and (not isinstance(keys, list)
+                             or not all(isinstance(k, str) for k in keys)):
+        raise DataError(f"{path}: state_keys must be a list of parameter names")
     for key in ("params", "states"):
         if info.get(key) and not (ck / info[key]).is_file():
             raise DataError(f"{ck / info[key]}: missing checkpoint file named by {path}")
@@ -159,6 +164,32 @@ def _load_local_states(trainer, path: Path) -> None:
         updater.states_synced = {key: False for key in updater.states}   # to the device
     trainer._optimizer = optimizer  # noqa: SLF001
     optimizer.param_dict = dict(enumerate(trainer._params))  # noqa: SLF001
+
+
+def state_keys(net, trainer) -> list[str]:
+    """Whose optimizer state each of the Trainer's keys is, in key order: the parameter's
+    name in ``net.save_parameters``' file (its place in the model, '0.weight'). A states
+    file stores the states by key, that is by the Trainer's order of the parameters (by
+    their names, which follow the model's code), so the checkpoint's record keeps this
+    list and a resume whose model orders its parameters otherwise is refused
+    (``load_checkpoint``): two parameters of the same shape would otherwise take each
+    other's state and pass every shape check."""
+    places = {id(p): name for name, p in net._collect_params_with_prefix().items()}  # noqa: SLF001
+    return [places.get(id(p), p.name) for p in trainer._params]  # noqa: SLF001
+
+
+def _check_state_keys(path: Path, saved, now: list[str]) -> None:
+    """The record's ``state_keys`` (None: a record written before it existed) against
+    this model's."""
+    if saved is None or saved == now:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(saved, now)) if a != b),
+             min(len(saved), len(now)))
+    theirs = f"parameter {saved[i]!r}" if i < len(saved) else "no parameter"
+    ours = repr(now[i]) if i < len(now) else "absent"
+    raise DataError(f"{path}: its optimizer state of key {i} belongs to {theirs}, but "
+                    f"this model's key {i} is {ours} (the model orders its parameters "
+                    "otherwise than when the checkpoint was saved)")
 
 
 def trainable(trainer) -> list:
@@ -309,6 +340,8 @@ def load_checkpoint(run_dir: Path, info: dict, net, trainer, ctx, grad_batch: in
         raise DataError(f"{ck / info['params']}: cannot load parameters "
                         f"({_last_line(exc)})") from None
     if info.get("states"):
+        _check_state_keys(ck / info["states"], info.get("state_keys"),
+                          state_keys(net, trainer))
         try:
             if _on_ssd_sync(trainer):
                 trainer.load_states(str(ck / info["states"]))

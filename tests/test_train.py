@@ -99,18 +99,20 @@ def test_max_steps_and_new_run_dir(tmp_path, no_role):
     assert len(events(run / "metrics/worker-0.jsonl", "val")) == 1
 
 
-def stopped_after_epoch_0(full, part, states=None):
+def stopped_after_epoch_0(full, part, states=None, state_keys=None):
     """RUN_DIR ``part``: the run ``full`` as if it had stopped after epoch 0, only its
-    first checkpoint left (``states``: a replacement for its states file's bytes)."""
+    first checkpoint left (``states``: a replacement for its states file's bytes;
+    ``state_keys``: for the record's list of whose state each key is, the full run's)."""
     ck = full / "checkpoints"
     (part / "checkpoints").mkdir(parents=True)
     for f in ("epoch-0000.params", "epoch-0000.states"):
         (part / "checkpoints" / f).write_bytes((ck / f).read_bytes())
     if states is not None:
         (part / "checkpoints/epoch-0000.states").write_bytes(states)
+    keys = json.loads((ck / "latest.json").read_text())["state_keys"]
     (part / "checkpoints/latest.json").write_text(json.dumps(
         {"epoch": 0, "next_epoch": 1, "step": 44, "seed": 1, "params": "epoch-0000.params",
-         "states": "epoch-0000.states"}))
+         "states": "epoch-0000.states", "state_keys": state_keys or keys}))
     (part / "config.yaml").write_text((full / "config.yaml").read_text())
 
 
@@ -183,6 +185,33 @@ def test_a_states_file_whose_states_do_not_fit_the_parameters_is_refused_by_key(
         T.train(parse_config(yaml.safe_load((part / "config.yaml").read_text())), part,
                 resume=True)
     assert f"key {first}" in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_a_checkpoint_of_a_model_whose_parameters_changed_order_is_refused(tmp_path,
+                                                                          no_role):
+    """The optimizer states are stored by key (the Trainer's parameter order), the
+    parameters by their place in the model: after a change of the model's code that
+    moves two parameters of the same shape, the states would be loaded into each other's
+    place and pass every shape check. The record names whose state each key is (the
+    parameter's name in ``save_parameters``' file), and a resume whose model disagrees is
+    refused naming both. (Here the record says two keys the other way round while the
+    states file is the run's own, so every state fits its key: only the names differ.)"""
+    cfg = digits_job(tmp_path, train={"epochs": 2, "checkpoint_every": 1})
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert T.main([str(cfg), "--run-dir", str(full)]) == 0
+    keys = json.loads((full / "checkpoints/latest.json").read_text())["state_keys"]
+    params = mx.nd.load(str(full / "checkpoints/epoch-0000.params"))
+    assert sorted(keys) == sorted(params)     # every trained parameter, by its file name
+    i, j = 1, 3
+    moved = list(keys)
+    moved[i], moved[j] = keys[j], keys[i]
+    stopped_after_epoch_0(full, part, state_keys=moved)
+    with pytest.raises(T.DataError) as e:
+        T.train(parse_config(yaml.safe_load((part / "config.yaml").read_text())), part,
+                resume=True)
+    text = str(e.value)
+    assert f"key {i}" in text and keys[j] in text and keys[i] in text, text
+    assert "\n" not in text, text
 
 
 def test_cifar_pipeline_smoke(tmp_path, no_role):
