@@ -353,7 +353,8 @@ def plot(spans, parents, path, title) -> Path:
 
 def merge(run_dir, draw=True) -> dict:
     """Write RUN_DIR/timeline.json (and timeline.png with ``draw``), add the slowest rank
-    to RUN_DIR/summary.json if there is one; returns what ``lines`` prints."""
+    and the workers' waits for data to RUN_DIR/summary.json if there is one; returns what
+    ``lines`` prints."""
     run_dir = Path(run_dir)
     segments = load(run_dir)
     spans = spans_of(segments)
@@ -366,16 +367,18 @@ def merge(run_dir, draw=True) -> dict:
                nodes=sorted({(s["role"], s["rank"]) for s in segments if s["role"] in ROLES}))
     if draw and spans:
         out["png"] = plot(spans, parents, run_dir / "timeline.png", _headline(out))
-    _add_to_summary(run_dir / "summary.json", who)
+    _add_to_summary(run_dir / "summary.json", out)
     return out
 
 
-def _add_to_summary(path, who):
+def _add_to_summary(path, out):
     if not path.exists():
         return
     summary = json.loads(path.read_text())
-    summary.update(slowest_rank=who["slowest_rank"],
-                   waited_for_slowest_s=who["waited_for_slowest_s"])
+    summary.update(slowest_rank=out["slowest_rank"],
+                   waited_for_slowest_s=out["waited_for_slowest_s"])
+    if out["data_wait"]:      # {worker rank: {first, other}} (JSON's keys are strings)
+        summary["data_wait_s"] = {str(r): w for r, w in out["data_wait"].items()}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, path)

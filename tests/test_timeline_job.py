@@ -183,6 +183,12 @@ def test_the_report_prints_each_workers_wait_for_data_as_its_spans_sum(dynamic_r
             w[0 if s.args["first"] else 1] += s.end - s.start
     assert sorted(want) == [0, 1] and all(first > 0 for first, _ in want.values())
     assert report.main([str(run_dir), "--timeline"]) == 0
+    # and the run's summary keeps them, by worker (the launcher's merge wrote them)
+    summary = json.loads((run_dir / "summary.json").read_text())["data_wait_s"]
+    assert sorted(summary) == ["0", "1"], summary
+    for rank, waits in summary.items():
+        assert waits["first"] == pytest.approx(want[int(rank)][0], abs=1e-5), summary
+        assert waits["other"] == pytest.approx(want[int(rank)][1], abs=1e-5), summary
     for printed in (_printed_waits(capsys.readouterr().out), _printed_waits(p.stdout)):
         assert sorted(printed) == [0, 1]
         for rank, (first, other) in printed.items():
