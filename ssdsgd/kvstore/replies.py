@@ -266,16 +266,17 @@ class Replies:
 
     def _send_relayed(self):
         """sync.pull_relay: chain (docs/spec/pull_relay.md). The replies that one message
-        completed and that carry the same records and lr go out once, to the lowest rank
-        of them, with the rest of the chain: [[rank, request id], ...] in rank order. Each
-        worker forwards it to the next, so this server's link carries one copy, not N. It
-        travels as FRAGMENT messages (the REPLY's frames cut into pieces, its own request id
-        0): a hop passes each piece on as it arrives, so the chain pipelines."""
+        completed and that carry the same records, lr and policy field go out once, to the
+        lowest rank of them, with the rest of the chain: [[rank, request id], ...] in rank
+        order. Each worker forwards it to the next, so this server's link carries one copy,
+        not N. It travels as FRAGMENT messages (the REPLY's frames cut into pieces, its own
+        request id 0): a hop passes each piece on as it arrives, so the chain pipelines."""
         groups = {}
         for reply in self._relayed:
-            policy = self._policy(reply)    # the membership changes decided, as a direct
+            # a relayed reply carries the membership changes decided, as a direct one does
+            policy = self._policy(reply)
             sig = (tuple(reply.records), reply.lr, json.dumps(policy, sort_keys=True))
-            groups.setdefault(sig, (policy, []))[1].append(reply)    # reply carries them
+            groups.setdefault(sig, (policy, []))[1].append(reply)
         self._relayed = []
         for (records, lr, _), (policy, replies) in groups.items():
             replies.sort(key=lambda r: r.peer.rank)

@@ -91,9 +91,10 @@ def is_auto(value) -> bool:
 
 def relay_listens(env) -> bool:
     """Does this worker open a pull relay (docs/spec/pull_relay.md)? A joiner never (the
-    table of relays is handed out at the start); else with ``chain`` always; with ``auto``, where a relay may be chosen: SSD-SGD's pulls, a chain of
-    RELAY_MIN_WORKERS or more, and a job the registry would run with ``chain`` (it
-    refuses a relay beside a quorum, staggered pulls or a worker left behind)."""
+    table of relays is handed out at the start); else with ``chain`` always; with
+    ``auto``, where a relay may be chosen: SSD-SGD's pulls, a chain of RELAY_MIN_WORKERS
+    or more, and a job the registry would run with ``chain`` (it refuses a relay beside
+    a quorum, staggered pulls or a worker left behind)."""
     if env.joining:     # no chain knows its address: the relays are the start's
         return False
     if env.pull_relay != "auto":
