@@ -39,6 +39,7 @@ from .requests import ENDED, Gather, KeyReply, Requests, ServerError  # noqa: F4
 from .scheduler import JobAborted
 from .splitting import split
 from .startup import WorkerStart
+from .topology import relay_address
 from .. import fields
 from .. import timeline
 from ..settings import count_or_auto, quorum_rounds
@@ -92,8 +93,7 @@ class WorkerClient:
         # a worker asks for relayed replies only if it relays itself: the table of relays
         # comes with the start's topology, so a joiner is in no chain (membership.md)
         self.relays = self.topology.get("relays")     # the job's, or None: it relays none
-        self.relaying = bool(self.relays) and self.rank < len(self.relays) \
-            and self.relays[self.rank] is not None
+        self.relaying = relay_address(self.relays, self.rank) is not None
         self.relay_on = env.pull_relay == "chain"   # auto: the stage machine's choice
         self.relay_trial = False     # this step is the relay's trial's (the stage machine)
         self.coder = PushCoder()  # the job's compression and this worker's residuals

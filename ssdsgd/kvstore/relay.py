@@ -13,6 +13,7 @@ import zmq
 from . import protocol as P, sealing
 from . import fragments as F
 from . import piece_digests as D
+from .topology import relay_address
 from .scheduler import JobAborted
 from ..timeline import RECORDER as TIMELINE
 
@@ -184,8 +185,8 @@ class PullRelay:
         """Pass a piece of a relayed reply on to the next worker of its chain ``relay``,
         before using it."""
         (rank, req), rest = relay[0], relay[1:]
-        if rank == self.rank or rank >= self.num_workers or not self.relays \
-                or self.relays[rank] is None:
+        address = relay_address(self.relays, rank)
+        if rank == self.rank or address is None:
             raise RelayFault(f"server {msg.sender} asked this worker to relay its reply to "
                              f"worker {rank}, which has no pull relay")
         sock = self._out.get(rank)
@@ -196,7 +197,7 @@ class PullRelay:
             sock.setsockopt(zmq.ROUTING_ID, self.link_id)
             if self.guard is not None:
                 self.guard.client(sock, f"worker {rank}")
-            host, port = self.relays[rank]
+            host, port = address
             sock.connect(f"tcp://{host}:{port}")
         meta = {k: v for k, v in msg.meta.items() if k != "relay"}
         if rest:

@@ -8,10 +8,7 @@ never waits on a peer. What one worker can make the server hold is bounded: its 
 requests (``reply_bound``) and its messages ZeroMQ has not sent (``unsent_bound``); a
 worker that stops reading fails the job, saying so.
 """
-import json
-
 import numpy as np
-
 import zmq
 
 from . import protocol as P, sealing
@@ -273,14 +270,15 @@ class Replies:
         request id 0): a hop passes each piece on as it arrives, so the chain pipelines."""
         groups = {}
         for reply in self._relayed:
-            # a relayed reply carries the membership changes decided, as a direct one does
-            policy = self._policy(reply)
-            sig = (tuple(reply.records), reply.lr, json.dumps(policy, sort_keys=True))
-            groups.setdefault(sig, (policy, []))[1].append(reply)
+            # the signature of a direct reply's bytes (_send_when_complete): a relayed
+            # reply carries the membership changes decided, as a direct one does
+            sig = (tuple(reply.records), reply.lr, id(reply.policy), id(self.changes))
+            groups.setdefault(sig, []).append(reply)
         self._relayed = []
-        for (records, lr, _), (policy, replies) in groups.items():
+        for (records, lr, _, _), replies in groups.items():
             replies.sort(key=lambda r: r.peer.rank)
             meta = {"lr": lr} if lr is not None else {}
+            policy = self._policy(replies[0])
             if policy is not None:
                 meta["policy"] = policy
             chain = [[r.peer.rank, r.req] for r in replies[1:]] or None

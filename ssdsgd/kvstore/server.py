@@ -34,6 +34,7 @@ from .env import NodeEnv
 from .replies import Fatal, Peer, Replies, RequestError
 from .scheduler import JobAborted, Rejections
 from .security import Guard
+from .topology import relay_address
 from .weights import Weights
 from ..timeline import RECORDER as TIMELINE, now
 
@@ -63,7 +64,7 @@ class Server:
         self.rank = -1
         self.max_message_bytes = env.max_message_bytes   # the job's, from ``listen``
         self.rejected = Rejections(lambda text: self.log(text))
-        self.relays = []          # each worker's pull relay or None, from ``start``
+        self.relays = None        # the topology's pull relays (``start``)
 
     # ---- carrying out the policy's decisions ------------------------------------------
     def _decide(self, reply, event, *args, **kwargs):
@@ -87,16 +88,12 @@ class Server:
 
     def _new_reply(self, ident, msg, shards, with_state):
         relay = bool(msg.flags & P.Flag.RELAY)
-        if relay and not self._relays(msg.sender):   # a chain through it would break
+        if relay and relay_address(self.relays, msg.sender) is None:   # a chain would break
             raise RequestError(f"worker {msg.sender} asked for a relayed reply, but it has "
                                "no pull relay (the table of relays is the job's start's)")
         reply = self.replies.new(ident, msg.req, shards, with_state, relay=relay)
         self.backup.copied(msg, reply)    # a copy's reply is held (backup.py)
         return reply
-
-    def _relays(self, rank):
-        """Did worker ``rank`` register a pull relay (in the start's topology)?"""
-        return rank < len(self.relays) and self.relays[rank] is not None
 
     def _reject(self, ident, req, text):
         peer = self.replies.peers.get(ident)
@@ -427,7 +424,7 @@ class Server:
         self.scheduler = scheduler
         self.replies.peers = {bytes.fromhex(h): Peer(r)
                               for r, h in enumerate(topo.get("workers", []))}
-        self.relays = topo.get("relays") or []
+        self.relays = topo.get("relays")
         self.policy = self.make_policy(self.env, self.rank)
         self.replies.steps_ahead = self.policy.steps_ahead
 

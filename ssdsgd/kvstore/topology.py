@@ -93,6 +93,15 @@ def relays(nodes):
     return [n for n in by_rank(nodes, "worker") if n["port"]]
 
 
+def relay_address(relays, rank):
+    """Worker ``rank``'s pull relay, [host, port], from a topology's ``relays`` (the
+    start's workers' by rank; None where the job relays nothing), or None: it has none
+    (it does not relay, or it joined later: no chain knows its address)."""
+    if not relays or not 0 <= rank < len(relays):
+        return None
+    return relays[rank]
+
+
 def reachable_or_why(nodes, optional_relays=False, log=print):
     """Why the job cannot start, or None: every relaying worker must be reachable at its
     advertised address (the servers bind later, startup.py). A pull relay the job may
