@@ -110,10 +110,11 @@ def check_unfinished(run_dir, info: dict, length: RunLength) -> None:
 
 # ----------------------------------------------------------------------------- saving
 
-def save_states(run_dir: Path, trainer, stem: str) -> str | None:
+def save_states(run_dir: Path, net, trainer, stem: str) -> dict:
     """Rank 0: the trainer's optimizer states (through the kvstore when it updates on the
     servers) to RUN_DIR/checkpoints/STEM.states, arrays + JSON, never a pickle
-    (mxglue/state_file.py); None if it cannot."""
+    (mxglue/state_file.py). Returns the record's fields for them: ``states``, the file's
+    name (None if it cannot be written), and ``state_keys``, whose state each key is."""
     ck = run_dir / "checkpoints"
     ck.mkdir(parents=True, exist_ok=True)
     states = ck / f"{stem}.states"
@@ -128,8 +129,8 @@ def save_states(run_dir: Path, trainer, stem: str) -> str | None:
                             state_arrays(updater.states))
     except Exception as exc:  # noqa: BLE001 - a kvstore may not support it
         log.warning("checkpoint: optimizer states not saved (%s)", _last_line(exc))
-        return None
-    return states.name
+        return {"states": None}
+    return {"states": states.name, "state_keys": state_keys(net, trainer)}
 
 
 def _on_ssd_sync(trainer) -> bool:

@@ -38,8 +38,7 @@ from mxnet import autograd, gluon
 
 from ssdsgd.checkpoint import (RunLength, check_unfinished, checkpoint_info, load_checkpoint,
                                load_local_params, pull_global, record_checkpoint, run_length,
-                               save_local_params, save_params, save_states, state_keys,
-                               worker_state_name)
+                               save_local_params, save_params, save_states, worker_state_name)
 from ssdsgd.config import (Config, ConfigError, load_config, new_run_dir,
                            resolve_warmup_steps, save_config)
 from ssdsgd.data import DataError, Loader, count_train, open_dataset, steps_per_epoch
@@ -414,7 +413,7 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int, cursor: dict | None =
         weights = (pull_global(run.kv, run.trainer, into_params=False)
                    if run.kv is not None and stage_of(run) in (Stage.STEPS_DELAY,
                                                                Stage.LOCAL_STEPS) else None)
-        states = save_states(run.run_dir, run.trainer, stem)
+        states = save_states(run.run_dir, run.net, run.trainer, stem)
         params = save_params(run.run_dir, run.net, stem, weights)
     if run.kv is not None:
         run.kv.barrier() if barrier_step is None else run.kv.barrier(step=barrier_step)
@@ -422,8 +421,7 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int, cursor: dict | None =
         record_checkpoint(run.run_dir, dict(
             epoch=next_epoch - 1 if next_batch == 0 else next_epoch, next_epoch=next_epoch,
             next_batch=next_batch, step=run.step, seed=run.config.train.seed,
-            params=params.name, states=states,   # after a worker left: the global model
-            state_keys=state_keys(run.net, run.trainer),
+            params=params.name, **states,   # after a worker left: the global model
             workers=run.num_workers if run.kv is not None and keep_states and not kv_metrics(
                 run.kv).get("left") else 0, **cursor), keep=run.config.train.keep_checkpoints,
             accuracy=run.vals[-1]["accuracy"] if next_batch == 0 and run.vals else None)
@@ -457,15 +455,14 @@ def checkpoint_chunks(run: Run, next_epoch: int | None = None, at: int | None = 
     if synchronous or run.rank == 0:
         weights = pull_global(run.kv, run.trainer, into_params=synchronous)
     if run.rank == 0:
-        states = save_states(run.run_dir, run.trainer, stem)
+        states = save_states(run.run_dir, run.net, run.trainer, stem)
         params = save_params(run.run_dir, run.net, stem, None if synchronous else weights)
     run.kv.barrier()        # nobody pushes again before every worker has the model
     if run.rank == 0:
         record_checkpoint(run.run_dir, dict(
             epoch=epoch, next_epoch=next_epoch, next_batch=next_batch,
             step=chunks // run.num_workers, chunks=chunks, seed=run.config.train.seed,
-            params=params.name, states=states, state_keys=state_keys(run.net, run.trainer),
-            workers=0),
+            params=params.name, **states, workers=0),
             keep=run.config.train.keep_checkpoints,
             accuracy=run.vals[-1]["accuracy"] if run.vals and not next_batch else None)
         run.writer.write("checkpoint", epoch=next_epoch, batch=next_batch, step=run.step,
@@ -493,14 +490,13 @@ def finish(run: Run) -> dict:
             # the global model of the last step; no worker states (kv.close() ends the
             # steps-delay stage on the global weights, and a finished run is not resumed)
             stem = f"epoch-{last:04d}"
-            states = save_states(run.run_dir, run.trainer, stem)
+            states = save_states(run.run_dir, run.net, run.trainer, stem)
             params = save_params(run.run_dir, run.net, stem)
             cursor = {} if run.feed is None else {   # the budget is spent (dynamic data)
                 "step": run.length.total_steps, "chunks": run.feed.plan["budget"]}
             record_checkpoint(run.run_dir, dict(dict(
                 epoch=last, next_epoch=last + 1, next_batch=0, step=run.step,
-                seed=run.config.train.seed, params=params.name, states=states,
-                state_keys=state_keys(run.net, run.trainer), workers=0),
+                seed=run.config.train.seed, params=params.name, **states, workers=0),
                 **cursor),
                 keep=run.config.train.keep_checkpoints, accuracy=run.vals[-1]["accuracy"])
             run.writer.write("checkpoint", epoch=last + 1, batch=0, step=run.step,
