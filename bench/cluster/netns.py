@@ -29,6 +29,8 @@ import signal
 import subprocess
 import time
 
+from ssdsgd.launch.local import process_exists
+
 PREFIX = 'ssdb-'
 SUBNET = '198.18.0.'          # RFC 2544 benchmarking range; never routed anywhere
 HOST_BASE = 10                # host i is 198.18.0.<HOST_BASE + i>
@@ -86,16 +88,6 @@ def _delete(ns):
     return False
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale(log=print):
     """Remove the namespaces of earlier runs whose harness process no longer exists."""
     removed = []
@@ -104,7 +96,7 @@ def clean_stale(log=print):
         if not m:
             continue
         pid = int(m.group(1))
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or process_exists(pid):
             continue      # ours, or a run still going (parallel runs must not collide)
         if _delete(ns):
             removed.append(ns)

@@ -58,12 +58,13 @@ def signal_group(popen, sig):
     live process with that pid is therefore a stranger, and its group is left alone. With
     no such process the group, if any, is ours: a pid is not reused while a group of that
     id has members (children the leader left behind)."""
-    if popen.returncode is not None and _exists(popen.pid):
+    if popen.returncode is not None and process_exists(popen.pid):
         return
     kill_group(popen.pid, sig)
 
 
-def _exists(pid):
+def process_exists(pid):
+    """Whether a process ``pid`` exists (ours or another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -39,7 +39,9 @@ def _scalar(value, where):
 
 
 def _init_params(cls):
-    names = []
+    """The hyper-parameters of ``cls``'s constructors, along its MRO: {name: default}, the
+    nearest class's default where several declare one."""
+    params = {}
     for klass in cls.__mro__:
         if klass is object:
             break
@@ -47,8 +49,10 @@ def _init_params(cls):
             sig = inspect.signature(klass.__init__)
         except (TypeError, ValueError):
             continue
-        names += [p for p in sig.parameters if p not in _SKIP and p not in names]
-    return names
+        for p in sig.parameters.values():
+            if p.name not in _SKIP and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                params.setdefault(p.name, p.default)
+    return params
 
 
 def _registered_name(opt):
@@ -151,17 +155,7 @@ def _fits(value, default):
 def _check_params(cls, params, where):
     if not isinstance(params, dict):
         raise OptimizerSpecError(f"{where}: params must be an object, got {params!r:.60}")
-    defaults = {}
-    for klass in cls.__mro__:
-        if klass is object:
-            break
-        try:
-            sig = inspect.signature(klass.__init__)
-        except (TypeError, ValueError):
-            continue
-        for p in sig.parameters.values():
-            if p.name not in _SKIP and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                defaults.setdefault(p.name, p.default)
+    defaults = _init_params(cls)
     for name, value in params.items():
         if name not in defaults:
             raise OptimizerSpecError(f"{where} has no parameter {name!r:.60} (it takes "
