@@ -157,8 +157,10 @@ def claim_error(who, role, rank):
 
 
 # Whose processes connect to the ports of a role: the scheduler's, servers and workers;
-# a server's, and a worker's pull relay, workers only.
-CONNECTS_TO = {"scheduler": ("server", "worker"), "server": ("worker",), "worker": ("worker",)}
+# a server's, workers and (cluster.server_replicas: 1) the server whose keys it backs up,
+# sending its sums (kvstore/chain.py); a worker's pull relay, workers only.
+CONNECTS_TO = {"scheduler": ("server", "worker"), "server": ("worker", "server"),
+               "worker": ("worker",)}
 _IDENTITY = re.compile(r"(scheduler|(server|worker) (0|[1-9][0-9]{0,6}))\Z")
 
 
