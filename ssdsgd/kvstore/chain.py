@@ -67,7 +67,7 @@ class ChainOwner:
     def __init__(self, rank, backup, log):
         self.rank, self.backup, self.log = rank, backup, log
         self.sock = None
-        self.channel = None
+        self.early = []            # SUMs of updates before the backup's address came
         self.pending = {}          # SUM request id -> [(key, version after it)]
         self.acked = {}            # key -> the version the backup acknowledged
         self.waiting = []          # complete replies waiting for an acknowledgement
@@ -86,6 +86,9 @@ class ChainOwner:
         host, port = address
         sock.connect(f"tcp://{host}:{port}")
         self.sock = sock
+        for frames in self.early:
+            sock.send_multipart(sealing.of(sock).seal(frames), copy=False)
+        self.early = []
         self.log(f"sends the sums of its keys to server {self.backup}, their backup "
                  "(chain replication)")
 
@@ -100,10 +103,10 @@ class ChainOwner:
                         tensors=[[a] for *_, a in items])
         self.pending[self._req] = [(k, s + 1) for k, s, *_ in items]
         frames = P.encode(msg)
-        if self.sock is None:
-            raise Fatal(f"server {self.rank} applied a step before it knew where its "
-                        f"backup, server {self.backup}, listens")
-        self.sock.send_multipart(sealing.of(self.sock).seal(frames), copy=False)
+        if self.sock is None:      # a worker's push came before the scheduler's LISTEN
+            self.early.append(frames)
+        else:
+            self.sock.send_multipart(sealing.of(self.sock).seal(frames), copy=False)
         self.sent_sums += 1
         self.sent_bytes += sum(a.nbytes for *_, a in items)
 
@@ -164,6 +167,7 @@ class ChainOwner:
         if self.sock is not None:
             self.sock.close(0)
             self.sock = None
+        self.early = []
         waiting, self.waiting = self.waiting, []
         return waiting
 
@@ -235,7 +239,7 @@ class ChainBackup:
     def keep(self, ident, items):
         self.owner_ident = ident
         for mark, array in items:
-            self.sums[mark] = np.array(array)     # the message's buffer goes back now
+            self.sums[mark] = array     # a view of the message's frame, kept with it
             self.sum_bytes += array.nbytes
 
     def ready(self, msg, weights):
