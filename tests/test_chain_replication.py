@@ -293,3 +293,27 @@ def test_a_worker_keeps_a_push_until_a_reply_as_of_its_step_came():
     kept.keep(0, latest, ["f6"])
     kept.answered(6)                       # a latest pull says nothing of a step
     assert list(kept.entries) == [3, 4]
+
+
+def test_a_sum_sent_before_its_owner_heard_of_a_death_is_dropped_quietly():
+    """With 3 or more servers a live owner may send a sum after its backup heard that
+    another server died (PROMOTE reaches the servers one by one): no replica is left,
+    so the backup drops it without an ERROR that would stop the owner; any other
+    connection's SUM is still refused."""
+    from test_server_in_process import SIZES, error_of
+    job = backup_job(SSDSGD_SERVER_REPLICAS=1)
+    try:
+        copy_init(job, {k: np.zeros(n, F32) for k, n in SIZES.items()})
+        sums = {k: np.ones(n, F32) for k, n in SIZES.items()}
+        job.send(job.stranger, sum_message(0, sums, req=1))
+        assert [m.kind for m in job.replies(job.stranger)] == [P.Kind.ACK]
+        job.server.on_scheduler(P.Message(P.Kind.PROMOTE, meta={"dead": 1, "owner": 0}))
+        for sock in job.workers:
+            assert [m.kind for m in job.replies(sock)][-1] == P.Kind.TAKEOVER
+        job.send(job.stranger, sum_message(1, sums, req=2))
+        assert job.replies(job.stranger) == []
+        assert set(job.server.chain_in.sums) == {(k, 0) for k in SIZES}
+        job.send(job.workers[1], sum_message(1, sums, req=3))
+        assert "worker 1 sent a SUM" in error_of(job, job.workers[1])[1]
+    finally:
+        job.close()

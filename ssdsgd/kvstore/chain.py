@@ -193,6 +193,8 @@ class ChainBackup:
             raise RequestError(f"worker {worker.rank} sent a SUM; only the server whose "
                                "keys this one backs up sends sums")
         if not self.replicas.copying:
+            if self.replicas.dead and ident == self.owner_ident:
+                return []      # sent before its owner heard of the death: not needed
             raise RequestError("a SUM, but this job copies no requests (cluster."
                                "server_replicas: 0, or a server died)")
         owner = msg.sender
@@ -260,6 +262,11 @@ class ChainBackup:
             mark = (key, weights.shards[key].version)
             total = self.sums.pop(mark, None)
             if total is not None:
+                shard = weights.shards[key]
+                if total.dtype != shard.dtype or total.size != shard.count:
+                    raise Fatal(f"key {key}: the owner's sum of step {mark[1]} is "
+                                f"{total.dtype}[{total.size}], the key {shard.dtype}"
+                                f"[{shard.count}]")
                 self.sum_bytes -= total.nbytes
                 out.append((key, [total], None))
             elif any(p is CHAIN for p in parts):

@@ -466,6 +466,8 @@ class Server:
                                                     self.max_message_bytes or 0)
         items = self.chain_in.check_sum(ident, msg, header, self.guard, self.weights,
                                         self.rank, peer, bound)
+        if not items:      # its owner had not heard of a death yet: nothing to hold
+            return
         self.chain_in.keep(ident, items)
         self.replies.send(ident, P.Message(P.Kind.ACK, sender=self.rank, req=msg.req))
         self._take_chain_copies()
