@@ -317,3 +317,36 @@ def test_a_sum_sent_before_its_owner_heard_of_a_death_is_dropped_quietly():
         assert "worker 1 sent a SUM" in error_of(job, job.workers[1])[1]
     finally:
         job.close()
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_a_replicas_job_sends_each_push_once_and_ends_as_the_one_server_job(
+        tmp_path, uninterrupted_digits, algorithm):
+    """The whole job with server_replicas: 1 and no death: the workers' bytes sent are
+    those of the job without replicas but for the copies' headers (active replication
+    sent every push twice: about 2x), and the final weights are the 1-server job's."""
+    import jobs
+    from conftest import digits_job
+    from test_e2e_configs import run_dir_of, sets
+    from test_recovery import assert_same, final
+    from test_replicas import REPLICAS
+    reference = uninterrupted_digits(algorithm)
+    root = tmp_path / "runs"
+    p = jobs.run(["configs/digits.yaml", *digits_job(algorithm), *REPLICAS,
+                  *sets(output__dir=root)], timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "sends the sums of its keys to server 1, their backup" in p.stdout + p.stderr
+    run = run_dir_of(root)
+    assert_same(run, final(reference))
+    sent = {name: json_of(d / "summary.json")["bytes_sent"] for name, d in
+            (("replicas", run), ("none", reference))}
+    ratio = sent["replicas"] / sent["none"]
+    print(f"{algorithm}: workers sent {sent['replicas']} bytes with a replica, "
+          f"{sent['none']} without ({ratio:.3f}x)")
+    assert 1.0 < ratio < 1.15, sent
+
+
+def json_of(path):
+    import json
+    return json.loads(path.read_text())
