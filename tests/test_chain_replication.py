@@ -4,6 +4,7 @@ to server) and answers no reply of an update before the backup acknowledged it, 
 backup applies the owner's sum where its policy would have summed the pushes. In
 process, on real sockets, with a real server; the kill-a-server jobs are in
 tests/test_replicas.py."""
+import dataclasses
 from types import SimpleNamespace
 
 import mxnet as mx
@@ -254,8 +255,11 @@ def test_a_sum_of_another_servers_key_holder_is_refused():
     from ssdsgd.kvstore.chain import ChainBackup
     from ssdsgd.kvstore.replica_map import ReplicaMap
     from ssdsgd.kvstore.replies import RequestError
-    from ssdsgd.kvstore.security import CONNECTS_TO, claim_error
-    assert "server" in CONNECTS_TO["server"]
+    from ssdsgd.kvstore.security import NodeKeys, claim_error
+    keys = NodeKeys.generate_job(False, ["server 0", "server 1", "worker 0"])["server 0"]
+    assert not keys.may_connect("server 1") and keys.may_connect("worker 0")   # replicas 0
+    keys = dataclasses.replace(keys, replicas=True)
+    assert keys.may_connect("server 1") and keys.may_connect("worker 0")
     guard = SimpleNamespace(wrong_claim=lambda frame, role, rank: claim_error(
         frame, role, rank))
     chain = ChainBackup(ReplicaMap(2, 1), print)
@@ -350,3 +354,38 @@ def test_a_replicas_job_sends_each_push_once_and_ends_as_the_one_server_job(
 def json_of(path):
     import json
     return json.loads(path.read_text())
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("cipher", ["aesgcm", "curve"])
+def test_a_killed_server_of_a_secure_job_is_replaced_as_if_uninterrupted(
+        tmp_path, uninterrupted_digits, cipher):
+    """--secure: the owner's connection to its backup passes the port's guard (a
+    server's key, admitted because the job has replicas) and its frames are sealed
+    (aesgcm) or CURVE-encrypted; a server SIGKILLed at a seeded step, its backup owns
+    its keys, and the job ends bit for bit as the uninterrupted 1-server job."""
+    import os
+    import random
+    import signal
+    from conftest import digits_job
+    from test_e2e_configs import sets
+    from test_recovery import assert_same, final, kill_step, start, wait_for_step
+    from test_replicas import FIRST_APPLY, REPLICAS, roles
+    reference = final(uninterrupted_digits("ssd"))
+    name = f"chain-secure-{cipher}"
+    step, victim = kill_step(name), random.Random(name).choice([0, 1])
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *digits_job("ssd"), *REPLICAS,
+                *sets(output__dir=root), "--secure", "--cipher", cipher]) as job:
+        run = wait_for_step(job, root, step)
+        before = roles(job)
+        os.kill(before[("server", victim)], signal.SIGKILL)
+        job.wait_for(lambda: FIRST_APPLY.search(job.text), 60, "the new owner's first step")
+        after = roles(job)
+        assert job.wait(timeout=300) == 0, job.stdout[-3000:]
+    out = job.stdout
+    assert f"sends the sums of its keys to server {1 - victim}, their backup" in out
+    assert "refused a connection" not in out, out[-3000:]
+    assert after == {r: p for r, p in before.items() if r != ("server", victim)}
+    assert "restart" not in out
+    assert_same(run, reference)
