@@ -389,3 +389,23 @@ def test_a_killed_server_of_a_secure_job_is_replaced_as_if_uninterrupted(
     assert after == {r: p for r, p in before.items() if r != ("server", victim)}
     assert "restart" not in out
     assert_same(run, reference)
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "curve"])
+def test_a_servers_key_opens_a_servers_port_only_in_a_job_with_replicas(secure):
+    """Real handshakes: server 1's key at server 0's port is refused without replicas
+    (test_security's rule) and admitted with them; a worker's still is, a scheduler's
+    still is not."""
+    from ssdsgd.kvstore.security import KeyFile, load_keys
+    from test_security import _handshake
+    names = ["scheduler", "server 0", "server 1", "worker 0"]
+    kf = KeyFile(secure, names)
+    try:
+        keys = {n: load_keys(kf.files[n]) for n in names}
+        port = dataclasses.replace(keys["server 0"], replicas=True)
+        for peer, admitted in (("server 1", True), ("worker 0", True), ("scheduler", False)):
+            ok, lines = _handshake(port, keys[peer], "server 0")
+            assert ok == admitted, (peer, lines)
+        assert not _handshake(keys["server 0"], keys["server 1"], "server 0")[0]
+    finally:
+        kf.remove()
