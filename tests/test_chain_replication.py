@@ -132,7 +132,8 @@ def test_the_backup_applies_the_owners_sum_bit_for_bit_once_it_came():
         job.close()
 
 
-def test_a_request_sent_again_after_the_takeover_is_taken_once():
+@pytest.mark.parametrize("forget", [False, True], ids=["remembered", "forgotten"])
+def test_a_request_sent_again_after_the_takeover_is_taken_once(forget):
     """After the takeover a worker sends the new owner every request it kept: one whose
     copy was taken is skipped (the step is not pushed twice), one whose copy still
     waits for a sum that will never come replaces it and is aggregated as the owner's."""
@@ -150,6 +151,8 @@ def test_a_request_sent_again_after_the_takeover_is_taken_once():
         job.server.on_scheduler(P.Message(P.Kind.PROMOTE, meta={"dead": 1, "owner": 0}))
         for rank in (0, 1):
             job.replies(job.workers[rank])
+        if forget:      # the remembered ids do not decide: the policy has those pushes
+            job.server.chain_in.taken_set.clear()
         grads = {k: np.full(n, 0.5 * (rank + 1), F32) for rank in (0,) for k, n in SIZES.items()}
         for rank in (0, 1):                # both requests again, with their tensors
             for step, req in enumerate(reqs[rank]):

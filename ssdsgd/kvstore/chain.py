@@ -277,16 +277,22 @@ class ChainBackup:
         return out
 
     # ---- each worker's copies, in order ------------------------------------------
-    def queue(self, ident, msg, peer, weights, promoted):
+    def queue(self, ident, msg, peer, weights, promoted, pushed=None):
         """Keep copy ``msg`` behind its worker's waiting ones or while its sums have not
         come (True: kept). After a takeover, a request sent again whose copy was taken
-        is skipped (True), and one whose copy waits replaces it (False)."""
+        is skipped (True), and one whose copy waits replaces it (False). ``pushed(rank,
+        key, step)``: has the policy that push already (a push sent again whose copy
+        was taken longer ago than the ids remembered is skipped too)."""
         rank = peer.rank
         if not msg.flags & P.Flag.BACKUP:
             if not promoted:
                 return False
             if msg.req in self.taken_set.get(rank, ()):
                 return True                  # its copy was taken: answered from it
+            if msg.kind == P.Kind.PUSH and pushed is not None and len(msg.records) and all(
+                    pushed(rank, k, s) for k, s in zip(msg.records["key"].tolist(),
+                                                       msg.records["step"].tolist())):
+                return True
             waiting = self.queued.get(ident)
             if waiting and any(m.req == msg.req for m in waiting):
                 while waiting and waiting[0].req != msg.req:

@@ -110,6 +110,15 @@ class Server:
         finally:
             opt.num_update = max(saved, opt.num_update) if self.backup.owner else saved
 
+    def _pushed(self, rank, key, step):
+        """Has the policy worker ``rank``'s push of ``key`` at ``step`` (applied, or
+        waiting for the others')? A takeover's request sent again is skipped if so."""
+        shard = self.weights.shards.get(key)
+        if shard is None or key not in self.backup.keys:
+            return False
+        pending = getattr(self.policy, "pending", {}).get(key, {})
+        return step < shard.version or rank in pending.get(step, ())
+
     def _lr_of(self, shard):
         """The lr a reply of ``shard`` carries: its owner's, whose clock is its keys'
         update count (``_apply_backed_up``)."""
@@ -438,7 +447,8 @@ class Server:
             if wrong:       # its key is another worker's (security.py)
                 raise RequestError(wrong)
             if self.chain_out is not None:
-                if self.chain_in.queue(ident, msg, peer, self.weights, self.backup.owner):
+                if self.chain_in.queue(ident, msg, peer, self.weights, self.backup.owner,
+                                       self._pushed):
                     return       # behind its worker's copies that wait for sums
                 self.chain_in.took(peer.rank, msg)
             if self.backup.overtook(ident, msg, self.weights.shards, self.pending_inits):
