@@ -358,8 +358,9 @@ SETTINGS = (
             "docs/spec/membership.md); unset: cluster.workers, no joining or leaving",
             env="SSDSGD_MAX_WORKERS", path="cluster.max_workers", min=1, optional=True),
     Setting("server_replicas", int, 0, "backups of each server's keys on another server "
-            "(0 or 1; 1 needs 2 or more servers): the workers send every push and pull to "
-            "a key's owner and to its backup, which applies the same steps, so a dead "
+            "(0 or 1; 1 needs 2 or more servers): a key's owner hands each update's sum to "
+            "its backup before it answers the pulls of it (chain replication; the workers "
+            "copy their requests to the backup, a push without its tensors), so a dead "
             "server's backup takes over its keys and the job goes on with no process "
             "restarted, then without replicas (docs/reliability.md)",
             env="SSDSGD_SERVER_REPLICAS", path="cluster.server_replicas", min=0, max=1),

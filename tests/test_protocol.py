@@ -41,7 +41,8 @@ def _corrupt(frames, i, data):
 @pytest.mark.parametrize("mutate, reason", [
     (lambda f: f[:2], "at least 3 frames"),
     (lambda f: _corrupt(f, 0, b"XXXX" + bytes(f[0])[4:]), "bad magic"),
-    (lambda f: _corrupt(f, 0, bytes(f[0])[:4] + b"\x09" + bytes(f[0])[5:]), "protocol version 9"),
+    (lambda f: _corrupt(f, 0, bytes(f[0])[:4] + bytes([P.VERSION + 1]) + bytes(f[0])[5:]),
+     f"protocol version {P.VERSION + 1}, this node speaks {P.VERSION}"),
     (lambda f: _corrupt(f, 0, bytes(f[0])[:5] + b"\xee" + bytes(f[0])[6:]), "unknown message kind"),
     (lambda f: _corrupt(f, 0, bytes(f[0])[:-3]), "header is"),
     (lambda f: f[:-1], "data frames"),

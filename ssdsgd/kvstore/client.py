@@ -421,7 +421,9 @@ class WorkerClient:
                 msg.req, (server, F.reply_bound(msg.records), msg.records["key"].tolist())
                 if relayed else None, server=server, copied=server in copies)
                 for server, msg, _ in encoded] if reply else []
-            for server, _, frames in encoded:
+            for server, msg, frames in encoded:
+                if server in copies:      # kept until its backup holds it (chain.py)
+                    self.io.kept.keep(server, msg, frames)
                 self.io.send(server, frames)
                 if server in copies:
                     self.io.send(*copies[server].pop(0))

@@ -21,6 +21,7 @@ from . import fragments as F
 from .relay import PullRelay, RelayFault
 from .requests import await_reply, take_oldest
 from .joins import JoinError, joins_of
+from .chain import KeptRequests
 from .chunk_record import ChunkRecord
 from .scheduler import JobAborted, bind_router
 from .scheduler_link import SchedulerLink
@@ -66,6 +67,9 @@ class IOThread:
         self.exit_after_abort = None
         self.relay = None
         self.replicas = None      # the client's ReplicaMap (cluster.server_replicas)
+        # cluster.server_replicas: the requests a dead server's backup may need again
+        self.kept = KeptRequests()
+        self._link = None
         self._commands = queue.SimpleQueue()
         # reply kind -> the scheduler requests awaiting it, oldest first: sent again to a restarted
         # scheduler (cluster.scheduler_restarts, reregister.py)
@@ -248,6 +252,7 @@ class IOThread:
         """Poll until ``close``: send what the main thread queued, hand replies to their
         futures, keep the heartbeats going."""
         poller = self._poller
+        self._link = link
         link.on_rejoined = lambda: [self._sent(link.sock, f) for waiting in
                                     list(self._asked.values()) for f in list(waiting)]
         link.rejoin_fields = self._rejoin_fields
@@ -389,6 +394,9 @@ class IOThread:
         resolves."""
         if msg.kind == P.Kind.REPLY and msg.meta and msg.meta.get("policy"):
             self._joins(msg.meta["policy"], server)
+        if self.kept.entries:
+            with self.requests.lock:
+                self.kept.answered(msg.req)
         self.requests.deliver(msg, server)
 
     def _joins(self, policy, server):
@@ -423,12 +431,20 @@ class IOThread:
             if wrong:
                 raise JobAborted(wrong)
             sock, self._sockets[dead] = self._sockets[dead], None
+            # what was queued before goes first (a copy of a request goes before the
+            # request itself, sent again below: the new owner takes one of them)
+            if self._link is not None:
+                self._send_queued(self._link, None)
+            again = self.kept.again(dead, owner)
+            for frames in again:      # the new owner skips those whose copy it took
+                self._sent(self._sockets[owner], frames)
         self._poller.unregister(sock)
         sock.close(0)
         lost = self.requests.server_lost(dead, JobAborted(
             f"server {dead} died with a request of this worker its backup has no copy of"))
         print(f"ssdsgd worker {self.topology['rank']}: server {dead} died; server {owner} "
-              f"owns its keys from now on" + (f" ({lost} requests lost)" if lost else ""),
+              f"owns its keys from now on" + (f" ({lost} requests lost)" if lost else "")
+              + (f"; sent it the {len(again)} requests it may lack again" if again else ""),
               file=sys.stderr, flush=True)
 
 

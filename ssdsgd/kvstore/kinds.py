@@ -1,6 +1,6 @@
 """The vocabulary: which messages exist, and which meta fields each carries, of what type.
 
-Twenty-five kinds, in three groups, and four flags:
+Twenty-six kinds, in three groups, and four flags:
 
 * membership (node <-> scheduler; ps-lite's control commands): REGISTER, TOPOLOGY,
   LISTEN (the servers' ports, bound once the job's message limit is known), BARRIER,
@@ -12,7 +12,8 @@ Twenty-five kinds, in three groups, and four flags:
   FRAGMENT carries a piece of a relayed REPLY (sync.pull_relay: chain), and DIGEST the
   digests of its pieces, from the server straight to each worker the pieces reach through
   another worker; with cluster.server_replicas: 1, PROMOTE (scheduler -> servers: a
-  dead server's backup owns its keys) and TAKEOVER (that backup -> each worker);
+  dead server's backup owns its keys), TAKEOVER (that backup -> each worker) and SUM
+  (a key's owner -> its backup: the sum it applies; the backup's ACK answers it);
 * generic: COMMAND (worker -> every server: the job's optimizer, compression, or
   optimizer state; MXNet's ``_send_command_to_servers``), and POLICY: a synchronization
   policy's own event (a quorum's round decisions, preduce's readiness, groups and
@@ -67,10 +68,14 @@ class Kind(enum.IntEnum):
                       # backup ``owner`` takes its keys (cluster.server_replicas: 1)
     TAKEOVER = 22     # new owner -> worker {dead, owner}: after the replies it held for
                       # ``dead``'s requests; from now on send ``dead``'s keys to ``owner``
+    SUM = 23          # owner -> its backup (server to server, cluster.server_replicas: 1):
+                      # the sum of each key it applies, step: that step; records: one per
+                      # key, one tensor each; the backup answers ACK with the same req
+                      # once it holds them (kvstore/chain.py)
     REJOIN = 31       # node -> a restarted scheduler: REGISTER's fields with the rank it
                       # has, {ready, passed}: what the new one rebuilds the job from;
                       # scheduler -> node {restart, waited}: taken back, go on
-                      # (kvstore/reregister.py; 23-30 are left free)
+                      # (kvstore/reregister.py; 24-30 are left free)
     JOIN = 41         # a worker joins a running job (docs/spec/membership.md, kvstore/
                       # join_wiring.py): scheduler -> server {joined, routing_id}: hold,
                       # and serve that connection as worker ``joined``; server ->

@@ -37,7 +37,7 @@ from . import codecs
 from .kinds import FLAGS, Kind, Flag, check_meta as _check_meta
 
 MAGIC = b"SSDG"
-VERSION = 8        # 8: LEAVE; 7: JOIN, and a DIGEST names the worker that relays; 6: PROMOTE, TAKEOVER, REJOIN and the BACKUP flag
+VERSION = 9        # 9: SUM (server to server); 8: LEAVE; 7: JOIN, and a DIGEST names the worker that relays; 6: PROMOTE, TAKEOVER, REJOIN and the BACKUP flag
 HEADER = struct.Struct("<4sBBHiqIII")
 KEY_RECORD = np.dtype([("key", "<i8"), ("step", "<i8"), ("offset", "<i8"), ("count", "<i8"),
                        ("dtype", "u1"), ("ntensors", "u1"), ("encoding", "u1"), ("pad", "u1"),
@@ -204,6 +204,18 @@ def reflag(frames, flags):
     fields = list(HEADER.unpack(frames[0]))
     fields[3] = int(flags)
     return [HEADER.pack(*fields)] + frames[1:]
+
+
+def without_tensors(msg, flags):
+    """A request's frames as ``msg`` (an encoded Message) with ``flags`` and no tensors:
+    the records keep each key's step, slice and encoding, and say none is sent (a push's
+    copy for its owner's backup, which gets the owner's sum instead: kvstore/chain.py)."""
+    records = msg.records.copy()
+    if len(records):
+        records["ntensors"] = 0
+    return encode(Message(msg.kind, flags=flags, sender=msg.sender, step=msg.step,
+                          req=msg.req, records=records, tensors=[[] for _ in records],
+                          meta=msg.meta))
 
 
 def frame_buffer(frame):

@@ -94,13 +94,16 @@ COPIED = (P.Kind.INIT, P.Kind.PUSH, P.Kind.PULL)
 def backup_copies(replicas, encoded):
     """{server: [(its backup, frames), ...]}: a copy of each INIT, PUSH, PULL and
     get_state message of ``encoded`` ((server, Message, frames), numbered) for the
-    server's backup, with the same request id and the BACKUP flag (kvstore/backup.py);
-    none while no request is copied."""
+    server's backup, with the same request id and the BACKUP flag (kvstore/backup.py),
+    a push's without its tensors (the owner hands the backup its sum, chain.py); none
+    while no request is copied."""
     copies = {}
     for server, msg, frames in encoded:
         backup = replicas.backup(server)
         if backup is not None and (msg.kind in COPIED or (
                 msg.kind == P.Kind.COMMAND and msg.meta["command"] == "get_state")):
-            copies.setdefault(server, []).append(
-                (backup, P.reflag(frames, msg.flags | P.Flag.BACKUP)))
+            flags = msg.flags | P.Flag.BACKUP     # a push's without its tensors (chain.py)
+            copies.setdefault(server, []).append((backup, P.without_tensors(msg, flags)
+                                                  if msg.kind == P.Kind.PUSH else
+                                                  P.reflag(frames, flags)))
     return copies

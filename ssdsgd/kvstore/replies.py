@@ -41,7 +41,8 @@ class Reply:
     """A reply being assembled: values snapshotted per key as their step is applied.
     ``shards[i]`` is the key of slot i."""
     __slots__ = ("ident", "req", "shards", "records", "parts", "missing", "with_state", "lr",
-                 "tracker", "peer", "relay", "received", "policy", "held", "wanted")
+                 "tracker", "peer", "relay", "received", "policy", "held", "wanted",
+                 "needs")
 
     def __init__(self, ident, req, shards, with_state, peer, relay=False):
         n = len(shards)
@@ -55,6 +56,7 @@ class Reply:
         self.policy = None        # the policy's fields for this reply's meta (``note``)
         self.held = False         # a backup's reply to a copy: kept, not sent (backup.py)
         self.wanted = ()
+        self.needs = []           # (key, version) of its weights (chain.py's owner waits)
 
 
 class Replies:
@@ -77,6 +79,10 @@ class Replies:
         self.changes = None
         self._relayed = []      # complete replies that may travel through a chain of workers
         self.hold = None        # takes the complete held replies (backup.Backup.hold)
+        # cluster.server_replicas: 1: takes a complete reply whose weights' step its
+        # backup has not acknowledged yet (chain.ChainOwner.must_wait); None: none waits
+        self.gate = None
+        self.lr_of = None       # the same: the lr a reply of a shard carries (server.py)
 
     # ---- sending -------------------------------------------------------------------
     @traced("send")
@@ -207,6 +213,8 @@ class Replies:
             value = shard.weight_view()
             self._snapshots[(shard.key, shard.version)] = value
         shard.lent.append((reply, i))
+        if self.gate is not None:
+            reply.needs.append((shard.key, shard.version))
         arrays = [value]
         if reply.with_state:   # copied once per step, however many workers ask for it
             state = self._snapshots.get((shard.key, shard.version, "state"))
@@ -218,7 +226,7 @@ class Replies:
                             shard.count, shard.dtype, len(arrays))
         reply.parts[i] = arrays
         reply.missing -= 1
-        lr = self.weights.learning_rate()
+        lr = self.weights.learning_rate() if self.lr_of is None else self.lr_of(shard)
         if lr is not None:
             reply.lr = lr
         self._send_when_complete(reply)
@@ -235,6 +243,12 @@ class Replies:
             if self.hold(reply):
                 return
             reply.held = False     # its owner died since the copy came: answered here
+        if self.gate is not None and self.gate(reply):
+            return
+        self.dispatch(reply)
+
+    def dispatch(self, reply):
+        """Send complete ``reply`` (or keep it for its relay chain)."""
         if reply.relay:
             self._relayed.append(reply)
             return

@@ -180,7 +180,10 @@ class Scheduler(reregister.Rejoins, Joins):
                      f"{job_limit(self.env, out)} data bytes")
         if role == "worker":
             self.listen_out = out
-        for i in self._members(role):
+        members = list(self._members(role))
+        if role == "worker" and self.replicas.copying:   # chain replication: each owner
+            members = list(self._members("server")) + members    # connects to its backup
+        for i in members:
             self._send(i, P.Kind.LISTEN, out)
 
     def _record(self, abort=None):

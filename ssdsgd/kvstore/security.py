@@ -157,8 +157,11 @@ def claim_error(who, role, rank):
 
 
 # Whose processes connect to the ports of a role: the scheduler's, servers and workers;
-# a server's, and a worker's pull relay, workers only.
+# a server's, workers only (with cluster.server_replicas: 1 also servers, REPLICA_LINKS:
+# the server whose keys it backs up sends its sums, kvstore/chain.py); a worker's pull
+# relay, workers only.
 CONNECTS_TO = {"scheduler": ("server", "worker"), "server": ("worker",), "worker": ("worker",)}
+REPLICA_LINKS = {"server": ("server",)}
 _IDENTITY = re.compile(r"(scheduler|(server|worker) (0|[1-9][0-9]{0,6}))\Z")
 
 
@@ -173,6 +176,7 @@ class NodeKeys:
     own: dict
     peers: dict
     sealed: bool = False      # aesgcm: plain mode's keys, every frame sealed (sealing.py)
+    replicas: bool = False    # the job has server replicas: servers connect to servers
 
     @property
     def mode(self):
@@ -278,7 +282,9 @@ class NodeKeys:
 
     def may_connect(self, name):
         """Does a process of ``name`` ever connect to this process's ports?"""
-        return name.split(" ")[0] in CONNECTS_TO[self.identity.split(" ")[0]]
+        role = self.identity.split(" ")[0]
+        return name.split(" ")[0] in CONNECTS_TO[role] + (
+            REPLICA_LINKS.get(role, ()) if self.replicas else ())
 
 
 def _create_private(path, data):
@@ -368,7 +374,10 @@ class Guard:
     @classmethod
     def from_env(cls, env, log):
         path = getattr(env, "secret_file", None) or None
-        return cls(load_keys(path) if path else None, log)
+        keys = load_keys(path) if path else None
+        if isinstance(keys, NodeKeys) and getattr(env, "server_replicas", 0):
+            keys = dataclasses.replace(keys, replicas=True)     # REPLICA_LINKS
+        return cls(keys, log)
 
     @property
     def mode(self):

@@ -30,6 +30,7 @@ from ..mxglue.optimizer_spec import OptimizerSpecError, build
 from . import protocol as P, sealing
 from .compression import Compression, CompressionError
 from .backup import Backup
+from .chain import CHAIN, ChainBackup, ChainOwner, tensorless
 from .env import NodeEnv
 from .replies import Fatal, Peer, Replies, RequestError
 from .scheduler import JobAborted, Rejections
@@ -54,6 +55,11 @@ class Server:
         self.weights.reclaim = self.replies.reclaim
         self.backup = Backup(env, self.replies, lambda text: self.log(text))
         self.replies.hold = self.backup.hold
+        # cluster.server_replicas: 1 (chain.py): the sums this server receives as a
+        # backup (it refuses them in a job without replicas), and, made by ``start``,
+        # its connection to its own keys' backup
+        self.chain_in = ChainBackup(self.backup.map, lambda text: self.log(text))
+        self.chain_out = None
         self.actions = {"apply": self._apply, "answer": self.replies.answer,
                         "fill": self.replies.fill, "note": self.replies.note,
                         "say": lambda text: self.log(text)}
@@ -79,8 +85,58 @@ class Server:
         self._carry_out(actions)
 
     def _apply(self, grads, pushes=0):
-        self.weights.apply(grads, pushes)
+        if self.chain_out is not None and grads and grads[0][0] in self.backup.keys:
+            self._apply_backed_up(self.chain_in.use_sums(grads, self.weights), pushes)
+        else:
+            self.weights.apply(grads, pushes)
         self.backup.applied(grads, self.weights)
+
+    def _apply_backed_up(self, grads, pushes):
+        """An update of keys this server backs up (or took over): the owner's sum where
+        it came, and the owner's clock. The lr schedule reads the optimizer's update
+        count, the largest of the keys it updated: on the owner, its own keys' (which
+        move in step), here also this server's own keys' (ahead, or behind, of the
+        owner's sums). So the update runs with its keys' own count, as on their owner,
+        and leaves this server's clock as it was (or, after the takeover, the larger)."""
+        opt = self.weights.optimizer
+        if opt is None:
+            self.weights.apply(grads, pushes)
+            return
+        saved = opt.num_update
+        counts = opt._index_update_count      # noqa: SLF001 - MXNet's per-key counts
+        opt.num_update = max(counts.get(key, 0) for key, _, _ in grads)
+        try:
+            self.weights.apply(grads, pushes)
+        finally:
+            opt.num_update = max(saved, opt.num_update) if self.backup.owner else saved
+
+    def _pushed(self, rank, key, step):
+        """Has the policy worker ``rank``'s push of ``key`` at ``step`` (applied, or
+        waiting for the others')? A takeover's request sent again is skipped if so."""
+        shard = self.weights.shards.get(key)
+        if shard is None or key not in self.backup.keys:
+            return False
+        pending = getattr(self.policy, "pending", {}).get(key, {})
+        return step < shard.version or rank in pending.get(step, ())
+
+    def _lr_of(self, shard):
+        """The lr a reply of ``shard`` carries: its owner's, whose clock is its keys'
+        update count (``_apply_backed_up``)."""
+        opt = self.weights.optimizer
+        if opt is None or opt.lr_scheduler is None or shard.key not in self.backup.keys:
+            return self.weights.learning_rate()
+        return float(opt.lr_scheduler(opt._index_update_count.get(shard.key, 0)))   # noqa: SLF001
+
+    def _sums_out(self, shards):
+        """An update's sums (Weights.on_sum) of the keys this server owns go to their
+        backup while it lives (chain.py), before any reply carries the update."""
+        if not self.backup.map.copying:
+            return
+        updater = self.weights.updater
+        items = [(sh.key, sh.version, sh.offset, sh.count, sh.dtype,
+                  np.array(sh.weight_view() if updater is None else sh.grad_view()))
+                 for sh in shards if sh.key not in self.backup.keys]
+        self.chain_out.send(items)
 
     def _carry_out(self, actions):
         for kind, *what in actions:
@@ -186,10 +242,18 @@ class Server:
         self.replies.empty(ident, msg.req, P.Kind.ACK)
 
     def on_push(self, ident, msg):
-        """Every record is checked and decoded before the policy sees the push."""
+        """Every record is checked and decoded before the policy sees the push. A push's
+        copy without tensors (chain.py) gives the policy placeholders: the owner's sum
+        is the step's."""
         self._distinct_keys(msg, "a push")
         shards, items = [], []
+        chained = self.chain_out is not None and tensorless(msg)
         for rec, arrays in zip(P.rows(msg.records), msg.tensors):
+            if chained:
+                shard = self.weights.shard_for(rec, with_values=False)
+                shards.append(shard)
+                items.append((shard.key, int(rec["step"]), CHAIN))
+                continue
             shard = self.weights.shard_for(rec, with_values=not rec["encoding"])
             if len(arrays) != 1:
                 raise RequestError(f"key {shard.key}: a push carries one gradient per key")
@@ -364,12 +428,16 @@ class Server:
         try:
             msg = P.decode(frames[1:], max_bytes=self.max_message_bytes)
             req, kind = msg.req, msg.kind.name
+            peer = self.replies.peers.get(ident)
+            if msg.kind == P.Kind.SUM:
+                P.check_meta(msg.kind, msg.meta)
+                self._on_sum(ident, frames[1], msg, peer)
+                return
             handler = self.HANDLERS.get(msg.kind)
             if handler is None:
                 raise RequestError(f"a server does not handle {msg.kind.name}")
             P.check_meta(msg.kind, msg.meta)
             self.backup.check(msg)
-            peer = self.replies.peers.get(ident)
             if peer is None:
                 raise RequestError("this connection is not one of the job's workers")
             if msg.sender != peer.rank:
@@ -378,10 +446,17 @@ class Server:
             wrong = self.guard.wrong_claim(frames[1], "worker", peer.rank)
             if wrong:       # its key is another worker's (security.py)
                 raise RequestError(wrong)
+            if self.chain_out is not None:
+                if self.chain_in.queue(ident, msg, peer, self.weights, self.backup.owner,
+                                       self._pushed):
+                    return       # behind its worker's copies that wait for sums
+                self.chain_in.took(peer.rank, msg)
             if self.backup.overtook(ident, msg, self.weights.shards, self.pending_inits):
                 return
             handler(self, ident, msg)
             self._take_early_copies()
+            if self.chain_out is not None:
+                self._take_chain_copies()
             self._send_decisions()
         except (P.ProtocolError, RequestError) as e:
             self._reject(ident, getattr(e, "req", 0) or req, str(e))
@@ -393,6 +468,38 @@ class Server:
         finally:
             self.replies.forget()
             TIMELINE.span(kind, t0)     # the timeline: PUSH, PULL, ...
+
+    def _on_sum(self, ident, header, msg, peer):
+        """SUM (chain.py): the owner's sums of an update of the keys this server backs
+        up, checked, kept and acknowledged; the copies that waited for them are taken."""
+        bound = (self.policy.steps_ahead + 2) * max(self.weights.model_bytes,
+                                                    self.max_message_bytes or 0)
+        items = self.chain_in.check_sum(ident, msg, header, self.guard, self.weights,
+                                        self.rank, peer, bound)
+        if not items:      # its owner had not heard of a death yet: nothing to hold
+            return
+        self.chain_in.keep(ident, items)
+        self.replies.send(ident, P.Message(P.Kind.ACK, sender=self.rank, req=msg.req))
+        self._take_chain_copies()
+        self._send_decisions()
+
+    def _take_chain_copies(self):
+        """Copies that waited for their owner's sums (or behind such a copy of their
+        worker), in each worker's order; a refusal names each one's own request."""
+        while True:
+            nxt = self.chain_in.next_ready(self.weights)
+            if nxt is None:
+                return
+            ident, msg = nxt
+            self.replies.forget()
+            self.chain_in.took(self.replies.peers[ident].rank, msg)
+            try:
+                if not self.backup.overtook(ident, msg, self.weights.shards,
+                                            self.pending_inits):
+                    self.HANDLERS[msg.kind](self, ident, msg)
+                    self._take_early_copies()
+            except (P.ProtocolError, RequestError) as e:
+                self._reject(ident, getattr(e, "req", 0) or msg.req, str(e))
 
     def _take_early_copies(self):
         """Copies that came before worker 0's INIT (``Backup.overtook``), once it came; a
@@ -413,6 +520,11 @@ class Server:
             self.on_leave(msg.meta)
         elif msg.kind == P.Kind.PROMOTE:
             self.backup.promote(msg.meta, self.rank)
+            if self.chain_out is not None:     # no replica is left: nothing waits for one
+                for reply in self.chain_out.lost():
+                    self.replies.dispatch(reply)
+                self._take_chain_copies()
+                self.replies.forget()
         elif msg.kind == P.Kind.POLICY:
             self._follow(msg.meta)
 
@@ -427,6 +539,29 @@ class Server:
         self.relays = topo.get("relays")
         self.policy = self.make_policy(self.env, self.rank)
         self.replies.steps_ahead = self.policy.steps_ahead
+        backup = self.backup.map.backup(self.rank)
+        if backup is not None:         # chain replication (chain.py)
+            self.chain_out = ChainOwner(self.rank, backup, lambda text: self.log(text))
+            self.chain_out.is_owned = lambda key: key not in self.backup.keys
+            self.replies.gate = self.chain_out.must_wait
+            self.replies.lr_of = self._lr_of
+            self.weights.on_sum = self._sums_out
+
+    def connect_backup(self, ctx, servers):
+        """The scheduler's LISTEN with every server's address: connect to this server's
+        keys' backup (chain replication), once."""
+        if self.chain_out is not None and self.chain_out.sock is None and \
+                self.chain_out.open:
+            self.chain_out.connect(ctx, self.guard, servers[self.chain_out.backup],
+                                   self.max_message_bytes)
+
+    def from_backup(self):
+        """The backup's acknowledgements: the replies that waited for them go."""
+        try:
+            for reply in self.chain_out.receive():
+                self.replies.dispatch(reply)
+        finally:
+            self.replies.forget()
 
     def listen(self, sock, max_message_bytes):
         """``sock``: the ROUTER the workers connect to, bound with the job's message

@@ -90,13 +90,26 @@ class ServerNode:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.link.sock, zmq.POLLIN)
         wait_ms = max(1, int(self.env.heartbeat_interval * 1000 / 2))
+        chain = self.server.chain_out     # cluster.server_replicas: 1 (chain.py)
+        polled = None                     # its connection to the backup, once made
         while True:
+            if chain is not None and chain.sock is not polled:
+                if polled is not None:
+                    poller.unregister(polled)
+                polled = chain.sock
+                if polled is not None:
+                    poller.register(polled, zmq.POLLIN)
             events = dict(poller.poll(wait_ms))
             if self.link.sock in events:
                 msg = self.link.receive()
                 if msg.kind == P.Kind.SHUTDOWN:
                     return 0
-                self.server.on_scheduler(msg)
+                if msg.kind == P.Kind.LISTEN and "servers" in msg.meta:
+                    self.server.connect_backup(zmq.Context.instance(), msg.meta["servers"])
+                else:
+                    self.server.on_scheduler(msg)
+            if polled is not None and polled in events and chain.sock is polled:
+                self.server.from_backup()
             if self.sock in events:
                 for _ in range(BURST):   # drain a burst, but keep heartbeats going
                     try:
@@ -113,6 +126,9 @@ class ServerNode:
         snapshots = self.server.weights.snapshots
         if snapshots is not None:      # the last weights and the pushes applied
             snapshots.close(self.server.weights.shards)
+        chain = self.server.chain_out
+        if chain is not None:
+            chain.lost()
         for sock in (self.sock, self.link and self.link.sock):
             if sock is not None:
                 sock.close(0)

@@ -83,6 +83,9 @@ class Weights:
         self.compression = None   # the job's push compression (COMMAND compression), if any
         self._sgd_seen = {}       # update_groups.sgd_call's knowledge of the arrays
         self.snapshots = None     # snapshots.Snapshots, if the job asks for them
+        # cluster.server_replicas: 1: called with an update's shards once their sums are
+        # in the buffers the optimizer reads, before it runs (chain.py); None: not at all
+        self.on_sum = None
 
     def declare(self, key, offset, values):
         self.shards[key] = KeyShard(key, offset, values)
@@ -221,6 +224,8 @@ class Weights:
             if scale is not None:     # a worker left: keep the mean gradient
                 parts = [np.sum(_decoded(parts), axis=0) * np.float32(scale)]
             self._add(parts, shard.weight_view() if self.updater is None else shard.grad_view())
+        if self.on_sum is not None:
+            self.on_sum(shards)
         if self.updater is not None:   # without an optimizer the store keeps the sum (MXNet's rule)
             for group in size_groups([s.count for s in shards], AGGREGATE_KEYS):
                 keys, sums, weights = ([shards[i].key for i in group],
