@@ -28,6 +28,24 @@ def roles(job):
     return {role_of(pid): pid for pid in job.processes() if role_of(pid) and role_of(pid)[0]}
 
 
+def kill_a_server(root, name, args):
+    """Start the digits job ``args`` (configs/digits.yaml and the replicas' settings come
+    first), SIGKILL a server chosen by ``name`` at a step chosen by ``name``, and wait for
+    the job's end: (the run directory, its output), once nothing restarted (every process
+    but the victim is the one that was there before)."""
+    step, victim = kill_step(name), random.Random(name).choice([0, 1])
+    with start(["configs/digits.yaml", *args, *REPLICAS, *sets(output__dir=root)]) as job:
+        run = wait_for_step(job, root, step)
+        before = roles(job)
+        os.kill(before[("server", victim)], signal.SIGKILL)
+        job.wait_for(lambda: FIRST_APPLY.search(job.text), 60, "the new owner's first step")
+        after = roles(job)
+        assert job.wait(timeout=300) == 0, job.stdout[-3000:]
+    assert after == {r: p for r, p in before.items() if r != ("server", victim)}
+    assert "restart" not in job.stdout
+    return run, job.stdout, victim
+
+
 @pytest.mark.system
 @pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
 def test_a_killed_server_is_replaced_by_its_backup_and_the_job_ends_as_if_uninterrupted(
@@ -347,24 +365,13 @@ def test_a_second_server_death_has_no_replica_and_ends_the_job():
     ids=["2bit", "staggered"])
 def test_a_killed_server_of_a_compressed_or_staggered_job_is_replaced_as_if_uninterrupted(
         tmp_path, uninterrupted_digits, settings):
-    """ssd with 2bit pushes (each copy to the backup is the owner's coded bytes: the same
-    residuals, the same decoded sums) or staggered pulls (each worker's pull phase is its
-    own, never a server's): a server SIGKILLed at a seeded step, its backup owns its keys,
-    and the job ends bit for bit as the uninterrupted 1-server job."""
+    """ssd with 2bit pushes (a worker codes each push once, with its residual; the owner
+    hands its backup the sum of the decoded pushes) or staggered pulls (each worker's pull
+    phase is its own, never a server's): a server SIGKILLed at a seeded step, its backup
+    owns its keys, and the job ends bit for bit as the uninterrupted 1-server job."""
     reference = final(uninterrupted_digits("ssd", **settings))
     name = "replicas-" + "-".join(str(v) for v in settings.values())
-    step, victim = kill_step(name), random.Random(name).choice([0, 1])
-    root = tmp_path / "runs"
-    with start(["configs/digits.yaml", *digits_job("ssd"), *REPLICAS,
-                *sets(output__dir=root, **settings)]) as job:
-        run = wait_for_step(job, root, step)
-        before = roles(job)
-        os.kill(before[("server", victim)], signal.SIGKILL)
-        job.wait_for(lambda: FIRST_APPLY.search(job.text), 60, "the new owner's first step")
-        after = roles(job)
-        assert job.wait(timeout=300) == 0, job.stdout[-3000:]
-    assert after == {r: p for r, p in before.items() if r != ("server", victim)}
-    assert "restart" not in job.stdout
+    run, _, _ = kill_a_server(tmp_path / "runs", name, [*digits_job("ssd"), *sets(**settings)])
     assert_same(run, reference)
 
 
