@@ -116,8 +116,7 @@ class Server:
         shard = self.weights.shards.get(key)
         if shard is None or key not in self.backup.keys:
             return False
-        pending = getattr(self.policy, "pending", {}).get(key, {})
-        return step < shard.version or rank in pending.get(step, ())
+        return step < shard.version or self.policy.has_push(rank, key, step)
 
     def _lr_of(self, shard):
         """The lr a reply of ``shard`` carries: its owner's, whose clock is its keys'

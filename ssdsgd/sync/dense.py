@@ -60,6 +60,9 @@ class DenseSync(ServerPolicy):
             raise PolicyError(f"key {key}: worker {rank} pushed step {step} twice; the "
                               "job's gradients cannot be trusted any more")
 
+    def has_push(self, rank, key, step):
+        return step < self.version.get(key, 0) or rank in self.pending.get(key, {}).get(step, ())
+
     def pull(self, rank, items, token, final=False):
         for key, step in items:
             if rank in self.joined and step == self.joined[rank] - 1:

@@ -102,6 +102,12 @@ class ServerPolicy:
         """Worker ``rank`` enters a barrier; ``token`` (no keys) is answered at once."""
         return [("answer", token, None)]
 
+    def has_push(self, rank, key, step):
+        """Has this server taken worker ``rank``'s push of ``key`` at ``step``, applied or
+        waiting for the others'? (chain replication: a push sent again after a takeover
+        is skipped if so, kvstore/chain.py). A policy that keeps no steps: never."""
+        return False
+
     def first_missing(self, rank):
         """A departing worker: the first step this server has not received from it."""
         return min(self.version.values(), default=0)
