@@ -28,13 +28,14 @@ def roles(job):
     return {role_of(pid): pid for pid in job.processes() if role_of(pid) and role_of(pid)[0]}
 
 
-def kill_a_server(root, name, args):
-    """Start the digits job ``args`` (configs/digits.yaml and the replicas' settings come
-    first), SIGKILL a server chosen by ``name`` at a step chosen by ``name``, and wait for
-    the job's end: (the run directory, its output), once nothing restarted (every process
-    but the victim is the one that was there before)."""
-    step, victim = kill_step(name), random.Random(name).choice([0, 1])
-    with start(["configs/digits.yaml", *args, *REPLICAS, *sets(output__dir=root)]) as job:
+def kill_a_server(root, name, args, servers=2):
+    """Start the digits job ``args`` with ``servers`` servers and replicas, SIGKILL a server
+    chosen by ``name`` at a step chosen by ``name``, and wait for the job's end: (the run
+    directory, its output, the victim), once nothing restarted (every process but the
+    victim is the one that was there before)."""
+    step, victim = kill_step(name), random.Random(name).choice(range(servers))
+    with start(["configs/digits.yaml", *args, *REPLICAS,
+                *sets(cluster__servers=servers, output__dir=root)]) as job:
         run = wait_for_step(job, root, step)
         before = roles(job)
         os.kill(before[("server", victim)], signal.SIGKILL)
@@ -372,6 +373,23 @@ def test_a_killed_server_of_a_compressed_or_staggered_job_is_replaced_as_if_unin
     reference = final(uninterrupted_digits("ssd", **settings))
     name = "replicas-" + "-".join(str(v) for v in settings.values())
     run, _, _ = kill_a_server(tmp_path / "runs", name, [*digits_job("ssd"), *sets(**settings)])
+    assert_same(run, reference)
+
+
+@pytest.mark.system
+def test_a_killed_server_of_three_is_replaced_and_the_job_ends_as_if_uninterrupted(
+        tmp_path, uninterrupted_digits):
+    """3 servers, each the backup of the one before it: the victim's backup takes its
+    keys, the server whose keys the victim backed up stops sending sums, and the job ends
+    bit for bit as the uninterrupted 1-server job."""
+    reference = final(uninterrupted_digits("ssd"))
+    run, out, victim = kill_a_server(tmp_path / "runs", "replicas-three-servers",
+                                     digits_job("ssd"), servers=3)
+    owner = (victim + 1) % 3
+    assert f"server {owner} owns its keys from now on, and the job goes on with no replica " \
+           "left" in out, out[-3000:]
+    assert re.search(rf"\[server {owner}\] .*first step applied as the owner of server "
+                     rf"{victim}'s keys", out), out[-3000:]
     assert_same(run, reference)
 
 
