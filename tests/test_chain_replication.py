@@ -132,6 +132,43 @@ def test_the_backup_applies_the_owners_sum_bit_for_bit_once_it_came():
         job.close()
 
 
+def test_a_departure_that_completes_owned_and_backed_up_keys_at_once_applies_each_its_way():
+    """Worker 1 leaves (on_worker_failure: continue) while step 0 waits for it on a server
+    that owns a key and backs up others: the departure completes step 0 of every key at
+    once. The owned key's update is its pushes' (their mean, as N workers'), the
+    backed-up keys' the owner's sum. Before, one update of both kinds summed the copies'
+    placeholders and the server died with a TypeError (a 2-server job with a dead
+    worker, test_replicas::test_a_dead_worker_then_a_dead_server..., under load)."""
+    from test_server_in_process import SIZES
+    job = backup_job(SSDSGD_SERVER_REPLICAS=1)
+    try:
+        w0, w1 = job.workers
+        own, n = 9, 5          # a key this server owns, declared first
+        job.send(w0, P.Message(P.Kind.INIT, sender=0, records=P.make_records(
+            [(own, 0, 0, n, F32, 1)]), tensors=[[np.zeros(n, F32)]]))
+        job.send(w1, P.Message(P.Kind.INIT, sender=1, records=P.make_records(
+            [(own, 0, 0, n, F32, 0)]), tensors=[[]]))
+        assert [m.kind for m in job.replies(w0) + job.replies(w1)] == [P.Kind.REPLY] * 2
+        copy_init(job, {k: np.zeros(m, F32) for k, m in SIZES.items()})
+        job.send(w0, P.Message(P.Kind.PUSH, sender=0, flags=P.Flag.PULL, step=0,
+                               records=P.make_records([(own, 0, 0, n, F32, 1)]),
+                               tensors=[[np.full(n, 2.0, F32)]]))
+        tensorless_push(job, 0, 0)
+        sums = {k: np.full(m, 3.0, F32) for k, m in SIZES.items()}
+        job.send(job.stranger, sum_message(0, sums, req=100))
+        assert all(s.version == 0 for s in job.server.weights.shards.values())
+        job.server.on_membership({"removed": 1, "from_step": 0})
+        shards = job.server.weights.shards
+        assert all(s.version == 1 for s in shards.values())
+        # no optimizer: the store keeps the sum (MXNet's rule); worker 0's gradient is
+        # the members' mean, counted as the job's 2 workers'
+        np.testing.assert_array_equal(shards[own].weight_view(), np.full(n, 4.0, F32))
+        for k in SIZES:        # the owner's sum, as it came (it scaled it already)
+            np.testing.assert_array_equal(shards[k].weight_view(), sums[k])
+    finally:
+        job.close()
+
+
 @pytest.mark.parametrize("forget", [False, True], ids=["remembered", "forgotten"])
 def test_a_request_sent_again_after_the_takeover_is_taken_once(forget):
     """After the takeover a worker sends the new owner every request it kept: one whose

@@ -417,6 +417,7 @@ def _continued_run(out, replicas):
         job.wait_for("the job continues without it", 60)
         if replicas:
             before = roles(job)
+            assert ("server", 0) in before, (before, job.text[-4000:])
             os.kill(before[("server", 0)], signal.SIGKILL)
             job.wait_for("server 1 owns its keys from now on", 60)
             assert roles(job) == {r: p for r, p in before.items() if r != ("server", 0)}

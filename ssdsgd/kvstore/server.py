@@ -85,10 +85,17 @@ class Server:
         self._carry_out(actions)
 
     def _apply(self, grads, pushes=0):
-        if self.chain_out is not None and grads and grads[0][0] in self.backup.keys:
-            self._apply_backed_up(self.chain_in.use_sums(grads, self.weights), pushes)
-        else:
-            self.weights.apply(grads, pushes)
+        """A policy's update. With chain replication the keys this server backs up (or
+        took over) and those it owns are two updates: the first on the owner's sums and
+        clock, the second as always. A push's step completes one kind only, but a
+        departure or a removal completes every key's step at once."""
+        theirs = [g for g in grads if g[0] in self.backup.keys] if self.chain_out else []
+        mine = [g for g in grads if g[0] not in self.backup.keys] if theirs else grads
+        if theirs:      # the pushes' count (the lr clock of a quorum's rounds) once
+            self._apply_backed_up(self.chain_in.use_sums(theirs, self.weights),
+                                  0 if mine else pushes)
+        if mine or not theirs:
+            self.weights.apply(mine, pushes)
         self.backup.applied(grads, self.weights)
 
     def _apply_backed_up(self, grads, pushes):
