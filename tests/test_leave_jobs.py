@@ -42,46 +42,51 @@ def _keys_swapped(path, holder, rank):
         path.write_text(original)
 
 
-def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=(), leaving=2):
-    """A 3-worker job; worker ``leaving`` asked to leave while all three wait before step
-    WAIT_AT. ``refused``: the one-line errors of --leave for rank 0, for a rank the job
-    never had, for worker 2 again, with worker 1's key for worker 2, and once the job
-    has ended."""
+def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=(), leaving=2,
+              n=N, last=None):
+    """An ``n``-worker job (3); worker ``leaving`` asked to leave while all wait before
+    step WAIT_AT. ``refused``: the one-line errors of --leave for a rank the job never
+    had, for worker 2 again, with worker 1's key for worker 2, and once the job has
+    ended (worker 0 may leave like any worker: tests below). ``last``: the one line of
+    --leave for the last worker still in the job, worker n - 1, once ``leaving`` left."""
     go = tmp_path / "go"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", per_epoch, "--epochs", EPOCHS,
+    args = launch_args(n, 2, ["--out", tmp_path, "--per-epoch", per_epoch, "--epochs", EPOCHS,
                               "--wait-at", WAIT_AT, "--go", go, *script_args],
-                       env=dict({"SSDSGD_MAX_WORKERS": N + 1, "SSDSGD_PULL_RELAY": "off",
+                       env=dict({"SSDSGD_MAX_WORKERS": n + 1, "SSDSGD_PULL_RELAY": "off",
                                  "SSDSGD_BIGARRAY_BOUND": 100}, **env),
                        script="join_worker.py")
     job = dist(["--run-dir", run_dir, *args])
     with job:
         job.wait_for(lambda: (run_dir / "join.json").exists(), 60, "join.json")
         job.wait_for("job started", 60)
-        for r in range(N):      # all three have pushed every step before WAIT_AT
+        for r in range(n):      # all three have pushed every step before WAIT_AT
             job.wait_for(f"rank {r} waits before step {WAIT_AT}", 60)
         leaver = dist(["--leave", run_dir, "--rank", leaving])
         with leaver:
             assert leaver.wait(TIMEOUT) == 0, leaver.tail()
+        if last is not None:
+            last.append(_refused(run_dir, n - 1))
         if refused is not None:
-            refused += [_refused(run_dir, 0), _refused(run_dir, 7), _refused(run_dir, 2)]
+            refused += [_refused(run_dir, 7), _refused(run_dir, 2)]
             with _keys_swapped(run_dir / "join.json", 1, 2):
                 refused.append(_refused(run_dir, 2))
         go.touch()
         assert job.wait(TIMEOUT) == 0, job.tail()
     if refused is not None:
         refused.append(_refused(run_dir, 1))
-    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in range(N)]
+    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in range(n)]
     return job, leaver, records
 
 
-def _check(tmp_path, records, algorithm="ssgd", per_epoch=PER_EPOCH, leaving=2, **sync):
+def _check(tmp_path, records, algorithm="ssgd", per_epoch=PER_EPOCH, leaving=2, n=N,
+           **sync):
     s = records[0]["leaves"][str(leaving)]
     assert s >= WAIT_AT, records[0]
     assert all(r["leaves"] == {str(leaving): s} for r in records), records
     assert records[leaving]["end"] == s, records[leaving]   # it pushed the steps before s only
-    keys, members, ref = _simulated({}, algorithm, leaves={leaving: s}, n=N,
+    keys, members, ref = _simulated({}, algorithm, leaves={leaving: s}, n=n,
                                     per_epoch=per_epoch,
                                     epochs=EPOCHS, **sync)
     for rank, r in enumerate(records):
@@ -89,9 +94,9 @@ def _check(tmp_path, records, algorithm="ssgd", per_epoch=PER_EPOCH, leaving=2, 
                                for t in range(min(members.end(), r["end"]))], (rank, r)
     assert sorted(c for r in records for c in r["chunks"]) == list(range(
         members.first_chunk(members.end())))
-    locals_ = [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(N)]
-    finals = [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(N)]
-    for r in range(N):
+    locals_ = [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(n)]
+    finals = [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(n)]
+    for r in range(n):
         for i, j in keys.items():
             _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
                    f"worker {r} local weights of key {i} (left at {s})")
@@ -109,8 +114,7 @@ def test_a_worker_leaves_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_pat
     assert s == WAIT_AT + 1     # the servers held from the step the three wait at
     assert f"worker 2 leaves the job of {tmp_path / 'run'} at step {s}" in leaver.text
     assert f"worker 2 leaves the job at step {s}" in job.text, job.tail()
-    zero, unknown, again, others_key, ended = refused
-    assert "worker 0 never leaves" in zero, zero
+    unknown, again, others_key, ended = refused
     assert "has no worker 7" in unknown, unknown
     assert "worker 2 is leaving already" in again, again
     assert "a connection holding worker 1's key cannot make worker 2 leave" in others_key, \
@@ -130,6 +134,38 @@ def test_a_worker_leaves_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(t
                                                 "SSDSGD_GLU_STATE": "exact"})
     assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2,
                   glu_state="exact") in (7, 9)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("n", [2, 3])
+def test_worker_0_leaves_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_path, n):
+    """Worker 0 goes like any worker (docs/spec/membership.md rule 8): from its step on
+    the others train its chunks and the servers aggregate without it; the job ends with
+    ``simulate_membership``'s weights fed that step. With 2 workers worker 1 is then the
+    last one, and may not leave: one line."""
+    refused = [] if n == 2 else None
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssgd"}, leaving=0, n=n,
+                                     last=refused)
+    s = _check(tmp_path, records, leaving=0, n=n)
+    assert s == WAIT_AT + 1
+    assert f"worker 0 leaves the job of {tmp_path / 'run'} at step {s}" in leaver.text
+    assert f"worker 0 leaves the job at step {s}" in job.text, job.tail()
+    if n == 2:
+        (last,) = refused
+        assert "worker 1 cannot leave: worker 1 is the last worker in the job" in last, last
+
+
+@pytest.mark.system
+def test_worker_0_leaves_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(tmp_path):
+    """ssd, T_w = 3, k = 2, glu exact (pinned: no choice of worker 0's pending), worker 0
+    leaving: the departure comes at a pull boundary, 7 or 9, and every worker's weights
+    are the simulator's (worker 0's local ones those of its last step)."""
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                "SSDSGD_WARMUP_STEPS": 3,
+                                                "SSDSGD_DELAY_STEPS": 2,
+                                                "SSDSGD_GLU_STATE": "exact"}, leaving=0)
+    assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2,
+                  glu_state="exact", leaving=0) in (7, 9)
 
 
 @pytest.mark.system
@@ -259,7 +295,7 @@ def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simu
     env = {f"SSDSGD_{k.upper()}": v for k, v in sync.items()}
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
+    args = launch_args(n, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
                               "--die-at", die_at, "--die-rank", 2],
                        env=dict({"SSDSGD_MAX_WORKERS": N + 1, "SSDSGD_PULL_RELAY": "off",
                                  "SSDSGD_BIGARRAY_BOUND": 100, "SSDSGD_ALGORITHM": algorithm,
