@@ -381,3 +381,60 @@ def test_the_training_program_with_continue_hands_a_dead_workers_chunks_to_the_o
     assert sum(x["samples"] for x in spans) == \
         (members.first_chunk(members.end()) - (s - e)) * B, (spans, e, s)
     assert summary["final_accuracy"] > 0.8, summary
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_the_training_program_lets_worker_0_go_and_worker_1_becomes_the_chief(tmp_path,
+                                                                             algorithm):
+    """``python -m ssdsgd.train`` (digits, 3 workers, cluster.max_workers 4, a checkpoint
+    every epoch): worker 0 leaves with --leave once the job has started. From its step on
+    worker 1, the lowest rank left, is the chief (docs/spec/membership.md rule 8): it
+    validates at the epoch ends after it, takes the checkpoints (latest.json), reports
+    the final test accuracy and writes summary.json, which records worker 0's
+    departure; every chunk of the budget is trained once, the job exits 0 and nothing
+    of it is left running. ssd: T_w = 8, k = 4 (pinned: no choice of worker 0's pending)."""
+    from test_e2e_configs import records, run_dir_of, sets
+    from test_dynamic_data import BATCH as B, N_TRAIN
+    ssd = ({"sync__warmup_steps": 8, "sync__delay_steps": 4, "sync__pull_relay": '"off"'}
+           if algorithm == "ssd" else {})
+    job = dist(["configs/digits.yaml", *sets(
+        sync__algorithm=algorithm, cluster__workers=N, cluster__max_workers=N + 1, **ssd,
+        data__batch_size=B, train__epochs=3, train__log_interval=4,
+        train__checkpoint_every=1, output__plots="false", output__dir=tmp_path,
+        debug__slowdown="delay:0=0.1,1=0.1,2=0.1")])
+    with job:
+        job.wait_for(lambda: any(tmp_path.glob("*/join.json")), 60, "join.json")
+        run = run_dir_of(tmp_path)
+        job.wait_for("job started", 60)
+        leaver = dist(["--leave", run, "--rank", 0])
+        with leaver:
+            assert leaver.wait(TIMEOUT) == 0, leaver.tail()
+        assert job.wait(TIMEOUT) == 0, job.tail()
+        assert job.processes() == [], job.processes()     # nothing of it left running
+    summary = json.loads((run / "summary.json").read_text())
+    (left,) = summary["workers_left"]
+    s = left["from_step"]
+    assert left["rank"] == 0 and left["how"] == "left" and 0 < s, summary
+    assert f"rank 0 left the job at step {s}" in job.text, job.tail()
+    per_epoch = N_TRAIN // (N * B) * N
+    members = Membership(N, per_epoch, per_epoch * 3)
+    members.leave(0, s)
+    ends = [records(run, r, "end")[-1] for r in range(N)]
+    assert [e["steps"] for e in ends] == [s, members.end(), members.end()], ends
+    each_epoch_once(ends, per_epoch, B, 3, dropped=1)
+    spans = summary["throughput_by_membership"]
+    assert [(x["workers"], x["from_step"]) for x in spans] == [(3, 0), (2, s)], spans
+    # the chief's part: worker 0's until step s, worker 1's from then on
+    assert all(v["step"] <= s for v in records(run, 0, "val")), records(run, 0, "val")
+    vals1 = records(run, 1, "val")
+    assert vals1 and all(v["step"] >= s for v in vals1) and not records(run, 2, "val")
+    assert summary["final_accuracy"] == vals1[-1]["accuracy"] > 0.8, summary
+    assert summary["steps"] == members.end() and summary["workers_reporting"] == N, summary
+    done = [line for line in job.text.splitlines() if "done: test accuracy" in line]
+    assert len(done) == 1 and "[worker 1]" in done[0], done
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] >= s and (run / "checkpoints" / latest["params"]).exists(), latest
+    # the job's last checkpoint (and the epoch ends after step s) are worker 1's
+    assert records(run, 1, "checkpoint")[-1]["path"].endswith(latest["params"]), latest
+    assert not records(run, 2, "checkpoint")
