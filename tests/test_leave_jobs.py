@@ -43,12 +43,13 @@ def _keys_swapped(path, holder, rank):
 
 
 def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=(), leaving=2,
-              n=N, last=None):
+              n=N, last=None, first=None):
     """An ``n``-worker job (3); worker ``leaving`` asked to leave while all wait before
     step WAIT_AT. ``refused``: the one-line errors of --leave for a rank the job never
     had, for worker 2 again, with worker 1's key for worker 2, and once the job has
     ended (worker 0 may leave like any worker: tests below). ``last``: the one line of
-    --leave for the last worker still in the job, worker n - 1, once ``leaving`` left."""
+    --leave for the last worker still in the job, worker n - 1, once ``leaving`` left.
+    ``first``: the one line of --leave for worker 0 asked before ``leaving`` is."""
     go = tmp_path / "go"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -63,6 +64,8 @@ def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=(), 
         job.wait_for("job started", 60)
         for r in range(n):      # all three have pushed every step before WAIT_AT
             job.wait_for(f"rank {r} waits before step {WAIT_AT}", 60)
+        if first is not None:
+            first.append(_refused(run_dir, 0))
         leaver = dist(["--leave", run_dir, "--rank", leaving])
         with leaver:
             assert leaver.wait(TIMEOUT) == 0, leaver.tail()
@@ -166,6 +169,26 @@ def test_worker_0_leaves_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(t
                                                 "SSDSGD_GLU_STATE": "exact"}, leaving=0)
     assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2,
                   glu_state="exact", leaving=0) in (7, 9)
+
+
+@pytest.mark.system
+def test_worker_0_may_not_leave_before_the_workers_agreed_on_its_auto_choice(tmp_path):
+    """ssd with k at auto (T_w = 8): k is worker 0's choice at the end of the warm-up,
+    which the others take at a barrier; asked to leave before that (the workers wait
+    before step 5) worker 0 is refused in one line naming the cause, and the job goes on
+    (worker 2 then leaves, and it ends as the simulator with the k they agreed on)."""
+    first = []
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                "SSDSGD_WARMUP_STEPS": 8,
+                                                "SSDSGD_GLU_STATE": "exact"},
+                                     per_epoch=27, first=first)
+    (line,) = first
+    assert ("worker 0 cannot leave: worker 0 cannot leave yet: its choice of "
+            "sync.delay_steps (auto)") in line, line
+    k = records[0]["delay_steps"]     # worker 2 left in the warm-up, before the choice
+    assert k and records[1]["delay_steps"] == k, records
+    assert _check(tmp_path, records, "ssd", per_epoch=27, warmup_steps=8, delay_steps=k,
+                  glu_state="exact") == WAIT_AT + 1
 
 
 @pytest.mark.system
