@@ -11,8 +11,9 @@ Each worker trains on its own disjoint shard of every epoch (ssdsgd.data.shard_i
 and all workers run the same number of steps per epoch; with dynamic data
 (``data.assignment``, docs/spec/dynamic_data.md) the scheduler hands each epoch's batches
 to whichever worker asks next (ssdsgd.data.dynamic), until the job's budget of batches
-is spent, so a fast worker trains more of them. Rank 0 validates after every
-epoch on the whole validation set (top-1; top-5 for ImageNet) with its current weights
+is spent, so a fast worker trains more of them. Rank 0 (the chief: after worker 0
+left a job that takes joiners, the lowest rank still in it, ``is_chief``) validates
+after every epoch on the whole validation set (top-1; top-5 for ImageNet) with its current weights
 (in the steps-delay stage: its local weights, at most k steps from the last global
 pull), writes checkpoints (ssdsgd.checkpoint), and at the end ``RUN_DIR/summary.json``.
 
@@ -93,7 +94,8 @@ class Run:
 
 
 def train(config: Config, run_dir, resume: bool = False) -> dict:
-    """Train as configured; return rank 0's summary (other ranks: their end record).
+    """Train as configured; return the chief's summary (other ranks: their end record;
+    the chief is rank 0 unless it left: ``is_chief``).
 
     The loader, the metrics file and the kvstore are closed once, in that order, also on
     an error: closing the kvstore leaves the job, so rank 0 does it after its summary."""
@@ -330,7 +332,7 @@ def train_step(run: Run, x, y) -> tuple[int, float, int]:
 
 
 def validate(run: Run, epoch: int) -> None:
-    """Rank 0: the validation figures after ``epoch``, recorded and logged (the others
+    """The chief (rank 0, ``is_chief``): the validation figures after ``epoch``, recorded and logged (the others
     may wait for it: the stall watch does not count it, kvstore/liveness.py)."""
     with run.kv.busy() if run.kv is not None else contextlib.nullcontext():
         res = evaluate(run.net, run.dataset, run.ctx, run.config.data.batch_size)
