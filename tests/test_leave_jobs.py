@@ -318,7 +318,7 @@ def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simu
     env = {f"SSDSGD_{k.upper()}": v for k, v in sync.items()}
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    args = launch_args(n, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
+    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
                               "--die-at", die_at, "--die-rank", 2],
                        env=dict({"SSDSGD_MAX_WORKERS": N + 1, "SSDSGD_PULL_RELAY": "off",
                                  "SSDSGD_BIGARRAY_BOUND": 100, "SSDSGD_ALGORITHM": algorithm,
