@@ -206,13 +206,13 @@ def test_a_worker_leaves_an_ssd_job_with_staggered_pulls_as_the_simulator(tmp_pa
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("leaving", [1, 2])
+@pytest.mark.parametrize("leaving", [0, 1, 2])
 def test_a_worker_leaves_a_job_whose_pulls_are_relayed_as_the_simulator(tmp_path, leaving):
     """sync.pull_relay chain (3 workers, ssd, T_w = 3, k = 2): the replies the workers wait
     for together go 0 -> 1 -> 2, and the departure's step reaches every worker through
     them (a relayed reply carries the membership changes a direct one does). Worker 1
-    leaves the middle of the chain, or worker 2 its end: from the departure on, the chain
-    is the workers still pulling."""
+    leaves the middle of the chain, worker 2 its end, or worker 0 its head: from the
+    departure on, the chain is the workers still pulling."""
     job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
                                                 "SSDSGD_WARMUP_STEPS": 3,
                                                 "SSDSGD_DELAY_STEPS": 2,

@@ -210,9 +210,7 @@ class Joins:
         if env.algorithm != "ssd" or AGREEMENT in self.barriers.agreed:
             return None
         knobs = [name for name, v in (("sync.delay_steps", env.delay_steps),
-                                       ("sync.pull_relay", env.pull_relay),
-                                       ("sync.compression", getattr(env, "compression",
-                                                                    None)))
+                                       ("sync.pull_relay", env.pull_relay))
                  if is_auto(v)]
         if not knobs:
             return None
