@@ -50,12 +50,13 @@ def load_run(run_dir) -> dict:
             raise ReportError(f"{summary_path}: not valid JSON ({exc.msg} at line "
                               f"{exc.lineno})") from None
     records = {rank: read_records(p) for rank, p in files.items()}
-    val = []
+    # the chief's validations: worker 0's, and after it left the job the next chief's
+    # (docs/spec/membership.md rule 8), each epoch from the lowest rank that has it
+    by_epoch = {}
     for rank in sorted(records):
-        v = validation_curve(records[rank])
-        if v:
-            val = v
-            break
+        for v in validation_curve(records[rank]):
+            by_epoch.setdefault(v.get("epoch"), v)
+    val = [by_epoch[e] for e in sorted(by_epoch, key=lambda e: (e is None, e))]
     starts = [r for recs in records.values() for r in recs if r.get("event") == "start"]
     ends = [r for recs in records.values() for r in recs if r.get("event") == "end"]
     algorithm = summary.get("algorithm") or (

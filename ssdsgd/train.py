@@ -11,8 +11,9 @@ Each worker trains on its own disjoint shard of every epoch (ssdsgd.data.shard_i
 and all workers run the same number of steps per epoch; with dynamic data
 (``data.assignment``, docs/spec/dynamic_data.md) the scheduler hands each epoch's batches
 to whichever worker asks next (ssdsgd.data.dynamic), until the job's budget of batches
-is spent, so a fast worker trains more of them. Rank 0 validates after every
-epoch on the whole validation set (top-1; top-5 for ImageNet) with its current weights
+is spent, so a fast worker trains more of them. Rank 0 (the chief: after worker 0
+left a job that takes joiners, the lowest rank still in it, ``is_chief``) validates
+after every epoch on the whole validation set (top-1; top-5 for ImageNet) with its current weights
 (in the steps-delay stage: its local weights, at most k steps from the last global
 pull), writes checkpoints (ssdsgd.checkpoint), and at the end ``RUN_DIR/summary.json``.
 
@@ -93,7 +94,8 @@ class Run:
 
 
 def train(config: Config, run_dir, resume: bool = False) -> dict:
-    """Train as configured; return rank 0's summary (other ranks: their end record).
+    """Train as configured; return the chief's summary (other ranks: their end record;
+    the chief is rank 0 unless it left: ``is_chief``).
 
     The loader, the metrics file and the kvstore are closed once, in that order, also on
     an error: closing the kvstore leaves the job, so rank 0 does it after its summary."""
@@ -287,10 +289,24 @@ def run_epoch(run: Run, epoch: int) -> None:
     log.info("Epoch[%d] Train-accuracy=%.6f loss=%.4f Speed: %.1f samples/sec", epoch,
              ep["accuracy"], ep["loss"], ep["samples_per_sec"])
     if epoch < run.length.last_epoch and not (run.feed is not None and run.feed.over):
-        if run.rank == 0:
+        if is_chief(run):
             validate(run, epoch)
         if wants_checkpoint(run, epoch):
             checkpoint(run, epoch + 1, 0)
+
+
+def is_chief(run: Run) -> bool:
+    """Does this worker do the chief's part now (validation, the checkpoint's global
+    model and record, the checkpoint clock, the summary)? Worker 0, but in a job that
+    takes joiners (docs/spec/membership.md rule 8) the lowest rank in the job at its next
+    step, which every worker computes alike from the membership: worker 0 until it
+    leaves, then the next. A worker that left is nobody's chief."""
+    if isinstance(run.feed, MembershipFeed):
+        if run.feed.over == "left":
+            return False
+        run.feed.where(run.step)          # the changes heard of until that step
+        return run.feed.members.chief(run.step) == run.rank
+    return run.rank == 0
 
 
 def train_step(run: Run, x, y) -> tuple[int, float, int]:
@@ -316,7 +332,7 @@ def train_step(run: Run, x, y) -> tuple[int, float, int]:
 
 
 def validate(run: Run, epoch: int) -> None:
-    """Rank 0: the validation figures after ``epoch``, recorded and logged (the others
+    """The chief (rank 0, ``is_chief``): the validation figures after ``epoch``, recorded and logged (the others
     may wait for it: the stall watch does not count it, kvstore/liveness.py)."""
     with run.kv.busy() if run.kv is not None else contextlib.nullcontext():
         res = evaluate(run.net, run.dataset, run.ctx, run.config.data.batch_size)
@@ -345,7 +361,7 @@ def time_for_checkpoint(run: Run, step: int | None = None) -> bool:
     every = run.config.train.checkpoint_every_s
     if not every:
         return False
-    due = int(run.rank == 0 and time.time() - run.t_checkpoint >= every)
+    due = int(is_chief(run) and time.time() - run.t_checkpoint >= every)
     if run.kv is not None:
         due = run.kv.barrier(due) if step is None else run.kv.barrier(due, step=step)
     return bool(due)
@@ -402,6 +418,7 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int, cursor: dict | None =
     cursor = cursor or {}
     if run.feed is not None and not cursor:
         return checkpoint_chunks(run, next_epoch)
+    chief = is_chief(run)
     stem = (f"epoch-{next_epoch - 1:04d}" if next_batch == 0 and not cursor
             else f"step-{run.step:08d}")
     ck = run.run_dir / "checkpoints"
@@ -409,7 +426,7 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int, cursor: dict | None =
     if run.kv is not None and keep_states:
         run.kv.save_worker_state(str(ck / f"{stem}.worker-{run.rank}.npz"))
         save_local_params(run.net, ck / f"{stem}.worker-{run.rank}.local.params")
-    if run.rank == 0:
+    if chief:
         weights = (pull_global(run.kv, run.trainer, into_params=False)
                    if run.kv is not None and stage_of(run) in (Stage.STEPS_DELAY,
                                                                Stage.LOCAL_STEPS) else None)
@@ -417,7 +434,7 @@ def checkpoint(run: Run, next_epoch: int, next_batch: int, cursor: dict | None =
         params = save_params(run.run_dir, run.net, stem, weights)
     if run.kv is not None:
         run.kv.barrier() if barrier_step is None else run.kv.barrier(step=barrier_step)
-    if run.rank == 0:
+    if chief:
         record_checkpoint(run.run_dir, dict(
             epoch=next_epoch - 1 if next_batch == 0 else next_epoch, next_epoch=next_epoch,
             next_batch=next_batch, step=run.step, seed=run.config.train.seed,
@@ -482,9 +499,10 @@ def finish(run: Run) -> dict:
     # every worker's last push (and rank 0 must not wait for the others' end records
     # below while a slow one's rounds still count on it)
     ended = run.kv is not None and hasattr(run.kv, "finish") and run.kv.finish()
-    if not ended and run.rank == 0 and stage_of(run) == Stage.STEPS_DELAY:
+    chief = is_chief(run)
+    if not ended and chief and stage_of(run) == Stage.STEPS_DELAY:
         pull_global(run.kv, run.trainer)
-    if run.rank == 0:
+    if chief:
         validate(run, last)
         if wants_checkpoint(run, last):
             # the global model of the last step; no worker states (kv.close() ends the
@@ -506,7 +524,7 @@ def finish(run: Run) -> dict:
                            samples_per_sec=run.samples / max(wall, 1e-9),
                            **net_figures(run.kv), kv=kv_metrics(run.kv),
                            data=run.feed.trained if run.feed is not None else None)
-    return end if run.rank != 0 else write_summary(run, wall)
+    return write_summary(run, wall) if chief else end
 
 
 # ----------------------------------------------------------------------------- CLI

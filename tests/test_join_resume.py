@@ -108,3 +108,44 @@ def test_a_job_resumed_after_a_join_trains_the_rest_of_the_budget_once(tmp_path)
     assert trained == members.first_chunk(members.end()) - g
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_accuracy"] > 0.8, summary
+
+
+def test_a_job_resumed_after_worker_0_left_starts_again_with_its_first_workers(tmp_path):
+    """ssgd, 2 workers: worker 0 leaves (docs/spec/membership.md rule 8), and worker 1,
+    the chief from then on, keeps the checkpoint clock (train.checkpoint_every_s) alone: a
+    checkpoint after the departure names worker 1 only and keeps no worker state. The job
+    SIGKILLed after it and resumed starts again with its two first workers, worker 0
+    its chief again, at the checkpoint's step and chunk: they train the rest of the
+    budget once and worker 0 writes the summary."""
+    root = tmp_path / "runs"
+    args = ["configs/digits.yaml", *digits_job("ssgd"), *ELASTIC, *sets(
+        train__epochs=4, train__checkpoint_every_s=1, cluster__heartbeat_interval=0.2,
+        cluster__heartbeat_timeout=2.0,
+        output__dir=root, debug__slowdown="delay:0=0.08,1=0.08")]
+    with start(args) as job:
+        job.wait_for(lambda: any(root.glob("*/join.json")), 60, "join.json")
+        run = run_dir_of(root)
+        job.wait_for("job started", 60)
+        leaver = jobs.dist(["--leave", run, "--rank", 0])
+        with leaver:
+            assert leaver.wait(60) == 0, leaver.tail()
+        latest = run / "checkpoints" / "latest.json"
+        job.wait_for(lambda: latest.exists() and json.loads(latest.read_text()).get(
+            "members") == [1], 120, "a checkpoint after worker 0 left")
+        kill_launcher(job)
+    info = json.loads(latest.read_text())
+    assert info["workers"] == 0, info
+    assert [c for c in records(run, 1, "checkpoint")], "worker 1 took no checkpoint"
+    resumed = jobs.run([*args, "--resume", run, *sets(debug__slowdown="none")], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    t, g = info["step"], info["chunks"]
+    members = Membership(2, 2 * STEPS, 4 * 2 * STEPS, start_step=t, start_chunk=g)
+    ends = [records(run, r, "end")[-1] for r in range(2)]
+    assert [e["steps"] for e in ends] == [members.end()] * 2, (ends, t, g)
+    trained = sum(d.get("batches", 0) for e in ends for d in e["data"].values())
+    assert trained == members.first_chunk(members.end()) - g
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_accuracy"] > 0.8, summary
+    done = [line for line in (resumed.stdout + resumed.stderr).splitlines()
+            if "done: test accuracy" in line]
+    assert len(done) == 1 and done[0].startswith("[worker 0]"), done   # the chief again

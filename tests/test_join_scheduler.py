@@ -136,7 +136,8 @@ def _leave_refusal(sched, ident, rank):
 
 def test_a_departure_is_refused_in_one_line_or_asks_the_servers_and_tells_who_must_hear(job):
     """LEAVE from a connection that never registered (``--leave``): refused until the job
-    runs, for rank 0 and for a rank not in the job; taken, every server holds, and once
+    runs, for a rank not in the job, for the last worker left (here worker 0, once worker 1
+    leaves); taken, every server holds, and once
     they answered every server, the leaver and the asker hear the step. The leaver's
     FINISH then takes it out of the job: a barrier no longer waits for it."""
     sched, sent = job
@@ -144,12 +145,13 @@ def test_a_departure_is_refused_in_one_line_or_asks_the_servers_and_tells_who_mu
     with socket.create_server(("127.0.0.1", 0)) as port:
         sched._listen(b"w0", sched.nodes[b"w0"], {})
         sched._listen(b"s0", sched.nodes[b"s0"], {"port": port.getsockname()[1]})
-    assert "worker 0 never leaves" in _leave_refusal(sched, b"a0", 0)
     assert "worker 3 is not in the job" in _leave_refusal(sched, b"a3", 3)
     sent.clear()
     _leave(sched, b"a1", 1)
     assert sent == [(b"s0", P.Kind.LEAVE, {"leaving": 1})]
     assert "worker 1 is leaving already" in _leave_refusal(sched, b"b1", 1)
+    # worker 0 may leave like any worker, but not as the last one in the job
+    assert "worker 0 is the last worker in the job" in _leave_refusal(sched, b"a0", 0)
     sent.clear()
     sched._handle(b"s0", P.Message(P.Kind.LEAVE, meta={"leaving": 1, "next_step": 4}), None)
     told = sorted((ident, meta["from_step"]) for ident, kind, meta in sent

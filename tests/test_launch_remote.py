@@ -455,9 +455,9 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     disappears its worker leaves the job at a step every worker hears of in time, the
     other two train its chunks from then on. Then the job's own hosts go too: worker 1's
     leaves, and its host's server stops (cluster.server_replicas: 1: the launcher tells
-    the scheduler, and the backup owns its keys at once); worker 0's stays (the job ends
-    with it), and so does its host's server (no replica is left). The job finishes, and
-    nothing is left on any host."""
+    the scheduler, and the backup owns its keys at once); worker 0's stays, the last
+    worker of the job, which may not leave (one line), and so does its host's server (no
+    replica is left). The job finishes, and nothing is left on any host."""
     x, y, z = hosts.addresses
     two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two.txt")
     listed = tmp_path / "hosts-now.txt"
@@ -491,7 +491,8 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
         wait_for(log, f"server {gone} on {one} (pid", p)     # the launcher saw it exit
         if one != zero:
             listed.write_text("")
-        wait_for(log, f"{zero} is no longer listed; worker 0 stays there", p)
+        wait_for(log, f"{zero} is no longer listed; --leave {run_dir_of(tmp_path / 'runs')}: "
+                      "worker 0 cannot leave: worker 0 is the last worker in the job", p)
         assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
     out = log.read_text()
     assert re.search(rf"server {gone} \(pid \d+ on [^)]*\): its process exited \(its "
@@ -519,6 +520,64 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     assert ends[0]["steps"] > first["from_step"], ends
     from test_join_jobs import each_epoch_once
     each_epoch_once(ends, 1437 // 32 * 2, 16, 5, dropped=2)
+    assert_nothing_left(hosts)
+
+
+def test_host_discovery_drops_worker_0s_host_and_the_job_follows_it(hosts, tmp_path):
+    """Horovod's elastic schedule: a host is added, then the FIRST host (worker 0's) is
+    removed. The added host's joiner (worker 2) comes in; worker 0 then leaves like any
+    worker, its host's server stops and its backup owns its keys
+    (cluster.server_replicas: 1), and worker 1, the lowest rank left, is the chief
+    from then on (docs/spec/membership.md rule 8): it validates, checkpoints and writes
+    the summary, which records worker 0's departure. The job finishes on the hosts
+    still listed, and nothing is left on any host."""
+    x, y, z = hosts.addresses
+    two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two-first.txt")
+    listed = tmp_path / "hosts-now.txt"
+    listed.write_text(f"{x}\n{y}\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    args = job(hosts, dict(SSGD, cluster__max_workers=3, data__batch_size=16,
+                           train__epochs=5, train__log_interval=4, output__plots="false",
+                           cluster__servers=2, cluster__server_replicas=1,
+                           debug__slowdown="delay:0=0.1,1=0.1,2=0.1"), tmp_path, hostfile=two)
+    log = tmp_path / "launcher.log"
+    with start(hosts, [*args, "--host-discovery-script", script], log) as p:
+        wait_for(log, "host discovery: running", p)
+        wait_for(log, "job started", p)
+        listed.write_text(f"{x}\n{y}\n{z}:1\n")
+        wait_for(log, f"[worker 2 on {z}] ", p)
+        wait_for(log, "worker 2 joins the job at step", p)
+        placed = {m.group(1): m.group(2) for m in re.finditer(
+            r"^\[launcher\]\s+(\S+): (.*)$", log.read_text(), re.M)}
+        zero = next(h for h, what in placed.items() if re.search(r"worker 0\b", what))
+        assert zero == x, placed                 # worker 0 starts on the first host
+        other = y
+        gone = int(re.search(r"server (\d)", placed[zero]).group(1))
+        listed.write_text(f"{other}\n{z}\n")
+        wait_for(log, f"{zero} is no longer listed; worker 0 leaves the job at step", p)
+        wait_for(log, f"{zero} is no longer listed; server {gone} stops there and its "
+                      "backup takes its keys", p)
+        assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
+    out = log.read_text()
+    assert "Traceback" not in out, out[-3000:]
+    run = run_dir_of(tmp_path / "runs")
+    summary = json.loads((run / "summary.json").read_text())
+    (joined,) = summary["workers_joined"]
+    (left,) = summary["workers_left"]
+    assert joined["rank"] == 2 and left["rank"] == 0 and left["how"] == "left", summary
+    assert left["from_step"] > joined["from_step"], summary
+    assert f"rank 0 left the job at step {left['from_step']}" in out, out[-3000:]
+    assert summary["workers_reporting"] == 3, summary
+    ends = [[r for r in read_records(run / "metrics" / f"worker-{w}.jsonl")
+             if r["event"] == "end"][-1] for w in range(3)]
+    assert ends[0]["steps"] == left["from_step"] < ends[1]["steps"] == ends[2]["steps"], ends
+    from test_join_jobs import each_epoch_once
+    each_epoch_once(ends, 1437 // 32 * 2, 16, 5, dropped=2)
+    done = [line for line in out.splitlines() if "done: test accuracy" in line]
+    assert len(done) == 1 and done[0].startswith(f"[worker 1 on {other}]"), done  # the chief
+    assert summary["final_accuracy"] > 0.8, summary
     assert_nothing_left(hosts)
 
 

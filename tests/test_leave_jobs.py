@@ -42,46 +42,54 @@ def _keys_swapped(path, holder, rank):
         path.write_text(original)
 
 
-def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=(), leaving=2):
-    """A 3-worker job; worker ``leaving`` asked to leave while all three wait before step
-    WAIT_AT. ``refused``: the one-line errors of --leave for rank 0, for a rank the job
-    never had, for worker 2 again, with worker 1's key for worker 2, and once the job
-    has ended."""
+def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=(), leaving=2,
+              n=N, last=None, first=None):
+    """An ``n``-worker job (3); worker ``leaving`` asked to leave while all wait before
+    step WAIT_AT. ``refused``: the one-line errors of --leave for a rank the job never
+    had, for worker 2 again, with worker 1's key for worker 2, and once the job has
+    ended (worker 0 may leave like any worker: tests below). ``last``: the one line of
+    --leave for the last worker still in the job, worker n - 1, once ``leaving`` left.
+    ``first``: the one line of --leave for worker 0 asked before ``leaving`` is."""
     go = tmp_path / "go"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", per_epoch, "--epochs", EPOCHS,
+    args = launch_args(n, 2, ["--out", tmp_path, "--per-epoch", per_epoch, "--epochs", EPOCHS,
                               "--wait-at", WAIT_AT, "--go", go, *script_args],
-                       env=dict({"SSDSGD_MAX_WORKERS": N + 1, "SSDSGD_PULL_RELAY": "off",
+                       env=dict({"SSDSGD_MAX_WORKERS": n + 1, "SSDSGD_PULL_RELAY": "off",
                                  "SSDSGD_BIGARRAY_BOUND": 100}, **env),
                        script="join_worker.py")
     job = dist(["--run-dir", run_dir, *args])
     with job:
         job.wait_for(lambda: (run_dir / "join.json").exists(), 60, "join.json")
         job.wait_for("job started", 60)
-        for r in range(N):      # all three have pushed every step before WAIT_AT
+        for r in range(n):      # all three have pushed every step before WAIT_AT
             job.wait_for(f"rank {r} waits before step {WAIT_AT}", 60)
+        if first is not None:
+            first.append(_refused(run_dir, 0))
         leaver = dist(["--leave", run_dir, "--rank", leaving])
         with leaver:
             assert leaver.wait(TIMEOUT) == 0, leaver.tail()
+        if last is not None:
+            last.append(_refused(run_dir, n - 1))
         if refused is not None:
-            refused += [_refused(run_dir, 0), _refused(run_dir, 7), _refused(run_dir, 2)]
+            refused += [_refused(run_dir, 7), _refused(run_dir, 2)]
             with _keys_swapped(run_dir / "join.json", 1, 2):
                 refused.append(_refused(run_dir, 2))
         go.touch()
         assert job.wait(TIMEOUT) == 0, job.tail()
     if refused is not None:
         refused.append(_refused(run_dir, 1))
-    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in range(N)]
+    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in range(n)]
     return job, leaver, records
 
 
-def _check(tmp_path, records, algorithm="ssgd", per_epoch=PER_EPOCH, leaving=2, **sync):
+def _check(tmp_path, records, algorithm="ssgd", per_epoch=PER_EPOCH, leaving=2, n=N,
+           **sync):
     s = records[0]["leaves"][str(leaving)]
     assert s >= WAIT_AT, records[0]
     assert all(r["leaves"] == {str(leaving): s} for r in records), records
     assert records[leaving]["end"] == s, records[leaving]   # it pushed the steps before s only
-    keys, members, ref = _simulated({}, algorithm, leaves={leaving: s}, n=N,
+    keys, members, ref = _simulated({}, algorithm, leaves={leaving: s}, n=n,
                                     per_epoch=per_epoch,
                                     epochs=EPOCHS, **sync)
     for rank, r in enumerate(records):
@@ -89,9 +97,9 @@ def _check(tmp_path, records, algorithm="ssgd", per_epoch=PER_EPOCH, leaving=2, 
                                for t in range(min(members.end(), r["end"]))], (rank, r)
     assert sorted(c for r in records for c in r["chunks"]) == list(range(
         members.first_chunk(members.end())))
-    locals_ = [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(N)]
-    finals = [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(N)]
-    for r in range(N):
+    locals_ = [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(n)]
+    finals = [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(n)]
+    for r in range(n):
         for i, j in keys.items():
             _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
                    f"worker {r} local weights of key {i} (left at {s})")
@@ -109,8 +117,7 @@ def test_a_worker_leaves_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_pat
     assert s == WAIT_AT + 1     # the servers held from the step the three wait at
     assert f"worker 2 leaves the job of {tmp_path / 'run'} at step {s}" in leaver.text
     assert f"worker 2 leaves the job at step {s}" in job.text, job.tail()
-    zero, unknown, again, others_key, ended = refused
-    assert "worker 0 never leaves" in zero, zero
+    unknown, again, others_key, ended = refused
     assert "has no worker 7" in unknown, unknown
     assert "worker 2 is leaving already" in again, again
     assert "a connection holding worker 1's key cannot make worker 2 leave" in others_key, \
@@ -133,6 +140,58 @@ def test_a_worker_leaves_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(t
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("n", [2, 3])
+def test_worker_0_leaves_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_path, n):
+    """Worker 0 goes like any worker (docs/spec/membership.md rule 8): from its step on
+    the others train its chunks and the servers aggregate without it; the job ends with
+    ``simulate_membership``'s weights fed that step. With 2 workers worker 1 is then the
+    last one, and may not leave: one line."""
+    refused = [] if n == 2 else None
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssgd"}, leaving=0, n=n,
+                                     last=refused)
+    s = _check(tmp_path, records, leaving=0, n=n)
+    assert s == WAIT_AT + 1
+    assert f"worker 0 leaves the job of {tmp_path / 'run'} at step {s}" in leaver.text
+    assert f"worker 0 leaves the job at step {s}" in job.text, job.tail()
+    if n == 2:
+        (last,) = refused
+        assert "worker 1 cannot leave: worker 1 is the last worker in the job" in last, last
+
+
+@pytest.mark.system
+def test_worker_0_leaves_a_running_ssd_job_at_a_pull_boundary_as_the_simulator(tmp_path):
+    """ssd, T_w = 3, k = 2, glu exact (pinned: no choice of worker 0's pending), worker 0
+    leaving: the departure comes at a pull boundary, 7 or 9, and every worker's weights
+    are the simulator's (worker 0's local ones those of its last step)."""
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                "SSDSGD_WARMUP_STEPS": 3,
+                                                "SSDSGD_DELAY_STEPS": 2,
+                                                "SSDSGD_GLU_STATE": "exact"}, leaving=0)
+    assert _check(tmp_path, records, "ssd", warmup_steps=3, delay_steps=2,
+                  glu_state="exact", leaving=0) in (7, 9)
+
+
+@pytest.mark.system
+def test_worker_0_may_not_leave_before_the_workers_agreed_on_its_auto_choice(tmp_path):
+    """ssd with k at auto (T_w = 8): k is worker 0's choice at the end of the warm-up,
+    which the others take at a barrier; asked to leave before that (the workers wait
+    before step 5) worker 0 is refused in one line naming the cause, and the job goes on
+    (worker 2 then leaves, and it ends as the simulator with the k they agreed on)."""
+    first = []
+    job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
+                                                "SSDSGD_WARMUP_STEPS": 8,
+                                                "SSDSGD_GLU_STATE": "exact"},
+                                     per_epoch=27, first=first)
+    (line,) = first
+    assert ("worker 0 cannot leave: worker 0 cannot leave yet: its choice of "
+            "sync.delay_steps (auto)") in line, line
+    k = records[0]["delay_steps"]     # worker 2 left in the warm-up, before the choice
+    assert k and records[1]["delay_steps"] == k, records
+    assert _check(tmp_path, records, "ssd", per_epoch=27, warmup_steps=8, delay_steps=k,
+                  glu_state="exact") == WAIT_AT + 1
+
+
+@pytest.mark.system
 def test_a_worker_leaves_an_ssd_job_with_staggered_pulls_as_the_simulator(tmp_path):
     """Staggered pulls (3 workers, T_w = 3, k = 3: offsets 0, 1, 2): the departure
     comes k + 1 steps after the step the servers hold from (5, or 4), when every worker
@@ -147,13 +206,13 @@ def test_a_worker_leaves_an_ssd_job_with_staggered_pulls_as_the_simulator(tmp_pa
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("leaving", [1, 2])
+@pytest.mark.parametrize("leaving", [0, 1, 2])
 def test_a_worker_leaves_a_job_whose_pulls_are_relayed_as_the_simulator(tmp_path, leaving):
     """sync.pull_relay chain (3 workers, ssd, T_w = 3, k = 2): the replies the workers wait
     for together go 0 -> 1 -> 2, and the departure's step reaches every worker through
     them (a relayed reply carries the membership changes a direct one does). Worker 1
-    leaves the middle of the chain, or worker 2 its end: from the departure on, the chain
-    is the workers still pulling."""
+    leaves the middle of the chain, worker 2 its end, or worker 0 its head: from the
+    departure on, the chain is the workers still pulling."""
     job, leaver, records = _left_run(tmp_path, {"SSDSGD_ALGORITHM": "ssd",
                                                 "SSDSGD_WARMUP_STEPS": 3,
                                                 "SSDSGD_DELAY_STEPS": 2,
@@ -345,3 +404,60 @@ def test_the_training_program_with_continue_hands_a_dead_workers_chunks_to_the_o
     assert sum(x["samples"] for x in spans) == \
         (members.first_chunk(members.end()) - (s - e)) * B, (spans, e, s)
     assert summary["final_accuracy"] > 0.8, summary
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_the_training_program_lets_worker_0_go_and_worker_1_becomes_the_chief(tmp_path,
+                                                                             algorithm):
+    """``python -m ssdsgd.train`` (digits, 3 workers, cluster.max_workers 4, a checkpoint
+    every epoch): worker 0 leaves with --leave once the job has started. From its step on
+    worker 1, the lowest rank left, is the chief (docs/spec/membership.md rule 8): it
+    validates at the epoch ends after it, takes the checkpoints (latest.json), reports
+    the final test accuracy and writes summary.json, which records worker 0's
+    departure; every chunk of the budget is trained once, the job exits 0 and nothing
+    of it is left running. ssd: T_w = 8, k = 4 (pinned: no choice of worker 0's pending)."""
+    from test_e2e_configs import records, run_dir_of, sets
+    from test_dynamic_data import BATCH as B, N_TRAIN
+    ssd = ({"sync__warmup_steps": 8, "sync__delay_steps": 4, "sync__pull_relay": '"off"'}
+           if algorithm == "ssd" else {})
+    job = dist(["configs/digits.yaml", *sets(
+        sync__algorithm=algorithm, cluster__workers=N, cluster__max_workers=N + 1, **ssd,
+        data__batch_size=B, train__epochs=3, train__log_interval=4,
+        train__checkpoint_every=1, output__plots="false", output__dir=tmp_path,
+        debug__slowdown="delay:0=0.1,1=0.1,2=0.1")])
+    with job:
+        job.wait_for(lambda: any(tmp_path.glob("*/join.json")), 60, "join.json")
+        run = run_dir_of(tmp_path)
+        job.wait_for("job started", 60)
+        leaver = dist(["--leave", run, "--rank", 0])
+        with leaver:
+            assert leaver.wait(TIMEOUT) == 0, leaver.tail()
+        assert job.wait(TIMEOUT) == 0, job.tail()
+        assert job.processes() == [], job.processes()     # nothing of it left running
+    summary = json.loads((run / "summary.json").read_text())
+    (left,) = summary["workers_left"]
+    s = left["from_step"]
+    assert left["rank"] == 0 and left["how"] == "left" and 0 < s, summary
+    assert f"rank 0 left the job at step {s}" in job.text, job.tail()
+    per_epoch = N_TRAIN // (N * B) * N
+    members = Membership(N, per_epoch, per_epoch * 3)
+    members.leave(0, s)
+    ends = [records(run, r, "end")[-1] for r in range(N)]
+    assert [e["steps"] for e in ends] == [s, members.end(), members.end()], ends
+    each_epoch_once(ends, per_epoch, B, 3, dropped=1)
+    spans = summary["throughput_by_membership"]
+    assert [(x["workers"], x["from_step"]) for x in spans] == [(3, 0), (2, s)], spans
+    # the chief's part: worker 0's until step s, worker 1's from then on
+    assert all(v["step"] <= s for v in records(run, 0, "val")), records(run, 0, "val")
+    vals1 = records(run, 1, "val")
+    assert vals1 and all(v["step"] >= s for v in vals1) and not records(run, 2, "val")
+    assert summary["final_accuracy"] == vals1[-1]["accuracy"] > 0.8, summary
+    assert summary["steps"] == members.end() and summary["workers_reporting"] == N, summary
+    done = [line for line in job.text.splitlines() if "done: test accuracy" in line]
+    assert len(done) == 1 and "[worker 1]" in done[0], done
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] >= s and (run / "checkpoints" / latest["params"]).exists(), latest
+    # the job's last checkpoint (and the epoch ends after step s) are worker 1's
+    assert records(run, 1, "checkpoint")[-1]["path"].endswith(latest["params"]), latest
+    assert not records(run, 2, "checkpoint")

@@ -28,7 +28,10 @@ def test_a_departure_is_decided_as_a_join_is_at_the_stage_rules_boundary():
 
 
 @pytest.mark.parametrize("args, says", [
-    ((0, [0, 1, 2], set(), False), "worker 0 never leaves"),
+    ((1, [1], set(), False), "worker 1 is the last worker in the job"),
+    ((1, [0, 1], {0}, False), "worker 1 is the last worker in the job"),
+    ((0, [0, 1, 2], set(), False, "its choice of sync.delay_steps"),
+     "worker 0 cannot leave yet: its choice of sync.delay_steps"),
     ((5, [0, 1, 2], set(), False), "worker 5 is not in the job"),
     ((2, [0, 1, 2], {2}, False), "worker 2 is leaving already"),
     ((2, [0, 1, 2], set(), True), "the job is finishing"),
@@ -38,6 +41,10 @@ def test_a_departure_the_job_cannot_take_has_a_one_line_reason(args, says):
     assert why is not None and "\n" not in why
     assert re.search(says, why)
     assert leave_refusal(2, [0, 1, 2], set(), False) is None
+    # worker 0 leaves like any worker (the chief's part passes on, membership.md rule 8)
+    assert leave_refusal(0, [0, 1, 2], set(), False) is None
+    assert leave_refusal(0, [0, 1], set(), False, None) is None
+    assert leave_refusal(1, [0, 1, 2], set(), False, "a choice pending") is None
 
 
 def test_a_server_holds_for_a_departure_and_closes_the_steps_after_it_without_the_leaver():

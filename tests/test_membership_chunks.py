@@ -122,3 +122,16 @@ def test_a_checkpoint_is_due_where_the_chunks_pass_an_epoch_end():
     due = [t for t in range(1, m.end() + 1) if m.checkpoint_due(t, every=1)]
     assert due == [3, 6, 8]                        # G = 10, 18 -> 22 (passes 20), 30
     assert [t for t in range(1, m.end() + 1) if m.checkpoint_due(t, every=2)] == [6]
+
+
+def test_the_chief_is_the_lowest_rank_in_the_job_worker_0_until_it_leaves():
+    """docs/spec/membership.md rule 8: every worker computes the chief of a step alike
+    from the membership; after the job's last step, that of its last members."""
+    m = Membership(3, per_epoch=12, budget=60)
+    assert [m.chief(t) for t in (0, 5, 30)] == [0, 0, 0]
+    m.leave(0, 4)
+    assert [m.chief(t) for t in (3, 4, 9)] == [0, 1, 1]
+    m.join(3, 6)
+    m.leave(1, 7)
+    assert [m.chief(t) for t in (6, 7, 8)] == [1, 2, 2]
+    assert m.chief(m.end()) == 2

@@ -136,7 +136,10 @@ def test_ssd_staggered_join_at_any_step_starts_from_the_global_weights_before_it
 @pytest.mark.parametrize('changes, kw, says', [
     ([Change(4, 'join', 2)], dict(warmup_steps=2, delay_steps=3), "not a pull boundary"),
     ([Change(3, 'join', 3)], dict(algorithm='ssgd'), "next unused rank, 2"),
-    ([Change(3, 'leave', 0)], dict(algorithm='ssgd'), "rank 0"),
+    ([Change(3, 'leave', 0), Change(3, 'leave', 1)], dict(algorithm='ssgd'),
+     "worker 1 cannot leave at step 3 .* its last worker"),
+    ([Change(3, 'leave', 0), Change(5, 'leave', 0)], dict(algorithm='ssgd'),
+     "worker 0 cannot leave at step 5 .not in"),
     ([Change(30, 'join', 2)], dict(algorithm='ssgd'), "outside the run's steps"),
 ])
 def test_a_schedule_the_rules_refuse_is_named(changes, kw, says):

@@ -72,9 +72,10 @@ def members_by_step(num_workers, changes, steps):
                 members.add(c.rank)
                 ever.add(c.rank)
             else:
-                if c.rank not in members or c.rank == 0:
+                if c.rank not in members or members == {c.rank}:
                     raise MembershipError(f"worker {c.rank} cannot leave at step {t} (not in "
-                                          "the job, or rank 0, which the job ends with)")
+                                          "the job, or its last worker, which the job ends "
+                                          "with)")
                 members.discard(c.rank)
         out.append(tuple(sorted(members)))
     return out

@@ -48,18 +48,24 @@ def refusal(max_workers, in_job, ever, started, finished):
     return None
 
 
-def leave_refusal(rank, members, leaving, finished):
+def leave_refusal(rank, members, leaving, finished, choice_pending=None):
     """Why worker ``rank`` may not leave now, or None: ``members`` the ranks of the
     workers in the job now, ``leaving`` those whose departure is being decided or was
-    decided, ``finished`` (a worker still in the job already sent FINISH: it is ending)."""
-    if rank == 0:
-        return "worker 0 never leaves (the job ends with it)"
+    decided, ``finished`` (a worker still in the job already sent FINISH: it is ending),
+    ``choice_pending`` why worker 0 may not go yet (ssd's knobs at auto are worker 0's
+    choice, agreed at the end of the warm-up), or None. Any worker may leave, worker 0
+    too: the chief's duties pass to the lowest rank still in the job
+    (docs/spec/membership.md rule 8)."""
     if rank not in members:
         return f"worker {rank} is not in the job (it never joined, left, or finished)"
     if rank in leaving:
         return f"worker {rank} is leaving already"
     if finished:
         return "the job is finishing (a worker already finished its part): nothing to leave"
+    if not set(members) - set(leaving) - {rank}:
+        return f"worker {rank} is the last worker in the job (the job ends with it)"
+    if rank == 0 and choice_pending:
+        return f"worker 0 cannot leave yet: {choice_pending}"
     return None
 
 

@@ -13,7 +13,8 @@ at a step every worker hears of in time, docs/spec/membership.md): a joiner's ra
 from the claim file its ``--join`` wrote (its pid), and a worker still joining is asked
 again at the next poll; a host the job started on loses its first workers once the
 script has listed it and then stops (a script that lists only new hosts keeps them),
-but worker 0, with which the job ends, and the scheduler stay. Its servers go too
+worker 0 too (the chief's part passes to the lowest rank left, docs/spec/membership.md
+rule 8); the scheduler stays on the launcher's host. Its servers go too
 where a backup can take their keys (``cluster.server_replicas: 1``, no server lost
 yet): each is stopped, the launcher sees it exit and tells the scheduler, which hands its
 keys to its backup at once (the job then has no replica left); otherwise they stay, and
@@ -153,11 +154,6 @@ class HostDiscovery:
         job; False while one of them is still joining (asked again at the next poll)."""
         ranks, retry = self._ranks_on(host)
         first = [r for r in self.first_workers.get(host, []) if r not in self.gone]
-        if 0 in first:
-            self.gone.add(0)
-            self.log(f"host discovery: {host} is no longer listed; worker 0 stays there "
-                     "(the job ends with it)")
-            first.remove(0)
         if not ranks and not retry and not first:
             if host in self.started and host not in self.job_hosts:
                 self.log(f"host discovery: {host} is no longer listed; no worker of the "

@@ -17,7 +17,7 @@ from ..kvstore.security import ENV_VAR
 from ..settings import BY_ENV, to_env
 
 FILE = "join.json"
-VERSION = 2        # 2: ``workers``, every worker rank's key file but 0's (--leave)
+VERSION = 2        # 2: ``workers``, every worker rank's key file (--leave)
 
 
 class JoinRefused(RuntimeError):
@@ -32,7 +32,7 @@ def write(run_dir, key_dir, key_files, num_workers, max_workers, cmd, env, ssh=N
     ``--join RUN_DIR --host HOST`` starts the joiner there as it starts its workers."""
     path = os.path.join(run_dir, FILE)
     spare = {str(r): key_files[f"worker {r}"] for r in range(num_workers, max_workers)}
-    workers = {str(r): key_files[f"worker {r}"] for r in range(1, max_workers)}
+    workers = {str(r): key_files[f"worker {r}"] for r in range(max_workers)}
     data = {"version": VERSION, "key_dir": key_dir, "spare": spare, "workers": workers,
             "command": list(cmd),
             "env": {k: v for k, v in env.items()

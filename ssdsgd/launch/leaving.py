@@ -2,8 +2,8 @@
 
 ``launch/dist.py --leave RUN_DIR --rank R`` (and the host-discovery script, for a
 removed host's workers) asks the job's scheduler for worker R to leave. It dials the
-scheduler with worker R's own key (``join.json`` lists the key file of every rank but
-0), so only who may act as worker R can make it go. The scheduler decides the step as
+scheduler with worker R's own key (``join.json`` lists the key file of every rank, 0
+too), so only who may act as worker R can make it go. The scheduler decides the step as
 for a join, the worker pushes the steps before it and ends its part, and the others
 go on with its chunks (rule 7). Nothing here signals a process: the worker ends itself.
 """
@@ -32,8 +32,8 @@ def leave(run_dir, rank, wait_s=WAIT_S):
     data = read(run_dir)
     key_file = data["workers"].get(str(rank))
     if key_file is None:
-        why = ("worker 0 never leaves (the job ends with it)" if rank == 0 else
-               f"the job has no worker {rank} (ranks 1..{max(map(int, data['workers']))})")
+        why = (f"the job has no worker {rank} (ranks {min(map(int, data['workers']))}.."
+               f"{max(map(int, data['workers']))})")
         raise LeaveRefused(f"--leave {run_dir} --rank {rank}: {why}")
     env = NodeEnv.from_environ(dict(data["env"], **to_env(role="worker", rank=rank),
                                 **{ENV_VAR: key_file}))
@@ -83,6 +83,6 @@ def leave_form(args):
 
 
 def worker_keys(key_files, max_workers):
-    """What ``join.json`` lists for ``--leave``: every worker rank's key file but 0's."""
-    return {str(r): key_files[f"worker {r}"] for r in range(1, max_workers)}
+    """What ``join.json`` lists for ``--leave``: every worker rank's key file."""
+    return {str(r): key_files[f"worker {r}"] for r in range(max_workers)}
 

@@ -51,6 +51,15 @@ class Membership:
         ranks = set(self.first) | set(self.changes)
         return [r for r in sorted(ranks) if self._in(r, t)]
 
+    def chief(self, t):
+        """The chief at step t (docs/spec/membership.md rule 8): the lowest rank in the
+        job then, or of the last step that had members; worker 0 until it leaves."""
+        members = self.members(t)
+        while not members and t > self.start_step:
+            t -= 1
+            members = self.members(t)
+        return members[0] if members else None
+
     def _in(self, rank, t):
         start, end = self.changes.get(rank, (0, None))
         return start <= t and (end is None or t < end)
