@@ -421,14 +421,15 @@ def test_a_join_to_a_host_that_cannot_be_reached_is_one_line_and_claims_no_rank(
     from ssdsgd.launch.joining import read, write
     keys = tmp_path / "keys"
     keys.mkdir()
-    for r in (1, 2):
+    for r in (0, 1, 2):     # join.json lists every worker's key (worker 0's: --leave)
         (keys / f"worker-{r}.json").write_text("{}")
     site = {"ssh_command": hosts.ssh_command, "ssh_port": None, "ssh_identity_file": None,
             "sync_dir": None, "workdir": str(ROOT), "python": None, "interface": None,
             "start_timeout": 3.0, "env_keys": []}
     for run, ssh in ((tmp_path / "ssh-run", site), (tmp_path / "local-run", None)):
         run.mkdir()
-        write(run, str(keys), {f"worker {r}": str(keys / f"worker-{r}.json") for r in (1, 2)},
+        write(run, str(keys), {f"worker {r}": str(keys / f"worker-{r}.json")
+                               for r in (0, 1, 2)},
               2, 3, ["python", "x.py"], {}, ssh)
     code, out = run_cmd(hosts, ["--join", tmp_path / "ssh-run", "--host", "198.18.0.250"],
                         tmp_path)

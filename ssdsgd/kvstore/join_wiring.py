@@ -202,21 +202,10 @@ class Joins:
         self.log(f"worker {rank} asks to leave; the servers hold")
 
     def _choice_pending(self):
-        """Why worker 0 may not leave yet, or None: in ssd with a knob at auto, worker 0
-        chooses at the end of the warm-up (sync/auto.py) and the others take its choice
-        at a barrier; until they agreed, its departure would leave nobody to choose."""
-        from ..sync.auto import AGREEMENT, is_auto
-        env = self.env
-        if env.algorithm != "ssd" or AGREEMENT in self.barriers.agreed:
-            return None
-        knobs = [name for name, v in (("sync.delay_steps", env.delay_steps),
-                                       ("sync.pull_relay", env.pull_relay))
-                 if is_auto(v)]
-        if not knobs:
-            return None
-        return (f"its choice of {' and '.join(knobs)} (auto) at the end of the warm-up is "
-                "the job's, and the workers have not agreed on it yet; ask again after the "
-                "warm-up, or pin them")
+        """Why worker 0 may not leave yet in this job's mode, or None (its policy's
+        ``not_yet_leaving``: the transport knows no algorithm)."""
+        ask = getattr(self.policy, "not_yet_leaving", None)
+        return ask(0, set(self.barriers.agreed)) if ask is not None else None
 
     def _leave_answer(self, ident, meta):
         """LEAVE from a server: the first step it holds from; once every server answered,

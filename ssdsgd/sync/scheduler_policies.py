@@ -91,8 +91,26 @@ class SchedulerPolicy:
     """The parts a job's mode needs, each event routed to the part that takes it."""
     Error = PolicyError     # what its refusals raise (the transport imports no policy module)
 
-    def __init__(self, parts, describe):
-        self.parts, self.describe = parts, describe
+    def __init__(self, parts, describe, env=None):
+        self.parts, self.describe, self.env = parts, describe, env
+
+    def not_yet_leaving(self, rank, agreed):
+        """Why worker ``rank`` may not leave yet in this job's mode, or None (``agreed``:
+        the names of the barriers' agreements reached so far). In ssd with a knob at
+        auto, worker 0 chooses at the end of the warm-up (sync/auto.py) and the others
+        take its choice at a barrier; until they agreed, its departure would leave nobody
+        to choose (docs/spec/membership.md rule 8)."""
+        from .auto import AGREEMENT, is_auto
+        env = self.env
+        if rank != 0 or env is None or env.algorithm != "ssd" or AGREEMENT in agreed:
+            return None
+        knobs = [name for name, v in (("sync.delay_steps", env.delay_steps),
+                                       ("sync.pull_relay", env.pull_relay)) if is_auto(v)]
+        if not knobs:
+            return None
+        return (f"its choice of {' and '.join(knobs)} (auto) at the end of the warm-up is "
+                "the job's, and the workers have not agreed on it yet; ask again after the "
+                "warm-up, or pin them")
 
     def on_event(self, role, rank, payload):
         name, fields = events.read(payload, (role, "scheduler"))
@@ -124,4 +142,4 @@ def make_scheduler_policy(env):
         parts.append(RelayRounds())
     if env.algorithm == "preduce":
         parts.append(FormGroups(env.num_workers, env.group_size))
-    return SchedulerPolicy(parts, f"algorithm {env.algorithm}, quorum {env.quorum}")
+    return SchedulerPolicy(parts, f"algorithm {env.algorithm}, quorum {env.quorum}", env)
