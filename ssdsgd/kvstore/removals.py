@@ -4,6 +4,27 @@ the smallest answer, once every server has given one, is the step from which eve
 aggregates without it. A pure decider: the scheduler sends the questions and the outcome."""
 
 
+def removal_refusal(rank, others, training, choice_pending=None, model_stated=True):
+    """Why the job cannot go on without dead worker ``rank``, or None. ``others``: the
+    ranks of the other workers in the job (not leaving); ``training``: those of them that
+    have not finished; ``choice_pending``: why worker ``rank`` may not go yet in this
+    job's mode (the policy's ``not_yet_leaving``), or None; ``model_stated``: has worker
+    0 stated its model to the servers (startup.py; the job's start waits for it)? Any
+    rank may be removed, worker 0 too: the chief's part passes to the lowest rank left
+    (docs/spec/membership.md rule 8)."""
+    if not others:
+        return "it was the last worker in the job (the job ends with it)"
+    if rank == 0 and not model_stated:
+        return ("worker 0 died before it stated its model to the servers (the job's start "
+                "waits for it)")
+    if not training and rank < min(others):
+        return (f"every other worker has finished its part, so none is left to take the "
+                f"chief's part from worker {rank} (the last validation and the summary)")
+    if choice_pending:
+        return f"worker {rank} cannot be removed yet: {choice_pending}"
+    return None
+
+
 class RemovalError(ValueError):
     """An answer that answers no question asked."""
 

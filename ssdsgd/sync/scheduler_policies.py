@@ -94,12 +94,13 @@ class SchedulerPolicy:
     def __init__(self, parts, describe, env=None):
         self.parts, self.describe, self.env = parts, describe, env
 
-    def not_yet_leaving(self, rank, agreed):
+    def not_yet_leaving(self, rank, agreed, asked=True):
         """Why worker ``rank`` may not leave yet in this job's mode, or None (``agreed``:
-        the names of the barriers' agreements reached so far). In ssd with a knob at
-        auto, worker 0 chooses at the end of the warm-up (sync/auto.py) and the others
-        take its choice at a barrier; until they agreed, its departure would leave nobody
-        to choose (docs/spec/membership.md rule 8)."""
+        the names of the barriers' agreements reached so far; ``asked``: a departure
+        asked for, else a dead worker's removal, cluster.on_worker_failure: continue). In
+        ssd with a knob at auto, worker 0 chooses at the end of the warm-up (sync/auto.py)
+        and the others take its choice at a barrier; until they agreed, its departure or
+        removal would leave nobody to choose (docs/spec/membership.md rule 8)."""
         from .auto import AGREEMENT, is_auto
         env = self.env
         if rank != 0 or env is None or env.algorithm != "ssd" or AGREEMENT in agreed:
@@ -109,8 +110,9 @@ class SchedulerPolicy:
         if not knobs:
             return None
         return (f"its choice of {' and '.join(knobs)} (auto) at the end of the warm-up is "
-                "the job's, and the workers have not agreed on it yet; ask again after the "
-                "warm-up, or pin them")
+                "the job's, and the workers have not agreed on it yet; "
+                + ("ask again after the warm-up, or pin them" if asked else
+                   "pin them for a job that may lose worker 0 in its warm-up"))
 
     def on_event(self, role, rank, payload):
         name, fields = events.read(payload, (role, "scheduler"))
