@@ -303,7 +303,7 @@ def test_the_training_program_lets_a_worker_go_and_trains_every_chunk_once(tmp_p
 
 @pytest.mark.system
 @pytest.mark.parametrize("algorithm, die_at, dead", [("ssgd", 5, 2), ("ssd", 2, 2),
-                                                     ("ssgd", 5, 0)])
+                                                     ("ssgd", 5, 0), ("ssd", 2, 0)])
 def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simulator(
         tmp_path, algorithm, die_at, dead):
     """cluster.on_worker_failure: continue beside cluster.max_workers (the command form,

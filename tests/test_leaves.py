@@ -201,3 +201,28 @@ def test_a_joiner_that_dies_before_its_first_push_is_missing_from_its_join_step(
     p.hold(2)
     ex.run(p.admit(2, 3))
     assert p.first_missing(2) == 3
+
+
+@pytest.mark.parametrize("workers, relay, k, failure, says", [
+    (2, "auto", "5", "abort", None),          # a chain of 2: no relay is chosen
+    (3, "auto", "5", "continue", None),       # no relay beside a worker left behind
+    (3, "auto", "5", "abort", "its choice of sync.pull_relay (auto)"),
+    (3, "off", "auto", "continue", "its choice of sync.delay_steps (auto)"),
+])
+def test_worker_0_waits_for_the_agreement_only_on_a_knob_it_chooses(workers, relay, k,
+                                                                    failure, says):
+    """ssd's not_yet_leaving names pull_relay at auto only where a relay may be chosen
+    (sync/auto.py relay_listens): elsewhere it is off from the start and, with k
+    pinned, no agreement ever comes, so worker 0 could never leave or be removed."""
+    from ssdsgd.kvstore.env import NodeEnv
+    from ssdsgd.sync.scheduler_policies import make_scheduler_policy
+    env = NodeEnv.from_environ({
+        "SSDSGD_SCHEDULER_PORT": "1234", "SSDSGD_NUM_WORKERS": str(workers),
+        "SSDSGD_NUM_SERVERS": "1", "SSDSGD_ALGORITHM": "ssd", "SSDSGD_PULL_RELAY": relay,
+        "SSDSGD_DELAY_STEPS": k, "SSDSGD_ON_WORKER_FAILURE": failure})
+    policy = make_scheduler_policy(env)
+    why = policy.not_yet_leaving(0, set(), asked=False)
+    assert (why is None) if says is None else why.startswith(says), why
+    assert policy.not_yet_leaving(1, set()) is None
+    from ssdsgd.sync.auto import AGREEMENT
+    assert policy.not_yet_leaving(0, {AGREEMENT}, asked=False) is None   # agreed: it may go

@@ -189,15 +189,18 @@ def test_with_continue_a_killed_worker_leaves_and_the_job_finishes(tmp_path, alg
     assert latest["step"] == EPOCHS * STEPS
 
 
-def test_with_continue_a_killed_worker_0_leaves_and_worker_1_becomes_the_chief(tmp_path):
-    """cluster.on_worker_failure: continue, ssgd, 2 workers: worker 0 (the chief)
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_with_continue_a_killed_worker_0_leaves_and_worker_1_becomes_the_chief(tmp_path,
+                                                                              algorithm):
+    """cluster.on_worker_failure: continue, 2 workers (ssd: k pinned, the kill after the
+    warm-up): worker 0 (the chief)
     SIGKILLed mid-run is removed like any rank; worker 1, the lowest rank left, takes the
     chief's part from when it hears of the removal: it validates, writes the job's last
     checkpoint (latest.json) and summary.json, which names worker 0 removed from step E."""
     from test_e2e_configs import records
     root = tmp_path / "runs"
-    step = kill_step("continue-chief")
-    with start(["configs/digits.yaml", *JOBS["ssgd"], *sets(
+    step = kill_step(f"continue-chief-{algorithm}")
+    with start(["configs/digits.yaml", *JOBS[algorithm], *sets(
             output__dir=root, cluster__on_worker_failure="continue",
             cluster__heartbeat_interval=0.2, cluster__heartbeat_timeout=1.0)]) as job:
         run = wait_for_step(job, root, step)
