@@ -550,3 +550,16 @@ def test_with_continue_worker_0_dying_before_its_auto_choice_is_agreed_aborts(tm
     line = _abort_line(job)
     assert ("worker 0 cannot be removed yet: its choice of sync.delay_steps (auto)"
             in line), line
+
+
+@pytest.mark.system
+def test_with_continue_worker_0_dying_before_its_first_push_aborts(tmp_path):
+    """on_worker_failure continue, 2 workers, ssgd: worker 0 dies before step 0, after the
+    Trainer's set-up (its optimizer and its INITs) but before it pushed. The scheduler
+    cannot tell from its view whether every server had worker 0's initial values and
+    optimizer (which the others start from and would wait for), so the job fails with one
+    line naming the cause rather than risk a hang."""
+    job = _static_continue_run(tmp_path, 2, 0)
+    assert job.returncode == 1, job.tail()
+    line = _abort_line(job)
+    assert "worker 0" in line and "worker 0 died before its first push" in line, line

@@ -50,7 +50,7 @@ def test_a_departure_the_job_cannot_take_has_a_one_line_reason(args, says):
 @pytest.mark.parametrize("args, says", [
     ((0, set(), set()), "it was the last worker in the job"),
     ((1, set(), set()), "it was the last worker in the job"),
-    ((0, {1, 2}, {1, 2}, None, False), "worker 0 died before it stated its model"),
+    ((0, {1, 2}, {1, 2}, None, False), "worker 0 died before its first push"),
     ((0, {1}, set()), "every other worker has finished its part, so none is left to take "
                       "the chief's part from worker 0"),
     ((0, {1, 2}, {1}, "its choice of sync.delay_steps"),

@@ -108,6 +108,7 @@ class Scheduler(reregister.Rejoins, Joins):
         self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = Barriers()
         self.removals = Removals()    # cluster.on_worker_failure: continue
+        self.pushing = set()          # workers a heartbeat counted a push of (removals.py)
         self.replicas = ReplicaMap(env.num_servers, env.server_replicas)
         self.dealer = Dealer()        # data.assignment: dynamic (chunks.py)
         self.counts = {"server": env.num_servers, "worker": env.num_workers}
@@ -268,6 +269,8 @@ class Scheduler(reregister.Rejoins, Joins):
 
     def _heartbeat(self, ident, node, meta):
         if node["role"] == "worker" and "progress" in meta:
+            if meta["progress"]:
+                self.pushing.add(node["rank"])
             self.stalls.report(node["rank"], meta["progress"], meta.get("busy", False),
                                node["last_seen"], meta.get("oldest"))
         self._send(ident, P.Kind.HEARTBEAT, {"sent": meta["sent"], "time": time.perf_counter()}
@@ -378,7 +381,7 @@ class Scheduler(reregister.Rejoins, Joins):
     def _removal_refused(self, rank, why, ident=None):
         """Abort the job, saying why in one line, if it cannot go on without dead worker
         ``rank`` (``removals.removal_refusal``; ``ident``: its connection, if it has one):
-        the last worker, worker 0 before it stated its model, a chief whose part no worker
+        the last worker, worker 0 before a heartbeat counted its first push, a chief whose part no worker
         still training can take, or one whose mode needs it still (its policy's
         ``not_yet_leaving``: the transport knows no algorithm)."""
         others = {n["rank"]: n for i, n in self.nodes.items()
@@ -388,8 +391,7 @@ class Scheduler(reregister.Rejoins, Joins):
         wrong = removal_refusal(
             rank, set(others), {r for r, n in others.items() if not n["finished"]},
             ask(rank, set(self.barriers.agreed), asked=False) if ask is not None else None,
-            model_stated=self.rebuild is not None or (self.startup is not None
-                                                      and self.startup.limit is not None))
+            pushed=rank in self.pushing)
         if wrong is not None:
             self._abort(f"{why}; {wrong}")
 
