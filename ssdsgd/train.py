@@ -12,7 +12,7 @@ and all workers run the same number of steps per epoch; with dynamic data
 (``data.assignment``, docs/spec/dynamic_data.md) the scheduler hands each epoch's batches
 to whichever worker asks next (ssdsgd.data.dynamic), until the job's budget of batches
 is spent, so a fast worker trains more of them. Rank 0 (the chief: after worker 0
-left a job that takes joiners, the lowest rank still in it, ``is_chief``) validates
+left the job or was removed, the lowest rank still in it, ``is_chief``) validates
 after every epoch on the whole validation set (top-1; top-5 for ImageNet) with its current weights
 (in the steps-delay stage: its local weights, at most k steps from the last global
 pull), writes checkpoints (ssdsgd.checkpoint), and at the end ``RUN_DIR/summary.json``.
@@ -95,7 +95,7 @@ class Run:
 
 def train(config: Config, run_dir, resume: bool = False) -> dict:
     """Train as configured; return the chief's summary (other ranks: their end record;
-    the chief is rank 0 unless it left: ``is_chief``).
+    the chief is rank 0 unless it left or was removed: ``is_chief``).
 
     The loader, the metrics file and the kvstore are closed once, in that order, also on
     an error: closing the kvstore leaves the job, so rank 0 does it after its summary."""
@@ -297,16 +297,19 @@ def run_epoch(run: Run, epoch: int) -> None:
 
 def is_chief(run: Run) -> bool:
     """Does this worker do the chief's part now (validation, the checkpoint's global
-    model and record, the checkpoint clock, the summary)? Worker 0, but in a job that
-    takes joiners (docs/spec/membership.md rule 8) the lowest rank in the job at its next
-    step, which every worker computes alike from the membership: worker 0 until it
-    leaves, then the next. A worker that left is nobody's chief."""
+    model and record, the checkpoint clock, the summary)? The lowest rank in the job not
+    removed as far as this worker has heard (cluster.on_worker_failure: continue: a dead
+    worker 0 is removed like any rank, and every worker hears of it): worker 0 until then.
+    In a job that takes joiners (docs/spec/membership.md rule 8) the lowest such rank in
+    the job at its next step, which every worker computes alike from the membership:
+    worker 0 until it leaves, then the next. A worker that left is nobody's chief."""
+    removed = {w["rank"] for w in kv_metrics(run.kv).get("left", ())}
     if isinstance(run.feed, MembershipFeed):
         if run.feed.over == "left":
             return False
         run.feed.where(run.step)          # the changes heard of until that step
-        return run.feed.members.chief(run.step) == run.rank
-    return run.rank == 0
+        return run.feed.members.chief(run.step, removed) == run.rank
+    return run.rank == min(set(range(run.num_workers)) - removed, default=None)
 
 
 def train_step(run: Run, x, y) -> tuple[int, float, int]:

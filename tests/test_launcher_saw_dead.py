@@ -1,9 +1,9 @@
 """What the scheduler does with the processes its launcher saw exit
 (kvstore/job_status.py write_lost; ssdsgd/kvstore/scheduler.py ``_seen_dead``), in
 process: a real Scheduler of a 2-server, 2-worker job registered by hand. A server is
-failed at once with cluster.server_replicas: 1 and a worker but rank 0 with
+failed at once with cluster.server_replicas: 1 and a worker (worker 0 too) with
 on_worker_failure: continue, each named as its launcher saw it; nothing else is (no
-replicas, abort, worker 0, a finished worker, another restart's list). The job-level
+replicas, abort, a finished worker, another restart's list). The job-level
 runs are test_replicas.py's and test_launch_remote.py's."""
 from ssdsgd.kvstore import job_status
 from ssdsgd.kvstore.env import NodeEnv
@@ -43,12 +43,13 @@ def test_a_server_and_a_worker_the_launcher_saw_exit_are_failed_at_once(tmp_path
         servers = {ident: n["rank"] for ident, n in sched.nodes.items()
                    if n["role"] == "server"}
         one = next(i for i, r in servers.items() if r == 1)
-        assert set(seen) == {one, b"w1"}, seen    # worker 0 cannot leave a job
+        assert set(seen) == {one, b"w0", b"w1"}, seen    # worker 0 is removed like any
         assert seen[one].startswith("server 1 (pid ") and seen[b"w1"].startswith("worker 1 ")
+        assert seen[b"w0"].startswith("worker 0 ")
         assert all(why.endswith(": its process exited (its launcher saw it)")
                    for why in seen.values()), seen
         sched.nodes[b"w1"]["finished"] = True      # its part was done: not failed
-        assert set(dict(_seen(sched, 200.0))) == {one}
+        assert set(dict(_seen(sched, 200.0))) == {one, b"w0"}
         job_status.write_lost(str(status), 1, [1], [1])     # another restart's list
         assert _seen(sched, 300.0) == []
     finally:

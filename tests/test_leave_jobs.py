@@ -302,24 +302,25 @@ def test_the_training_program_lets_a_worker_go_and_trains_every_chunk_once(tmp_p
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("algorithm, die_at", [("ssgd", 5), ("ssd", 2)])
+@pytest.mark.parametrize("algorithm, die_at, dead", [("ssgd", 5, 2), ("ssd", 2, 2),
+                                                     ("ssgd", 5, 0), ("ssd", 2, 0)])
 def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simulator(
-        tmp_path, algorithm, die_at):
+        tmp_path, algorithm, die_at, dead):
     """cluster.on_worker_failure: continue beside cluster.max_workers (the command form,
-    ``--env SSDSGD_ON_WORKER_FAILURE=continue``): worker 2 SIGKILLs itself before step
-    ``die_at``, every step before it applied (ssgd; ssd in its warm-up, T_w = 3, k = 2).
-    The servers aggregate without it from E = ``die_at``; its data leaves at a step s
-    every worker hears of in time (docs/spec/membership.md rule 10): its chunks of the
-    steps E..s-1 go untrained, the two others train every other chunk of the budget
-    once, and they end with ``simulate_membership``'s weights (its pushes stop at E,
-    the data follows s)."""
+    ``--env SSDSGD_ON_WORKER_FAILURE=continue``): worker ``dead`` (2, or 0, the chief)
+    SIGKILLs itself before step ``die_at``, every step before it applied (ssgd; ssd in
+    its warm-up, T_w = 3, k = 2). The servers aggregate without it from E = ``die_at``;
+    its data leaves at a step s every worker hears of in time (docs/spec/membership.md
+    rule 10): its chunks of the steps E..s-1 go untrained, the two others train every
+    other chunk of the budget once, and they end with ``simulate_membership``'s weights
+    (its pushes stop at E, the data follows s)."""
     sync = ({"warmup_steps": 3, "delay_steps": 2, "glu_state": "exact"}
             if algorithm == "ssd" else {})
     env = {f"SSDSGD_{k.upper()}": v for k, v in sync.items()}
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     args = launch_args(N, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
-                              "--die-at", die_at, "--die-rank", 2],
+                              "--die-at", die_at, "--die-rank", dead],
                        env=dict({"SSDSGD_MAX_WORKERS": N + 1, "SSDSGD_PULL_RELAY": "off",
                                  "SSDSGD_BIGARRAY_BOUND": 100, "SSDSGD_ALGORITHM": algorithm,
                                  "SSDSGD_ON_WORKER_FAILURE": "continue",
@@ -329,15 +330,18 @@ def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simu
     job = dist(["--run-dir", run_dir, *args])
     with job:
         assert job.wait(TIMEOUT) == 0, job.tail()
-    assert "worker 2 (pid" in job.text and "the job continues without it" in job.text, \
+    assert f"worker {dead} (pid" in job.text and "the job continues without it" in \
+        job.text, job.tail()
+    alive = [r for r in range(N) if r != dead]
+    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in alive]
+    assert not (tmp_path / f"chunks-rank{dead}.json").exists()
+    s = records[0]["leaves"][str(dead)]
+    assert all(r["removed"] == {str(dead): die_at} for r in records), records
+    assert all(r["leaves"] == {str(dead): s} for r in records) and s > die_at, records
+    assert f"worker {dead}'s chunks go to the 2 others from step {s}" in job.text, \
         job.tail()
-    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in range(2)]
-    assert not (tmp_path / "chunks-rank2.json").exists()
-    s = records[0]["leaves"]["2"]
-    assert all(r["removed"] == {"2": die_at} for r in records), records
-    assert all(r["leaves"] == {"2": s} for r in records) and s > die_at, records
-    assert f"worker 2's chunks go to the 2 others from step {s}" in job.text, job.tail()
-    keys, members, ref = _simulated({}, algorithm, leaves={2: s}, removed={2: die_at}, n=N,
+    keys, members, ref = _simulated({}, algorithm, leaves={dead: s}, removed={dead: die_at},
+                                    n=N,
                                     per_epoch=PER_EPOCH, epochs=EPOCHS, **sync)
     if algorithm == "ssd":
         assert s > 3 and (s - 3) % 2 == 0, s      # a pull boundary after the warm-up
@@ -346,19 +350,19 @@ def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simu
         epoch, c = members.chunk(rank, t)
         return epoch * PER_EPOCH + c
     end = members.end()
-    for rank, r in enumerate(records):
+    for rank, r in zip(alive, records):
         assert r["end"] == end and r["chunks"] == [chunk(rank, t) for t in range(end)], r
-    # steps die_at..s-1 of worker 2 go untrained; on a loaded machine the data's leave
+    # steps die_at..s-1 of the dead worker go untrained; on a loaded machine the data's leave
     # can be decided after the budget's last step (s >= end: a 12-step job): then every
     # step of it from die_at on (a CI run had s past the end, and this failed on None)
-    lost = {chunk(2, t) for t in range(die_at, min(s, end))}
-    dead = {chunk(2, t) for t in range(die_at)}
+    lost = {chunk(dead, t) for t in range(die_at, min(s, end))}
+    before = {chunk(dead, t) for t in range(die_at)}
     assert sorted(c for r in records for c in r["chunks"]) == sorted(
-        set(range(members.first_chunk(end))) - lost - dead)
+        set(range(members.first_chunk(end))) - lost - before)
     _equal_to_the_simulation(keys, ref,
-                             [load_npz(tmp_path / f"local-rank{r}.npz") for r in range(2)],
-                             [load_npz(tmp_path / f"final-rank{r}.npz") for r in range(2)],
-                             f" (removed at {die_at}, data left at {s})")
+                             [load_npz(tmp_path / f"local-rank{r}.npz") for r in alive],
+                             [load_npz(tmp_path / f"final-rank{r}.npz") for r in alive],
+                             f" (removed at {die_at}, data left at {s})", ranks=alive)
 
 
 @pytest.mark.system
@@ -461,3 +465,101 @@ def test_the_training_program_lets_worker_0_go_and_worker_1_becomes_the_chief(tm
     # the job's last checkpoint (and the epoch ends after step s) are worker 1's
     assert records(run, 1, "checkpoint")[-1]["path"].endswith(latest["params"]), latest
     assert not records(run, 2, "checkpoint")
+
+
+def _static_continue_run(tmp_path, n, die_at, env=None, timeout=TIMEOUT):
+    """tests/scripts/join_worker.py on ``n`` workers of a job that takes no joiner, with
+    on_worker_failure continue: worker 0 SIGKILLs itself before step ``die_at`` (every
+    step before it applied). The finished job."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = launch_args(n, 2, ["--out", tmp_path, "--per-epoch", PER_EPOCH, "--epochs", EPOCHS,
+                              "--die-at", die_at, "--die-rank", 0],
+                       env=dict({"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_PULL_RELAY": "off",
+                                 "SSDSGD_BIGARRAY_BOUND": 100,
+                                 "SSDSGD_ON_WORKER_FAILURE": "continue",
+                                 "SSDSGD_HEARTBEAT_INTERVAL": 0.2,
+                                 "SSDSGD_HEARTBEAT_TIMEOUT": 1}, **(env or {})),
+                       script="join_worker.py")
+    job = dist(["--run-dir", run_dir, *args])
+    with job:
+        job.wait(timeout)
+    return job
+
+
+@pytest.mark.system
+def test_with_continue_a_dead_worker_0_of_a_static_job_is_removed_as_the_simulator(tmp_path):
+    """on_worker_failure continue, 3 workers, ssgd, no joiners (each worker keeps its own
+    chunks): worker 0 SIGKILLs itself before step 5. It is removed like any rank: the
+    servers aggregate workers 1 and 2 from E = 5, its chunks from then on go untrained,
+    and the two end with ``simulate_membership``'s weights (worker 0's pushes stop at E)."""
+    job = _static_continue_run(tmp_path, N, 5)
+    assert job.returncode == 0, job.tail()
+    assert "worker 0 (pid" in job.text and "the job continues without it" in job.text, \
+        job.tail()
+    assert "worker 0 left the job" in job.text, job.tail()
+    alive = [1, 2]
+    records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in alive]
+    assert not (tmp_path / "chunks-rank0.json").exists()
+    assert all(r["removed"] == {"0": 5} and r["leaves"] == {} for r in records), records
+    # its data never leaves (no joiners): the membership of the chunks is the first one's
+    keys, members, ref = _simulated({}, "ssgd", leaves={0: 10 ** 6}, removed={0: 5}, n=N,
+                                    per_epoch=PER_EPOCH, epochs=EPOCHS)
+    end = members.end()
+    assert end == PER_EPOCH * EPOCHS // N
+    for rank, r in zip(alive, records):
+        assert r["end"] == end and r["chunks"] == [
+            members.chunk(rank, t)[0] * PER_EPOCH + members.chunk(rank, t)[1]
+            for t in range(end)], r
+    _equal_to_the_simulation(keys, ref,
+                             [load_npz(tmp_path / f"local-rank{r}.npz") for r in alive],
+                             [load_npz(tmp_path / f"final-rank{r}.npz") for r in alive],
+                             " (worker 0 removed at 5)", ranks=alive)
+
+
+def _abort_line(job):
+    """The launcher's one line quoting the scheduler's reason for aborting the job."""
+    lines = [line for line in job.text.splitlines()
+             if "the scheduler aborted the job:" in line]
+    assert len(lines) == 1, job.tail()
+    assert "Traceback" not in job.text, job.tail()
+    return lines[0]
+
+
+@pytest.mark.system
+def test_with_continue_the_last_worker_dying_aborts_the_job_in_one_line(tmp_path):
+    """on_worker_failure continue with one worker: worker 0, the last worker in the job,
+    dies; nobody is left to finish it, so the job fails (exit 1, not 0 as if every worker
+    had finished) with one line naming the cause."""
+    job = _static_continue_run(tmp_path, 1, 3)
+    assert job.returncode == 1, job.tail()
+    line = _abort_line(job)
+    assert "worker 0" in line and "it was the last worker in the job" in line, line
+
+
+@pytest.mark.system
+def test_with_continue_worker_0_dying_before_its_auto_choice_is_agreed_aborts(tmp_path):
+    """ssd with k at auto (T_w = 8), on_worker_failure continue: worker 0 dies before
+    step 3, in the warm-up, before the workers agreed on its choice of k: the job cannot
+    go on without it (nobody would choose), so it fails with one line naming the cause
+    (the same cause that refuses worker 0's departure then)."""
+    job = _static_continue_run(tmp_path, 2, 3, env={"SSDSGD_ALGORITHM": "ssd",
+                                                    "SSDSGD_WARMUP_STEPS": 8,
+                                                    "SSDSGD_GLU_STATE": "exact"})
+    assert job.returncode == 1, job.tail()
+    line = _abort_line(job)
+    assert ("worker 0 cannot be removed yet: its choice of sync.delay_steps (auto)"
+            in line), line
+
+
+@pytest.mark.system
+def test_with_continue_worker_0_dying_before_its_first_push_aborts(tmp_path):
+    """on_worker_failure continue, 2 workers, ssgd: worker 0 dies before step 0, after the
+    Trainer's set-up (its optimizer and its INITs) but before it pushed. The scheduler
+    cannot tell from its view whether every server had worker 0's initial values and
+    optimizer (which the others start from and would wait for), so the job fails with one
+    line naming the cause rather than risk a hang."""
+    job = _static_continue_run(tmp_path, 2, 0)
+    assert job.returncode == 1, job.tail()
+    line = _abort_line(job)
+    assert "worker 0" in line and "worker 0 died before its first push" in line, line

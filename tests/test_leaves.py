@@ -47,6 +47,37 @@ def test_a_departure_the_job_cannot_take_has_a_one_line_reason(args, says):
     assert leave_refusal(1, [0, 1, 2], set(), False, "a choice pending") is None
 
 
+@pytest.mark.parametrize("args, says", [
+    ((0, set(), set()), "it was the last worker in the job"),
+    ((1, set(), set()), "it was the last worker in the job"),
+    ((0, {1, 2}, {1, 2}, None, False), "worker 0 died before its first push"),
+    ((0, {1}, set()), "every other worker has finished its part, so none is left to take "
+                      "the chief's part from worker 0"),
+    ((0, {1, 2}, {1}, "its choice of sync.delay_steps"),
+     "worker 0 cannot be removed yet: its choice of sync.delay_steps"),
+])
+def test_a_removal_the_job_cannot_go_on_without_has_a_one_line_reason(args, says):
+    """cluster.on_worker_failure: continue (kvstore/removals.py): a dead worker 0 is
+    removed like any rank (its chief's part passes on) unless the job cannot go on."""
+    from ssdsgd.kvstore.removals import removal_refusal
+    why = removal_refusal(*args)
+    assert why is not None and "\n" not in why
+    assert says in why, why
+    assert removal_refusal(0, {1, 2}, {1, 2}) is None
+    assert removal_refusal(0, {1}, {1}, None, True) is None
+    assert removal_refusal(2, {0, 1}, set()) is None      # the chief finished: it is done
+    assert removal_refusal(1, {0, 2}, {0, 2}, None, False) is None
+
+
+def test_the_chief_is_the_lowest_rank_in_the_job_not_removed():
+    from ssdsgd.sync.membership import Membership
+    m = Membership(3, 9, 36)
+    assert [m.chief(t, {0}) for t in (0, 5)] == [1, 1]
+    assert m.chief(5, {0, 1}) == 2
+    m.leave(0, 6)                   # a removed worker 0's data leaves later (rule 10)
+    assert [m.chief(t, {0}) for t in (5, 6)] == [1, 1] and m.chief(6) == 1
+
+
 def test_a_server_holds_for_a_departure_and_closes_the_steps_after_it_without_the_leaver():
     p = DenseSync(3, 3, "ssgd")
     ex = Executor(p, [0])
@@ -170,3 +201,28 @@ def test_a_joiner_that_dies_before_its_first_push_is_missing_from_its_join_step(
     p.hold(2)
     ex.run(p.admit(2, 3))
     assert p.first_missing(2) == 3
+
+
+@pytest.mark.parametrize("workers, relay, k, failure, says", [
+    (2, "auto", "5", "abort", None),          # a chain of 2: no relay is chosen
+    (3, "auto", "5", "continue", None),       # no relay beside a worker left behind
+    (3, "auto", "5", "abort", "its choice of sync.pull_relay (auto)"),
+    (3, "off", "auto", "continue", "its choice of sync.delay_steps (auto)"),
+])
+def test_worker_0_waits_for_the_agreement_only_on_a_knob_it_chooses(workers, relay, k,
+                                                                    failure, says):
+    """ssd's not_yet_leaving names pull_relay at auto only where a relay may be chosen
+    (sync/auto.py relay_listens): elsewhere it is off from the start and, with k
+    pinned, no agreement ever comes, so worker 0 could never leave or be removed."""
+    from ssdsgd.kvstore.env import NodeEnv
+    from ssdsgd.sync.scheduler_policies import make_scheduler_policy
+    env = NodeEnv.from_environ({
+        "SSDSGD_SCHEDULER_PORT": "1234", "SSDSGD_NUM_WORKERS": str(workers),
+        "SSDSGD_NUM_SERVERS": "1", "SSDSGD_ALGORITHM": "ssd", "SSDSGD_PULL_RELAY": relay,
+        "SSDSGD_DELAY_STEPS": k, "SSDSGD_ON_WORKER_FAILURE": failure})
+    policy = make_scheduler_policy(env)
+    why = policy.not_yet_leaving(0, set(), asked=False)
+    assert (why is None) if says is None else why.startswith(says), why
+    assert policy.not_yet_leaving(1, set()) is None
+    from ssdsgd.sync.auto import AGREEMENT
+    assert policy.not_yet_leaving(0, {AGREEMENT}, asked=False) is None   # agreed: it may go

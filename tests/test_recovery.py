@@ -187,3 +187,40 @@ def test_with_continue_a_killed_worker_leaves_and_the_job_finishes(tmp_path, alg
     assert summary["final_accuracy"] > 0.8
     latest = json.loads((run / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == EPOCHS * STEPS
+
+
+@pytest.mark.parametrize("algorithm", ["ssgd", "ssd"])
+def test_with_continue_a_killed_worker_0_leaves_and_worker_1_becomes_the_chief(tmp_path,
+                                                                              algorithm):
+    """cluster.on_worker_failure: continue, 2 workers (ssd: k pinned, the kill after the
+    warm-up): worker 0 (the chief)
+    SIGKILLed mid-run is removed like any rank; worker 1, the lowest rank left, takes the
+    chief's part from when it hears of the removal: it validates, writes the job's last
+    checkpoint (latest.json) and summary.json, which names worker 0 removed from step E."""
+    from test_e2e_configs import records
+    root = tmp_path / "runs"
+    step = kill_step(f"continue-chief-{algorithm}")
+    with start(["configs/digits.yaml", *JOBS[algorithm], *sets(
+            output__dir=root, cluster__on_worker_failure="continue",
+            cluster__heartbeat_interval=0.2, cluster__heartbeat_timeout=1.0)]) as job:
+        run = wait_for_step(job, root, step)
+        victim, = [c for c in job.processes() if role_of(c) == ("worker", 0)]
+        os.kill(victim, signal.SIGKILL)
+        assert job.wait(timeout=300) == 0, job.stdout[-3000:]
+    out = job.stdout
+    assert re.search(r"worker 0 \(pid \d+\) was killed by SIGKILL; the job continues "
+                     "without it", out), out[-3000:]
+    assert "worker 0 left the job" in out, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    left, = summary["workers_left"]
+    e = left["from_step"]
+    assert left["rank"] == 0 and left["how"] == "removed" and step <= e <= 2 * STEPS, summary
+    assert summary["steps"] == EPOCHS * STEPS and summary["workers_reporting"] == 1, summary
+    # the chief's part after the removal is worker 1's: its validation, its summary
+    vals = records(run, 1, "val")
+    assert vals and summary["final_accuracy"] == vals[-1]["accuracy"] > 0.8, summary
+    done = [line for line in out.splitlines() if "done: test accuracy" in line]
+    assert len(done) == 1 and "[worker 1]" in done[0], done
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == EPOCHS * STEPS and latest["workers"] == 0, latest
+    assert records(run, 1, "checkpoint")[-1]["path"].endswith(latest["params"]), latest

@@ -137,14 +137,15 @@ def _close(actual, expected, what):
     np.testing.assert_allclose(actual, expected, rtol=2e-4, atol=2e-5, err_msg=what)
 
 
-def _equal_to_the_simulation(keys, ref, locals_, finals, note=""):
+def _equal_to_the_simulation(keys, ref, locals_, finals, note="", ranks=None):
     """Every worker's local weights after its last update and the global weights it ended
-    with are the simulator's."""
-    for r in range(len(locals_)):
+    with are the simulator's (``ranks``: the workers ``locals_`` and ``finals`` are of, in
+    order; 0..len - 1 if None)."""
+    for x, r in enumerate(range(len(locals_)) if ranks is None else ranks):
         for i, j in keys.items():
-            _close(locals_[r][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
+            _close(locals_[x][f"p{j}"], ref.worker_weights[r][i].asnumpy(),
                    f"worker {r} local weights of key {i}{note}")
-            _close(finals[r][f"p{j}"], ref.global_weights[i].asnumpy(),
+            _close(finals[x][f"p{j}"], ref.global_weights[i].asnumpy(),
                    f"worker {r} final global weights of key {i}{note}")
 
 

@@ -61,6 +61,7 @@ class IOThread:
         self.joined_at = threading.Event()
         self.join_step = None
         self.progress = 0         # pushes the training thread made (liveness.py)
+        self._told_pushing = False    # has a heartbeat counted a push yet?
         self.busy = False         # it says it does something else (rank 0's validation)
         # a launched worker whose training thread is stuck (it cannot see the abort)
         # would hold its launcher for ever: the process exits this long after (None: never)
@@ -280,7 +281,11 @@ class IOThread:
             if self.relay.sock in events:
                 self.relay.receive(RECV_PER_TURN)
             self.relay.overdue()
-            link.tick(self._progress)
+            # the first push is told at once: until the scheduler knows of one, worker
+            # 0's death ends the job (removals.removal_refusal)
+            first = self.progress > 0 and not self._told_pushing
+            link.tick(self._progress, now_due=first)
+            self._told_pushing = self._told_pushing or first
             if self._stopping and not backlog:
                 return
 

@@ -62,7 +62,7 @@ def _replace(path, data):
 
 
 # The other way, launcher to scheduler: the servers the launcher saw die
-# (cluster.server_replicas) and the workers but rank 0 (cluster.on_worker_failure:
+# (cluster.server_replicas) and the workers, rank 0 too (cluster.on_worker_failure:
 # continue), for the scheduler in force. It acts on them within a turn instead of after
 # its heartbeat timeout (30 s by default): a running scheduler hands a dead server's keys
 # to its backup, and a restarted one that rebuilds the job does not wait for them until

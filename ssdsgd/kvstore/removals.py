@@ -4,6 +4,29 @@ the smallest answer, once every server has given one, is the step from which eve
 aggregates without it. A pure decider: the scheduler sends the questions and the outcome."""
 
 
+def removal_refusal(rank, others, training, choice_pending=None, pushed=True):
+    """Why the job cannot go on without dead worker ``rank``, or None. ``others``: the
+    ranks of the other workers in the job (not leaving); ``training``: those of them that
+    have not finished; ``choice_pending``: why worker ``rank`` may not go yet in this
+    job's mode (the policy's ``not_yet_leaving``), or None; ``pushed``: has a heartbeat
+    of worker 0 counted a push? A worker pushes only after its INITs were answered and
+    (the Trainer's order) its optimizer reached every server, so before that worker 0's
+    initial values and optimizer, which the others start from and wait for, may be
+    missing on a server. Any rank may be removed, worker 0 too: the chief's part passes
+    to the lowest rank left (docs/spec/membership.md rule 8)."""
+    if not others:
+        return "it was the last worker in the job (the job ends with it)"
+    if rank == 0 and not pushed:
+        return ("worker 0 died before its first push (the initial values and the optimizer "
+                "it sends, which the others start from, may not have reached every server)")
+    if not training and rank < min(others):
+        return (f"every other worker has finished its part, so none is left to take the "
+                f"chief's part from worker {rank} (the last validation and the summary)")
+    if choice_pending:
+        return f"worker {rank} cannot be removed yet: {choice_pending}"
+    return None
+
+
 class RemovalError(ValueError):
     """An answer that answers no question asked."""
 

@@ -127,14 +127,14 @@ class Rebuild:
     def lose(self, ranks, workers=()):
         """Servers and workers the launcher saw die while this rebuild waits
         (job_status.read_lost): the servers not back and not replaced are lost as if
-        named at the start; the workers expected but rank 0, not back, are ``gone``
-        (removed once the others are back). Returns (new servers, new workers)."""
+        named at the start; the workers expected, not back, are ``gone`` (removed once
+        the others are back). Returns (new servers, new workers)."""
         new = sorted(r for r in set(ranks) - set(self.lost) - set(self.replaced)
                      if r < self.counts["server"] and ("server", r) not in self.back)
         self.lost = sorted(set(self.lost) | set(new))
         self.expected -= {("server", r) for r in new}
         gone = sorted(r for r in set(workers) - self.gone
-                      if r and ("worker", r) in self.expected - set(self.back))
+                      if ("worker", r) in self.expected - set(self.back))
         self.gone |= set(gone)
         self.expected -= {("worker", r) for r in gone}
         return new, gone
@@ -268,7 +268,9 @@ class Rejoins:
             self._remove_lost(rank, "died while the scheduler was down (its launcher saw it)")
 
     def _remove_lost(self, rank, why):
-        """Worker ``rank`` did not come back: it leaves, as a silent worker does."""
+        """Worker ``rank`` did not come back: it leaves, as a silent worker does (or the
+        job ends, saying why it cannot go on without it: ``_removal_refused``)."""
+        self._removal_refused(rank, f"worker {rank} {why}")
         self.log(f"worker {rank} {why}; removing it from the job "
                  "(cluster.on_worker_failure: continue)")
         self.stalls.leave(rank)
@@ -277,13 +279,13 @@ class Rejoins:
     def _launcher_lost(self):
         """(servers, workers) the launcher saw die (job_status.write_lost, for this
         scheduler's restart number) that the job goes on without: servers with
-        cluster.server_replicas, workers but rank 0 with on_worker_failure: continue."""
+        cluster.server_replicas, workers with on_worker_failure: continue."""
         if not self.env.status_file:
             return [], []
         servers, workers = job_status.read_lost(self.env.status_file,
                                                 self.env.scheduler_restart)
         return (servers if self.env.server_replicas else [],
-                [r for r in workers if r] if self.env.on_worker_failure == "continue"
+                list(workers) if self.env.on_worker_failure == "continue"
                 else [])
 
     def _awaiting_rejoins(self, now):
@@ -304,7 +306,7 @@ class Rejoins:
             return True
         missing = rebuild.missing()
         waited = f"within {rebuild.deadline - rebuild.began:.0f} s"
-        gone = [rank for role, rank in missing if role == "worker" and rank
+        gone = [rank for role, rank in missing if role == "worker"
                 and self.env.on_worker_failure == "continue"]
         # cluster.server_replicas: a server's backup takes its keys, as for a dead one
         replaced = [rank for role, rank in missing if role == "server"

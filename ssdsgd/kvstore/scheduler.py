@@ -21,7 +21,7 @@ from . import job_status, protocol as P
 from .barriers import Barriers
 from .chunks import ChunkError, Dealer
 from .env import NodeEnv
-from .removals import RemovalError, Removals
+from .removals import RemovalError, Removals, removal_refusal
 from . import reregister
 from .join_wiring import Joins
 from .replica_map import ReplicaError, ReplicaMap
@@ -108,6 +108,7 @@ class Scheduler(reregister.Rejoins, Joins):
         self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = Barriers()
         self.removals = Removals()    # cluster.on_worker_failure: continue
+        self.pushing = set()          # workers a heartbeat counted a push of (removals.py)
         self.replicas = ReplicaMap(env.num_servers, env.server_replicas)
         self.dealer = Dealer()        # data.assignment: dynamic (chunks.py)
         self.counts = {"server": env.num_servers, "worker": env.num_workers}
@@ -268,6 +269,8 @@ class Scheduler(reregister.Rejoins, Joins):
 
     def _heartbeat(self, ident, node, meta):
         if node["role"] == "worker" and "progress" in meta:
+            if meta["progress"]:
+                self.pushing.add(node["rank"])
             self.stalls.report(node["rank"], meta["progress"], meta.get("busy", False),
                                node["last_seen"], meta.get("oldest"))
         self._send(ident, P.Kind.HEARTBEAT, {"sent": meta["sent"], "time": time.perf_counter()}
@@ -375,10 +378,29 @@ class Scheduler(reregister.Rejoins, Joins):
                                 f"messages of server {which} ({e.strerror})")
 
     # ---- cluster.on_worker_failure: continue ----------------------------------------
+    def _removal_refused(self, rank, why, ident=None):
+        """Abort the job, saying why in one line, if it cannot go on without dead worker
+        ``rank`` (``removals.removal_refusal``; ``ident``: its connection, if it has one):
+        the last worker, worker 0 before a heartbeat counted its first push, a chief whose part no worker
+        still training can take, or one whose mode needs it still (its policy's
+        ``not_yet_leaving``: the transport knows no algorithm)."""
+        others = {n["rank"]: n for i, n in self.nodes.items()
+                  if i != ident and n["role"] == "worker" and n["rank"] != rank
+                  and n["rank"] not in self.departed}
+        ask = getattr(self.policy, "not_yet_leaving", None)
+        wrong = removal_refusal(
+            rank, set(others), {r for r, n in others.items() if not n["finished"]},
+            ask(rank, set(self.barriers.agreed), asked=False) if ask is not None else None,
+            pushed=rank in self.pushing)
+        if wrong is not None:
+            self._abort(f"{why}; {wrong}")
+
     def _remove_worker(self, ident, why):
-        """A dead or stuck worker (not rank 0) leaves: ask every server for the first step
-        it has not received from it; the smallest becomes the step from which every server
-        aggregates without it (``removals.py``). Barriers no longer wait for it."""
+        """A dead or stuck worker (any rank; worker 0's chief's part passes to the lowest
+        rank left, which hears of the removal as every node does) leaves: ask every server
+        for the first step it has not received from it; the smallest becomes the step from
+        which every server aggregates without it (``removals.py``). Barriers no longer
+        wait for it."""
         node = self.nodes.pop(ident)
         rank = node["rank"]
         self.stalls.leave(rank)
@@ -493,9 +515,11 @@ class Scheduler(reregister.Rejoins, Joins):
 
     def _failed(self, ident, why):
         """A node is dead or stuck: it leaves (cluster.on_worker_failure: continue, a
-        worker but rank 0; told to go, in case it still listens), or the job is aborted."""
+        worker the job can go on without, ``_removal_refused``; told to go, in case it
+        still listens), or the job is aborted."""
         n = self.nodes[ident]
-        if self.env.on_worker_failure == "continue" and n["role"] == "worker" and n["rank"]:
+        if self.env.on_worker_failure == "continue" and n["role"] == "worker":
+            self._removal_refused(n["rank"], why, ident)
             self._send(ident, P.Kind.ABORT, {"reason": f"{why}; it leaves the job"})
             self._remove_worker(ident, why)
         elif n["role"] == "server" and self.env.server_replicas:

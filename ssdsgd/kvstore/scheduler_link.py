@@ -135,11 +135,13 @@ class SchedulerLink:
                          f"and are all {self.env.num_workers} workers and "
                          f"{self.env.num_servers} servers started?")
 
-    def tick(self, progress=None):
-        """Send a heartbeat when due (a worker's with ``progress()``: its meta, see
-        liveness.py); raise JobAborted when the scheduler went silent."""
+    def tick(self, progress=None, now_due=False):
+        """Send a heartbeat when due, or at once with ``now_due`` (a worker's with
+        ``progress()``: its meta, see liveness.py); raise JobAborted when the scheduler
+        went silent."""
         now = time.monotonic()
-        if now - self.last_sent >= (PROBE_S if TIMELINE.probing else self.env.heartbeat_interval):
+        if now_due or now - self.last_sent >= (PROBE_S if TIMELINE.probing
+                                               else self.env.heartbeat_interval):
             meta = progress() if progress else None
             if TIMELINE.on:      # the echo tells the clock offset (ssdsgd/timeline.py)
                 meta = dict(meta or {}, sent=time.perf_counter())

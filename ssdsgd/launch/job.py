@@ -97,8 +97,9 @@ def run_job(num_workers, num_servers, worker_cmd, extra_env=None, port=None, lau
     Whatever ends the job, every process it started is stopped before this returns.
     ``failures``, a list, receives one line per failed process, the likely root cause
     (a process killed by a signal) first. ``continue_without_workers``
-    (cluster.on_worker_failure: continue): a worker other than rank 0 that dies is left
-    behind (the scheduler removes it) and the job goes on. ``run_dir``: the run's
+    (cluster.on_worker_failure: continue): a worker that dies is left behind (the
+    scheduler removes it, or aborts the job saying why it cannot go on) and the job goes
+    on. ``run_dir``: the run's
     directory, where a launcher whose processes read their keys from a shared
     filesystem (mpi, slurm: ``keys_parent``) makes the job's key directory.
     ``server_replicas`` (cluster.server_replicas: 1): the first server that dies is left
@@ -246,9 +247,10 @@ def _scheduler_restarts(runner, env, plan, start, status, log):
 
 
 def _left_behind(failed, left, log):
-    """cluster.on_worker_failure: continue: failed workers other than rank 0 join
-    ``left``; True if every failure was one of those."""
-    if not all(p.role == "worker" and p.rank != 0 for p in failed):
+    """cluster.on_worker_failure: continue: failed workers join ``left`` (the scheduler
+    removes them, or ends the job saying why it cannot go on without one); True if every
+    failure was a worker's."""
+    if not all(p.role == "worker" for p in failed):
         return False
     for p in failed:
         log(f"{p.name} (pid {p.pid}) {_describe_exit(p.poll())}; the job continues without "
@@ -327,8 +329,8 @@ def _watch(procs, interrupted, progress, log, failures=None, continue_without_wo
             failed.remove(p)
         if failed and continue_without_workers and _left_behind(failed, left, log):
             failed = []
-        elif failed and continue_without_workers and restarts.budget:    # and the
-            behind = [p for p in failed if p.role == "worker" and p.rank]   # scheduler
+        elif failed and continue_without_workers and restarts.budget:    # workers and
+            behind = [p for p in failed if p.role == "worker"]        # the scheduler
             if behind and _left_behind(behind, left, log):
                 failed = [p for p in failed if p not in behind]
         if failed and server_replicas and _server_left_behind(failed, left, log):

@@ -94,8 +94,8 @@ class SchedulerRestarts:
 
 
 def _dead(procs):
-    """(role, rank) of the servers that died and of the workers but rank 0 that failed
-    (a worker that exited 0 finished; rank 0 cannot leave a job)."""
+    """(role, rank) of the servers that died and of the workers that failed (a worker
+    that exited 0 finished)."""
     return ({("server", p.rank) for p in procs if p.role == "server" and p.poll() is not None}
-            | {("worker", p.rank) for p in procs if p.role == "worker" and p.rank
+            | {("worker", p.rank) for p in procs if p.role == "worker"
                and p.poll() not in (None, 0)})

@@ -51,13 +51,15 @@ class Membership:
         ranks = set(self.first) | set(self.changes)
         return [r for r in sorted(ranks) if self._in(r, t)]
 
-    def chief(self, t):
+    def chief(self, t, removed=()):
         """The chief at step t (docs/spec/membership.md rule 8): the lowest rank in the
-        job then, or of the last step that had members; worker 0 until it leaves."""
-        members = self.members(t)
+        job then, or of the last step that had members, but the ``removed`` ones (dead
+        workers the servers dropped, cluster.on_worker_failure: continue, whose data may
+        leave later, rule 10); worker 0 until it leaves or is removed."""
+        members = [r for r in self.members(t) if r not in removed]
         while not members and t > self.start_step:
             t -= 1
-            members = self.members(t)
+            members = [r for r in self.members(t) if r not in removed]
         return members[0] if members else None
 
     def _in(self, rank, t):

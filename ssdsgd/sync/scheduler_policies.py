@@ -94,23 +94,28 @@ class SchedulerPolicy:
     def __init__(self, parts, describe, env=None):
         self.parts, self.describe, self.env = parts, describe, env
 
-    def not_yet_leaving(self, rank, agreed):
+    def not_yet_leaving(self, rank, agreed, asked=True):
         """Why worker ``rank`` may not leave yet in this job's mode, or None (``agreed``:
-        the names of the barriers' agreements reached so far). In ssd with a knob at
-        auto, worker 0 chooses at the end of the warm-up (sync/auto.py) and the others
-        take its choice at a barrier; until they agreed, its departure would leave nobody
-        to choose (docs/spec/membership.md rule 8)."""
-        from .auto import AGREEMENT, is_auto
+        the names of the barriers' agreements reached so far; ``asked``: a departure
+        asked for, else a dead worker's removal, cluster.on_worker_failure: continue). In
+        ssd with a knob at auto, worker 0 chooses at the end of the warm-up (sync/auto.py)
+        and the others take its choice at a barrier; until they agreed, its departure or
+        removal would leave nobody to choose (docs/spec/membership.md rule 8)."""
+        from .auto import AGREEMENT, is_auto, relay_listens
         env = self.env
         if rank != 0 or env is None or env.algorithm != "ssd" or AGREEMENT in agreed:
             return None
-        knobs = [name for name, v in (("sync.delay_steps", env.delay_steps),
-                                       ("sync.pull_relay", env.pull_relay)) if is_auto(v)]
+        # the relay at auto is chosen only where one may be (else it is off from the
+        # start, and with k pinned no agreement ever comes)
+        knobs = [name for name, auto in (("sync.delay_steps", is_auto(env.delay_steps)),
+                                          ("sync.pull_relay", relay_listens(env)
+                                           and is_auto(env.pull_relay))) if auto]
         if not knobs:
             return None
         return (f"its choice of {' and '.join(knobs)} (auto) at the end of the warm-up is "
-                "the job's, and the workers have not agreed on it yet; ask again after the "
-                "warm-up, or pin them")
+                "the job's, and the workers have not agreed on it yet; "
+                + ("ask again after the warm-up, or pin them" if asked else
+                   "pin them for a job that may lose worker 0 in its warm-up"))
 
     def on_event(self, role, rank, payload):
         name, fields = events.read(payload, (role, "scheduler"))
