@@ -34,6 +34,12 @@ from pathlib import Path
 from ssdsgd.metrics import job_throughput, worker_files
 
 
+def rate_text(rate: float) -> str:
+    """A rate as shown: whole numbers from 100 on, else three significant digits, so a
+    slow job (big images, under 1 sample a second) does not read as 0."""
+    return f"{rate:.0f}" if rate >= 100 or rate == 0 else f"{rate:.3g}"
+
+
 class ProgressMonitor:
     def __init__(self, run_dir, total_steps: int | None = None, tty: bool = False,
                  interval: float = 10.0, stream=None, start_step: int | None = None):
@@ -162,7 +168,7 @@ class ProgressMonitor:
 
     def _text(self, s: dict) -> str:
         parts = [f"epoch {s['epoch']}" if s["epoch"] is not None else "epoch -",
-                 f"{s['samples_per_sec']:.0f} samples/s"]
+                 f"{rate_text(s['samples_per_sec'])} samples/s"]
         if s["val_accuracy"] is not None:
             parts.append(f"val acc {s['val_accuracy']:.4f}")
         elif s["train_accuracy"] is not None:

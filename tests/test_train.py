@@ -385,6 +385,16 @@ def test_progress_ends_with_the_jobs_throughput_not_the_workers_rates_summed(tmp
     mon.close()
 
 
+@pytest.mark.parametrize("rate, shown", [(405.0, "405"), (12.345, "12.3"),
+                                          (0.42446, "0.424"), (0.0, "0")])
+def test_the_progress_line_shows_a_slow_jobs_rate_not_zero(rate, shown):
+    """A job of big images on a busy machine trains under 1 sample a second; its progress
+    line said "0 samples/s" (seen in a CI run of the ImageNet config: 0.42), as if nothing
+    were trained. Three significant digits below 100, whole numbers above."""
+    from ssdsgd.progress import rate_text
+    assert rate_text(rate) == shown
+
+
 def test_progress_monitor_tty_bar(tmp_path):
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics/worker-0.jsonl").write_text(
