@@ -343,7 +343,12 @@ def test_after_a_server_was_replaced_by_its_backup_a_killed_scheduler_is_restart
         assert sorted(before) == [("server", 1), ("worker", 0), ("worker", 1)], before
         os.kill(job.process("scheduler"), signal.SIGKILL)
         job.wait_for("re-registered and the job goes on", 60)
-        assert nodes(job) == before
+        # nobody was started again: every node still runs as the same process, or has
+        # ended (an unslowed worker 1 may finish its last steps right after it re-registered
+        # on a loaded machine: seen in a run at load average 14; an abnormal end fails the
+        # job below)
+        now = nodes(job)
+        assert now.items() <= before.items(), (now, before)
         assert job.wait(timeout=300) == 0, job.text[-3000:]
     run, = [d for d in root.iterdir() if d.is_dir()]
     assert "restart 1: rebuilding the job from the nodes that re-register (3 expected; " \
