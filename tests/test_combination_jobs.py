@@ -17,13 +17,13 @@ from test_resume import assert_same_final_weights
 pytestmark = pytest.mark.system
 
 
-def restarted(args, root, rank, step):
-    """Run ``launch/dist.py ARGS --max-restarts 1``, SIGKILL worker ``rank`` once rank 0
+def restarted(args, root, rank, step, role="worker"):
+    """Run ``launch/dist.py ARGS --max-restarts 1``, SIGKILL ``role`` ``rank`` once rank 0
     has logged ``step``, and wait for the job to end by itself; returns its run directory
     once the launcher has said it restarted the job from the checkpoint."""
-    run, out = kill_once_with_a_restart(args, root, step, "worker", rank)
+    run, out = kill_once_with_a_restart(args, root, step, role, rank)
     restarts = [ln for ln in out.splitlines() if "restart 1 of 1" in ln]
-    assert len(restarts) == 1 and f"restart 1 of 1: worker {rank} on " in restarts[0], \
+    assert len(restarts) == 1 and f"restart 1 of 1: {role} {rank} on " in restarts[0], \
         out[-3000:]
     assert "resuming from the checkpoint at step" in restarts[0], restarts[0]
     return run
@@ -32,16 +32,16 @@ def restarted(args, root, rank, step):
 def test_a_compressed_staggered_continue_job_is_restarted_as_if_uninterrupted(
         tmp_path, uninterrupted_digits):
     """ssd with 2bit pushes, staggered pulls, cluster.on_worker_failure continue and
-    --max-restarts 1: rank 0 (which continue never leaves behind) SIGKILLed in the
-    steps-delay stage; the launcher restarts the job from its checkpoint and it ends with
-    exactly the weights of the same job run without interruption (and without continue):
+    --max-restarts 1: server 0 (which continue never leaves behind; a dead worker, worker
+    0 too, is removed instead) SIGKILLed in the steps-delay stage; the launcher restarts
+    the job from its checkpoint and it ends with exactly the weights of the same job run without interruption (and without continue):
     each worker's residuals (what its compressed pushes have not sent yet) are saved with
     its state and restored, and each worker keeps its pull phase."""
     a = uninterrupted_digits("ssd", **COMPRESSED_STAGGERED)
     job = ["configs/digits.yaml", *digits_job("ssd"), *sets(**COMPRESSED_STAGGERED)]
     root = tmp_path / "b"
     b = restarted([*job, *sets(cluster__on_worker_failure="continue", output__dir=root)],
-                  root, 0, kill_step("many"))
+                  root, 0, kill_step("many"), role="server")
     for rank in (0, 1):
         starts = records(b, rank, "start")
         assert len(starts) == 2 and 29 < starts[1]["start_step"] < EPOCHS * STEPS  # delay
