@@ -349,7 +349,8 @@ SETTINGS = (
             form="comma-separated ranks", launcher="when it restarts the scheduler"),
     Setting("on_worker_failure", str, "abort", "when a worker dies: abort the job, restart "
             "it from the last checkpoint (cluster.max_restarts times, 3 if that is 0) or "
-            "continue without it (rank 0 too: the lowest rank left takes the chief's part; docs/reliability.md)",
+            "continue without it (rank 0 too: the lowest rank left takes the chief's part; "
+            "docs/reliability.md)",
             env="SSDSGD_ON_WORKER_FAILURE", path="cluster.on_worker_failure",
             choices=("abort", "restart", "continue")),
     Setting("max_workers", int, None, "the most workers the job may have had: spare ranks "

@@ -161,27 +161,36 @@ def test_a_killed_launcher_leaves_nothing_and_resume_ends_as_if_uninterrupted(
     assert_same(run, reference)
 
 
+def _killed_with_continue(tmp_path, algorithm, rank, step):
+    """The digits job with cluster.on_worker_failure: continue (heartbeat timeout 1 s),
+    worker ``rank`` SIGKILLed once rank 0 logged ``step``; the job must finish (exit 0),
+    say it went on without it and that it left. (run dir, output, summary.json, its one
+    ``workers_left`` entry)."""
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS[algorithm], *sets(
+            output__dir=root, cluster__on_worker_failure="continue",
+            cluster__heartbeat_interval=0.2, cluster__heartbeat_timeout=1.0)]) as job:
+        run = wait_for_step(job, root, step)
+        victim, = [c for c in job.processes() if role_of(c) == ("worker", rank)]
+        os.kill(victim, signal.SIGKILL)
+        assert job.wait(timeout=300) == 0, job.stdout[-3000:]
+    out = job.stdout
+    assert re.search(rf"worker {rank} \(pid \d+\) was killed by SIGKILL; the job continues "
+                     "without it", out), out[-3000:]
+    assert f"worker {rank} left the job" in out, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    left, = summary["workers_left"]
+    return run, out, summary, left
+
+
 @pytest.mark.parametrize("algorithm", ["ssd", "ssgd"])
 def test_with_continue_a_killed_worker_leaves_and_the_job_finishes(tmp_path, algorithm):
     """cluster.on_worker_failure: continue: worker 1 SIGKILLed mid-run; the scheduler
     removes it (heartbeat timeout 1 s here), every server aggregates rank 0 alone from the
     step it names, the job finishes all its steps with one worker, and summary.json says
     who left and from which step."""
-    root = tmp_path / "runs"
     step = kill_step(f"continue-{algorithm}")
-    with start(["configs/digits.yaml", *JOBS[algorithm], *sets(
-            output__dir=root, cluster__on_worker_failure="continue",
-            cluster__heartbeat_interval=0.2, cluster__heartbeat_timeout=1.0)]) as job:
-        run = wait_for_step(job, root, step)
-        victim, = [c for c in job.processes() if role_of(c) == ("worker", 1)]
-        os.kill(victim, signal.SIGKILL)
-        assert job.wait(timeout=300) == 0
-    out = job.stdout
-    assert re.search(r"worker 1 \(pid \d+\) was killed by SIGKILL; the job continues "
-                     "without it", out), out[-3000:]
-    assert "worker 1 left the job" in out
-    summary = json.loads((run / "summary.json").read_text())
-    left, = summary["workers_left"]
+    run, out, summary, left = _killed_with_continue(tmp_path, algorithm, 1, step)
     assert left["rank"] == 1 and step <= left["from_step"] <= 2 * STEPS
     assert summary["steps"] == EPOCHS * STEPS and summary["workers_reporting"] == 1
     assert summary["final_accuracy"] > 0.8
@@ -193,26 +202,13 @@ def test_with_continue_a_killed_worker_leaves_and_the_job_finishes(tmp_path, alg
 def test_with_continue_a_killed_worker_0_leaves_and_worker_1_becomes_the_chief(tmp_path,
                                                                               algorithm):
     """cluster.on_worker_failure: continue, 2 workers (ssd: k pinned, the kill after the
-    warm-up): worker 0 (the chief)
-    SIGKILLed mid-run is removed like any rank; worker 1, the lowest rank left, takes the
-    chief's part from when it hears of the removal: it validates, writes the job's last
-    checkpoint (latest.json) and summary.json, which names worker 0 removed from step E."""
+    warm-up): worker 0 (the chief) SIGKILLed mid-run is removed like any rank; worker 1,
+    the lowest rank left, takes the chief's part from when it hears of the removal: it
+    validates, writes the job's last checkpoint (latest.json) and summary.json, which
+    names worker 0 removed from step E."""
     from test_e2e_configs import records
-    root = tmp_path / "runs"
     step = kill_step(f"continue-chief-{algorithm}")
-    with start(["configs/digits.yaml", *JOBS[algorithm], *sets(
-            output__dir=root, cluster__on_worker_failure="continue",
-            cluster__heartbeat_interval=0.2, cluster__heartbeat_timeout=1.0)]) as job:
-        run = wait_for_step(job, root, step)
-        victim, = [c for c in job.processes() if role_of(c) == ("worker", 0)]
-        os.kill(victim, signal.SIGKILL)
-        assert job.wait(timeout=300) == 0, job.stdout[-3000:]
-    out = job.stdout
-    assert re.search(r"worker 0 \(pid \d+\) was killed by SIGKILL; the job continues "
-                     "without it", out), out[-3000:]
-    assert "worker 0 left the job" in out, out[-3000:]
-    summary = json.loads((run / "summary.json").read_text())
-    left, = summary["workers_left"]
+    run, out, summary, left = _killed_with_continue(tmp_path, algorithm, 0, step)
     e = left["from_step"]
     assert left["rank"] == 0 and left["how"] == "removed" and step <= e <= 2 * STEPS, summary
     assert summary["steps"] == EPOCHS * STEPS and summary["workers_reporting"] == 1, summary

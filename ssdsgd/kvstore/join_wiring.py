@@ -201,11 +201,13 @@ class Joins:
             self._send(i, P.Kind.LEAVE, {"leaving": rank})
         self.log(f"worker {rank} asks to leave; the servers hold")
 
-    def _choice_pending(self):
-        """Why worker 0 may not leave yet in this job's mode, or None (its policy's
+    def _choice_pending(self, rank=0, asked=True):
+        """Why worker ``rank`` may not leave yet in this job's mode (``asked``: a
+        departure asked for, else a dead worker's removal), or None (its policy's
         ``not_yet_leaving``: the transport knows no algorithm)."""
         ask = getattr(self.policy, "not_yet_leaving", None)
-        return ask(0, set(self.barriers.agreed)) if ask is not None else None
+        return (ask(rank, set(self.barriers.agreed), asked=asked) if ask is not None
+                else None)
 
     def _leave_answer(self, ident, meta):
         """LEAVE from a server: the first step it holds from; once every server answered,

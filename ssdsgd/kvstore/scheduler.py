@@ -378,20 +378,17 @@ class Scheduler(reregister.Rejoins, Joins):
                                 f"messages of server {which} ({e.strerror})")
 
     # ---- cluster.on_worker_failure: continue ----------------------------------------
-    def _removal_refused(self, rank, why, ident=None):
+    def _removal_refused(self, rank, why):
         """Abort the job, saying why in one line, if it cannot go on without dead worker
-        ``rank`` (``removals.removal_refusal``; ``ident``: its connection, if it has one):
-        the last worker, worker 0 before a heartbeat counted its first push, a chief whose part no worker
-        still training can take, or one whose mode needs it still (its policy's
-        ``not_yet_leaving``: the transport knows no algorithm)."""
-        others = {n["rank"]: n for i, n in self.nodes.items()
-                  if i != ident and n["role"] == "worker" and n["rank"] != rank
+        ``rank`` (``removals.removal_refusal``): the last worker, worker 0 before a
+        heartbeat counted its first push, a chief whose part no worker still training can
+        take, or one whose mode needs it still (``_choice_pending``)."""
+        others = {n["rank"]: n for n in self.nodes.values()
+                  if n["role"] == "worker" and n["rank"] != rank
                   and n["rank"] not in self.departed}
-        ask = getattr(self.policy, "not_yet_leaving", None)
         wrong = removal_refusal(
             rank, set(others), {r for r, n in others.items() if not n["finished"]},
-            ask(rank, set(self.barriers.agreed), asked=False) if ask is not None else None,
-            pushed=rank in self.pushing)
+            self._choice_pending(rank, asked=False), pushed=rank in self.pushing)
         if wrong is not None:
             self._abort(f"{why}; {wrong}")
 
@@ -519,7 +516,7 @@ class Scheduler(reregister.Rejoins, Joins):
         still listens), or the job is aborted."""
         n = self.nodes[ident]
         if self.env.on_worker_failure == "continue" and n["role"] == "worker":
-            self._removal_refused(n["rank"], why, ident)
+            self._removal_refused(n["rank"], why)
             self._send(ident, P.Kind.ABORT, {"reason": f"{why}; it leaves the job"})
             self._remove_worker(ident, why)
         elif n["role"] == "server" and self.env.server_replicas:

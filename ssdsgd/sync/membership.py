@@ -56,11 +56,11 @@ class Membership:
         job then, or of the last step that had members, but the ``removed`` ones (dead
         workers the servers dropped, cluster.on_worker_failure: continue, whose data may
         leave later, rule 10); worker 0 until it leaves or is removed."""
-        members = [r for r in self.members(t) if r not in removed]
-        while not members and t > self.start_step:
-            t -= 1
+        while True:
             members = [r for r in self.members(t) if r not in removed]
-        return members[0] if members else None
+            if members or t <= self.start_step:
+                return members[0] if members else None
+            t -= 1
 
     def _in(self, rank, t):
         start, end = self.changes.get(rank, (0, None))
