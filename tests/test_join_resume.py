@@ -69,6 +69,24 @@ def test_a_killed_worker_of_a_job_that_takes_joiners_is_restarted_as_if_uninterr
     assert_same(run, reference)
 
 
+def _resumed_trains_the_rest_once(args, run, info):
+    """Resume the killed 2-worker job ``args`` of ``run`` (unslowed) from its checkpoint
+    ``info`` (latest.json): it must end (exit 0) with both first workers at the budget's
+    end, having trained every chunk after the checkpoint's once, and reach 0.8. The
+    resumed job's output."""
+    resumed = jobs.run([*args, "--resume", run, *sets(debug__slowdown="none")], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    t, g = info["step"], info["chunks"]
+    members = Membership(2, 2 * STEPS, 4 * 2 * STEPS, start_step=t, start_chunk=g)
+    ends = [records(run, r, "end")[-1] for r in range(2)]
+    assert [e["steps"] for e in ends] == [members.end()] * 2, (ends, t, g)
+    trained = sum(d.get("batches", 0) for e in ends for d in e["data"].values())
+    assert trained == members.first_chunk(members.end()) - g
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_accuracy"] > 0.8, summary
+    return resumed
+
+
 def test_a_job_resumed_after_a_join_trains_the_rest_of_the_budget_once(tmp_path):
     """ssgd, 2 workers and a third joining, checkpoints also every second by rank 0's
     clock (train.checkpoint_every_s: decided every 4 steps at a barrier of the workers in
@@ -98,16 +116,7 @@ def test_a_job_resumed_after_a_join_trains_the_rest_of_the_budget_once(tmp_path)
     # pass an epoch's end (3 a step after the join)
     assert info["workers"] == 0, info
     assert info["step"] % 4 == 0 or info["chunks"] % (2 * STEPS) < 3, info
-    resumed = jobs.run([*args, "--resume", run, *sets(debug__slowdown="none")], timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    t, g = info["step"], info["chunks"]
-    members = Membership(2, 2 * STEPS, 4 * 2 * STEPS, start_step=t, start_chunk=g)
-    ends = [records(run, r, "end")[-1] for r in range(2)]
-    assert [e["steps"] for e in ends] == [members.end()] * 2, (ends, t, g)
-    trained = sum(d.get("batches", 0) for e in ends for d in e["data"].values())
-    assert trained == members.first_chunk(members.end()) - g
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["final_accuracy"] > 0.8, summary
+    _resumed_trains_the_rest_once(args, run, info)
 
 
 def test_a_job_resumed_after_worker_0_left_starts_again_with_its_first_workers(tmp_path):
@@ -136,16 +145,7 @@ def test_a_job_resumed_after_worker_0_left_starts_again_with_its_first_workers(t
     info = json.loads(latest.read_text())
     assert info["workers"] == 0, info
     assert [c for c in records(run, 1, "checkpoint")], "worker 1 took no checkpoint"
-    resumed = jobs.run([*args, "--resume", run, *sets(debug__slowdown="none")], timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    t, g = info["step"], info["chunks"]
-    members = Membership(2, 2 * STEPS, 4 * 2 * STEPS, start_step=t, start_chunk=g)
-    ends = [records(run, r, "end")[-1] for r in range(2)]
-    assert [e["steps"] for e in ends] == [members.end()] * 2, (ends, t, g)
-    trained = sum(d.get("batches", 0) for e in ends for d in e["data"].values())
-    assert trained == members.first_chunk(members.end()) - g
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["final_accuracy"] > 0.8, summary
+    resumed = _resumed_trains_the_rest_once(args, run, info)
     done = [line for line in (resumed.stdout + resumed.stderr).splitlines()
             if "done: test accuracy" in line]
     assert len(done) == 1 and done[0].startswith("[worker 0]"), done   # the chief again
