@@ -15,7 +15,7 @@ import pytest
 
 from test_e2e_configs import records, sets
 from test_resume import after_resume
-from conftest import COMPRESSED_STAGGERED
+from conftest import COMPRESSED_STAGGERED, DIGITS_EPOCHS as EPOCHS, DIGITS_STEPS as STEPS
 from test_recovery import assert_same, final, kill_step, role_of, start, wait_for_step
 from test_replicas import FIRST_APPLY, REPLICAS
 
@@ -218,6 +218,35 @@ def test_after_a_scheduler_restart_a_killed_worker_leaves_with_continue(tmp_path
     summary = json.loads((run / "summary.json").read_text())
     (left,) = summary["workers_left"]
     assert left["rank"] == 1 and summary["workers_reporting"] == 1
+
+
+@pytest.mark.parametrize("algorithm", ["ssgd"])
+def test_after_worker_0_was_removed_a_killed_scheduler_is_restarted(tmp_path, algorithm):
+    """cluster.on_worker_failure: continue: worker 0 (the chief) SIGKILLed and removed,
+    then the scheduler SIGKILLed: the restarted scheduler takes worker 1 back without
+    waiting for worker 0, and worker 1 finishes the job as the chief (its validation,
+    summary.json naming worker 0 removed)."""
+    root = tmp_path / "runs"
+    with start(["configs/digits.yaml", *JOBS[algorithm], *sets(
+            output__dir=root, cluster__scheduler_restarts=1,
+            cluster__on_worker_failure="continue", cluster__heartbeat_interval=0.2,
+            cluster__heartbeat_timeout=1.0, debug__slowdown="delay:1=0.1")]) as job:
+        # paced on worker 1 (timing only), the one that lives to the end
+        run = wait_for_step(job, root, 8)
+        os.kill(job.process("worker", 0), signal.SIGKILL)
+        job.wait_for("worker 0 left the job", 60)
+        os.kill(job.process("scheduler"), signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 60)
+        assert job.wait(timeout=150) == 0, job.text[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    (left,) = summary["workers_left"]
+    assert left["rank"] == 0 and left["how"] == "removed", summary
+    assert summary["steps"] == EPOCHS * STEPS and summary["workers_reporting"] == 1, summary
+    done = [line for line in job.text.splitlines() if "done: test accuracy" in line]
+    assert len(done) == 1 and "[worker 1]" in done[0], done
+    line, = [ln for ln in job.text.splitlines() if "scheduler restart 1:" in ln]
+    took = float(re.search(r"\(([\d.]+) s after the scheduler died", line).group(1))
+    assert took < 15, line      # worker 0 was not waited for (30 s at least)
 
 
 def test_a_scheduler_that_dies_past_its_restarts_fails_the_job_naming_it(tmp_path):
