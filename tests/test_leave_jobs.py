@@ -366,45 +366,49 @@ def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simu
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("dead", [2, 0])
 def test_the_training_program_with_continue_hands_a_dead_workers_chunks_to_the_others(
-        tmp_path):
+        tmp_path, dead):
     """``python -m ssdsgd.train`` (digits, ssgd, 3 workers, cluster.max_workers 4,
-    on_worker_failure continue): worker 2 SIGKILLed while the job runs. The summary
-    names it removed from the step E the servers lacked, its data leaving at s >= E
-    (rule 10); the two others train every chunk of the budget but worker 2's of the
-    steps before s, and the throughput spans follow the data's membership."""
+    on_worker_failure continue): worker ``dead`` (2, or 0, the chief) SIGKILLed while
+    the job runs. The summary (worker 1's when worker 0 died: the lowest rank left is
+    the chief) names it removed from the step E the servers lacked, its data leaving at
+    s >= E (rule 10); the two others train every chunk of the budget but the dead
+    worker's of the steps before s, and the throughput spans follow the data's
+    membership."""
     import os
     import signal
     from test_dynamic_data import BATCH as B, N_TRAIN
     from test_e2e_configs import records, sets
     from test_recovery import role_of, wait_for_step
     root = tmp_path / "runs"
+    alive = [r for r in range(N) if r != dead]
     job = dist(["configs/digits.yaml", *sets(
         sync__algorithm="ssgd", cluster__workers=N, cluster__max_workers=N + 1,
         cluster__on_worker_failure="continue", cluster__heartbeat_interval=0.2,
         cluster__heartbeat_timeout=1.0, data__batch_size=B, train__epochs=3,
         train__log_interval=4, output__plots="false", output__dir=root,
-        debug__slowdown="delay:0=0.05")], merge=True)
+        debug__slowdown=f"delay:{alive[0]}=0.05")], merge=True)
     with job:
         run = wait_for_step(job, root, 8)
-        victim, = [c for c in job.processes() if role_of(c) == ("worker", 2)]
+        victim, = [c for c in job.processes() if role_of(c) == ("worker", dead)]
         os.kill(victim, signal.SIGKILL)
         assert job.wait(TIMEOUT) == 0, job.tail()
     summary = json.loads((run / "summary.json").read_text())
     (left,) = summary["workers_left"]
     e, s = left["from_step"], left["data_from_step"]
-    assert left["rank"] == 2 and left["how"] == "removed" and 8 <= e <= s, summary
-    assert f"worker 2's chunks go to the 2 others from step {s}" in job.text, job.tail()
+    assert left["rank"] == dead and left["how"] == "removed" and 8 <= e <= s, summary
+    assert f"worker {dead}'s chunks go to the 2 others from step {s}" in job.text, job.tail()
     per_epoch = N_TRAIN // (N * B) * N
     members = Membership(N, per_epoch, per_epoch * 3)
-    members.leave(2, s)
-    ends = [records(run, r, "end")[-1] for r in range(2)]
+    members.leave(dead, s)
+    ends = [records(run, r, "end")[-1] for r in alive]
     assert [x["steps"] for x in ends] == [members.end()] * 2, ends
     trained = sum(d.get("batches", 0) for x in ends for d in x["data"].values())
-    assert trained == members.first_chunk(members.end()) - s    # worker 2 had one a step
+    assert trained == members.first_chunk(members.end()) - s    # the dead one had one a step
     spans = summary["throughput_by_membership"]
     assert [(x["workers"], x["from_step"]) for x in spans] == [(3, 0), (2, s)], spans
-    # the samples the servers applied: every chunk but worker 2's of steps E..s-1
+    # the samples the servers applied: every chunk but the dead worker's of steps E..s-1
     assert sum(x["samples"] for x in spans) == \
         (members.first_chunk(members.end()) - (s - e)) * B, (spans, e, s)
     assert summary["final_accuracy"] > 0.8, summary
