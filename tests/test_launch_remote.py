@@ -449,6 +449,24 @@ def run_cmd(h, args, tmp_path):
     return run(h, args, tmp_path, timeout=60)
 
 
+def _discovery_job(hosts, tmp_path, first, slowdown):
+    """An ssh job of 2 workers (max 3), 2 servers with a replica each, on the first two
+    hosts, with ``--host-discovery-script`` printing a file whose text is ``first`` now
+    and which the test rewrites: (the launcher's arguments, that file, its log)."""
+    x, y, _ = hosts.addresses
+    two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two.txt")
+    listed = tmp_path / "hosts-now.txt"
+    listed.write_text(first)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    args = job(hosts, dict(SSGD, cluster__max_workers=3, data__batch_size=16,
+                           train__epochs=5, train__log_interval=4, output__plots="false",
+                           cluster__servers=2, cluster__server_replicas=1,
+                           debug__slowdown=slowdown), tmp_path, hostfile=two)
+    return [*args, "--host-discovery-script", script], listed, tmp_path / "launcher.log"
+
+
 def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     """``--host-discovery-script`` (Horovod's option): a script that prints a file the
     test rewrites while the job runs. A malformed answer is one line and the job goes
@@ -460,18 +478,10 @@ def test_a_host_discovery_script_grows_the_job_and_it_finishes(hosts, tmp_path):
     worker of the job, which may not leave (one line), and so does its host's server (no
     replica is left). The job finishes, and nothing is left on any host."""
     x, y, z = hosts.addresses
-    two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two.txt")
-    listed = tmp_path / "hosts-now.txt"
-    listed.write_text(f"{x}\n{y}:1  # the job's own hosts get no joiner\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {listed}\n")
-    script.chmod(0o755)
-    args = job(hosts, dict(SSGD, cluster__max_workers=3, data__batch_size=16,
-                           train__epochs=5, train__log_interval=4, output__plots="false",
-                           cluster__servers=2, cluster__server_replicas=1,
-                           debug__slowdown="delay:0=0.1,1=0.1"), tmp_path, hostfile=two)
-    log = tmp_path / "launcher.log"
-    with start(hosts, [*args, "--host-discovery-script", script], log) as p:
+    args, listed, log = _discovery_job(
+        hosts, tmp_path, f"{x}\n{y}:1  # the job's own hosts get no joiner\n",
+        "delay:0=0.1,1=0.1")
+    with start(hosts, args, log) as p:
         wait_for(log, "host discovery: running", p)
         wait_for(log, "job started", p)
         listed.write_text(f"{x}\n{y}\nno such host!\n")
@@ -533,18 +543,9 @@ def test_host_discovery_drops_worker_0s_host_and_the_job_follows_it(hosts, tmp_p
     the summary, which records worker 0's departure. The job finishes on the hosts
     still listed, and nothing is left on any host."""
     x, y, z = hosts.addresses
-    two = hosts.hostfile([f"{x} slots=1", f"{y} slots=1"], name="two-first.txt")
-    listed = tmp_path / "hosts-now.txt"
-    listed.write_text(f"{x}\n{y}\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {listed}\n")
-    script.chmod(0o755)
-    args = job(hosts, dict(SSGD, cluster__max_workers=3, data__batch_size=16,
-                           train__epochs=5, train__log_interval=4, output__plots="false",
-                           cluster__servers=2, cluster__server_replicas=1,
-                           debug__slowdown="delay:0=0.1,1=0.1,2=0.1"), tmp_path, hostfile=two)
-    log = tmp_path / "launcher.log"
-    with start(hosts, [*args, "--host-discovery-script", script], log) as p:
+    args, listed, log = _discovery_job(hosts, tmp_path, f"{x}\n{y}\n",
+                                       "delay:0=0.1,1=0.1,2=0.1")
+    with start(hosts, args, log) as p:
         wait_for(log, "host discovery: running", p)
         wait_for(log, "job started", p)
         listed.write_text(f"{x}\n{y}\n{z}:1\n")
