@@ -57,7 +57,11 @@ def test_a_killed_scheduler_is_restarted_and_the_job_ends_as_if_uninterrupted(
         job.wait_for(lambda: "re-registered and the job goes on" in job.text, 120,
                      "the launcher's line that the restarted scheduler has every node back")
         back = time.monotonic() - killed_at
-        assert nodes(job) == before        # nobody restarted: the same pids, all alive
+        # nobody was started again: every node still runs as the same process, or has
+        # ended (the workers may reach the job's end while the scheduler is down and finish
+        # right after they re-registered; an abnormal end fails the job below)
+        now = nodes(job)
+        assert now.items() <= before.items(), (now, before)
         assert job.wait(timeout=300) == 0, job.text[-3000:]
     out = job.text
     line, = [ln for ln in out.splitlines() if "scheduler restart 1:" in ln]
