@@ -200,16 +200,23 @@ def test_after_a_scheduler_restart_a_stuck_worker_is_still_named(tmp_path):
     assert took < 30, took
 
 
+def _continue_job(root, algorithm, paced):
+    """The digits job with cluster.on_worker_failure: continue (heartbeat timeout 1 s)
+    and one scheduler restart, worker ``paced`` slowed 0.1 s a step (timing only),
+    started."""
+    return start(["configs/digits.yaml", *JOBS[algorithm], *sets(
+        output__dir=root, cluster__scheduler_restarts=1,
+        cluster__on_worker_failure="continue", cluster__heartbeat_interval=0.2,
+        cluster__heartbeat_timeout=1.0, debug__slowdown=f"delay:{paced}=0.1")])
+
+
 @pytest.mark.parametrize("algorithm", ["ssgd"])
 def test_after_a_scheduler_restart_a_killed_worker_leaves_with_continue(tmp_path, algorithm):
     """cluster.on_worker_failure: continue after a restarted scheduler: worker 1
     SIGKILLed once every node is back; the restarted scheduler removes it and the job
     finishes with worker 0, summary.json naming who left."""
     root = tmp_path / "runs"
-    with start(["configs/digits.yaml", *JOBS[algorithm], *sets(
-            output__dir=root, cluster__scheduler_restarts=1,
-            cluster__on_worker_failure="continue", cluster__heartbeat_interval=0.2,
-            cluster__heartbeat_timeout=1.0, debug__slowdown="delay:0=0.1")]) as job:
+    with _continue_job(root, algorithm, paced=0) as job:
         # early and paced (0.1 s a step: timing only), so that worker 1 is killed
         # mid-run whatever the restart takes on a loaded machine
         run = wait_for_step(job, root, 8)
@@ -231,10 +238,7 @@ def test_after_worker_0_was_removed_a_killed_scheduler_is_restarted(tmp_path, al
     waiting for worker 0, and worker 1 finishes the job as the chief (its validation,
     summary.json naming worker 0 removed)."""
     root = tmp_path / "runs"
-    with start(["configs/digits.yaml", *JOBS[algorithm], *sets(
-            output__dir=root, cluster__scheduler_restarts=1,
-            cluster__on_worker_failure="continue", cluster__heartbeat_interval=0.2,
-            cluster__heartbeat_timeout=1.0, debug__slowdown="delay:1=0.1")]) as job:
+    with _continue_job(root, algorithm, paced=1) as job:
         # paced on worker 1 (timing only), the one that lives to the end
         run = wait_for_step(job, root, 8)
         os.kill(job.process("worker", 0), signal.SIGKILL)
@@ -335,10 +339,7 @@ def test_a_worker_that_dies_with_the_scheduler_leaves_with_continue(tmp_path):
     2 x the heartbeat timeout)): it removes it once the others are back, and worker 0
     finishes the job."""
     root = tmp_path / "runs"
-    with start(["configs/digits.yaml", *JOBS["ssgd"], *sets(
-            output__dir=root, cluster__scheduler_restarts=1,
-            cluster__on_worker_failure="continue", cluster__heartbeat_interval=0.2,
-            cluster__heartbeat_timeout=1.0, debug__slowdown="delay:0=0.1")]) as job:
+    with _continue_job(root, "ssgd", paced=0) as job:
         run = wait_for_step(job, root, 8)
         victims = [job.process("worker", 1), job.process("scheduler")]
         for pid in victims:
