@@ -15,6 +15,8 @@ def test_written_status_reads_back(tmp_path):
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     job_status.write(str(path), started=True, workers=[0], finished=[], replaced={0: 1})
     assert job_status.read(str(path))["replaced"] == [[0, 1]]     # server 0 -> its backup
+    job_status.write(str(path), started=True, workers=[0, 1], finished=[], pushed={1, 0})
+    assert job_status.read(str(path))["pushed"] == [0, 1]   # workers known to have pushed
 
 
 def test_no_file_is_no_record(tmp_path):
@@ -30,7 +32,11 @@ def test_no_file_is_no_record(tmp_path):
                                   {"started": True, "workers": [], "finished": [],
                                    "abort": None, "replaced": [[0, "1"]]},
                                   {"started": True, "workers": [], "finished": [],
-                                   "abort": None, "replaced": [0, 1]}])
+                                   "abort": None, "replaced": [0, 1]},
+                                  {"started": True, "workers": [], "finished": [],
+                                   "abort": None, "pushed": ["0"]},
+                                  {"started": True, "workers": [], "finished": [],
+                                   "abort": None, "pushed": 0}])
 def test_a_file_of_another_form_is_refused(tmp_path, data):
     path = tmp_path / "status.json"
     path.write_text(json.dumps(data))

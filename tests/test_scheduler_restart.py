@@ -332,30 +332,35 @@ def test_a_scheduler_lost_the_moment_the_job_starts_recovers_or_fails_naming_the
     print(f"the set-up kill: exit {code}")
 
 
-def test_a_worker_that_dies_with_the_scheduler_leaves_with_continue(tmp_path):
-    """Worker 1 and the scheduler SIGKILLed together, cluster.on_worker_failure: continue:
-    the launcher tells the restarted scheduler that it saw worker 1 die (at the restart,
-    or while the new one rebuilds), so it does not wait for it (it once waited max(30 s,
-    2 x the heartbeat timeout)): it removes it once the others are back, and worker 0
-    finishes the job."""
+@pytest.mark.parametrize("dead", [1, 0])
+def test_a_worker_that_dies_with_the_scheduler_leaves_with_continue(tmp_path, dead):
+    """Worker ``dead`` (1, or 0, the chief) and the scheduler SIGKILLed together,
+    cluster.on_worker_failure: continue: the launcher tells the restarted scheduler that
+    it saw the worker die (at the restart, or while the new one rebuilds), so it does not
+    wait for it (it once waited max(30 s, 2 x the heartbeat timeout)): it removes it once
+    the others are back (worker 0 too: the lost scheduler's status file says it had
+    pushed), and the other worker finishes the job."""
     root = tmp_path / "runs"
-    with _continue_job(root, "ssgd", paced=0) as job:
+    alive = 1 - dead
+    with _continue_job(root, "ssgd", paced=alive) as job:
         run = wait_for_step(job, root, 8)
-        victims = [job.process("worker", 1), job.process("scheduler")]
+        victims = [job.process("worker", dead), job.process("scheduler")]
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        job.wait_for("worker 1 left the job", 60)
+        job.wait_for(f"worker {dead} left the job", 60)
         took = time.monotonic() - killed_at
         assert job.wait(timeout=150) == 0, job.text[-3000:]
-    assert re.search(r"worker 1 died while the scheduler was down \(its launcher saw it\); "
-                     r"removing it from the job \(cluster.on_worker_failure: continue\)",
-                     job.text), job.text[-3000:]
+    assert re.search(rf"worker {dead} died while the scheduler was down \(its launcher saw "
+                     r"it\); removing it from the job \(cluster.on_worker_failure: "
+                     r"continue\)", job.text), job.text[-3000:]
     assert took < 15, took
-    assert re.search(r"worker 1 left the job; the servers aggregate the remaining 1 "
+    assert re.search(rf"worker {dead} left the job; the servers aggregate the remaining 1 "
                      r"workers from step \d+", job.text), job.text[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert [w["rank"] for w in summary["workers_left"]] == [1]
+    assert [w["rank"] for w in summary["workers_left"]] == [dead]
+    done = [line for line in job.text.splitlines() if "done: test accuracy" in line]
+    assert len(done) == 1 and f"[worker {alive}]" in done[0], done
 
 
 def test_after_a_server_was_replaced_by_its_backup_a_killed_scheduler_is_restarted(

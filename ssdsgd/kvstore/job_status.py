@@ -18,7 +18,7 @@ _FIELDS = {"started": bool, "workers": list, "finished": list, "abort": (str, ty
 # and in a job that takes joiners what a restarted one needs of them (``membership``)
 # and with cluster.server_replicas the servers replaced by their backups ([dead, owner])
 _OPTIONAL = {"left": list, "rebuilt": (dict, type(None)), "membership": (dict, type(None)),
-             "replaced": list}
+             "replaced": list, "pushed": list}
 _MEMBERSHIP = {"joined": list, "departed": list, "agreed": dict, "deciding": list,
                "layout": (dict, type(None)), "listen": (dict, type(None))}
 
@@ -28,14 +28,15 @@ class StatusError(ValueError):
 
 
 def write(path, *, started, workers, finished, abort=None, left=None, rebuilt=None,
-          membership=None, replaced=None):
+          membership=None, replaced=None, pushed=None):
     """Replace ``path`` atomically (a reader never sees half a file). ``workers``: the
     ranks the registered workers asked for (their launcher ranks); ``finished``: those
     whose FINISH arrived; ``left``: those removed (on_worker_failure: continue);
     ``rebuilt``: a restarted scheduler's rebuild, once done; ``membership``: the joins,
     departures and agreements decided, the joins and departures being decided, and what
     a joiner hears (the topology, LISTEN), in a job that takes joiners; ``replaced``:
-    {dead server: the backup that owns its keys}, with cluster.server_replicas."""
+    {dead server: the backup that owns its keys}, with cluster.server_replicas;
+    ``pushed``: the workers a heartbeat counted a push of (removals.py)."""
     if not path:
         return
     data = {"started": bool(started), "workers": sorted(workers),
@@ -48,6 +49,8 @@ def write(path, *, started, workers, finished, abort=None, left=None, rebuilt=No
         data["membership"] = membership
     if replaced:
         data["replaced"] = sorted([dead, owner] for dead, owner in replaced.items())
+    if pushed:
+        data["pushed"] = sorted(pushed)
     _replace(path, data)
 
 
@@ -113,7 +116,7 @@ def read(path):
         raise StatusError(f"{path}: not a scheduler's status")
     if any(k in data and not isinstance(data[k], t) for k, t in _OPTIONAL.items()):
         raise StatusError(f"{path}: not a scheduler's status")
-    for k in ("workers", "finished", "left"):
+    for k in ("workers", "finished", "left", "pushed"):
         if not all(isinstance(r, int) and not isinstance(r, bool) for r in data.get(k, ())):
             raise StatusError(f"{path}: {k} must be ranks")
     if not all(_pair(c) for c in data.get("replaced", ())):

@@ -7,7 +7,7 @@ worker notices the loss (its connection closes, or the heartbeat replies stop:
 its REGISTER, the rank it has, whether its set-up is over (``ready``) and how many
 barriers of each group it has passed, with the last value. Nothing else a node holds
 lives only in the scheduler, so from these and the status file the lost scheduler wrote
-(which workers finished or left) the new one rebuilds:
+(which workers finished, left or had pushed) the new one rebuilds:
 
 * membership: every server and every worker that neither finished nor left must come
   back within ``wait_s``; one that does not is failed as a silent node is
@@ -63,6 +63,7 @@ class Rebuild:
         self.finished = set(prior.get("finished", ()))
         self.left = set(prior.get("left", ()))
         self.workers = set(prior.get("workers", ()))
+        self.pushed = set(prior.get("pushed", ()))    # workers known to have pushed
         # workers that joined the job (docs/spec/membership.md): ranks above the first
         self.joined = {r for r, _ in (prior.get("membership") or {}).get("joined", ())}
         # cluster.server_replicas: servers whose backups own their keys (dead, not expected)

@@ -108,7 +108,8 @@ class Scheduler(reregister.Rejoins, Joins):
         self.nodes = {}           # identity (the connection) -> info dict
         self.barriers = Barriers()
         self.removals = Removals()    # cluster.on_worker_failure: continue
-        self.pushing = set()          # workers a heartbeat counted a push of (removals.py)
+        # workers a heartbeat counted a push of (removals.py), kept in the status file
+        self.pushing = set()
         self.replicas = ReplicaMap(env.num_servers, env.server_replicas)
         self.dealer = Dealer()        # data.assignment: dynamic (chunks.py)
         self.counts = {"server": env.num_servers, "worker": env.num_workers}
@@ -125,6 +126,7 @@ class Scheduler(reregister.Rejoins, Joins):
         if self.rebuild is not None:
             self._restore_joins(self.rebuild.prior)
             self.replicas.dead.update(self.rebuild.replaced)
+            self.pushing |= self.rebuild.pushed
         # the timeline's reference clock: its file names the host whose processes read
         # this clock (ssdsgd/timeline_merge.py)
         timeline.start_node(env, "scheduler", 0)
@@ -196,7 +198,7 @@ class Scheduler(reregister.Rejoins, Joins):
                          finished={n["asked_rank"] for n in workers if n["finished"]}
                          | set(finished_before) | self.departed_done, abort=abort,
                          membership=self._membership_status(), replaced=self.replicas.dead,
-                         **extra)
+                         pushed=self.pushing, **extra)
 
     def _abort(self, reason):
         """Say why first: once the status file holds the reason, the launcher may stop
@@ -269,8 +271,9 @@ class Scheduler(reregister.Rejoins, Joins):
 
     def _heartbeat(self, ident, node, meta):
         if node["role"] == "worker" and "progress" in meta:
-            if meta["progress"]:
+            if meta["progress"] and node["rank"] not in self.pushing:
                 self.pushing.add(node["rank"])
+                self._record()     # a restarted scheduler knows it (reregister.py)
             self.stalls.report(node["rank"], meta["progress"], meta.get("busy", False),
                                node["last_seen"], meta.get("oldest"))
         self._send(ident, P.Kind.HEARTBEAT, {"sent": meta["sent"], "time": time.perf_counter()}
