@@ -34,9 +34,10 @@ def test_a_compressed_staggered_continue_job_is_restarted_as_if_uninterrupted(
     """ssd with 2bit pushes, staggered pulls, cluster.on_worker_failure continue and
     --max-restarts 1: server 0 (which continue never leaves behind; a dead worker, worker
     0 too, is removed instead) SIGKILLed in the steps-delay stage; the launcher restarts
-    the job from its checkpoint and it ends with exactly the weights of the same job run without interruption (and without continue):
-    each worker's residuals (what its compressed pushes have not sent yet) are saved with
-    its state and restored, and each worker keeps its pull phase."""
+    the job from its checkpoint and it ends with exactly the weights of the same job run
+    without interruption (and without continue): each worker's residuals (what its
+    compressed pushes have not sent yet) are saved with its state and restored, and each
+    worker keeps its pull phase."""
     a = uninterrupted_digits("ssd", **COMPRESSED_STAGGERED)
     job = ["configs/digits.yaml", *digits_job("ssd"), *sets(**COMPRESSED_STAGGERED)]
     root = tmp_path / "b"
