@@ -6,6 +6,9 @@
 trained once. A departure the job cannot take is refused in one line."""
 import contextlib
 import json
+import os
+import re
+import signal
 
 import pytest
 
@@ -43,13 +46,15 @@ def _keys_swapped(path, holder, rank):
 
 
 def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=(), leaving=2,
-              n=N, last=None, first=None):
+              n=N, last=None, first=None, left=None):
     """An ``n``-worker job (3); worker ``leaving`` asked to leave while all wait before
     step WAIT_AT. ``refused``: the one-line errors of --leave for a rank the job never
     had, for worker 2 again, with worker 1's key for worker 2, and once the job has
     ended (worker 0 may leave like any worker: tests below). ``last``: the one line of
     --leave for the last worker still in the job, worker n - 1, once ``leaving`` left.
-    ``first``: the one line of --leave for worker 0 asked before ``leaving`` is."""
+    ``first``: the one line of --leave for worker 0 asked before ``leaving`` is.
+    ``left(job)``: called once the departure is decided and the workers were told to go
+    on."""
     go = tmp_path / "go"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -76,6 +81,8 @@ def _left_run(tmp_path, env, refused=None, per_epoch=PER_EPOCH, script_args=(), 
             with _keys_swapped(run_dir / "join.json", 1, 2):
                 refused.append(_refused(run_dir, 2))
         go.touch()
+        if left is not None:
+            left(job)
         assert job.wait(TIMEOUT) == 0, job.tail()
     if refused is not None:
         refused.append(_refused(run_dir, 1))
@@ -156,6 +163,37 @@ def test_worker_0_leaves_a_running_ssgd_job_and_it_ends_as_the_simulator(tmp_pat
     if n == 2:
         (last,) = refused
         assert "worker 1 cannot leave: worker 1 is the last worker in the job" in last, last
+
+
+@pytest.mark.system
+def test_after_worker_0_left_a_killed_scheduler_is_restarted_as_the_simulator(tmp_path):
+    """cluster.scheduler_restarts beside a departure: worker 0 leaves (--leave) and its
+    process ends, then the scheduler is SIGKILLed while workers 1 and 2 train (paced:
+    timing only). The restarted scheduler takes the two back without waiting for
+    worker 0, which left and is not lost, and the job ends with ``simulate_membership``'s
+    weights fed the departure's step."""
+    from test_recovery import role_of
+    per_epoch = 2 * PER_EPOCH       # 27 steps of the two after the departure, 0.3 s each
+
+    def kill_the_scheduler_once_worker_0_ended(job):
+        job.wait_for(lambda: ("worker", 0) not in {role_of(p) for p in job.processes()},
+                     60, "worker 0's process to end after it left")
+        pid, = [p for p in job.processes() if role_of(p) == ("scheduler", 0)]
+        os.kill(pid, signal.SIGKILL)
+        job.wait_for("re-registered and the job goes on", 60,
+                     "the launcher's line that the restarted scheduler has every node back")
+    job, leaver, records = _left_run(
+        tmp_path, {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_SCHEDULER_RESTARTS": 1,
+                   "SSDSGD_HEARTBEAT_INTERVAL": 0.2, "SSDSGD_HEARTBEAT_TIMEOUT": 1},
+        per_epoch=per_epoch, script_args=("--pace", 0.3), leaving=0,
+        left=kill_the_scheduler_once_worker_0_ended)
+    assert _check(tmp_path, records, per_epoch=per_epoch, leaving=0) == WAIT_AT + 1
+    for r in (1, 2):
+        assert f"worker {r}: rejoined the job with the restarted scheduler" in job.text, \
+            job.tail()
+    line, = [ln for ln in job.text.splitlines() if "scheduler restart 1:" in ln]
+    took = float(re.search(r"\(([\d.]+) s after the scheduler died", line).group(1))
+    assert took < 15, line      # worker 0 was not waited for
 
 
 @pytest.mark.system

@@ -6,7 +6,8 @@ chunks), the joins and departures read from the servers' replies (``kv.joins_bef
 workers, or by ``launch/dist.py --join`` (``kv.joined_from``: its first step). The first
 workers wait before step ``--wait-at`` until the file ``--go`` exists (bounded), so a
 test can have a joiner ask while the job runs; worker ``--die-rank`` SIGKILLs itself
-before step ``--die-at`` once every step before it is applied (it writes nothing).
+before step ``--die-at`` once every step before it is applied (it writes nothing);
+``--pace`` slows the steps from ``--wait-at`` on (timing only).
 Writes the chunks it trained, the step it joined at, the T_w and k it ran with, the
 removals it heard of, its local weights before its end and the final ones."""
 import argparse
@@ -14,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import mxnet as mx
 import numpy as np
@@ -37,6 +39,8 @@ p.add_argument("--compression", default=None, help="JSON: the Trainer's compress
 p.add_argument("--die-at", type=int, default=-1)
 p.add_argument("--die-rank", type=int, default=None)
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step "
+               "from --wait-at on (timing only: no weight depends on it)")
 p.add_argument("--lr-step", type=int, default=0, help="halve the lr every this many "
                "global batches (0: a constant lr)")
 args = p.parse_args()
@@ -98,6 +102,8 @@ while True:
     trained.append(epoch * args.per_epoch + chunk)
     tiny.forward_backward(net, x, y)
     trainer.step(8)
+    if args.pace and t >= args.wait_at:
+        time.sleep(args.pace)
     t += 1
 mx.nd.waitall()
 chosen = {name: kv.metrics().get(name) for name in ("warmup_steps", "delay_steps",
