@@ -414,13 +414,7 @@ def test_a_killed_scheduler_of_a_job_a_worker_joined_is_restarted_as_the_simulat
     restarted scheduler takes back the joiner (a rank above the first workers) with
     the others, and the joins, departures and agreements the lost one recorded; the
     job ends with the simulator's weights, no server or worker restarted."""
-    from test_recovery import role_of
-
-    def kill_the_scheduler(job):
-        pid, = [p for p in job.processes() if role_of(p) == ("scheduler", 0)]
-        os.kill(pid, signal.SIGKILL)
-        job.wait_for("re-registered and the job goes on", 120,
-                     "the launcher's line that the restarted scheduler has every node back")
+    from test_scheduler_restart import kill_the_scheduler
     env = {"SSDSGD_ALGORITHM": algorithm, "SSDSGD_SCHEDULER_RESTARTS": 1,
            "SSDSGD_HEARTBEAT_INTERVAL": 0.2, "SSDSGD_HEARTBEAT_TIMEOUT": 1}
     sync = {}
@@ -428,7 +422,7 @@ def test_a_killed_scheduler_of_a_job_a_worker_joined_is_restarted_as_the_simulat
         env.update(SSDSGD_WARMUP_STEPS=3, SSDSGD_GLU_STATE="exact")
     per_epoch = LONG if algorithm == "ssd" else PER_EPOCH    # k auto may choose 10
     job, joiner, records = _joined_run(tmp_path, env, waiting=(0, 1), per_epoch=per_epoch,
-                                       joined=kill_the_scheduler)
+                                       joined=lambda job: kill_the_scheduler(job, 120))
     assert "worker 2: rejoined the job with the restarted scheduler" in joiner.text, \
         joiner.tail()
     if algorithm == "ssd":

@@ -6,9 +6,6 @@
 trained once. A departure the job cannot take is refused in one line."""
 import contextlib
 import json
-import os
-import re
-import signal
 
 import pytest
 
@@ -173,15 +170,13 @@ def test_after_worker_0_left_a_killed_scheduler_is_restarted_as_the_simulator(tm
     worker 0, which left and is not lost, and the job ends with ``simulate_membership``'s
     weights fed the departure's step."""
     from test_recovery import role_of
+    from test_scheduler_restart import kill_the_scheduler, restart_took
     per_epoch = 2 * PER_EPOCH       # 27 steps of the two after the departure, 0.3 s each
 
     def kill_the_scheduler_once_worker_0_ended(job):
         job.wait_for(lambda: ("worker", 0) not in {role_of(p) for p in job.processes()},
                      60, "worker 0's process to end after it left")
-        pid, = [p for p in job.processes() if role_of(p) == ("scheduler", 0)]
-        os.kill(pid, signal.SIGKILL)
-        job.wait_for("re-registered and the job goes on", 60,
-                     "the launcher's line that the restarted scheduler has every node back")
+        kill_the_scheduler(job, 60)
     job, leaver, records = _left_run(
         tmp_path, {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_SCHEDULER_RESTARTS": 1,
                    "SSDSGD_HEARTBEAT_INTERVAL": 0.2, "SSDSGD_HEARTBEAT_TIMEOUT": 1},
@@ -191,8 +186,7 @@ def test_after_worker_0_left_a_killed_scheduler_is_restarted_as_the_simulator(tm
     for r in (1, 2):
         assert f"worker {r}: rejoined the job with the restarted scheduler" in job.text, \
             job.tail()
-    line, = [ln for ln in job.text.splitlines() if "scheduler restart 1:" in ln]
-    took = float(re.search(r"\(([\d.]+) s after the scheduler died", line).group(1))
+    line, took = restart_took(job.text)
     assert took < 15, line      # worker 0 was not waited for
 
 

@@ -34,6 +34,21 @@ def nodes(job):
     return out
 
 
+def kill_the_scheduler(job, timeout):
+    """SIGKILL the job's scheduler and wait for the launcher's line that the restarted
+    one has every node back."""
+    os.kill(job.process("scheduler"), signal.SIGKILL)
+    job.wait_for("re-registered and the job goes on", timeout,
+                 "the launcher's line that the restarted scheduler has every node back")
+
+
+def restart_took(text):
+    """The launcher's line of scheduler restart 1, and the seconds it says every node
+    took to come back after the scheduler died."""
+    line, = [ln for ln in text.splitlines() if "scheduler restart 1:" in ln]
+    return line, float(re.search(r"\(([\d.]+) s after the scheduler died", line).group(1))
+
+
 # Each algorithm, number of servers and security mode once (2 jobs): ssgd-1-plain, and
 # ssd-2-curve, whose restart rebuilds ssd's state on two servers over CURVE (the
 # ssd-1-plain case it replaces checked nothing this one does not), its pulls relayed from
@@ -64,8 +79,7 @@ def test_a_killed_scheduler_is_restarted_and_the_job_ends_as_if_uninterrupted(
         assert now.items() <= before.items(), (now, before)
         assert job.wait(timeout=300) == 0, job.text[-3000:]
     out = job.text
-    line, = [ln for ln in out.splitlines() if "scheduler restart 1:" in ln]
-    took = float(re.search(r"\(([\d.]+) s after the scheduler died", line).group(1))
+    line, took = restart_took(out)
     print(f"{algorithm}, {servers} server(s), {'curve' if secure else 'plain'}: {line}; "
           f"seen by the test {back:.1f} s after the kill")
     assert took < 30, line
@@ -252,8 +266,7 @@ def test_after_worker_0_was_removed_a_killed_scheduler_is_restarted(tmp_path, al
     assert summary["steps"] == EPOCHS * STEPS and summary["workers_reporting"] == 1, summary
     done = [line for line in job.text.splitlines() if "done: test accuracy" in line]
     assert len(done) == 1 and "[worker 1]" in done[0], done
-    line, = [ln for ln in job.text.splitlines() if "scheduler restart 1:" in ln]
-    took = float(re.search(r"\(([\d.]+) s after the scheduler died", line).group(1))
+    line, took = restart_took(job.text)
     assert took < 15, line      # worker 0 was not waited for (30 s at least)
 
 
