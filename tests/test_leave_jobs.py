@@ -6,6 +6,7 @@
 trained once. A departure the job cannot take is refused in one line."""
 import contextlib
 import json
+import re
 
 import pytest
 
@@ -367,16 +368,26 @@ def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simu
     alive = [r for r in range(N) if r != dead]
     records = [json.loads((tmp_path / f"chunks-rank{r}.json").read_text()) for r in alive]
     assert not (tmp_path / f"chunks-rank{dead}.json").exists()
-    s = records[0]["leaves"][str(dead)]
     assert all(r["removed"] == {str(dead): die_at} for r in records), records
-    assert all(r["leaves"] == {str(dead): s} for r in records) and s > die_at, records
-    assert f"worker {dead}'s chunks go to the 2 others from step {s}" in job.text, \
-        job.tail()
+    decided = re.findall(rf"worker {dead}'s chunks go to the 2 others from step (\d+)",
+                         job.text)
+    if str(dead) in records[0]["leaves"]:
+        s = records[0]["leaves"][str(dead)]
+        assert all(r["leaves"] == {str(dead): s} for r in records) and s > die_at, records
+        assert decided == [str(s)], job.tail()
+        if algorithm == "ssd":
+            assert s > 3 and (s - 3) % 2 == 0, s      # a pull boundary after the warm-up
+    else:
+        # on a loaded machine the data's leave can be decided after the survivors' last
+        # step (a CI run: removed at 5, the others' steps 5..11 done before it): no step
+        # heard of it, so every chunk of the dead worker's from die_at on goes untrained
+        # (rule 10, s at or past the end); the launcher names a step past the end, if any
+        s = records[0]["end"]
+        assert all(r["leaves"] == {} for r in records), records
+        assert all(int(x) >= s for x in decided), (decided, job.tail())
     keys, members, ref = _simulated({}, algorithm, leaves={dead: s}, removed={dead: die_at},
                                     n=N,
                                     per_epoch=PER_EPOCH, epochs=EPOCHS, **sync)
-    if algorithm == "ssd":
-        assert s > 3 and (s - 3) % 2 == 0, s      # a pull boundary after the warm-up
 
     def chunk(rank, t):
         epoch, c = members.chunk(rank, t)
