@@ -371,10 +371,13 @@ def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simu
     assert all(r["removed"] == {str(dead): die_at} for r in records), records
     decided = re.findall(rf"worker {dead}'s chunks go to the 2 others from step (\d+)",
                          job.text)
-    if str(dead) in records[0]["leaves"]:
-        s = records[0]["leaves"][str(dead)]
-        assert all(r["leaves"] == {str(dead): s} for r in records) and s > die_at, records
-        assert decided == [str(s)], job.tail()
+    heard = {r["leaves"][str(dead)] for r in records if str(dead) in r["leaves"]}
+    assert len(heard) <= 1 and all(set(r["leaves"]) <= {str(dead)} for r in records), records
+    if heard:
+        s = heard.pop()
+        assert s > die_at and decided == [str(s)], (records, job.tail())
+        # a worker that did not hear of it had taken its last step before s
+        assert all(r["end"] <= s for r in records if not r["leaves"]), records
         if algorithm == "ssd":
             assert s > 3 and (s - 3) % 2 == 0, s      # a pull boundary after the warm-up
     else:
@@ -383,7 +386,6 @@ def test_with_continue_a_dead_worker_leaves_a_job_that_takes_joiners_as_the_simu
         # heard of it, so every chunk of the dead worker's from die_at on goes untrained
         # (rule 10, s at or past the end); the launcher names a step past the end, if any
         s = records[0]["end"]
-        assert all(r["leaves"] == {} for r in records), records
         assert all(int(x) >= s for x in decided), (decided, job.tail())
     keys, members, ref = _simulated({}, algorithm, leaves={dead: s}, removed={dead: die_at},
                                     n=N,
