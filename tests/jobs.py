@@ -184,16 +184,17 @@ class Job:
                 out.append(int(entry))
         return out
 
-    def process(self, role, rank=0, timeout=120):
+    def running(self, role, rank=0):
         """The pid of the job's process (``role``, ``rank``) ('scheduler', 'server',
-        'worker'), from the SSDSGD_ROLE/SSDSGD_RANK the launcher gave it; waits until it
-        runs (the launcher starts it a moment after itself)."""
+        'worker'), from the SSDSGD_ROLE/SSDSGD_RANK the launcher gave it, or None."""
         want = {f"SSDSGD_ROLE={role}".encode(), f"SSDSGD_RANK={rank}".encode()}
+        pids = [p for p in self.processes() if want <= set(_environ(p) or ())]
+        return pids[0] if pids else None
 
-        def found():
-            pids = [p for p in self.processes() if want <= set(_environ(p) or ())]
-            return pids[0] if pids else None
-        return self.wait_for(found, timeout, f"its {role} {rank}")
+    def process(self, role, rank=0, timeout=120):
+        """The pid of ``running(role, rank)``; waits until it runs (the launcher starts
+        it a moment after itself)."""
+        return self.wait_for(lambda: self.running(role, rank), timeout, f"its {role} {rank}")
 
     # ---- waits, each with a deadline -------------------------------------------------
     def wait(self, timeout):

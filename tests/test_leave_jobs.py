@@ -170,13 +170,12 @@ def test_after_worker_0_left_a_killed_scheduler_is_restarted_as_the_simulator(tm
     timing only). The restarted scheduler takes the two back without waiting for
     worker 0, which left and is not lost, and the job ends with ``simulate_membership``'s
     weights fed the departure's step."""
-    from test_recovery import role_of
     from test_scheduler_restart import kill_the_scheduler, restart_took
     per_epoch = 2 * PER_EPOCH       # 27 steps of the two after the departure, 0.3 s each
 
     def kill_the_scheduler_once_worker_0_ended(job):
-        job.wait_for(lambda: ("worker", 0) not in {role_of(p) for p in job.processes()},
-                     60, "worker 0's process to end after it left")
+        job.wait_for(lambda: job.running("worker", 0) is None, 60,
+                     "worker 0's process to end after it left")
         kill_the_scheduler(job, 60)
     job, leaver, records = _left_run(
         tmp_path, {"SSDSGD_ALGORITHM": "ssgd", "SSDSGD_SCHEDULER_RESTARTS": 1,
