@@ -1,7 +1,7 @@
 """Where a secure job's time goes: the cost of each way to protect a connection, per byte.
 
     python bench/secure_cost.py [--mb 100] [--reps 5] [--workers 2] [--message-mb 4]
-                                [--modes plain,curve,curve-io2,aesgcm] [--json FILE]
+                                [--modes plain,curve,curve-io2,aesgcm,...] [--json FILE]
 
 One server process (a ROUTER) and ``--workers`` worker processes (DEALERs) on loopback,
 with the transport's message size (``chunk_bytes``, 4 MB). Each round every worker sends
@@ -19,11 +19,16 @@ pushpull of a big key. The modes run one after the other in one invocation:
              once sent (what a transport that encrypts outside libzmq would pay; the keys
              and nonces here are the benchmark's own, not a protocol)
   aesgcm-fresh  the same into a fresh buffer per message (as libzmq's CURVE allocates)
+  plain-keep  plain, every process's allocator told to keep the memory it frees
+             (glibc's mallopt: messages up to 32 MB from its heaps, nothing trimmed), so
+             libzmq's receive buffers are pages already touched, not fresh ones; a
+             message over 32 MB is always a fresh mapping (glibc's ceiling)
 
 Reported per mode: GB/s per worker ((bytes sent + received) / the median round's wall
 time), its ratio to plain, and the CPU seconds each process spent per GB it moved
 (getrusage, user + system, every thread: the figure the machine's other load disturbs
-least). The workers' CPU is their mean.
+least), and the page faults each process took per GB it moved (a fresh page is zeroed and
+mapped on first touch). The workers' figures are their mean.
 """
 import argparse
 import json
@@ -45,7 +50,7 @@ if str(REPO) not in sys.path:
 
 from bench.common import machine_info  # noqa: E402
 
-MODES = ("plain", "curve", "curve-io2", "aesgcm", "aesgcm-fresh")
+MODES = ("plain", "curve", "curve-io2", "aesgcm", "aesgcm-fresh", "plain-keep")
 TAG = 16            # AES-GCM's tag
 DEADLINE_S = 600    # a whole mode, every process
 
@@ -108,6 +113,23 @@ def _cpu_s():
     return r.ru_utime + r.ru_stime
 
 
+def _faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _keep_freed_memory(mode):
+    """plain-keep: glibc keeps what is freed (M_TRIM_THRESHOLD, M_TOP_PAD) and serves
+    blocks up to 32 MB (M_MMAP_THRESHOLD's ceiling) from its heaps, in every thread's
+    arena, libzmq's I/O thread's included."""
+    if mode != "plain-keep":
+        return
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    for param, value in ((-1, 1 << 30), (-2, 256 << 20), (-3, 32 << 20)):
+        if not libc.mallopt(param, value):
+            raise RuntimeError(f"mallopt({param}, {value}) refused")
+
+
 def _protect(sock, mode, keys, server):
     if mode.startswith("curve"):
         if server:
@@ -119,16 +141,20 @@ def _protect(sock, mode, keys, server):
             sock.curve_publickey, sock.curve_secretkey = public, secret
 
 
-def serve(mode, keys, messages, port_q, out_q):
-    """The server: answer every message with one of its size; its CPU per GB moved."""
+def serve(mode, keys, messages, warmup, port_q, out_q):
+    """The server: answer every message with one of its size; its CPU and page faults
+    per GB moved after the first ``warmup`` messages (the workers' untimed round)."""
+    _keep_freed_memory(mode)
     ctx = zmq.Context(io_threads=2 if mode == "curve-io2" else 1)
     sock = ctx.socket(zmq.ROUTER)
     sock.rcvtimeo = sock.sndtimeo = DEADLINE_S * 1000
     _protect(sock, mode, keys, server=True)
     port_q.put(sock.bind_to_random_port("tcp://127.0.0.1"))
     sealers = {}
-    cpu0, moved = _cpu_s(), 0
-    for _ in range(messages):
+    cpu0, faults0, moved = _cpu_s(), _faults(), 0
+    for i in range(messages):
+        if i == warmup:
+            cpu0, faults0, moved = _cpu_s(), _faults(), 0
         ident, frame = sock.recv_multipart(copy=False)
         ident, body = ident.bytes, frame.buffer
         if mode.startswith("aesgcm"):
@@ -140,13 +166,15 @@ def serve(mode, keys, messages, port_q, out_q):
         else:
             sock.send_multipart([ident, body], copy=False)
         moved += 2 * len(frame.buffer)
-    out_q.put(("server", (_cpu_s() - cpu0) / (moved / 1e9)))
+    out_q.put(("server", {"cpu_s_per_gb": (_cpu_s() - cpu0) / (moved / 1e9),
+                          "faults_per_gb": (_faults() - faults0) / (moved / 1e9)}))
     sock.close(linger=DEADLINE_S * 1000)
     ctx.term()
 
 
 def work(mode, keys, port, args, rank, out_q):
     """A worker: rounds of --mb MB sent and answered; its rate and CPU per GB moved."""
+    _keep_freed_memory(mode)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.rcvtimeo = sock.sndtimeo = DEADLINE_S * 1000
@@ -159,10 +187,10 @@ def work(mode, keys, port, args, rank, out_q):
     reuse = mode == "aesgcm"
     up, down = ((Sealer(keys["up"], reuse), Sealer(keys["down"], reuse))
                 if mode.startswith("aesgcm") else (None, None))
-    rounds, cpu0, moved = [], None, 0
+    rounds, cpu0, faults0, moved = [], None, None, 0
     for rep in range(args.reps + 1):
         if rep == 1:
-            cpu0 = _cpu_s()
+            cpu0, faults0 = _cpu_s(), _faults()
         t0 = time.perf_counter()
         for _ in range(count):
             if up:
@@ -177,13 +205,14 @@ def work(mode, keys, port, args, rank, out_q):
         if rep:
             moved += 2 * count * size
     out_q.put((f"worker {rank}", {"gbps": 2 * count * size / 1e9 / statistics.median(rounds[1:]),
-                                  "cpu_s_per_gb": (_cpu_s() - cpu0) / (moved / 1e9)}))
+                                  "cpu_s_per_gb": (_cpu_s() - cpu0) / (moved / 1e9),
+                                  "faults_per_gb": (_faults() - faults0) / (moved / 1e9)}))
     sock.close(linger=0)
     ctx.term()
 
 
 def run_mode(mode, args):
-    """One mode's figures: {gbps, server_cpu_s_per_gb, worker_cpu_s_per_gb}."""
+    """One mode's figures: {gbps, server_ and worker_ cpu_s_per_gb and faults_per_gb}."""
     spub, ssec = zmq.curve_keypair()
     keys = {"server_public": spub, "server_secret": ssec,
             "up": os.urandom(32), "down": os.urandom(32)}
@@ -191,7 +220,8 @@ def run_mode(mode, args):
     messages = args.workers * count * (args.reps + 1)
     mpc = mp.get_context("spawn")
     port_q, out_q = mpc.Queue(), mpc.Queue()
-    procs = [mpc.Process(target=serve, args=(mode, keys, messages, port_q, out_q))]
+    procs = [mpc.Process(target=serve, args=(mode, keys, messages, args.workers * count,
+                                                  port_q, out_q))]
     procs[0].start()
     port = port_q.get(timeout=60)
     procs += [mpc.Process(target=work, args=(mode, keys, port, args, r, out_q))
@@ -217,20 +247,23 @@ def run_mode(mode, args):
             raise RuntimeError(f"{mode}: a process did not exit")
     workers = [v for k, v in results.items() if k.startswith("worker")]
     return {"gbps": statistics.mean(w["gbps"] for w in workers),
-            "server_cpu_s_per_gb": results["server"],
-            "worker_cpu_s_per_gb": statistics.mean(w["cpu_s_per_gb"] for w in workers)}
+            "server_cpu_s_per_gb": results["server"]["cpu_s_per_gb"],
+            "worker_cpu_s_per_gb": statistics.mean(w["cpu_s_per_gb"] for w in workers),
+            "server_faults_per_gb": results["server"]["faults_per_gb"],
+            "worker_faults_per_gb": statistics.mean(w["faults_per_gb"] for w in workers)}
 
 
 def table(figures, args):
     lines = [f"{args.workers} workers, 1 server, loopback; {args.mb} MB a round in messages of "
              f"{args.message_mb:g} MB, {args.reps} rounds (median)",
              f"{'mode':<13}{'GB/s/worker':>13}{'/ plain':>9}{'server CPU s/GB':>17}"
-             f"{'worker CPU s/GB':>17}"]
+             f"{'worker CPU s/GB':>17}{'server faults/GB':>18}{'worker faults/GB':>18}"]
     plain = figures.get("plain", {}).get("gbps")
     for mode, f in figures.items():
         ratio = f"{f['gbps'] / plain:.2f}" if plain else "-"
         lines.append(f"{mode:<13}{f['gbps']:>13.3f}{ratio:>9}{f['server_cpu_s_per_gb']:>17.2f}"
-                     f"{f['worker_cpu_s_per_gb']:>17.2f}")
+                     f"{f['worker_cpu_s_per_gb']:>17.2f}{f['server_faults_per_gb']:>18.0f}"
+                     f"{f['worker_faults_per_gb']:>18.0f}")
     return "\n".join(lines)
 
 
