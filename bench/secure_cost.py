@@ -120,7 +120,8 @@ def _faults():
 def _keep_freed_memory(mode):
     """plain-keep: glibc keeps what is freed (M_TRIM_THRESHOLD, M_TOP_PAD) and serves
     blocks up to 32 MB (M_MMAP_THRESHOLD's ceiling) from its heaps, in every thread's
-    arena, libzmq's I/O thread's included."""
+    arena, libzmq's I/O thread's included. glibc only (Linux): elsewhere the mode's
+    processes fail, naming the library they could not load."""
     if mode != "plain-keep":
         return
     import ctypes
@@ -173,7 +174,8 @@ def serve(mode, keys, messages, warmup, port_q, out_q):
 
 
 def work(mode, keys, port, args, rank, out_q):
-    """A worker: rounds of --mb MB sent and answered; its rate and CPU per GB moved."""
+    """A worker: rounds of --mb MB sent and answered; its rate, and its CPU and page
+    faults per GB moved after the untimed first round."""
     _keep_freed_memory(mode)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
