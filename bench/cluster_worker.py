@@ -37,14 +37,19 @@ processes on one machine), compute and blocked seconds, the host interface's byt
 counters over the timed region (the one non-loopback device in the namespace), and for
 ssd_sync its own counters.
 """
-import argparse
-import json
-import os
-import sys
 import time
-from pathlib import Path
 
-import numpy as np
+#: when this worker reached each point of its start-up (time.time(), as t_start): the
+#: report's start-up parts (bench/cluster/hetero.py), MXNet's import the one that weighs
+PYTHON_AT = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,6 +117,9 @@ def read_counters(dev):
     return tx, rx
 
 
+STARTUP_MARKS = {'python': PYTHON_AT}
+
+
 def make_kvstore(name):
     """ssdsgd is imported before MXNet in every row, as the training program does: MXNet's
     import goes through ssdsgd's hook (operator-code cache, trimmed import) for native
@@ -122,9 +130,10 @@ def make_kvstore(name):
         sys.path.insert(0, str(REPO))
         import ssdsgd  # noqa: F401
     import mxnet as mx
-    if name == 'none':
-        return None
-    return mx.kv.create(name)
+    STARTUP_MARKS['mxnet'] = time.time()
+    kv = None if name == 'none' else mx.kv.create(name)
+    STARTUP_MARKS['kvstore'] = time.time()
+    return kv
 
 
 def barrier(kv):
@@ -549,7 +558,8 @@ def main(argv=None):
         res = run_throughput(args, kv)
     res.update({'kvstore': args.kvstore, 'kvstore_type': kv.type if kv else 'none',
                 'rank': rank, 'num_workers': kv.num_workers if kv else 1,
-                'algorithm': algorithm() if args.kvstore == 'ssd_sync' else None, 'pid': os.getpid(), 'slowdown': args.slowdown})
+                'algorithm': algorithm() if args.kvstore == 'ssd_sync' else None, 'pid': os.getpid(), 'slowdown': args.slowdown,
+                'startup_marks': STARTUP_MARKS})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f'.result-rank{rank}.json.tmp'

@@ -545,6 +545,11 @@ def test_hetero_runs_by_the_wall_clock_on_the_global_model(tmp_path):
         assert row['samples_applied'] == 2 * per_epoch * 32
         assert row['samples_per_s'] == pytest.approx(row['samples_applied'] / row['wall_s'])
         assert 0 < row['startup_s'] < row['wall_s'] and row['train_s'] < row['wall_s']
+        # where the start-up went, on its slowest worker: every worker made its store
+        # before the barrier that ends everyone's start-up
+        parts = row['startup_parts']
+        assert list(parts) == ['python', 'mxnet', 'kvstore'], parts
+        assert 0 < parts['python'] < parts['mxnet'] < parts['kvstore'] <= row['startup_s']
         assert all(0 < t <= row['wall_s'] for _, t, _ in row['curve'])
         assert row['time_to_target_s'] is None or row['time_to_target_s'] > row['startup_s']
     # the solo row's curve is the servers': a point every 2 updates (of 1 or 2 pushes

@@ -135,9 +135,18 @@ def add_wall_clock(row, servers, het):
     row.update(curve=curve, worker_steps=steps, samples_applied=applied, wall_s=wall,
                samples_per_s=applied / wall,
                startup_s=min(r['t_start'] for r in res) - launched,
+               startup_parts=startup_parts(res, launched),
                train_s=max(r['t_end'] for r in res) - min(r['t_start'] for r in res),
                final_accuracy=curve[-1][2] if curve else None,
                best_accuracy=max(e[2] for e in curve) if curve else None)
+
+
+def startup_parts(res, launched):
+    """Seconds from the launch until the job's last worker had Python running (its module
+    started), MXNet imported (numpy and ssdsgd before it) and its store made; the
+    barrier after them ends the start-up."""
+    names = ('python', 'mxnet', 'kvstore')
+    return {name: max(r['startup_marks'][name] for r in res) - launched for name in names}
 
 
 def finish_case(case, args, log):
