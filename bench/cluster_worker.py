@@ -34,14 +34,14 @@ small) and never recomputed in the emulated workload.
 
 Writes DIR/result-rank{rank}.json: wall-clock start/end (time.time(), comparable across
 processes on one machine), compute and blocked seconds, the host interface's byte
-counters over the timed region (the one non-loopback device in the namespace), and for
-ssd_sync its own counters.
+counters over the timed region (the one non-loopback device in the namespace), for
+ssd_sync its own counters, and when its start-up reached each point (startup_marks).
 """
 import time
 
-#: when this worker reached each point of its start-up (time.time(), as t_start): the
-#: report's start-up parts (bench/cluster/hetero.py), MXNet's import the one that weighs
-PYTHON_AT = time.time()
+#: when this worker's start-up reached Python running (this module), MXNet imported and
+#: its store made (time.time(), as t_start): the heterogeneity rows' start-up parts
+STARTUP_MARKS = {'python': time.time()}
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -115,9 +115,6 @@ def read_counters(dev):
     except OSError:
         return None
     return tx, rx
-
-
-STARTUP_MARKS = {'python': PYTHON_AT}
 
 
 def make_kvstore(name):
@@ -558,8 +555,8 @@ def main(argv=None):
         res = run_throughput(args, kv)
     res.update({'kvstore': args.kvstore, 'kvstore_type': kv.type if kv else 'none',
                 'rank': rank, 'num_workers': kv.num_workers if kv else 1,
-                'algorithm': algorithm() if args.kvstore == 'ssd_sync' else None, 'pid': os.getpid(), 'slowdown': args.slowdown,
-                'startup_marks': STARTUP_MARKS})
+                'algorithm': algorithm() if args.kvstore == 'ssd_sync' else None,
+                'pid': os.getpid(), 'slowdown': args.slowdown, 'startup_marks': STARTUP_MARKS})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f'.result-rank{rank}.json.tmp'
